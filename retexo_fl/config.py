@@ -1,0 +1,103 @@
+"""Run configuration shared by the CLI, the in-process engines and the Flower apps."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+MODES = ("lazy", "centralized")
+PER_STAGE = ("rounds", "local_epochs", "lr", "server_lr", "dropout", "input_dropout")
+
+
+@dataclass
+class TrainConfig:
+    """Every setting of a training run; kebab-case names are the run-config / CLI keys.
+
+    Per-stage settings (``rounds``, ``local_epochs``, ``lr``) take one value for every stage or
+    a list with one value per stage.
+    """
+
+    mode: str = "lazy"
+    dataset: str = "Cora"
+    data_root: str = "data"
+    split: str = "public"
+    split_index: int = 0
+    clients: int = 4
+    method: str = "metis"
+    partitions: str = ""
+    seed: int = 0
+    model: str = "gcn"
+    stages: int = 3
+    hidden: int = 256
+    pass_embedding: str = "hidden"
+    rounds: int | list[int] = 200
+    local_epochs: int | list[int] = 1
+    # One local SGD step (lr 1) per round makes the averaged update the exact full-graph
+    # gradient; the server's Adam then follows centralized Adam (see ServerOptimizer).
+    optimizer: str = "sgd"
+    momentum: float = 0.0
+    lr: float | list[float] = 1.0
+    server_optimizer: str = "adam"
+    server_lr: float | list[float] = 0.01
+    weight_decay: float = 5e-4
+    dropout: float | list[float] = 0.5
+    input_dropout: float | list[float] = 0.5
+    norm: str = "layer"
+    heads: int = 4
+    patience: int = 0
+    device: str = "auto"
+    out_dir: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def per_stage(self, name: str, stage: int) -> Any:
+        """The value of a per-stage setting for ``stage`` (the last list entry repeats)."""
+        value = getattr(self, name)
+        if isinstance(value, list | tuple):
+            if not value:
+                raise ValueError(f"{name}: empty list")
+            return value[min(stage, len(value) - 1)]
+        return value
+
+    def validate(self) -> TrainConfig:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.stages < 1:
+            raise ValueError(f"stages must be >= 1, got {self.stages}")
+        if self.pass_embedding not in ("hidden", "logits"):
+            raise ValueError(f"pass-embedding must be hidden or logits, got {self.pass_embedding!r}")
+        if self.server_optimizer not in ("avg", "adam"):
+            raise ValueError(f"server-optimizer must be avg or adam, got {self.server_optimizer!r}")
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"optimizer must be adam or sgd, got {self.optimizer!r}")
+        if self.clients < 1:
+            raise ValueError(f"clients must be >= 1, got {self.clients}")
+        for name in ("rounds", "local_epochs"):
+            for s in range(self.stages):
+                if int(self.per_stage(name, s)) < 0:
+                    raise ValueError(f"{name} must be >= 0")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_mapping(cls, values: dict[str, Any]) -> TrainConfig:
+        """Build from kebab- or snake-case keys (run config, CLI); unknown keys are refused."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in values.items():
+            name = key.replace("-", "_")
+            if name not in names:
+                raise ValueError(f"unknown setting {key!r}")
+            kwargs[name] = parse_list(value) if name in PER_STAGE else value
+        return cls(**kwargs).validate()
+
+
+def parse_list(value: Any) -> Any:
+    """``"200,100"`` -> ``[200, 100]``; numbers and lists pass through."""
+    if isinstance(value, str):
+        items = [v for v in value.replace(" ", "").split(",") if v]
+        nums = [float(v) if any(c in v for c in ".e") else int(v) for v in items]
+        return nums[0] if len(nums) == 1 else nums
+    return value

@@ -1,0 +1,61 @@
+"""Run outputs: progress lines, a JSON-lines event log, ``summary.json`` and ``config.json``."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+
+class RunRecorder:
+    """Collects events of one run and writes them under ``out_dir`` (nothing is written if empty).
+
+    Args:
+        out_dir: the run folder; created on first write.
+        stream: where progress lines go (default stderr); ``None`` for silence.
+    """
+
+    def __init__(self, out_dir: str | Path | None = None, stream: TextIO | None = sys.stderr) -> None:
+        self.out = Path(out_dir) if out_dir else None
+        self.stream = stream
+        self.t0 = time.perf_counter()
+        if self.out:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "events.jsonl").write_text("")
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def event(self, kind: str, **fields: Any) -> None:
+        if self.out:
+            rec = {"t": round(self.elapsed(), 4), "event": kind, **fields}
+            with open(self.out / "events.jsonl", "a") as f:
+                f.write(json.dumps(rec, default=_jsonable) + "\n")
+
+    def progress(self, line: str) -> None:
+        if self.stream is not None:
+            print(f"[{self.elapsed():7.1f}s] {line}", file=self.stream, flush=True)
+
+    def write_json(self, name: str, obj: Any) -> None:
+        if self.out:
+            tmp = self.out / (name + ".tmp")
+            tmp.write_text(json.dumps(obj, indent=2, default=_jsonable))
+            tmp.replace(self.out / name)
+
+
+def _jsonable(obj: Any) -> Any:
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"not JSON serializable: {type(obj).__name__}")
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} GB"

@@ -1,0 +1,1 @@
+"""Stage models and the standard GNN reference."""

@@ -1,0 +1,97 @@
+"""RETEXO stage models: an MLP on raw features (stage 0) or one GNN layer over frozen inputs."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+CONV_KINDS = ("gcn", "sage", "sage-max", "gat")
+
+
+def make_conv(kind: str, in_dim: int, out_dim: int, *, heads: int = 4) -> nn.Module:
+    """One PyG conv layer.
+
+    ``gcn`` takes precomputed global-degree edge weights (``normalize=False``); ``sage`` is mean
+    aggregation, ``sage-max`` max-pool aggregation over projected neighbours; ``gat`` averages
+    ``heads`` attention heads.
+    """
+    from torch_geometric.nn import GATConv, GCNConv, SAGEConv
+
+    if kind == "gcn":
+        return GCNConv(in_dim, out_dim, normalize=False, add_self_loops=False)
+    if kind == "sage":
+        return SAGEConv(in_dim, out_dim, aggr="mean")
+    if kind == "sage-max":
+        return SAGEConv(in_dim, out_dim, aggr="max", project=True)
+    if kind == "gat":
+        return GATConv(in_dim, out_dim, heads=heads, concat=False)
+    raise ValueError(f"unknown model {kind!r}; known: {', '.join(CONV_KINDS)}")
+
+
+def make_norm(kind: str, dim: int) -> nn.Module:
+    if kind == "layer":
+        return nn.LayerNorm(dim)
+    if kind == "none":
+        return nn.Identity()
+    raise ValueError(f"unknown norm {kind!r}; known: layer, none")
+
+
+class StageModel(nn.Module):
+    """One stage: ``body`` (Linear for stage 0, a conv layer after), norm, ReLU, dropout, head.
+
+    Args:
+        kind: ``mlp`` for stage 0, else one of :data:`CONV_KINDS`.
+        in_dim: input width (raw features at stage 0, the previous stage's output after).
+        hidden: width of the hidden representation.
+        num_classes: output classes of the stage head.
+        dropout: dropout on the hidden representation (default 0.5).
+        input_dropout: dropout on the stage input (default 0.0).
+        norm: ``layer`` (LayerNorm, per-row so partition-independent) or ``none``.
+        heads: attention heads for ``gat``.
+
+    Shapes:
+        ``forward(x [N_in, in_dim], edge_index [2, E]?, edge_weight [E]?)`` returns
+        ``(hidden [n, hidden], logits [n, num_classes])`` for the first ``n = num_targets``
+        rows (all rows when ``num_targets`` is None).
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        in_dim: int,
+        hidden: int,
+        num_classes: int,
+        *,
+        dropout: float = 0.5,
+        input_dropout: float = 0.0,
+        norm: str = "layer",
+        heads: int = 4,
+    ) -> None:
+        super().__init__()
+        self.kind = kind
+        self.body = (
+            nn.Linear(in_dim, hidden) if kind == "mlp" else make_conv(kind, in_dim, hidden, heads=heads)
+        )
+        self.norm = make_norm(norm, hidden)
+        self.head = nn.Linear(hidden, num_classes)
+        self.dropout = nn.Dropout(dropout)
+        self.input_dropout = nn.Dropout(input_dropout)
+
+    def forward(
+        self,
+        x: Tensor,
+        edge_index: Tensor | None = None,
+        edge_weight: Tensor | None = None,
+        num_targets: int | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        x = self.input_dropout(x)
+        if self.kind == "mlp":
+            h = self.body(x if num_targets is None else x[:num_targets])
+        else:
+            if edge_index is None:
+                raise ValueError(f"a {self.kind} stage needs edge_index")
+            h = self.body(x, edge_index, edge_weight) if self.kind == "gcn" else self.body(x, edge_index)
+            if num_targets is not None:
+                h = h[:num_targets]
+        h = torch.relu(self.norm(h))
+        return h, self.head(self.dropout(h))

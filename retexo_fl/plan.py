@@ -1,0 +1,180 @@
+"""Boundary plans: which owned rows each client sends to which peer, and the local owned + halo graph."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from retexo_fl.data.partition import CROSS_IN, CROSS_OUT, Partition
+
+
+class PlanMismatchError(ValueError):
+    """Two clients derived different boundary plans for the rows that pass between them."""
+
+
+def ids_digest(ids: np.ndarray) -> str:
+    """A short digest of an ordered id list; equal on both sides iff both derived the same plan."""
+    return hashlib.sha256(np.ascontiguousarray(ids, dtype="<i8").tobytes()).hexdigest()[:32]
+
+
+@dataclass
+class BoundaryPlan:
+    """One client's side of every exchange, derived from its own cross edges only.
+
+    Both sides order rows by global id, so no ids travel during an exchange.
+
+    Attributes:
+        partition_id: the client this plan belongs to.
+        send: peer -> ``[k]`` local row indices (into the owned nodes) the peer needs, ordered by
+            global id.
+        send_ids: peer -> the same rows as global ids (for digests only).
+        recv: peer -> ``[k]`` global ids of the peer's nodes this client aggregates, sorted.
+        halo_ids: ``[H]`` all received ids, peers in increasing order, each peer's block sorted;
+            halo row ``i`` of a stage input is ``halo_ids[i]``.
+        halo_offsets: peer -> ``(start, stop)`` of its block in ``halo_ids``.
+    """
+
+    partition_id: int
+    send: dict[int, np.ndarray]
+    send_ids: dict[int, np.ndarray]
+    recv: dict[int, np.ndarray]
+    halo_ids: np.ndarray
+    halo_offsets: dict[int, tuple[int, int]]
+
+    @classmethod
+    def from_partition(cls, part: Partition) -> BoundaryPlan:
+        c = part.cross_edges
+        send, send_ids, recv = {}, {}, {}
+        for q in sorted(np.unique(c[:, 2]).tolist()) if c.size else []:
+            rows = c[c[:, 2] == q]
+            out_ids = np.unique(rows[(rows[:, 3] & CROSS_OUT) != 0, 0])
+            in_ids = np.unique(rows[(rows[:, 3] & CROSS_IN) != 0, 1])
+            if out_ids.size:
+                send_ids[q] = out_ids
+                send[q] = np.searchsorted(part.node_ids, out_ids)
+            if in_ids.size:
+                recv[q] = in_ids
+        offsets, start = {}, 0
+        for q in sorted(recv):
+            offsets[q] = (start, start + recv[q].size)
+            start += recv[q].size
+        halo = np.concatenate([recv[q] for q in sorted(recv)]) if recv else np.zeros(0, np.int64)
+        return cls(part.partition_id, send, send_ids, recv, halo.astype(np.int64), offsets)
+
+    @property
+    def num_halo(self) -> int:
+        return int(self.halo_ids.size)
+
+    def digests(self) -> dict[str, dict[int, str]]:
+        """Digests a client reports at setup: ``send`` and ``recv`` per peer."""
+        return {
+            "send": {q: ids_digest(v) for q, v in self.send_ids.items()},
+            "recv": {q: ids_digest(v) for q, v in self.recv.items()},
+        }
+
+    def rows_for(self, embeddings: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Split owned-node ``embeddings`` ``[n, d]`` into the row blocks each peer needs."""
+        return {q: embeddings[torch.from_numpy(idx)] for q, idx in self.send.items()}
+
+    def assemble_halo(self, incoming: dict[int, torch.Tensor], dim: int) -> torch.Tensor:
+        """Stack received blocks ``{peer: [k, d]}`` into the ``[H, d]`` halo matrix, checking shapes."""
+        missing = sorted(set(self.recv) - set(incoming))
+        if missing:
+            raise PlanMismatchError(f"client {self.partition_id}: no rows received from client(s) {missing}")
+        blocks = []
+        for q in sorted(self.recv):
+            block = incoming[q]
+            want = (self.recv[q].size, dim)
+            if tuple(block.shape) != want:
+                raise PlanMismatchError(
+                    f"client {self.partition_id}: client {q} sent rows of shape {tuple(block.shape)}, "
+                    f"expected {want}"
+                )
+            blocks.append(block)
+        return torch.cat(blocks) if blocks else torch.zeros(0, dim)
+
+
+def check_plans(digests: dict[int, dict[str, dict[int, str]]]) -> None:
+    """Check every pair's send and receive digests against each other.
+
+    Args:
+        digests: client -> :meth:`BoundaryPlan.digests` (keys may be str after transport).
+
+    Raises:
+        PlanMismatchError: naming both clients of the first pair that disagrees.
+    """
+    norm = {
+        int(p): {k: {int(q): v for q, v in d.get(k, {}).items()} for k in ("send", "recv")}
+        for p, d in digests.items()
+    }
+    for p, d in sorted(norm.items()):
+        for q, digest in sorted(d["send"].items()):
+            theirs = norm.get(q, {}).get("recv", {}).get(p)
+            if theirs != digest:
+                raise PlanMismatchError(
+                    f"boundary plan mismatch: client {p} would send rows to client {q} "
+                    f"(digest {digest[:12]}) but client {q} expects "
+                    f"{'nothing' if theirs is None else 'digest ' + theirs[:12]} from client {p}"
+                )
+        for q in d["recv"]:
+            if p not in norm.get(q, {}).get("send", {}):
+                raise PlanMismatchError(
+                    f"boundary plan mismatch: client {p} expects rows from client {q}, "
+                    f"which plans to send none"
+                )
+
+
+@dataclass
+class LocalGraph:
+    """A client's message-passing graph over owned rows ``[0, n)`` then halo rows ``[n, n + H)``.
+
+    Every edge ends at an owned node, so owned outputs are exact and halo rows are constant inputs.
+
+    Attributes:
+        num_owned: ``n``. num_halo: ``H``.
+        edge_index: ``[2, E]`` local (src, dst) indices, dst < n, no self loops.
+        in_degree: ``[n]`` global in-degree of each owned node (local plus cross in-edges).
+    """
+
+    num_owned: int
+    num_halo: int
+    edge_index: torch.Tensor
+    in_degree: torch.Tensor
+
+    @classmethod
+    def build(cls, part: Partition, plan: BoundaryPlan) -> LocalGraph:
+        n = part.num_nodes
+        ids = part.node_ids
+        src = np.searchsorted(ids, part.edges[0])
+        dst = np.searchsorted(ids, part.edges[1])
+        c = part.cross_edges
+        if c.size:
+            inc = c[(c[:, 3] & CROSS_IN) != 0]
+            csrc = np.empty(len(inc), dtype=np.int64)
+            for q, (start, _) in plan.halo_offsets.items():
+                sel = inc[:, 2] == q
+                csrc[sel] = n + start + np.searchsorted(plan.recv[q], inc[sel, 1])
+            cdst = np.searchsorted(ids, inc[:, 0])
+            src, dst = np.concatenate([src, csrc]), np.concatenate([dst, cdst])
+        edge_index = torch.from_numpy(np.stack([src, dst]).astype(np.int64))
+        deg = torch.bincount(edge_index[1], minlength=n).float()
+        return cls(n, plan.num_halo, edge_index, deg)
+
+    def gcn_weights(self, halo_degree: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Edges with owned self loops and symmetric GCN weights from *global* degrees.
+
+        Args:
+            halo_degree: ``[H]`` global in-degrees of the halo nodes, sent once by their owners.
+
+        Returns:
+            ``edge_index`` ``[2, E + n]`` and ``edge_weight`` ``[E + n]``:
+            ``w(j -> i) = 1 / sqrt((deg_i + 1)(deg_j + 1))``, as PyG's ``gcn_norm`` on the whole graph.
+        """
+        deg = torch.cat([self.in_degree, halo_degree.view(-1).float()]) + 1.0
+        inv_sqrt = deg.pow(-0.5)
+        loops = torch.arange(self.num_owned).repeat(2, 1)
+        ei = torch.cat([self.edge_index, loops], dim=1)
+        return ei, inv_sqrt[ei[0]] * inv_sqrt[ei[1]]

@@ -1,0 +1,1 @@
+"""Training engines: the lazy client, aggregation, in-process lazy and centralized runs."""

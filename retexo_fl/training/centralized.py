@@ -1,0 +1,101 @@
+"""Centralized references: the standard end-to-end GNN and lazy training on the whole graph."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import numpy as np
+import torch
+
+from retexo_fl.config import TrainConfig
+from retexo_fl.data.partition import Partition
+from retexo_fl.metrics import RunRecorder
+from retexo_fl.models.gnn import GNN
+from retexo_fl.plan import BoundaryPlan, LocalGraph
+from retexo_fl.training.client import derive_seed, resolve_device
+
+
+def whole_graph_partition(data) -> Partition:
+    """The whole graph as one partition (no cross edges)."""
+    from retexo_fl.data.partitioners import split_graph
+
+    return split_graph(data, np.zeros(data.num_nodes, dtype=np.int64), 1, method="whole")[0]
+
+
+def run_centralized(part: Partition, cfg: TrainConfig, rec: RunRecorder | None = None) -> dict:
+    """Standard full-batch training of a ``cfg.stages - 1``-layer GNN (at least 2) on one graph.
+
+    Uses the same GCN normalization as lazy mode and the settings of stage 1
+    (``lr``, epochs = ``rounds * local_epochs``); the best-validation epoch's weights are tested.
+    """
+    rec = rec or RunRecorder(None)
+    device = resolve_device(cfg.device)
+    t0 = time.perf_counter()
+    graph = LocalGraph.build(part, BoundaryPlan.from_partition(part))
+    if cfg.model == "gcn":
+        ei, w = graph.gcn_weights(torch.zeros(0))
+    else:
+        ei, w = graph.edge_index, None
+    ei = ei.to(device)
+    w = w.to(device) if w is not None else None
+    x = torch.from_numpy(np.array(part.x, dtype=np.float32)).to(device)
+    y = torch.from_numpy(np.array(part.y)).to(device)
+    masks = {
+        k: torch.from_numpy(np.array(getattr(part, f"{k}_mask"))).to(device) for k in ("train", "val", "test")
+    }
+    torch.manual_seed(derive_seed(cfg.seed, 0xC3))
+    layers = max(2, cfg.stages - 1)
+    model = GNN(
+        cfg.model,
+        x.shape[1],
+        cfg.hidden,
+        part.num_classes,
+        layers=layers,
+        dropout=float(cfg.per_stage("dropout", 1)),
+        heads=cfg.heads,
+    ).to(device)
+    # The server's Adam is what drives federated training when it is on; mirror its rate.
+    lr = float(cfg.per_stage("server_lr" if cfg.server_optimizer == "adam" else "lr", 1))
+    epochs = int(cfg.per_stage("rounds", 1)) * int(cfg.per_stage("local_epochs", 1))
+    opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
+
+    def accuracy(split: str) -> float:
+        model.eval()
+        with torch.no_grad():
+            pred = model(x, ei, w).argmax(1)
+        m = masks[split]
+        return float((pred[m] == y[m]).float().mean())
+
+    best_val, best_state, best_epoch = -1.0, None, 0
+    for epoch in range(1, epochs + 1):
+        model.train()
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x, ei, w)[masks["train"]], y[masks["train"]])
+        loss.backward()
+        opt.step()
+        val = accuracy("val")
+        rec.event("epoch", epoch=epoch, train_loss=loss.item(), val_accuracy=val)
+        if val > best_val:
+            best_val, best_state, best_epoch = val, copy.deepcopy(model.state_dict()), epoch
+        if epoch == 1 or epoch % max(1, epochs // 5) == 0:
+            rec.progress(f"epoch {epoch:4d}/{epochs}  loss {loss.item():.4f}  val {val:.4f}")
+    if best_state is not None:
+        model.load_state_dict(best_state)
+    return {
+        "mode": "centralized",
+        "engine": "in-process",
+        "test_accuracy": accuracy("test"),
+        "val_accuracy": best_val,
+        "bytes_total": 0,
+        "bytes_boundary": 0,
+        "bytes_model": 0,
+        "stages": [
+            {
+                "stage": 0,
+                "best_round": best_epoch,
+                "val_accuracy": best_val,
+                "seconds": time.perf_counter() - t0,
+            }
+        ],
+    }

@@ -1,0 +1,212 @@
+"""One party's side of lazy training: its partition, plan, stage inputs, local training and embeddings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from retexo_fl.config import TrainConfig
+from retexo_fl.data.partition import Partition
+from retexo_fl.models.stage import StageModel
+from retexo_fl.plan import BoundaryPlan, LocalGraph
+
+StateDict = dict[str, Tensor]
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed from integers, identical in every engine and process."""
+    h = 1469598103934665603
+    for p in parts:
+        h = ((h ^ (int(p) & 0xFFFFFFFFFFFF)) * 1099511628211) % (1 << 63)
+    return h
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def build_stage_model(cfg: TrainConfig, stage: int, in_dim: int, num_classes: int) -> StageModel:
+    """The stage-``stage`` model for ``cfg``; weights are a pure function of the seed and stage."""
+    torch.manual_seed(derive_seed(cfg.seed, stage, 0xA11))
+    return StageModel(
+        "mlp" if stage == 0 else cfg.model,
+        in_dim,
+        cfg.hidden,
+        num_classes,
+        dropout=float(cfg.per_stage("dropout", stage)),
+        input_dropout=float(cfg.per_stage("input_dropout", stage)),
+        norm=cfg.norm,
+        heads=cfg.heads,
+    )
+
+
+def stage_input_dim(cfg: TrainConfig, stage: int, num_features: int, num_classes: int) -> int:
+    if stage == 0:
+        return num_features
+    return cfg.hidden if cfg.pass_embedding == "hidden" else num_classes
+
+
+@dataclass
+class EvalResult:
+    correct: int
+    count: int
+    loss_sum: float
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.count if self.count else 0.0
+
+
+class LazyClient:
+    """A client of lazy (RETEXO) training, independent of any transport.
+
+    The engine calls, per stage: :meth:`train` and :meth:`evaluate` for each round,
+    :meth:`boundary_rows` after the stage, and :meth:`receive_halo` with what peers sent.
+    GCN additionally needs halo degrees once: :meth:`degree_rows` / :meth:`receive_degrees`.
+
+    Args:
+        part: this client's validated partition.
+        cfg: the run configuration.
+    """
+
+    def __init__(self, part: Partition, cfg: TrainConfig) -> None:
+        self.part = part
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        self.plan = BoundaryPlan.from_partition(part)
+        self.graph = LocalGraph.build(part, self.plan)
+        self.y = torch.from_numpy(np.array(part.y)).to(self.device)
+        self.masks = {
+            k: torch.from_numpy(np.array(m)).to(self.device)
+            for k, m in (("train", part.train_mask), ("val", part.val_mask), ("test", part.test_mask))
+        }
+        self.stage = 0
+        self.owned = torch.from_numpy(np.array(part.x, dtype=np.float32)).to(self.device)
+        self.halo: Tensor | None = None
+        self.halo_degree: Tensor | None = None
+        self._edges: tuple[Tensor, Tensor | None] | None = None
+
+    @property
+    def id(self) -> int:
+        return self.part.partition_id
+
+    @property
+    def num_train(self) -> int:
+        return int(self.masks["train"].sum())
+
+    # -- one-time setup exchange ------------------------------------------------------------
+    def degree_rows(self) -> dict[int, Tensor]:
+        """Global in-degrees of the rows each peer needs, ``{peer: [k, 1]}`` (GCN only)."""
+        return self.plan.rows_for(self.graph.in_degree.view(-1, 1))
+
+    def receive_degrees(self, incoming: dict[int, Tensor]) -> None:
+        self.halo_degree = self.plan.assemble_halo(incoming, 1).view(-1)
+        self._edges = None
+
+    # -- stage inputs -----------------------------------------------------------------------
+    def stage_input(self) -> Tensor:
+        if self.stage == 0:
+            return self.owned
+        if self.halo is None:
+            raise RuntimeError(f"client {self.id}: stage {self.stage} has no halo rows yet")
+        return torch.cat([self.owned, self.halo])
+
+    def edges(self) -> tuple[Tensor | None, Tensor | None]:
+        if self.stage == 0:
+            return None, None
+        if self._edges is None:
+            if self.cfg.model == "gcn":
+                if self.halo_degree is None:
+                    if self.graph.num_halo:
+                        raise RuntimeError(f"client {self.id}: GCN needs halo degrees first")
+                    self.halo_degree = torch.zeros(0)
+                ei, w = self.graph.gcn_weights(self.halo_degree.cpu())
+                self._edges = (ei.to(self.device), w.to(self.device))
+            else:
+                self._edges = (self.graph.edge_index.to(self.device), None)
+        return self._edges
+
+    def make_model(self) -> StageModel:
+        in_dim = self.owned.shape[1]
+        return build_stage_model(self.cfg, self.stage, in_dim, self.part.num_classes).to(self.device)
+
+    def _forward(self, model: StageModel, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Outputs for the owned nodes, or only for boolean ``rows`` of them.
+
+        Stage 0 is row-wise, so it runs on the selected rows alone; a conv stage needs the whole
+        local graph and is sliced after.
+        """
+        if self.stage == 0:
+            hidden, logits = model(self.owned if rows is None else self.owned[rows])
+            return hidden, logits
+        ei, w = self.edges()
+        hidden, logits = model(self.stage_input(), ei, w, num_targets=self.graph.num_owned)
+        return (hidden, logits) if rows is None else (hidden[rows], logits[rows])
+
+    # -- rounds -----------------------------------------------------------------------------
+    def train(self, state: StateDict, round_: int) -> tuple[StateDict, float]:
+        """Local epochs from ``state``; returns the new state and the mean training loss."""
+        model = self.make_model()
+        model.load_state_dict(state)
+        cfg, stage = self.cfg, self.stage
+        lr = float(cfg.per_stage("lr", stage))
+        if cfg.optimizer == "adam":
+            opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
+        else:
+            opt = torch.optim.SGD(
+                model.parameters(), lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+            )
+        torch.manual_seed(derive_seed(cfg.seed, stage, round_, self.id))
+        mask = self.masks["train"]
+        model.train()
+        losses = []
+        for _ in range(int(cfg.per_stage("local_epochs", stage))):
+            opt.zero_grad()
+            _, logits = self._forward(model, mask)
+            loss = torch.nn.functional.cross_entropy(logits, self.y[mask])
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}, (
+            float(np.mean(losses)) if losses else 0.0
+        )
+
+    @torch.no_grad()
+    def evaluate(self, state: StateDict, split: str) -> EvalResult:
+        model = self.make_model()
+        model.load_state_dict(state)
+        model.eval()
+        mask = self.masks[split]
+        count = int(mask.sum())
+        if count == 0:
+            return EvalResult(0, 0, 0.0)
+        _, logits = self._forward(model, mask)
+        loss = torch.nn.functional.cross_entropy(logits, self.y[mask], reduction="sum")
+        correct = int((logits.argmax(1) == self.y[mask]).sum())
+        return EvalResult(correct, count, float(loss))
+
+    # -- between stages ---------------------------------------------------------------------
+    @torch.no_grad()
+    def embeddings(self, state: StateDict) -> Tensor:
+        """This stage's output for every owned node, ``[n, d]``: what the next stage consumes."""
+        model = self.make_model()
+        model.load_state_dict(state)
+        model.eval()
+        hidden, logits = self._forward(model)
+        out = hidden if self.cfg.pass_embedding == "hidden" else logits
+        return out.float().cpu()
+
+    def advance(self, embeddings: Tensor) -> dict[int, Tensor]:
+        """Make ``embeddings`` the owned input of the next stage; return the rows peers need."""
+        self.owned = embeddings.to(self.device)
+        self.stage += 1
+        self.halo = None
+        return self.plan.rows_for(embeddings)
+
+    def receive_halo(self, incoming: dict[int, Tensor]) -> None:
+        self.halo = self.plan.assemble_halo(incoming, self.owned.shape[1]).to(self.device)

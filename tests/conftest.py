@@ -1,0 +1,43 @@
+"""Shared fixtures: Cora copied out of ../shared, small synthetic graphs, quiet env for Flower."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "datasets"
+
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+
+
+@pytest.fixture(scope="session")
+def data_root(tmp_path_factory) -> Path:
+    """A private copy of the shared Planetoid raw files (PyG writes processed/ beside raw/)."""
+    src = SHARED / "Planetoid"
+    if not src.is_dir():
+        pytest.skip(f"shared datasets not found at {src}")
+    root = tmp_path_factory.mktemp("datasets")
+    for name in ("Cora", "CiteSeer"):
+        shutil.copytree(src / name / "raw", root / "Planetoid" / name / "raw")
+    return root
+
+
+@pytest.fixture(scope="session")
+def cora(data_root):
+    from retexo_fl.data.datasets import load_dataset
+
+    return load_dataset("Cora", data_root)
+
+
+@pytest.fixture(scope="session")
+def sbm():
+    """600 nodes, 3 classes: features weak on their own, structure strong."""
+    from retexo_fl.data.datasets import apply_split, synthetic_sbm
+
+    data = synthetic_sbm(600, 3, avg_degree=8, homophily=0.85, num_features=16, feature_signal=0.35, seed=1)
+    apply_split(data, "random:0.3,0.2,0.5", seed=1)
+    return data

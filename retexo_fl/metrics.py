@@ -14,12 +14,13 @@ class RunRecorder:
 
     Args:
         out_dir: the run folder; created on first write.
-        stream: where progress lines go (default stderr); ``None`` for silence.
+        stream: where progress lines go: ``"stderr"`` (default, looked up at each line so captured
+            streams work), a text stream, or ``None`` for silence.
     """
 
-    def __init__(self, out_dir: str | Path | None = None, stream: TextIO | None = sys.stderr) -> None:
+    def __init__(self, out_dir: str | Path | None = None, stream: TextIO | str | None = "stderr") -> None:
         self.out = Path(out_dir) if out_dir else None
-        self.stream = stream
+        self._stream = stream
         self.t0 = time.perf_counter()
         if self.out:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -35,8 +36,9 @@ class RunRecorder:
                 f.write(json.dumps(rec, default=_jsonable) + "\n")
 
     def progress(self, line: str) -> None:
-        if self.stream is not None:
-            print(f"[{self.elapsed():7.1f}s] {line}", file=self.stream, flush=True)
+        stream = sys.stderr if self._stream == "stderr" else self._stream
+        if stream is not None:
+            print(f"[{self.elapsed():7.1f}s] {line}", file=stream, flush=True)
 
     def write_json(self, name: str, obj: Any) -> None:
         if self.out:

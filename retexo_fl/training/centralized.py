@@ -29,7 +29,7 @@ def run_centralized(part: Partition, cfg: TrainConfig, rec: RunRecorder | None =
     Uses the same GCN normalization as lazy mode and the settings of stage 1
     (``lr``, epochs = ``rounds * local_epochs``); the best-validation epoch's weights are tested.
     """
-    rec = rec or RunRecorder(None)
+    rec = rec or RunRecorder(None, stream=None)
     device = resolve_device(cfg.device)
     t0 = time.perf_counter()
     graph = LocalGraph.build(part, BoundaryPlan.from_partition(part))

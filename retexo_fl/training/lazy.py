@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from torch import Tensor
 
@@ -89,14 +89,20 @@ def run_stage(
     return best_state, figures
 
 
-def run_lazy(parts: Sequence[Partition], cfg: TrainConfig, rec: RunRecorder | None = None) -> dict:
+def run_lazy(
+    parts: Sequence[Partition],
+    cfg: TrainConfig,
+    rec: RunRecorder | None = None,
+    on_stage: Callable[[int, StateDict], None] | None = None,
+) -> dict:
     """Lazy message passing over ``parts`` in one process; returns the run summary.
 
     Per stage: R rounds of local training and training-node-weighted averaging, the
     best-validation state kept; then each client computes the stage's embeddings and sends its
     boundary rows, in boundary-plan order, to the peers that hold them as halo nodes.
+    ``on_stage(stage, state)`` sees each stage's kept (best-validation) weights.
     """
-    rec = rec or RunRecorder(None)
+    rec = rec or RunRecorder(None, stream=None)
     check_cross_consistency(list(parts))
     clients = [LazyClient(p, cfg) for p in parts]
     check_plans({c.id: c.plan.digests() for c in clients})
@@ -111,6 +117,8 @@ def run_lazy(parts: Sequence[Partition], cfg: TrainConfig, rec: RunRecorder | No
     state: StateDict = {}
     for stage in range(cfg.stages):
         state, figures = run_stage(clients, cfg, stage, rec)
+        if on_stage is not None:
+            on_stage(stage, state)
         figures["bytes_boundary"] = 0
         if stage < cfg.stages - 1:
             outgoing = {c.id: c.advance(c.embeddings(state)) for c in clients}

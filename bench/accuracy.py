@@ -1,0 +1,177 @@
+"""Accuracy benchmark: centralized GCN against lazy GCN / SAGE over datasets, splits, clients, partitioners.
+
+Prints a table (mean and std over seeds) and writes JSON. Example::
+
+    python bench/accuracy.py --root ../shared/datasets --out bench/results/accuracy.json
+    python bench/accuracy.py --quick      # Cora, public split, 4 METIS clients, one seed
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+RETEXO_SPLIT = "per-class:40,500,1000"  # RETEXO's split: 40 labelled nodes per class
+
+
+def _job(args: tuple[dict, str]) -> dict:
+    settings, root = args
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    from retexo_fl.config import TrainConfig
+    from retexo_fl.metrics import RunRecorder
+    from retexo_fl.runner import train
+
+    cfg = TrainConfig(data_root=root, **settings)
+    summary = train(cfg, RunRecorder(None, stream=None))
+    return {
+        **settings,
+        "test_accuracy": summary["test_accuracy"],
+        "val_accuracy": summary["val_accuracy"],
+        "bytes_boundary": summary["bytes_boundary"],
+        "bytes_model": summary["bytes_model"],
+        "wall_seconds": summary["wall_seconds"],
+    }
+
+
+def grid(quick: bool) -> list[dict]:
+    if quick:
+        datasets, splits, clients, methods, seeds = ["Cora"], ["public"], [4], ["metis"], [0]
+    else:
+        datasets, splits, clients, methods, seeds = (
+            ["Cora", "CiteSeer"],
+            ["public", RETEXO_SPLIT],
+            [4, 10],
+            ["metis", "random"],
+            [0, 1, 2],
+        )
+    jobs = []
+    for ds, split, seed in itertools.product(datasets, splits, seeds):
+        jobs.append(
+            {
+                "mode": "centralized",
+                "model": "gcn",
+                "dataset": ds,
+                "split": split,
+                "seed": seed,
+                "hidden": 64,
+                "clients": 1,
+                "method": "-",
+            }
+        )
+        for model, k, method in itertools.product(["gcn", "sage"], clients, methods):
+            jobs.append(
+                {
+                    "mode": "lazy",
+                    "model": model,
+                    "dataset": ds,
+                    "split": split,
+                    "seed": seed,
+                    "clients": k,
+                    "method": method,
+                }
+            )
+    return jobs
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    keyf = ("dataset", "split", "mode", "model", "clients", "method")
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(tuple(r[k] for k in keyf), []).append(r)
+    table = []
+    for key, rs in sorted(groups.items(), key=lambda kv: tuple(str(v) for v in kv[0])):
+        accs = [r["test_accuracy"] for r in rs]
+        central = [
+            r["test_accuracy"]
+            for r in rows
+            if r["mode"] == "centralized" and r["dataset"] == key[0] and r["split"] == key[1]
+        ]
+        table.append(
+            {
+                **dict(zip(keyf, key, strict=True)),
+                "seeds": len(rs),
+                "test_mean": statistics.mean(accs),
+                "test_std": statistics.pstdev(accs),
+                "gap_to_centralized": statistics.mean(accs) - statistics.mean(central) if central else None,
+                "bytes_boundary": statistics.mean(r["bytes_boundary"] for r in rs),
+                "bytes_model": statistics.mean(r["bytes_model"] for r in rs),
+                "seconds": statistics.mean(r["wall_seconds"] for r in rs),
+            }
+        )
+    return table
+
+
+def print_table(table: list[dict]) -> None:
+    head = (
+        f"{'dataset':9} {'split':22} {'mode':12} {'model':5} {'K':>3} {'part':7} {'test acc':>15} "
+        f"{'gap':>7} {'boundary B':>12} {'model B':>12} {'s':>6}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in table:
+        gap = (
+            ""
+            if r["gap_to_centralized"] is None or r["mode"] == "centralized"
+            else f"{100 * r['gap_to_centralized']:+.1f}"
+        )
+        print(
+            f"{r['dataset']:9} {r['split']:22} {r['mode']:12} {r['model']:5} {r['clients']:>3} "
+            f"{r['method']:7} "
+            f"{r['test_mean']:.4f}±{r['test_std']:.4f} {gap:>7} {r['bytes_boundary']:>12.0f} "
+            f"{r['bytes_model']:>12.0f} {r['seconds']:>6.1f}"
+        )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    default_root = Path(__file__).resolve().parents[1].parent / "shared" / "datasets"
+    parser.add_argument("--root", default=str(default_root), help="folder with Planetoid/<Name>/raw")
+    parser.add_argument("--out", default="bench/results/accuracy.json")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+
+    # PyG writes processed/ beside raw/: work on a private copy of the raw files.
+    tmp = Path(tempfile.mkdtemp(prefix="retexo-bench-"))
+    for name in ("Cora", "CiteSeer"):
+        src = Path(args.root) / "Planetoid" / name / "raw"
+        if src.is_dir():
+            shutil.copytree(src, tmp / "Planetoid" / name / "raw")
+    jobs = grid(args.quick)
+    print(f"{len(jobs)} runs on {args.workers} worker(s)", file=sys.stderr)
+    t0 = time.perf_counter()
+    rows = []
+    with ProcessPoolExecutor(args.workers) as pool:
+        for i, row in enumerate(pool.map(_job, [(j, str(tmp)) for j in jobs]), 1):
+            rows.append(row)
+            print(
+                f"[{time.perf_counter() - t0:7.1f}s] {i}/{len(jobs)} {row['dataset']} {row['split']} "
+                f"{row['mode']} {row['model']} K={row['clients']} {row['method']} seed {row['seed']}: "
+                f"{row['test_accuracy']:.4f}",
+                file=sys.stderr,
+                flush=True,
+            )
+    shutil.rmtree(tmp, ignore_errors=True)
+    table = summarize(rows)
+    print_table(table)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"runs": rows, "table": table, "seconds": time.perf_counter() - t0}, indent=2))
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""The retexo-fl command line: partition then train, summaries, and clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from retexo_fl.cli import main
+
+SUMMARY_KEYS = {
+    "test_accuracy",
+    "val_accuracy",
+    "bytes_total",
+    "bytes_boundary",
+    "bytes_model",
+    "wall_seconds",
+    "config",
+    "stages",
+}
+
+
+def test_partition_then_train(tmp_path, capsys):
+    parts = tmp_path / "parts"
+    assert (
+        main(
+            [
+                "partition",
+                "--dataset",
+                "sbm:400,3,8,0.85",
+                "--clients",
+                "3",
+                "--method",
+                "random",
+                "--out",
+                str(parts),
+            ]
+        )
+        == 0
+    )
+    assert sorted(p.name for p in parts.iterdir()) == ["part-0", "part-1", "part-2"]
+    run = tmp_path / "run"
+    assert (
+        main(["train", "--partitions", str(parts), "--hidden", "16", "--rounds", "20,10", "--out", str(run)])
+        == 0
+    )
+    summary = json.loads((run / "summary.json").read_text())
+    assert set(summary) >= SUMMARY_KEYS
+    assert [s["rounds_run"] for s in summary["stages"]] == [20, 10, 10]
+    assert json.loads((run / "config.json").read_text())["rounds"] == [20, 10]
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    assert sum(e["event"] == "round" for e in events) == 40
+    err = capsys.readouterr().err
+    assert "stage 2 round" in err and "test accuracy" in err
+
+
+def test_centralized_on_cora(tmp_path, data_root):
+    run = tmp_path / "run"
+    assert (
+        main(
+            [
+                "train",
+                "--mode",
+                "centralized",
+                "--dataset",
+                "Cora",
+                "--root",
+                str(data_root),
+                "--hidden",
+                "64",
+                "--rounds",
+                "100",
+                "--out",
+                str(run),
+            ]
+        )
+        == 0
+    )
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["test_accuracy"] >= 0.78
+
+
+def test_corrupt_partition_is_a_clear_error(tmp_path, capsys):
+    parts = tmp_path / "parts"
+    main(["partition", "--dataset", "sbm:300,3", "--clients", "2", "--method", "metis", "--out", str(parts)])
+    x = np.load(parts / "part-1" / "x.npy")
+    x[0, 0] = np.nan
+    np.save(parts / "part-1" / "x.npy", x)
+    assert main(["train", "--partitions", str(parts), "--rounds", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "part-1" in err and "x.npy" in err and "checksum" in err
+
+
+def test_unknown_setting_is_refused(capsys):
+    assert main(["train", "--dataset", "sbm:100,2", "--model", "transformer", "--rounds", "1"]) == 2
+    assert "unknown model" in capsys.readouterr().err

@@ -82,7 +82,14 @@ def cmd_partition(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from retexo_fl.runner import train
 
-    summary = train(_config_from_args(args))
+    cfg = _config_from_args(args)
+    if args.engine == "simulation":
+        # The Flower adapters live outside the library; only this entry point reaches them.
+        from server.simulation import simulate
+
+        summary = simulate(cfg)
+    else:
+        summary = train(cfg)
     print(
         json.dumps(
             {
@@ -119,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_partition)
 
     t = sub.add_parser("train", help="train a model (lazy federated, or a centralized reference)")
+    t.add_argument(
+        "--engine",
+        choices=["in-process", "simulation"],
+        default="in-process",
+        help="the in-process reference engine, or Flower's simulation engine (lazy mode)",
+    )
     t.add_argument("--root", dest="data_root", default=None, help="alias of --data-root")
     _add_config_flags(t)
     t.set_defaults(func=cmd_train)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -210,3 +211,30 @@ class LazyClient:
 
     def receive_halo(self, incoming: dict[int, Tensor]) -> None:
         self.halo = self.plan.assemble_halo(incoming, self.owned.shape[1]).to(self.device)
+
+    # -- persistence between messages (a deployed ClientApp is a new process per message) ------
+    def save(self, directory: str | Path) -> None:
+        """Write the stage inputs to a node-local ``directory`` (atomically)."""
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {
+            "stage": self.stage,
+            "owned": self.owned.cpu(),
+            "halo": None if self.halo is None else self.halo.cpu(),
+            "halo_degree": self.halo_degree,
+        }
+        torch.save(state, path / "client-state.pt.tmp")
+        (path / "client-state.pt.tmp").replace(path / "client-state.pt")
+
+    def restore(self, directory: str | Path) -> bool:
+        """Load stage inputs saved by :meth:`save`; ``False`` if there are none."""
+        path = Path(directory) / "client-state.pt"
+        if not path.is_file():
+            return False
+        state = torch.load(path, weights_only=True)
+        self.stage = int(state["stage"])
+        self.owned = state["owned"].to(self.device)
+        self.halo = None if state["halo"] is None else state["halo"].to(self.device)
+        self.halo_degree = state["halo_degree"]
+        self._edges = None
+        return True

@@ -1,0 +1,1 @@
+"""Flower ClientApp of retexo-fl."""

@@ -1,0 +1,149 @@
+"""Flower ClientApp: one handler per message type, each a thin adapter over ``retexo_fl.training.LazyClient``."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from retexo_fl import protocol as P
+
+app = ClientApp()
+
+# Ray actors serve several virtual nodes and keep Python state between messages; a deployed
+# ClientApp is a new process per message and falls back to the node-local work directory.
+_CACHE: dict[tuple[int, str], object] = {}
+
+
+def _work_dir(context: Context, run_id: int, pid_hint: str) -> Path:
+    base = context.node_config.get("work-dir") or str(Path(tempfile.gettempdir()) / "retexo-fl")
+    return Path(str(base)) / f"run-{run_id}" / f"node-{pid_hint}"
+
+
+def _load_partition(context: Context, cfg):
+    from retexo_fl.data.partition import load_partition, save_partition
+
+    if "partition-dir" in context.node_config:
+        return load_partition(str(context.node_config["partition-dir"]))
+    # Simulation: every virtual node cuts the same dataset deterministically and keeps its part.
+    pid = int(context.node_config["partition-id"])
+    key = json.dumps([cfg.dataset, cfg.split, cfg.split_index, cfg.method, cfg.clients, cfg.seed])
+    import hashlib
+
+    cache = (
+        Path(tempfile.gettempdir())
+        / "retexo-fl"
+        / "partitions"
+        / hashlib.sha256(key.encode()).hexdigest()[:16]
+    )
+    part_dir = cache / f"part-{pid}"
+    if (part_dir / "manifest.json").is_file():
+        return load_partition(part_dir)
+    from retexo_fl.data.partitioners import partition_graph
+    from retexo_fl.runner import load_graph
+
+    parts = partition_graph(load_graph(cfg), cfg.clients, cfg.method, seed=cfg.seed)
+    save_partition(parts[pid], part_dir)
+    return parts[pid]
+
+
+def _client(msg: Message, context: Context):
+    from retexo_fl.training.client import LazyClient
+
+    cfg = P.config_from_json(str(msg.content[P.CONFIG]["run"]))
+    hint = str(context.node_config.get("partition-id", context.node_id))
+    key = (msg.metadata.run_id, hint)
+    work = _work_dir(context, msg.metadata.run_id, hint)
+    client = _CACHE.get(key)
+    if client is None:
+        client = LazyClient(_load_partition(context, cfg), cfg)
+        for old in [k for k in _CACHE if k[0] != key[0]]:  # drop earlier runs' tensors
+            del _CACHE[old]
+        _CACHE[key] = client
+    # Another Ray actor may have advanced this node since: the saved stage inputs are the truth
+    # (a cheap load; the partition and local graph stay cached).
+    client.restore(work)
+    return client, work
+
+
+def _state(msg: Message):
+    return {k: v.clone() for k, v in msg.content[P.ARRAYS].to_torch_state_dict().items()}
+
+
+def _deliver(client, msg: Message) -> bool:
+    """Apply halo rows and degrees delivered with this message; True if anything arrived."""
+    if P.PAYLOADS not in msg.content:
+        return False
+    payloads = msg.content[P.PAYLOADS]
+    degrees, halo = {}, {}
+    for key, blob in payloads.items():
+        kind, src = key.split("-from-")
+        target = degrees if kind == "deg" else halo
+        src_id = int(src)
+        expect = client.plan.recv.get(src_id)
+        target[src_id] = P.rows_from_bytes(blob, src_id, None if expect is None else expect.size)
+    if degrees:
+        client.receive_degrees(degrees)
+    # The server attaches deliveries to the first round of every stage >= 1, also when empty.
+    client.receive_halo(halo)
+    return True
+
+
+@app.query("setup")
+def setup(msg: Message, context: Context) -> Message:
+    client, work = _client(msg, context)
+    payloads = ConfigRecord()
+    if client.cfg.model == "gcn":
+        for q, rows in client.degree_rows().items():
+            payloads[P.peer_key("to", q)] = P.rows_to_bytes(rows)
+    client.save(work)
+    info = ConfigRecord(
+        {
+            "partition-id": client.id,
+            "num-classes": client.part.num_classes,
+            "num-features": client.part.num_features,
+            "digests": json.dumps(client.plan.digests()),
+        }
+    )
+    counts = MetricRecord({k: int(v) for k, v in client.part.counts().items()})
+    return Message(RecordDict({P.CONFIG: info, P.METRICS: counts, P.PAYLOADS: payloads}), reply_to=msg)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    client, work = _client(msg, context)
+    if _deliver(client, msg):
+        client.save(work)
+    state = _state(msg)
+    val = client.evaluate(state, "val")
+    new_state, loss = client.train(state, int(msg.content[P.CONFIG]["round"]))
+    metrics = MetricRecord(
+        {
+            "num-examples": client.num_train,
+            "train-loss": loss,
+            "val-correct": val.correct,
+            "val-count": val.count,
+            "val-loss": val.loss_sum,
+        }
+    )
+    return Message(RecordDict({P.ARRAYS: ArrayRecord(new_state), P.METRICS: metrics}), reply_to=msg)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    client, _ = _client(msg, context)
+    result = client.evaluate(_state(msg), str(msg.content[P.CONFIG]["split"]))
+    metrics = MetricRecord({"correct": result.correct, "count": result.count, "loss": result.loss_sum})
+    return Message(RecordDict({P.METRICS: metrics}), reply_to=msg)
+
+
+@app.query("embed")
+def embed(msg: Message, context: Context) -> Message:
+    client, work = _client(msg, context)
+    rows = client.advance(client.embeddings(_state(msg)))
+    client.save(work)
+    payloads = ConfigRecord({P.peer_key("to", q): P.rows_to_bytes(r) for q, r in rows.items()})
+    return Message(RecordDict({P.PAYLOADS: payloads}), reply_to=msg)

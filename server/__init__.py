@@ -1,0 +1,1 @@
+"""Flower ServerApp of retexo-fl."""

@@ -1,0 +1,232 @@
+"""Flower ServerApp: the lazy stage machine (setup, rounds, embed, relay, test) over the Message API."""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.serverapp import Grid, ServerApp
+
+from retexo_fl import protocol as P
+from retexo_fl.config import TrainConfig
+from retexo_fl.metrics import RunRecorder, human_bytes
+
+app = ServerApp()
+
+
+class ClientFailure(RuntimeError):
+    """A client replied with an error or did not reply in time."""
+
+
+class StageMachine:
+    """Drives one lazy run over a Flower ``Grid``; the server routes payloads it never decodes."""
+
+    def __init__(self, grid: Grid, cfg: TrainConfig, rec: RunRecorder, timeout: float = 300.0) -> None:
+        self.grid, self.cfg, self.rec, self.timeout = grid, cfg, rec, timeout
+        self.run_json = P.config_to_json(cfg)
+        self.nodes: dict[int, int] = {}  # partition id -> node id
+        self.counts: dict[int, dict] = {}
+        self.bytes_boundary = 0  # payload bodies, as the in-process engine counts them
+        self.bytes_relayed = 0  # payload bytes including headers
+
+    # -- messaging --------------------------------------------------------------------------
+    def _send(self, kind: str, per_node: dict[int, RecordDict], phase: str) -> dict[int, Message]:
+        messages = [
+            Message(content, dst_node_id=node, message_type=kind) for node, content in per_node.items()
+        ]
+        replies = list(self.grid.send_and_receive(messages, timeout=self.timeout))
+        by_node = {r.metadata.src_node_id: r for r in replies}
+        who = {node: pid for pid, node in self.nodes.items()}
+        for node in per_node:
+            name = f"client {who[node]}" if node in who else f"node {node}"
+            reply = by_node.get(node)
+            if reply is None:
+                raise ClientFailure(f"{name} did not reply to {phase} within {self.timeout:.0f}s")
+            if reply.has_error():
+                raise ClientFailure(f"{name} failed during {phase}: {reply.error.reason}")
+        return by_node
+
+    def _content(self, pid: int, state=None, payloads: ConfigRecord | None = None, **config) -> RecordDict:
+        records = {P.CONFIG: ConfigRecord({"run": self.run_json, **config})}
+        if state is not None:
+            records[P.ARRAYS] = ArrayRecord(state)
+        if payloads is not None:
+            records[P.PAYLOADS] = payloads
+        return RecordDict(records)
+
+    # -- phases -----------------------------------------------------------------------------
+    def wait_for_nodes(self) -> list[int]:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            nodes = sorted(self.grid.get_node_ids())
+            if len(nodes) >= self.cfg.clients:
+                return nodes[: self.cfg.clients]
+            if time.monotonic() > deadline:
+                raise ClientFailure(f"only {len(nodes)} of {self.cfg.clients} clients connected")
+            time.sleep(0.5)
+
+    def setup(self) -> dict[int, ConfigRecord]:
+        from retexo_fl.plan import check_plans
+
+        nodes = self.wait_for_nodes()
+        replies = self._send(P.SETUP, {n: self._content(-1) for n in nodes}, "setup")
+        digests, outgoing = {}, {}
+        for node, reply in replies.items():
+            info = reply.content[P.CONFIG]
+            pid = int(info["partition-id"])
+            if pid in self.nodes:
+                raise ClientFailure(f"nodes {self.nodes[pid]} and {node} both hold partition {pid}")
+            self.nodes[pid] = node
+            self.counts[pid] = {
+                **dict(reply.content[P.METRICS]),
+                "num-classes": int(info["num-classes"]),
+                "num-features": int(info["num-features"]),
+            }
+            digests[pid] = json.loads(str(info["digests"]))
+            outgoing[pid] = reply.content[P.PAYLOADS]
+        check_plans(digests)
+        self.rec.progress(f"setup: {len(self.nodes)} clients, plans consistent")
+        return self._route(outgoing, "deg")
+
+    def _route(self, outgoing: dict[int, ConfigRecord], kind: str) -> dict[int, ConfigRecord]:
+        """``{src: {"to-q": bytes}}`` -> ``{dst: {"<kind>-from-p": bytes}}``, counting bytes."""
+        incoming = {pid: ConfigRecord() for pid in self.nodes}
+        for src, record in outgoing.items():
+            for key, blob in record.items():
+                dst = P.parse_peer_key(key)
+                incoming[dst][f"{kind}-from-{src}"] = blob
+                self.bytes_relayed += len(blob)
+                self.bytes_boundary += len(blob) - P._ROWS.size
+        return incoming
+
+    def run_stage(self, stage: int, deliveries: dict[int, ConfigRecord] | None) -> tuple[dict, dict]:
+        from retexo_fl.training.aggregate import ServerOptimizer, state_nbytes, weighted_average
+        from retexo_fl.training.client import build_stage_model, stage_input_dim
+
+        cfg = self.cfg
+        c0 = self.counts[0]
+        in_dim = stage_input_dim(cfg, stage, c0["num-features"], c0["num-classes"])
+        state = {
+            k: v.detach().clone()
+            for k, v in build_stage_model(cfg, stage, in_dim, c0["num-classes"]).state_dict().items()
+        }
+        server = ServerOptimizer(cfg.server_optimizer, state, float(cfg.per_stage("server_lr", stage)))
+        rounds = int(cfg.per_stage("rounds", stage))
+        best_state, best_val, best_round, model_bytes, history = copy.deepcopy(state), -1.0, 0, 0, []
+
+        def consider(r: int, st: dict, correct: int, count: int) -> None:
+            nonlocal best_state, best_val, best_round
+            acc = correct / count if count else 0.0
+            history.append({"round": r, "val_accuracy": acc})
+            if acc > best_val:
+                best_state, best_val, best_round = st, acc, r
+
+        t0 = time.perf_counter()
+        for r in range(1, rounds + 1):
+            contents = {
+                self.nodes[pid]: self._content(
+                    pid, state, deliveries.get(pid) if (r == 1 and deliveries) else None, stage=stage, round=r
+                )
+                for pid in self.nodes
+            }
+            replies = self._send(P.TRAIN, contents, f"stage {stage} round {r}")
+            ordered = [replies[self.nodes[pid]] for pid in sorted(self.nodes)]
+            metrics = [dict(m.content[P.METRICS]) for m in ordered]
+            if r > 1:  # each reply validated the state it received: the previous round's average
+                consider(
+                    r - 1, state, sum(m["val-correct"] for m in metrics), sum(m["val-count"] for m in metrics)
+                )
+            states = [m.content[P.ARRAYS].to_torch_state_dict() for m in ordered]
+            weights = [m["num-examples"] for m in metrics]
+            state = server.step(weighted_average(states, weights))
+            model_bytes += 2 * state_nbytes(state) * len(self.nodes)
+            if r == 1 or r == rounds or r % max(1, rounds // 5) == 0:
+                self.rec.progress(
+                    f"stage {stage} round {r:4d}/{rounds}  best val {max(best_val, 0):.4f}@{best_round}"
+                )
+        if rounds:
+            correct, count, _ = self.evaluate(state, "val", stage)
+            consider(rounds, state, correct, count)
+        figures = {
+            "stage": stage,
+            "rounds_run": rounds,
+            "best_round": best_round,
+            "val_accuracy": best_val,
+            "bytes_model": model_bytes,
+            "history": history,
+            "seconds": time.perf_counter() - t0,
+        }
+        return best_state, figures
+
+    def evaluate(self, state: dict, split: str, stage: int) -> tuple[int, int, float]:
+        contents = {
+            self.nodes[pid]: self._content(pid, state, split=split, stage=stage) for pid in self.nodes
+        }
+        replies = self._send(P.EVALUATE, contents, f"{split} evaluation")
+        ms = [dict(r.content[P.METRICS]) for r in replies.values()]
+        return sum(m["correct"] for m in ms), sum(m["count"] for m in ms), sum(m["loss"] for m in ms)
+
+    def embed(self, state: dict, stage: int) -> dict[int, ConfigRecord]:
+        replies = self._send(
+            P.EMBED,
+            {self.nodes[p]: self._content(p, state, stage=stage) for p in self.nodes},
+            f"stage {stage} embed",
+        )
+        who = {node: pid for pid, node in self.nodes.items()}
+        return self._route({who[n]: r.content[P.PAYLOADS] for n, r in replies.items()}, "halo")
+
+    def run(self) -> dict:
+        t0 = time.perf_counter()
+        degrees = self.setup()
+        stages, deliveries, state = [], None, {}
+        for stage in range(self.cfg.stages):
+            if stage == 1:  # degrees travel with the halo rows of the first conv stage
+                for pid, rec in degrees.items():
+                    for k, v in rec.items():
+                        deliveries[pid][k] = v
+            before = self.bytes_boundary
+            state, figures = self.run_stage(stage, deliveries)
+            deliveries = None
+            if stage < self.cfg.stages - 1:
+                deliveries = self.embed(state, stage)
+            figures["bytes_boundary"] = self.bytes_boundary - before
+            stages.append(figures)
+            self.rec.progress(
+                f"stage {stage} done: best val {figures['val_accuracy']:.4f} at round "
+                f"{figures['best_round']}, boundary so far {human_bytes(self.bytes_boundary)}"
+            )
+        correct, count, _ = self.evaluate(state, "test", self.cfg.stages - 1)
+        bytes_model = sum(s["bytes_model"] for s in stages)
+        return {
+            "mode": "lazy",
+            "engine": "flower",
+            "test_accuracy": correct / count if count else 0.0,
+            "val_accuracy": stages[-1]["val_accuracy"],
+            "bytes_total": self.bytes_boundary + bytes_model,
+            "bytes_boundary": self.bytes_boundary,
+            "bytes_model": bytes_model,
+            "bytes_boundary_relayed": self.bytes_relayed,
+            "stages": stages,
+            "wall_seconds": time.perf_counter() - t0,
+            "config": self.cfg.to_dict(),
+        }
+
+
+def run_server(grid: Grid, cfg: TrainConfig) -> dict:
+    """Run a lazy job on ``grid`` and write the run folder; returns the summary."""
+    rec = RunRecorder(cfg.out_dir or None)
+    rec.write_json("config.json", cfg.to_dict())
+    summary = StageMachine(grid, cfg, rec).run()
+    rec.write_json("summary.json", summary)
+    rec.progress(
+        f"test accuracy {summary['test_accuracy']:.4f}  boundary {human_bytes(summary['bytes_boundary'])}"
+        f"  model {human_bytes(summary['bytes_model'])}  in {summary['wall_seconds']:.1f}s"
+    )
+    return summary
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    run_server(grid, TrainConfig.from_mapping(dict(context.run_config)))

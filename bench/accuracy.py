@@ -139,10 +139,16 @@ def main() -> int:
     parser.add_argument("--out", default="bench/results/accuracy.json")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--from-jsonl", default="", help="only print the table of runs saved in this file")
     parser.add_argument("--seeds", default="0,1,2", help="comma list of seeds (default 0,1,2)")
     parser.add_argument("--models", default="gcn,sage", help="lazy stage convs (default gcn,sage)")
     args = parser.parse_args()
 
+    if args.from_jsonl:
+        print_table(
+            summarize([json.loads(line) for line in Path(args.from_jsonl).read_text().splitlines() if line])
+        )
+        return 0
     # PyG writes processed/ beside raw/: work on a private copy of the raw files.
     tmp = Path(tempfile.mkdtemp(prefix="retexo-bench-"))
     for name in ("Cora", "CiteSeer"):

@@ -1,4 +1,4 @@
-"""Flower ClientApp: one handler per message type, each a thin adapter over ``retexo_fl.training.LazyClient``."""
+"""Flower ClientApp: one handler per message type, each a thin adapter over the LazyClient."""
 
 from __future__ import annotations
 

@@ -50,7 +50,8 @@ def rows_from_bytes(data: bytes, source: int, expect_rows: int | None = None) ->
         raise PayloadError(f"payload from client {source}: bad header (magic {magic!r}, bits {bits})")
     if len(data) != _ROWS.size + 4 * k * d:
         raise PayloadError(
-            f"payload from client {source}: header says {k}x{d} float32 but body has {len(data) - _ROWS.size} bytes"
+            f"payload from client {source}: header says {k}x{d} float32 "
+            f"but the body has {len(data) - _ROWS.size} bytes"
         )
     if expect_rows is not None and k != expect_rows:
         raise PayloadError(f"payload from client {source}: {k} rows, boundary plan expects {expect_rows}")

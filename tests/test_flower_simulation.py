@@ -15,8 +15,16 @@ from retexo_fl.runner import train
 def test_simulation_matches_in_process(tmp_path):
     from server.simulation import simulate
 
-    cfg = TrainConfig(dataset="sbm:500,3,8,0.85", clients=3, method="metis", model="gcn", hidden=16,
-                      rounds=[6, 4], seed=0, out_dir=str(tmp_path / "sim"))
+    cfg = TrainConfig(
+        dataset="sbm:500,3,8,0.85",
+        clients=3,
+        method="metis",
+        model="gcn",
+        hidden=16,
+        rounds=[6, 4],
+        seed=0,
+        out_dir=str(tmp_path / "sim"),
+    )
     sim = simulate(cfg)
     ref = train(TrainConfig(**{**cfg.to_dict(), "out_dir": ""}), RunRecorder(None, stream=None))
     # Both engines are deterministic for a seed: same weights, so the same accuracy and bytes.

@@ -26,6 +26,7 @@ METRICS = "metrics"  # MetricRecord: counts, losses, accuracies
 PAYLOADS = "payloads"  # ConfigRecord: "to-<q>" (outgoing) or "from-<p>" (deliveries) -> bytes
 
 _ROWS = struct.Struct("<4sBII")  # magic, dtype code, rows, cols
+ROW_HEADER_BYTES = _ROWS.size
 _MAGIC = b"RXR1"
 
 

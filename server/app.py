@@ -98,7 +98,7 @@ class StageMachine:
                 dst = P.parse_peer_key(key)
                 incoming[dst][f"{kind}-from-{src}"] = blob
                 self.bytes_relayed += len(blob)
-                self.bytes_boundary += len(blob) - P._ROWS.size
+                self.bytes_boundary += len(blob) - P.ROW_HEADER_BYTES
         return incoming
 
     def run_stage(self, stage: int, deliveries: dict[int, ConfigRecord] | None) -> tuple[dict, dict]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import tempfile
 from pathlib import Path
@@ -31,8 +32,6 @@ def _load_partition(context: Context, cfg):
     # Simulation: every virtual node cuts the same dataset deterministically and keeps its part.
     pid = int(context.node_config["partition-id"])
     key = json.dumps([cfg.dataset, cfg.split, cfg.split_index, cfg.method, cfg.clients, cfg.seed])
-    import hashlib
-
     cache = (
         Path(tempfile.gettempdir())
         / "retexo-fl"
@@ -114,12 +113,16 @@ def setup(msg: Message, context: Context) -> Message:
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
+    from retexo_fl.training.client import EvalResult
+
     client, work = _client(msg, context)
     if _deliver(client, msg):
         client.save(work)
     state = _state(msg)
-    val = client.evaluate(state, "val")
-    new_state, loss = client.train(state, int(msg.content[P.CONFIG]["round"]))
+    config = msg.content[P.CONFIG]
+    # The server asks to validate the state it sends, except a stage's initial weights.
+    val = client.evaluate(state, "val") if bool(config.get("validate", True)) else EvalResult(0, 0, 0.0)
+    new_state, loss = client.train(state, int(config["round"]))
     metrics = MetricRecord(
         {
             "num-examples": client.num_train,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import time
 
@@ -48,7 +47,7 @@ class StageMachine:
                 raise ClientFailure(f"{name} failed during {phase}: {reply.error.reason}")
         return by_node
 
-    def _content(self, pid: int, state=None, payloads: ConfigRecord | None = None, **config) -> RecordDict:
+    def _content(self, state=None, payloads: ConfigRecord | None = None, **config) -> RecordDict:
         records = {P.CONFIG: ConfigRecord({"run": self.run_json, **config})}
         if state is not None:
             records[P.ARRAYS] = ArrayRecord(state)
@@ -71,7 +70,7 @@ class StageMachine:
         from retexo_fl.plan import check_plans
 
         nodes = self.wait_for_nodes()
-        replies = self._send(P.SETUP, {n: self._content(-1) for n in nodes}, "setup")
+        replies = self._send(P.SETUP, {n: self._content() for n in nodes}, "setup")
         digests, outgoing = {}, {}
         for node, reply in replies.items():
             info = reply.content[P.CONFIG]
@@ -104,30 +103,23 @@ class StageMachine:
     def run_stage(self, stage: int, deliveries: dict[int, ConfigRecord] | None) -> tuple[dict, dict]:
         from retexo_fl.training.aggregate import ServerOptimizer, state_nbytes, weighted_average
         from retexo_fl.training.client import build_stage_model, stage_input_dim
+        from retexo_fl.training.selection import StageTracker
 
         cfg = self.cfg
         c0 = self.counts[0]
         in_dim = stage_input_dim(cfg, stage, c0["num-features"], c0["num-classes"])
-        state = {
-            k: v.detach().clone()
-            for k, v in build_stage_model(cfg, stage, in_dim, c0["num-classes"]).state_dict().items()
-        }
+        model = build_stage_model(cfg, stage, in_dim, c0["num-classes"])
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         server = ServerOptimizer(cfg.server_optimizer, state, float(cfg.per_stage("server_lr", stage)))
         rounds = int(cfg.per_stage("rounds", stage))
-        best_state, best_val, best_round, model_bytes, history = copy.deepcopy(state), -1.0, 0, 0, []
-
-        def consider(r: int, st: dict, correct: int, count: int) -> None:
-            nonlocal best_state, best_val, best_round
-            acc = correct / count if count else 0.0
-            history.append({"round": r, "val_accuracy": acc})
-            if acc > best_val:
-                best_state, best_val, best_round = st, acc, r
-
+        tracker = StageTracker(stage, cfg.patience)
         t0 = time.perf_counter()
+        train_loss = 0.0
         for r in range(1, rounds + 1):
+            first = r == 1 and deliveries
             contents = {
                 self.nodes[pid]: self._content(
-                    pid, state, deliveries.get(pid) if (r == 1 and deliveries) else None, stage=stage, round=r
+                    state, deliveries.get(pid) if first else None, stage=stage, round=r, validate=r > 1
                 )
                 for pid in self.nodes
             }
@@ -135,35 +127,31 @@ class StageMachine:
             ordered = [replies[self.nodes[pid]] for pid in sorted(self.nodes)]
             metrics = [dict(m.content[P.METRICS]) for m in ordered]
             if r > 1:  # each reply validated the state it received: the previous round's average
-                consider(
-                    r - 1, state, sum(m["val-correct"] for m in metrics), sum(m["val-count"] for m in metrics)
-                )
-            states = [m.content[P.ARRAYS].to_torch_state_dict() for m in ordered]
+                self._record(tracker, r - 1, state, metrics, train_loss)
+                if tracker.should_stop:
+                    break
             weights = [m["num-examples"] for m in metrics]
+            train_loss = sum(m["train-loss"] * w for m, w in zip(metrics, weights, strict=True)) / sum(
+                weights
+            )
+            states = [m.content[P.ARRAYS].to_torch_state_dict() for m in ordered]
             state = server.step(weighted_average(states, weights))
-            model_bytes += 2 * state_nbytes(state) * len(self.nodes)
-            if r == 1 or r == rounds or r % max(1, rounds // 5) == 0:
-                self.rec.progress(
-                    f"stage {stage} round {r:4d}/{rounds}  best val {max(best_val, 0):.4f}@{best_round}"
-                )
-        if rounds:
+            tracker.model_bytes += 2 * state_nbytes(state) * len(self.nodes)
+            if line := tracker.progress_line(r, rounds):
+                self.rec.progress(line)
+        else:  # the last (or only) state still needs its validation
             correct, count, _ = self.evaluate(state, "val", stage)
-            consider(rounds, state, correct, count)
-        figures = {
-            "stage": stage,
-            "rounds_run": rounds,
-            "best_round": best_round,
-            "val_accuracy": best_val,
-            "bytes_model": model_bytes,
-            "history": history,
-            "seconds": time.perf_counter() - t0,
-        }
-        return best_state, figures
+            self._record(tracker, rounds, state, [{"val-correct": correct, "val-count": count}], train_loss)
+        return tracker.best_state, tracker.figures(time.perf_counter() - t0)
+
+    def _record(self, tracker, round_: int, state: dict, metrics: list[dict], train_loss: float) -> None:
+        count = sum(m["val-count"] for m in metrics)
+        acc = sum(m["val-correct"] for m in metrics) / count if count else 0.0
+        tracker.record(round_, state, acc, train_loss=train_loss)
+        self.rec.event("round", stage=tracker.stage, round=round_, train_loss=train_loss, val_accuracy=acc)
 
     def evaluate(self, state: dict, split: str, stage: int) -> tuple[int, int, float]:
-        contents = {
-            self.nodes[pid]: self._content(pid, state, split=split, stage=stage) for pid in self.nodes
-        }
+        contents = {self.nodes[pid]: self._content(state, split=split, stage=stage) for pid in self.nodes}
         replies = self._send(P.EVALUATE, contents, f"{split} evaluation")
         ms = [dict(r.content[P.METRICS]) for r in replies.values()]
         return sum(m["correct"] for m in ms), sum(m["count"] for m in ms), sum(m["loss"] for m in ms)
@@ -171,7 +159,7 @@ class StageMachine:
     def embed(self, state: dict, stage: int) -> dict[int, ConfigRecord]:
         replies = self._send(
             P.EMBED,
-            {self.nodes[p]: self._content(p, state, stage=stage) for p in self.nodes},
+            {self.nodes[p]: self._content(state, stage=stage) for p in self.nodes},
             f"stage {stage} embed",
         )
         who = {node: pid for pid, node in self.nodes.items()}

@@ -22,6 +22,7 @@ def test_simulation_matches_in_process(tmp_path):
         model="gcn",
         hidden=16,
         rounds=[6, 4],
+        patience=2,
         seed=0,
         out_dir=str(tmp_path / "sim"),
     )
@@ -32,6 +33,8 @@ def test_simulation_matches_in_process(tmp_path):
     assert sim["bytes_boundary"] == ref["bytes_boundary"] > 0
     assert sim["bytes_model"] == ref["bytes_model"]
     assert [s["best_round"] for s in sim["stages"]] == [s["best_round"] for s in ref["stages"]]
+    # Early stopping (patience 2) cuts the same rounds in both engines.
+    assert [s["rounds_run"] for s in sim["stages"]] == [s["rounds_run"] for s in ref["stages"]]
     # The server relayed opaque payloads: bodies plus one small header per block.
     assert sim["bytes_boundary_relayed"] > sim["bytes_boundary"]
     summary = json.loads((tmp_path / "sim" / "summary.json").read_text())

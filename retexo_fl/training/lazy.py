@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable, Sequence
 
@@ -19,6 +18,7 @@ from retexo_fl.training.aggregate import (
     weighted_average,
 )
 from retexo_fl.training.client import LazyClient
+from retexo_fl.training.selection import StageTracker
 
 
 def exchange(outgoing: dict[int, dict[int, Tensor]]) -> tuple[dict[int, dict[int, Tensor]], int]:
@@ -45,48 +45,28 @@ def run_stage(
 ) -> tuple[StateDict, dict]:
     """Train one stage by FedAvg rounds; returns the best-validation state and stage figures."""
     t0 = time.perf_counter()
-    first = clients[0]
-    model = first.make_model()
+    model = clients[0].make_model()
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    best_state, best_val, best_round = copy.deepcopy(state), -1.0, 0
     server = ServerOptimizer(cfg.server_optimizer, state, float(cfg.per_stage("server_lr", stage)))
     rounds = int(cfg.per_stage("rounds", stage))
     weights = [c.num_train for c in clients]
-    model_bytes = 0
-    history = []
-    stale = 0
+    tracker = StageTracker(stage, cfg.patience)
     for r in range(1, rounds + 1):
         results = [c.train(state, r) for c in clients]
         state = server.step(weighted_average([s for s, _ in results], weights))
-        model_bytes += 2 * state_nbytes(state) * len(clients)
+        tracker.model_bytes += 2 * state_nbytes(state) * len(clients)
         train_loss = sum(loss * w for (_, loss), w in zip(results, weights, strict=True)) / sum(weights)
         val_acc, val_loss = _aggregate_eval(clients, state, "val")
-        history.append({"round": r, "train_loss": train_loss, "val_accuracy": val_acc, "val_loss": val_loss})
+        tracker.record(r, state, val_acc, train_loss=train_loss, val_loss=val_loss)
         rec.event("round", stage=stage, round=r, train_loss=train_loss, val_accuracy=val_acc)
-        if val_acc > best_val:
-            best_state, best_val, best_round, stale = copy.deepcopy(state), val_acc, r, 0
-        else:
-            stale += 1
-        if r == 1 or r == rounds or r % max(1, rounds // 5) == 0:
-            rec.progress(
-                f"stage {stage} round {r:4d}/{rounds}  loss {train_loss:.4f}  val {val_acc:.4f}  "
-                f"best {best_val:.4f}@{best_round}"
-            )
-        if cfg.patience and stale >= cfg.patience:
+        if line := tracker.progress_line(r, rounds):
+            rec.progress(line)
+        if tracker.should_stop:
             rec.progress(f"stage {stage}: no validation gain for {cfg.patience} rounds, stopping")
             break
     if rounds == 0:
-        best_val, _ = _aggregate_eval(clients, state, "val")
-    figures = {
-        "stage": stage,
-        "rounds_run": len(history),
-        "best_round": best_round,
-        "val_accuracy": best_val,
-        "bytes_model": model_bytes,
-        "history": history,
-    }
-    figures["seconds"] = time.perf_counter() - t0
-    return best_state, figures
+        tracker.record(0, state, _aggregate_eval(clients, state, "val")[0])
+    return tracker.best_state, tracker.figures(time.perf_counter() - t0)
 
 
 def run_lazy(

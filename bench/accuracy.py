@@ -55,7 +55,8 @@ def grid(quick: bool, seeds: list[int], models: list[str]) -> list[dict]:
     if quick:
         datasets, splits, clients, methods, seeds = ["Cora"], ["public"], [4], ["metis"], seeds[:1]
     jobs = []
-    for ds, split, seed in itertools.product(datasets, splits, seeds):
+    # Seeds outermost: a run cut off early still holds whole seeds of the grid.
+    for seed, ds, split in itertools.product(seeds, datasets, splits):
         jobs.append(
             {
                 "mode": "centralized",

@@ -20,6 +20,7 @@ _HELP = {
     "partitions": "train on partitions written by `retexo-fl partition` instead of cutting the dataset",
     "model": "conv of stages >= 1: gcn, sage, sage-max, gat",
     "stages": "number of stages (stage 0 is the MLP; K stages = K-1 GNN layers)",
+    "central_layers": "layers of the centralized (end-to-end) reference GNN",
     "pass_embedding": "what the next stage receives: hidden or logits",
     "server_optimizer": "avg (FedAvg) or adam (FedAdam on the averaged update)",
     "out_dir": "run folder for config.json, events.jsonl and summary.json",

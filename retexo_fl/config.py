@@ -28,7 +28,8 @@ class TrainConfig:
     partitions: str = ""
     seed: int = 0
     model: str = "gcn"
-    stages: int = 3
+    stages: int = 5
+    central_layers: int = 2
     hidden: int = 256
     pass_embedding: str = "hidden"
     rounds: int | list[int] = 200

@@ -41,7 +41,21 @@ def test_partition_then_train(tmp_path, capsys):
     assert sorted(p.name for p in parts.iterdir()) == ["part-0", "part-1", "part-2"]
     run = tmp_path / "run"
     assert (
-        main(["train", "--partitions", str(parts), "--hidden", "16", "--rounds", "20,10", "--out", str(run)])
+        main(
+            [
+                "train",
+                "--partitions",
+                str(parts),
+                "--hidden",
+                "16",
+                "--stages",
+                "3",
+                "--rounds",
+                "20,10",
+                "--out",
+                str(run),
+            ]
+        )
         == 0
     )
     summary = json.loads((run / "summary.json").read_text())

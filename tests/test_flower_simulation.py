@@ -21,6 +21,7 @@ def test_simulation_matches_in_process(tmp_path):
         method="metis",
         model="gcn",
         hidden=16,
+        stages=3,
         rounds=[6, 4],
         patience=2,
         seed=0,

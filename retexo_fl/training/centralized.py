@@ -24,7 +24,7 @@ def whole_graph_partition(data) -> Partition:
 
 
 def run_centralized(part: Partition, cfg: TrainConfig, rec: RunRecorder | None = None) -> dict:
-    """Standard full-batch training of a ``cfg.stages - 1``-layer GNN (at least 2) on one graph.
+    """Standard full-batch training of a ``cfg.central_layers``-layer GNN (default 2) on one graph.
 
     Uses the same GCN normalization as lazy mode and the settings of stage 1
     (``lr``, epochs = ``rounds * local_epochs``); the best-validation epoch's weights are tested.
@@ -45,7 +45,7 @@ def run_centralized(part: Partition, cfg: TrainConfig, rec: RunRecorder | None =
         k: torch.from_numpy(np.array(getattr(part, f"{k}_mask"))).to(device) for k in ("train", "val", "test")
     }
     torch.manual_seed(derive_seed(cfg.seed, 0xC3))
-    layers = max(2, cfg.stages - 1)
+    layers = cfg.central_layers
     model = GNN(
         cfg.model,
         x.shape[1],

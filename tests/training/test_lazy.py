@@ -12,7 +12,7 @@ from retexo_fl.training.lazy import run_lazy
 
 @pytest.mark.parametrize("model", ["gcn", "sage", "sage-max", "gat"])
 def test_lazy_learns_from_cross_client_structure(sbm, model):
-    cfg = TrainConfig(model=model, hidden=32, rounds=60, seed=0)
+    cfg = TrainConfig(model=model, stages=3, hidden=32, rounds=60, seed=0)
     summary = run_lazy(partition_graph(sbm, 4, "metis", seed=0), cfg)
     features_only = summary["stages"][0]["val_accuracy"]  # stage 0: an MLP on own features
     assert summary["test_accuracy"] >= 0.88

@@ -15,6 +15,18 @@ from retexo_fl.metrics import RunRecorder, human_bytes
 app = ServerApp()
 
 
+def wire_bytes(msg: Message) -> int:
+    """Serialized size of a message as it travels (all its content-addressed objects)."""
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+
+    return sum(len(obj.deflate()) for obj in get_all_nested_objects(msg).values())
+
+
+def payload_bytes(msg: Message) -> int:
+    """Bytes of the records' contents alone."""
+    return sum(record.count_bytes() for record in msg.content.values())
+
+
 class ClientFailure(RuntimeError):
     """A client replied with an error or did not reply in time."""
 
@@ -29,12 +41,17 @@ class StageMachine:
         self.counts: dict[int, dict] = {}
         self.bytes_boundary = 0  # payload bodies, as the in-process engine counts them
         self.bytes_relayed = 0  # payload bytes including headers
+        # (stage, message type, node id, direction) -> [messages, wire bytes, payload bytes]
+        self.traffic: dict[tuple[int, str, int, str], list[int]] = {}
 
     # -- messaging --------------------------------------------------------------------------
-    def _send(self, kind: str, per_node: dict[int, RecordDict], phase: str) -> dict[int, Message]:
+    def _send(
+        self, kind: str, per_node: dict[int, RecordDict], phase: str, stage: int = -1
+    ) -> dict[int, Message]:
         messages = [
             Message(content, dst_node_id=node, message_type=kind) for node, content in per_node.items()
         ]
+        sent = {m.metadata.dst_node_id: m for m in messages}
         replies = list(self.grid.send_and_receive(messages, timeout=self.timeout))
         by_node = {r.metadata.src_node_id: r for r in replies}
         who = {node: pid for pid, node in self.nodes.items()}
@@ -45,7 +62,40 @@ class StageMachine:
                 raise ClientFailure(f"{name} did not reply to {phase} within {self.timeout:.0f}s")
             if reply.has_error():
                 raise ClientFailure(f"{name} failed during {phase}: {reply.error.reason}")
+        for node in per_node:
+            for direction, msg in (("down", sent[node]), ("up", by_node[node])):
+                row = self.traffic.setdefault((stage, kind, node, direction), [0, 0, 0])
+                row[0] += 1
+                row[1] += wire_bytes(msg)
+                row[2] += payload_bytes(msg)
         return by_node
+
+    def traffic_summary(self) -> dict:
+        """Per (stage, message type, client, direction) counts, and wire / payload ratios."""
+        who = {node: pid for pid, node in self.nodes.items()}
+        rows = [
+            {
+                "stage": s,
+                "message": k,
+                "client": who.get(node, -1),
+                "direction": d,
+                "messages": n,
+                "wire": w,
+                "payload": p,
+            }
+            for (s, k, node, d), (n, w, p) in sorted(self.traffic.items())
+        ]
+        wire = sum(r["wire"] for r in rows)
+        payload = sum(r["payload"] for r in rows)
+        embed = [r for r in rows if r["message"] == P.EMBED and r["direction"] == "up"]
+        embed_wire, embed_payload = sum(r["wire"] for r in embed), sum(r["payload"] for r in embed)
+        return {
+            "bytes_wire": wire,
+            "bytes_payload": payload,
+            "overhead": wire / payload if payload else None,
+            "boundary_overhead": embed_wire / embed_payload if embed_payload else None,
+            "by_message": rows,
+        }
 
     def _content(self, state=None, payloads: ConfigRecord | None = None, **config) -> RecordDict:
         records = {P.CONFIG: ConfigRecord({"run": self.run_json, **config})}
@@ -123,7 +173,7 @@ class StageMachine:
                 )
                 for pid in self.nodes
             }
-            replies = self._send(P.TRAIN, contents, f"stage {stage} round {r}")
+            replies = self._send(P.TRAIN, contents, f"stage {stage} round {r}", stage)
             ordered = [replies[self.nodes[pid]] for pid in sorted(self.nodes)]
             metrics = [dict(m.content[P.METRICS]) for m in ordered]
             if r > 1:  # each reply validated the state it received: the previous round's average
@@ -152,7 +202,7 @@ class StageMachine:
 
     def evaluate(self, state: dict, split: str, stage: int) -> tuple[int, int, float]:
         contents = {self.nodes[pid]: self._content(state, split=split, stage=stage) for pid in self.nodes}
-        replies = self._send(P.EVALUATE, contents, f"{split} evaluation")
+        replies = self._send(P.EVALUATE, contents, f"{split} evaluation", stage)
         ms = [dict(r.content[P.METRICS]) for r in replies.values()]
         return sum(m["correct"] for m in ms), sum(m["count"] for m in ms), sum(m["loss"] for m in ms)
 
@@ -161,6 +211,7 @@ class StageMachine:
             P.EMBED,
             {self.nodes[p]: self._content(state, stage=stage) for p in self.nodes},
             f"stage {stage} embed",
+            stage,
         )
         who = {node: pid for pid, node in self.nodes.items()}
         return self._route({who[n]: r.content[P.PAYLOADS] for n, r in replies.items()}, "halo")
@@ -196,6 +247,7 @@ class StageMachine:
             "bytes_boundary": self.bytes_boundary,
             "bytes_model": bytes_model,
             "bytes_boundary_relayed": self.bytes_relayed,
+            "traffic": self.traffic_summary(),
             "stages": stages,
             "wall_seconds": time.perf_counter() - t0,
             "config": self.cfg.to_dict(),

@@ -38,5 +38,11 @@ def test_simulation_matches_in_process(tmp_path):
     assert [s["rounds_run"] for s in sim["stages"]] == [s["rounds_run"] for s in ref["stages"]]
     # The server relayed opaque payloads: bodies plus one small header per block.
     assert sim["bytes_boundary_relayed"] > sim["bytes_boundary"]
+    # Every message was measured: wire bytes exceed payload bytes, by little for boundary rows.
+    traffic = sim["traffic"]
+    assert traffic["bytes_wire"] > traffic["bytes_payload"] >= sim["bytes_boundary_relayed"]
+    assert 1.0 < traffic["boundary_overhead"] < 1.5
+    clients = {r["client"] for r in traffic["by_message"]}
+    assert clients == {0, 1, 2}
     summary = json.loads((tmp_path / "sim" / "summary.json").read_text())
     assert summary["engine"] == "flower" and summary["test_accuracy"] == sim["test_accuracy"]

@@ -7,12 +7,29 @@ import json
 import tempfile
 from pathlib import Path
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
 
 from retexo_fl import protocol as P
 
-app = ClientApp()
+
+def _who(context: Context) -> str:
+    if "partition-id" in context.node_config:
+        return f"client {context.node_config['partition-id']}"
+    return f"client at {context.node_config.get('partition-dir', f'node {context.node_id}')}"
+
+
+def report_errors(msg: Message, context: Context, call_next) -> Message:
+    """Reply to any failure with a one-line reason that names this client, not a traceback."""
+    try:
+        return call_next(msg, context)
+    except Exception as exc:  # every failure must reach the server as a reply
+        reason = f"{_who(context)}: {type(exc).__name__}: {exc}"
+        return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg)
+
+
+app = ClientApp(mods=[report_errors])
 
 # Ray actors serve several virtual nodes and keep Python state between messages; a deployed
 # ClientApp is a new process per message and falls back to the node-local work directory.
@@ -29,8 +46,10 @@ def _load_partition(context: Context, cfg):
 
     if "partition-dir" in context.node_config:
         return load_partition(str(context.node_config["partition-dir"]))
-    # Simulation: every virtual node cuts the same dataset deterministically and keeps its part.
     pid = int(context.node_config["partition-id"])
+    if cfg.partitions:  # simulation over partitions written earlier by `retexo-fl partition`
+        return load_partition(Path(cfg.partitions) / f"part-{pid}")
+    # Simulation: every virtual node cuts the same dataset deterministically and keeps its part.
     key = json.dumps([cfg.dataset, cfg.split, cfg.split_index, cfg.method, cfg.clients, cfg.seed])
     cache = (
         Path(tempfile.gettempdir())

@@ -46,3 +46,39 @@ def test_simulation_matches_in_process(tmp_path):
     assert clients == {0, 1, 2}
     summary = json.loads((tmp_path / "sim" / "summary.json").read_text())
     assert summary["engine"] == "flower" and summary["test_accuracy"] == sim["test_accuracy"]
+
+
+@pytest.mark.slow
+def test_failing_client_ends_the_run_with_its_name(tmp_path):
+    import numpy as np
+
+    from retexo_fl.cli import main
+    from server.app import ClientFailure
+    from server.simulation import simulate
+
+    parts = tmp_path / "parts"
+    assert (
+        main(
+            [
+                "partition",
+                "--dataset",
+                "sbm:300,3",
+                "--clients",
+                "3",
+                "--method",
+                "metis",
+                "--out",
+                str(parts),
+            ]
+        )
+        == 0
+    )
+    x = np.load(parts / "part-2" / "x.npy")
+    x[0, 0] = np.nan
+    np.save(parts / "part-2" / "x.npy", x)
+    cfg = TrainConfig(partitions=str(parts), clients=3, stages=2, hidden=8, rounds=2)
+    with pytest.raises(
+        ClientFailure,
+        match=r"failed during setup: client 2: PartitionError: .*part-2/x\.npy: field 'checksum'",
+    ):
+        simulate(cfg)

@@ -57,6 +57,10 @@ def train(cfg: TrainConfig, rec: RunRecorder | None = None) -> dict:
     summary["wall_seconds"] = time.perf_counter() - t0
     summary["config"] = cfg.to_dict()
     rec.write_json("summary.json", summary)
+    if cfg.out_dir:
+        from retexo_fl.plots import write_plots
+
+        write_plots(summary, cfg.out_dir)
     rec.event("done", test_accuracy=summary["test_accuracy"])
     rec.progress(
         f"test accuracy {summary['test_accuracy']:.4f}  val {summary['val_accuracy']:.4f}  "

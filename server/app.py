@@ -260,6 +260,10 @@ def run_server(grid: Grid, cfg: TrainConfig) -> dict:
     rec.write_json("config.json", cfg.to_dict())
     summary = StageMachine(grid, cfg, rec).run()
     rec.write_json("summary.json", summary)
+    if cfg.out_dir:
+        from retexo_fl.plots import write_plots
+
+        write_plots(summary, cfg.out_dir)
     rec.progress(
         f"test accuracy {summary['test_accuracy']:.4f}  boundary {human_bytes(summary['bytes_boundary'])}"
         f"  model {human_bytes(summary['bytes_model'])}  in {summary['wall_seconds']:.1f}s"

@@ -62,6 +62,7 @@ def test_partition_then_train(tmp_path, capsys):
     assert set(summary) >= SUMMARY_KEYS
     assert [s["rounds_run"] for s in summary["stages"]] == [20, 10, 10]
     assert json.loads((run / "config.json").read_text())["rounds"] == [20, 10]
+    assert (run / "val_accuracy.png").stat().st_size > 1000 and (run / "bytes.png").stat().st_size > 1000
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     assert sum(e["event"] == "round" for e in events) == 40
     err = capsys.readouterr().err

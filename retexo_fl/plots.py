@@ -1,0 +1,67 @@
+"""PNG plots of a run summary: validation accuracy per round for each stage, and cumulative bytes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def write_plots(summary: dict, out_dir: str | Path) -> list[Path]:
+    """Write ``val_accuracy.png`` and ``bytes.png`` into ``out_dir``; returns their paths.
+
+    Cumulative bytes step by one round's model traffic per round and by the boundary exchange
+    at the end of each stage (the GCN degree exchange is counted with stage 0's).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    stages = summary.get("stages", [])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for s in stages:
+        hist = s.get("history", [])
+        if hist:
+            ax.plot(
+                [h["round"] for h in hist], [h["val_accuracy"] for h in hist], label=f"stage {s['stage']}"
+            )
+    ax.set_xlabel("round")
+    ax.set_ylabel("validation accuracy")
+    ax.set_title(
+        f"{summary.get('mode', '')} {summary.get('engine', '')}: test {summary.get('test_accuracy', 0):.4f}"
+    )
+    ax.grid(alpha=0.3)
+    if stages:
+        ax.legend()
+    paths = [out / "val_accuracy.png"]
+    fig.tight_layout()
+    fig.savefig(paths[0], dpi=100)
+    plt.close(fig)
+
+    xs, model, boundary, step = [0], [0.0], [0.0], 0
+    extra = summary.get("bytes_boundary", 0) - sum(s.get("bytes_boundary", 0) for s in stages)
+    for i, s in enumerate(stages):
+        n = max(1, s.get("rounds_run", 0))
+        for _ in range(n):
+            step += 1
+            xs.append(step)
+            model.append(model[-1] + s.get("bytes_model", 0) / n)
+            boundary.append(boundary[-1])
+        xs.append(step)  # the exchange after the stage
+        model.append(model[-1])
+        boundary.append(boundary[-1] + s.get("bytes_boundary", 0) + (extra if i == 0 else 0))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(xs, model, label="model updates")
+    ax.plot(xs, boundary, label="boundary embeddings")
+    ax.set_xlabel("round (all stages)")
+    ax.set_ylabel("cumulative bytes")
+    ax.set_title(
+        f"boundary {summary.get('bytes_boundary', 0):,} B, model {summary.get('bytes_model', 0):,} B"
+    )
+    ax.grid(alpha=0.3)
+    ax.legend()
+    paths.append(out / "bytes.png")
+    fig.tight_layout()
+    fig.savefig(paths[1], dpi=100)
+    plt.close(fig)
+    return paths

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -82,3 +83,42 @@ def test_failing_client_ends_the_run_with_its_name(tmp_path):
         match=r"failed during setup: client 2: PartitionError: .*part-2/x\.npy: field 'checksum'",
     ):
         simulate(cfg)
+
+
+@pytest.mark.slow
+def test_client_failing_mid_stage_ends_the_run_with_its_name(tmp_path):
+    """Client 2's saved stage inputs are corrupted once stage 1 has begun: its next message fails."""
+    import tempfile
+    import threading
+    import time
+
+    import torch
+
+    from server.app import ClientFailure
+    from server.simulation import simulate
+
+    started = time.time()
+    base = Path(tempfile.gettempdir()) / "retexo-fl"
+    done = threading.Event()
+
+    def corrupt_when_stage_1_starts() -> None:
+        while not done.is_set():
+            for path in base.glob("run-*/node-2/client-state.pt"):
+                try:
+                    fresh = path.stat().st_mtime > started
+                    if fresh and torch.load(path, weights_only=True)["stage"] == 1:
+                        path.write_bytes(b"not a checkpoint")
+                        return
+                except Exception:  # the file is being replaced right now: look again
+                    pass
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=corrupt_when_stage_1_starts, daemon=True)
+    watcher.start()
+    cfg = TrainConfig(dataset="sbm:300,3", clients=3, stages=2, hidden=8, rounds=[2, 40], seed=0)
+    try:
+        with pytest.raises(ClientFailure, match=r"client 2 failed during stage 1 round \d+: client 2: "):
+            simulate(cfg)
+    finally:
+        done.set()
+        watcher.join(timeout=5)

@@ -1,0 +1,1 @@
+"""Graph data: datasets, partitioners and the on-disk partition format."""

@@ -1,0 +1,252 @@
+"""Dataset registry: PyG datasets by name, a user's saved ``Data`` file, synthetic SBM graphs, splits."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+# PyG classes are imported lazily: `import torch_geometric.datasets` costs seconds.
+_FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
+    # class name -> names it serves (lower case)
+    "Planetoid": ("Planetoid", ("cora", "citeseer", "pubmed")),
+    "Amazon": ("Amazon", ("computers", "photo")),
+    "Coauthor": ("Coauthor", ("cs", "physics")),
+    "CitationFull": ("CitationFull", ("cora_ml", "dblp", "cora-full")),
+    "WebKB": ("WebKB", ("cornell", "texas", "wisconsin")),
+    "Airports": ("Airports", ("usa", "brazil", "europe")),
+    "HeterophilousGraphDataset": (
+        "HeterophilousGraphDataset",
+        ("roman-empire", "amazon-ratings", "minesweeper", "tolokers", "questions"),
+    ),
+}
+_SINGLE = {"wikics": "WikiCS", "actor": "Actor", "flickr": "Flickr", "reddit": "Reddit"}
+_SPELLING = {"citeseer": "CiteSeer", "pubmed": "PubMed", "cora": "Cora", "cs": "CS"}
+
+
+class DatasetError(ValueError):
+    """A dataset name, file or split specification cannot be used."""
+
+
+def known_datasets() -> list[str]:
+    names = [n for _, (_, ns) in _FAMILIES.items() for n in ns]
+    return sorted([*names, *_SINGLE, "ogbn-arxiv", "ogbn-products", "sbm:N,C[,deg,homophily]"])
+
+
+def load_dataset(
+    name: str,
+    root: str | Path = "data",
+    *,
+    split: str = "public",
+    seed: int = 0,
+    split_index: int = 0,
+):
+    """Load a graph as a ``torch_geometric.data.Data`` with ``train/val/test_mask`` set.
+
+    Args:
+        name: a PyG dataset name (``Cora``, ``CiteSeer``, ``Computers``, ``CS``, ``WikiCS``,
+            ``ogbn-arxiv`` ...), ``sbm:N,C[,avg_degree,homophily]`` for a synthetic graph, or the
+            path of a ``torch.save``-d ``Data`` object (the user's own graph).
+        root: folder holding PyG's ``raw/`` files; PyG downloads into it where the network allows.
+        split: ``public`` (the dataset's own split), ``random:TRAIN,VAL,TEST`` fractions, or
+            ``per-class:K,VAL,TEST`` (K training nodes per class, VAL and TEST node counts).
+        seed: seed for random splits and synthetic graphs.
+        split_index: which column to use where a dataset ships several splits (``[N, S]`` masks).
+
+    Returns:
+        ``Data`` with ``x`` (float32), ``y`` (int64, ``-1`` for unlabeled), ``edge_index`` and
+        boolean ``train_mask``, ``val_mask``, ``test_mask`` of shape ``[N]``.
+    """
+    data = _load_raw(name, Path(root), seed)
+    data.x = data.x.float()
+    data.y = data.y.view(-1).long()
+    data.name = Path(name).stem if Path(name).suffix in (".pt", ".pth") else name
+    if split == "public":
+        if getattr(data, "train_mask", None) is None:
+            raise DatasetError(
+                f"dataset {name!r} has no split masks of its own: pass a split such as "
+                "'random:0.6,0.2,0.2' or 'per-class:20,500,1000'"
+            )
+        for key in ("train_mask", "val_mask", "test_mask"):
+            mask = data[key]
+            if mask.dim() == 2:
+                if not 0 <= split_index < mask.size(1):
+                    raise DatasetError(f"{name}: split_index {split_index} not in [0, {mask.size(1)})")
+                mask = mask[:, split_index]
+            data[key] = mask.bool() & (data.y >= 0)
+    else:
+        apply_split(data, split, seed)
+    return data
+
+
+def _load_raw(name: str, root: Path, seed: int):
+    path = Path(name)
+    if path.suffix in (".pt", ".pth") or path.is_file():
+        return _load_user_graph(path)
+    key = name.lower()
+    if key.startswith("sbm:"):
+        return synthetic_sbm_from_spec(key[4:], seed)
+    if key.startswith("ogbn-"):
+        try:
+            from ogb.nodeproppred import PygNodePropPredDataset
+        except ImportError as exc:
+            raise DatasetError(f"{name} needs the optional 'ogb' package: pip install ogb") from exc
+        ds = PygNodePropPredDataset(name=key, root=str(root))
+        data = ds[0]
+        idx = ds.get_idx_split()
+        n = data.num_nodes
+        for split, field in (("train", "train_mask"), ("valid", "val_mask"), ("test", "test_mask")):
+            mask = torch.zeros(n, dtype=torch.bool)
+            mask[idx[split]] = True
+            data[field] = mask
+        return data
+    import torch_geometric.datasets as pygd
+
+    for cls_name, names in _FAMILIES.values():
+        if key in names:
+            cls: Callable = getattr(pygd, cls_name)
+            spelled = _SPELLING.get(key, name)
+            if cls_name == "Planetoid":
+                return cls(root=str(root / "Planetoid"), name=spelled)[0]
+            if cls_name == "HeterophilousGraphDataset":
+                return cls(root=str(root / cls_name), name=key)[0]
+            return cls(root=str(root / cls_name), name=spelled)[0]
+    if key in _SINGLE:
+        cls = getattr(pygd, _SINGLE[key])
+        return cls(root=str(root / _SINGLE[key]))[0]
+    raise DatasetError(f"unknown dataset {name!r}; known: {', '.join(known_datasets())}")
+
+
+def _load_user_graph(path: Path):
+    from torch_geometric.data import Data
+
+    if not path.is_file():
+        raise DatasetError(f"{path}: no such file")
+    try:
+        obj = torch.load(path, weights_only=False, map_location="cpu")
+    except Exception as exc:  # any unpickling failure is a bad file
+        raise DatasetError(f"{path}: cannot be read as a saved torch_geometric Data ({exc})") from exc
+    if not isinstance(obj, Data):
+        raise DatasetError(f"{path}: holds a {type(obj).__name__}, expected torch_geometric Data")
+    for key in ("x", "y", "edge_index"):
+        if getattr(obj, key, None) is None:
+            raise DatasetError(f"{path}: field '{key}' is missing")
+    if obj.edge_index.dim() != 2 or obj.edge_index.size(0) != 2:
+        raise DatasetError(f"{path}: field 'edge_index' must have shape [2, E]")
+    if obj.y.view(-1).size(0) != obj.x.size(0):
+        raise DatasetError(f"{path}: field 'y' has {obj.y.numel()} labels for {obj.x.size(0)} nodes")
+    return obj
+
+
+_SPLIT_RE = re.compile(r"^(random|per-class):([0-9.,]+)$")
+
+
+def apply_split(data, spec: str, seed: int) -> None:
+    """Set ``train/val/test_mask`` on ``data`` from a split spec, seeded; unlabeled nodes stay out.
+
+    ``random:a,b,c``: fractions of the labeled nodes. ``per-class:k,v,t``: ``k`` training nodes
+    per class, then ``v`` validation and ``t`` test nodes drawn from the rest.
+    """
+    m = _SPLIT_RE.match(spec.replace(" ", ""))
+    if not m:
+        raise DatasetError(f"bad split {spec!r}: use public, random:TRAIN,VAL,TEST or per-class:K,VAL,TEST")
+    kind, nums = m.group(1), [float(v) for v in m.group(2).split(",")]
+    if len(nums) != 3:
+        raise DatasetError(f"bad split {spec!r}: give three numbers")
+    y = data.y.view(-1)
+    n = y.size(0)
+    gen = torch.Generator().manual_seed(seed)
+    labeled = torch.nonzero(y >= 0).view(-1)
+    labeled = labeled[torch.randperm(labeled.numel(), generator=gen)]
+    masks = [torch.zeros(n, dtype=torch.bool) for _ in range(3)]
+    if kind == "random":
+        if any(v < 0 for v in nums) or sum(nums) > 1 + 1e-9:
+            raise DatasetError(f"bad split {spec!r}: fractions must be >= 0 and sum to <= 1")
+        sizes = [int(round(v * labeled.numel())) for v in nums]
+        sizes[2] = min(sizes[2], labeled.numel() - sizes[0] - sizes[1])
+        start = 0
+        for mask, size in zip(masks, sizes, strict=True):
+            mask[labeled[start : start + size]] = True
+            start += size
+    else:
+        k, nval, ntest = (int(v) for v in nums)
+        chosen = []
+        for c in torch.unique(y[labeled]).tolist():
+            chosen.append(labeled[y[labeled] == c][:k])
+        train = torch.cat(chosen)
+        masks[0][train] = True
+        rest = labeled[~masks[0][labeled]]
+        masks[1][rest[:nval]] = True
+        masks[2][rest[nval : nval + ntest]] = True
+    data.train_mask, data.val_mask, data.test_mask = masks
+
+
+def synthetic_sbm_from_spec(spec: str, seed: int):
+    """Parse ``N,C[,avg_degree,homophily]`` (e.g. ``sbm:100000,10,40,0.8``)."""
+    parts = [p for p in spec.split(",") if p]
+    if not 2 <= len(parts) <= 4:
+        raise DatasetError(f"bad synthetic spec {spec!r}: use sbm:N,C[,avg_degree,homophily]")
+    try:
+        n, c = int(parts[0]), int(parts[1])
+        deg = float(parts[2]) if len(parts) > 2 else 10.0
+        hom = float(parts[3]) if len(parts) > 3 else 0.8
+    except ValueError as exc:
+        raise DatasetError(f"bad synthetic spec {spec!r}: {exc}") from exc
+    data = synthetic_sbm(n, c, avg_degree=deg, homophily=hom, seed=seed)
+    apply_split(data, "random:0.6,0.2,0.2", seed)
+    return data
+
+
+def synthetic_sbm(
+    num_nodes: int,
+    num_classes: int,
+    *,
+    avg_degree: float = 10.0,
+    homophily: float = 0.8,
+    num_features: int = 64,
+    feature_signal: float = 0.5,
+    seed: int = 0,
+):
+    """A stochastic-block-model graph whose blocks are classes, with class-correlated features.
+
+    Edges are drawn vectorized: ``N * avg_degree / 2`` endpoint pairs, each joining a node to a
+    uniform node of its own class with probability ``homophily`` and of any class otherwise; the
+    graph is made undirected and loop-free. Features are ``feature_signal * mu[y] + N(0, 1)`` with
+    one random mean vector per class, so structure and features both carry the label, neither
+    alone perfectly.
+
+    Args:
+        num_nodes: ``N``. num_classes: ``C``, blocks of near-equal size.
+        avg_degree: expected degree (each undirected edge counts at both ends).
+        homophily: probability that an edge stays inside a class.
+        num_features: feature dimension ``F``. feature_signal: class-mean scale.
+        seed: generator seed; the graph is a pure function of the arguments.
+    """
+    from torch_geometric.data import Data
+    from torch_geometric.utils import coalesce, remove_self_loops, to_undirected
+
+    if num_nodes < num_classes or num_classes < 1:
+        raise DatasetError("synthetic graph needs num_nodes >= num_classes >= 1")
+    gen = torch.Generator().manual_seed(seed)
+    y = torch.randperm(num_nodes, generator=gen) % num_classes
+    order = torch.argsort(y, stable=True)  # node ids grouped by class
+    counts = torch.bincount(y, minlength=num_classes)
+    starts = torch.cumsum(counts, 0) - counts
+    m = int(num_nodes * avg_degree / 2)
+    src = torch.randint(num_nodes, (m,), generator=gen)
+    same = torch.rand(m, generator=gen) < homophily
+    cls = y[src]
+    offset = (torch.rand(m, generator=gen) * counts[cls]).long()
+    dst_same = order[starts[cls] + offset]
+    dst_any = torch.randint(num_nodes, (m,), generator=gen)
+    dst = torch.where(same, dst_same, dst_any)
+    edge_index = torch.stack([src, dst])
+    edge_index, _ = remove_self_loops(edge_index)
+    edge_index = coalesce(to_undirected(edge_index, num_nodes=num_nodes), num_nodes=num_nodes)
+    mu = torch.randn(num_classes, num_features, generator=gen)
+    x = feature_signal * mu[y] + torch.randn(num_nodes, num_features, generator=gen)
+    data = Data(x=x, y=y, edge_index=edge_index)
+    data.name = f"sbm-{num_nodes}-{num_classes}"
+    return data

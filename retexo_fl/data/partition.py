@@ -1,0 +1,380 @@
+"""One client's fixed graph partition: the on-disk format, its writer and its validating loader."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+# Direction bits of a cross edge, seen from the owner: IN means the remote node sends messages to
+# the owned node (the owner aggregates it), OUT means the owned node sends to the remote one.
+CROSS_IN = 1
+CROSS_OUT = 2
+CROSS_BOTH = CROSS_IN | CROSS_OUT
+
+# file name -> (manifest field it is checked against, dtype kind, ndim)
+FILES: dict[str, tuple[str, int]] = {
+    "node_ids.npy": ("i", 1),
+    "x.npy": ("f", 2),
+    "y.npy": ("i", 1),
+    "train_mask.npy": ("b", 1),
+    "val_mask.npy": ("b", 1),
+    "test_mask.npy": ("b", 1),
+    "edges.npy": ("i", 2),
+    "cross_edges.npy": ("i", 2),
+}
+
+# Upper bound for integers a manifest declares (node counts, ids): a hostile manifest cannot ask
+# for absurd sizes, and arrays are memory-mapped, so nothing is allocated from declared sizes.
+_MAX_DECLARED = 1 << 40
+
+
+class PartitionError(ValueError):
+    """A partition on disk is missing, corrupt or inconsistent.
+
+    Args:
+        path: the file (or directory) that is wrong.
+        field: the field inside it that is wrong.
+        reason: what is wrong, in words.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], field: str, reason: str) -> None:
+        self.path = str(path)
+        self.field = field
+        self.reason = reason
+        super().__init__(f"{self.path}: field '{field}': {reason}")
+
+
+@dataclass
+class Partition:
+    """The data one client owns.
+
+    Node rows are in the order of ``node_ids`` (strictly increasing global ids).
+
+    Attributes:
+        partition_id: this client's index in ``[0, num_partitions)``.
+        num_partitions: number of clients the graph is split over.
+        num_global_nodes: node count of the whole graph (bounds every global id).
+        num_classes: number of label classes of the whole graph.
+        node_ids: ``[n]`` int64 global ids of the owned nodes, strictly increasing.
+        x: ``[n, F]`` float32 raw features.
+        y: ``[n]`` int64 labels, ``-1`` for unlabeled nodes.
+        train_mask, val_mask, test_mask: ``[n]`` bool, pairwise disjoint, labeled nodes only.
+        edges: ``[2, E]`` int64 directed local edges ``(src, dst)`` in global ids, both owned.
+        cross_edges: ``[C, 4]`` int64 rows ``(owned id, remote id, remote owner, direction)``,
+            direction a bitmask of :data:`CROSS_IN` and :data:`CROSS_OUT`.
+        dataset: name of the dataset the partition came from.
+        directed: whether the whole graph is directed (else every edge appears both ways).
+    """
+
+    partition_id: int
+    num_partitions: int
+    num_global_nodes: int
+    num_classes: int
+    node_ids: np.ndarray
+    x: np.ndarray
+    y: np.ndarray
+    train_mask: np.ndarray
+    val_mask: np.ndarray
+    test_mask: np.ndarray
+    edges: np.ndarray
+    cross_edges: np.ndarray
+    dataset: str = "unknown"
+    directed: bool = False
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.node_ids.shape[0])
+
+    @property
+    def num_features(self) -> int:
+        return int(self.x.shape[1])
+
+    def counts(self) -> dict[str, int]:
+        """Counts a client may reveal at setup (no ids, no values)."""
+        return {
+            "nodes": self.num_nodes,
+            "features": self.num_features,
+            "train": int(self.train_mask.sum()),
+            "val": int(self.val_mask.sum()),
+            "test": int(self.test_mask.sum()),
+            "edges": int(self.edges.shape[1]),
+            "cross_edges": int(self.cross_edges.shape[0]),
+        }
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def save_partition(part: Partition, directory: str | os.PathLike[str]) -> Path:
+    """Write ``part`` to ``directory`` (created) as ``.npy`` files plus ``manifest.json``.
+
+    The manifest is written last, through a temporary file, so a crash never leaves a directory
+    that looks complete.
+    """
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    arrays = {
+        "node_ids.npy": np.ascontiguousarray(part.node_ids, dtype=np.int64),
+        "x.npy": np.ascontiguousarray(part.x, dtype=np.float32),
+        "y.npy": np.ascontiguousarray(part.y, dtype=np.int64),
+        "train_mask.npy": np.ascontiguousarray(part.train_mask, dtype=np.bool_),
+        "val_mask.npy": np.ascontiguousarray(part.val_mask, dtype=np.bool_),
+        "test_mask.npy": np.ascontiguousarray(part.test_mask, dtype=np.bool_),
+        "edges.npy": np.ascontiguousarray(part.edges, dtype=np.int64).reshape(2, -1),
+        "cross_edges.npy": np.ascontiguousarray(part.cross_edges, dtype=np.int64).reshape(-1, 4),
+    }
+    checksums = {}
+    for name, arr in arrays.items():
+        np.save(out / name, arr, allow_pickle=False)
+        checksums[name] = _sha256(out / name)
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "dataset": part.dataset,
+        "partition_id": int(part.partition_id),
+        "num_partitions": int(part.num_partitions),
+        "num_global_nodes": int(part.num_global_nodes),
+        "num_classes": int(part.num_classes),
+        "directed": bool(part.directed),
+        "counts": part.counts(),
+        "checksums": checksums,
+        "meta": part.meta,
+    }
+    tmp = out / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    tmp.replace(out / MANIFEST)
+    return out
+
+
+def _manifest_int(manifest: dict, key: str, path: Path, lo: int, hi: int = _MAX_DECLARED) -> int:
+    value = manifest.get(key)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise PartitionError(path, key, f"must be an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise PartitionError(path, key, f"must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+def read_manifest(directory: str | os.PathLike[str]) -> dict:
+    """Read and type-check ``manifest.json`` of a partition directory."""
+    root = Path(directory)
+    path = root / MANIFEST
+    if not root.is_dir():
+        raise PartitionError(root, "directory", "partition directory does not exist")
+    if not path.is_file():
+        raise PartitionError(path, "manifest", "missing manifest.json")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise PartitionError(path, "manifest", f"not valid JSON ({exc})") from exc
+    if not isinstance(manifest, dict):
+        raise PartitionError(path, "manifest", "must be a JSON object")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise PartitionError(
+            path, "format_version", f"unsupported version {version!r} (expected {FORMAT_VERSION})"
+        )
+    nparts = _manifest_int(manifest, "num_partitions", path, 1)
+    _manifest_int(manifest, "partition_id", path, 0, nparts - 1)
+    _manifest_int(manifest, "num_global_nodes", path, 1)
+    _manifest_int(manifest, "num_classes", path, 1)
+    for key in ("counts", "checksums"):
+        if not isinstance(manifest.get(key), dict):
+            raise PartitionError(path, key, "must be a JSON object")
+    if not isinstance(manifest.get("directed", False), bool):
+        raise PartitionError(path, "directed", "must be true or false")
+    return manifest
+
+
+def _load_array(root: Path, name: str, manifest: dict, verify: bool) -> np.ndarray:
+    path = root / name
+    if not path.is_file():
+        raise PartitionError(path, name.removesuffix(".npy"), "file is missing")
+    expected = manifest["checksums"].get(name)
+    if verify:
+        if not isinstance(expected, str):
+            raise PartitionError(root / MANIFEST, f"checksums.{name}", "no checksum recorded")
+        actual = _sha256(path)
+        if actual != expected:
+            raise PartitionError(
+                path, "checksum", f"sha256 {actual[:16]}... does not match manifest {expected[:16]}..."
+            )
+    try:
+        arr = np.load(path, allow_pickle=False, mmap_mode="r")
+    except (ValueError, OSError, EOFError) as exc:
+        raise PartitionError(path, name.removesuffix(".npy"), f"not a readable .npy array ({exc})") from exc
+    kind, ndim = FILES[name]
+    if arr.ndim != ndim:
+        raise PartitionError(path, "shape", f"expected {ndim} dimensions, got shape {arr.shape}")
+    if arr.dtype.kind != kind and not (kind == "i" and arr.dtype.kind == "u"):
+        raise PartitionError(path, "dtype", f"expected kind '{kind}', got {arr.dtype}")
+    return np.asarray(arr)
+
+
+def load_partition(directory: str | os.PathLike[str], *, verify_checksums: bool = True) -> Partition:
+    """Load and fully validate one client's partition.
+
+    Every check raises :class:`PartitionError` naming the file and field; nothing is repaired and
+    nothing on disk is written.
+
+    Args:
+        directory: the partition directory written by :func:`save_partition` or by hand.
+        verify_checksums: check every file's sha256 against the manifest (default ``True``).
+    """
+    root = Path(directory)
+    manifest = read_manifest(root)
+    mpath = root / MANIFEST
+    arrays = {name: _load_array(root, name, manifest, verify_checksums) for name in FILES}
+
+    ids = arrays["node_ids.npy"].astype(np.int64, copy=False)
+    n = ids.shape[0]
+    n_global = manifest["num_global_nodes"]
+    nparts = manifest["num_partitions"]
+    pid = manifest["partition_id"]
+    ncls = manifest["num_classes"]
+
+    def fail(name: str, field_: str, reason: str) -> None:
+        raise PartitionError(root / name, field_, reason)
+
+    if n == 0:
+        fail("node_ids.npy", "node_ids", "partition owns no nodes")
+    if ids.min() < 0 or ids.max() >= n_global:
+        fail("node_ids.npy", "node_ids", f"ids must lie in [0, {n_global}) (num_global_nodes)")
+    if n > 1 and not bool(np.all(ids[1:] > ids[:-1])):
+        dup = n - np.unique(ids).shape[0]
+        reason = f"{dup} duplicate id(s)" if dup else "ids are not strictly increasing"
+        fail("node_ids.npy", "node_ids", reason)
+
+    x = arrays["x.npy"]
+    if x.shape[0] != n:
+        fail("x.npy", "shape", f"{x.shape[0]} rows for {n} owned nodes")
+    if not np.isfinite(x).all():
+        bad = int((~np.isfinite(x).all(axis=1)).sum())
+        fail("x.npy", "x", f"{bad} row(s) contain NaN or Inf")
+    y = arrays["y.npy"].astype(np.int64, copy=False)
+    if y.shape[0] != n:
+        fail("y.npy", "shape", f"{y.shape[0]} labels for {n} owned nodes")
+    if y.size and (y.min() < -1 or y.max() >= ncls):
+        fail("y.npy", "y", f"labels must lie in [-1, {ncls}) (num_classes; -1 = unlabeled)")
+
+    masks = {}
+    for split in ("train", "val", "test"):
+        name = f"{split}_mask.npy"
+        m = arrays[name]
+        if m.shape[0] != n:
+            fail(name, "shape", f"{m.shape[0]} entries for {n} owned nodes")
+        if bool((m & (y < 0)).any()):
+            fail(name, f"{split}_mask", "selects unlabeled nodes (label -1)")
+        masks[split] = m
+    for a, b in (("train", "val"), ("train", "test"), ("val", "test")):
+        if bool((masks[a] & masks[b]).any()):
+            fail(f"{a}_mask.npy", f"{a}_mask", f"overlaps {b}_mask")
+
+    edges = arrays["edges.npy"].astype(np.int64, copy=False)
+    if edges.shape[0] != 2:
+        fail("edges.npy", "shape", f"expected [2, E], got {list(edges.shape)}")
+    if edges.size and not np.isin(edges, ids).all():
+        fail("edges.npy", "edges", "an endpoint is not an owned node (local edges join owned nodes)")
+
+    cross = arrays["cross_edges.npy"].astype(np.int64, copy=False)
+    if cross.shape[1:] != (4,):
+        fail("cross_edges.npy", "shape", f"expected [C, 4], got {list(cross.shape)}")
+    if cross.size:
+        if not np.isin(cross[:, 0], ids).all():
+            fail("cross_edges.npy", "owned_id", "an owned endpoint is not an owned node")
+        if cross[:, 1].min() < 0 or cross[:, 1].max() >= n_global:
+            fail("cross_edges.npy", "remote_id", f"ids must lie in [0, {n_global})")
+        if np.isin(cross[:, 1], ids).any():
+            fail("cross_edges.npy", "remote_id", "a remote endpoint is owned by this partition")
+        owners = cross[:, 2]
+        if owners.min() < 0 or owners.max() >= nparts or (owners == pid).any():
+            fail("cross_edges.npy", "remote_owner", f"owners must lie in [0, {nparts}) and not be {pid}")
+        d = cross[:, 3]
+        if ((d < CROSS_IN) | (d > CROSS_BOTH)).any():
+            fail("cross_edges.npy", "direction", "must be 1 (in), 2 (out) or 3 (both)")
+        if not manifest.get("directed", False) and (d != CROSS_BOTH).any():
+            fail("cross_edges.npy", "direction", "an undirected graph needs direction 3 on every row")
+        # One remote node has one owner.
+        order = np.lexsort((cross[:, 2], cross[:, 1]))
+        r, o = cross[order, 1], cross[order, 2]
+        if ((r[1:] == r[:-1]) & (o[1:] != o[:-1])).any():
+            fail("cross_edges.npy", "remote_owner", "one remote id is given two different owners")
+
+    part = Partition(
+        partition_id=pid,
+        num_partitions=nparts,
+        num_global_nodes=n_global,
+        num_classes=ncls,
+        node_ids=ids,
+        x=x,
+        y=y,
+        train_mask=masks["train"],
+        val_mask=masks["val"],
+        test_mask=masks["test"],
+        edges=edges,
+        cross_edges=cross,
+        dataset=str(manifest.get("dataset", "unknown")),
+        directed=bool(manifest.get("directed", False)),
+        meta=manifest.get("meta", {}) if isinstance(manifest.get("meta"), dict) else {},
+    )
+    for key, value in part.counts().items():
+        declared = manifest["counts"].get(key)
+        if declared != value:
+            raise PartitionError(mpath, f"counts.{key}", f"declares {declared!r}, files hold {value}")
+    return part
+
+
+def load_partitions(directory: str | os.PathLike[str]) -> list[Partition]:
+    """Load every ``part-*`` sub-directory of ``directory``, ordered by partition id."""
+    root = Path(directory)
+    dirs = sorted(p for p in root.glob("part-*") if p.is_dir())
+    if not dirs:
+        raise PartitionError(root, "directory", "no part-* sub-directories")
+    parts = sorted((load_partition(d) for d in dirs), key=lambda p: p.partition_id)
+    for i, p in enumerate(parts):
+        if p.partition_id != i or p.num_partitions != len(parts):
+            raise PartitionError(
+                dirs[i], "partition_id", f"expected partitions 0..{len(parts) - 1} of {len(parts)}"
+            )
+    check_cross_consistency(parts)
+    return parts
+
+
+def check_cross_consistency(parts: list[Partition]) -> None:
+    """Check that every cross edge is mirrored by its remote owner.
+
+    Raises:
+        PartitionError: naming both clients when p's view of its edges to q disagrees with q's.
+    """
+    flip = np.array([0, CROSS_OUT, CROSS_IN, CROSS_BOTH])
+    views: dict[tuple[int, int], set[tuple[int, int, int]]] = {}
+    for p in parts:
+        c = p.cross_edges
+        for q in np.unique(c[:, 2]) if c.size else []:
+            rows = c[c[:, 2] == q]
+            views[(p.partition_id, int(q))] = set(
+                zip(rows[:, 0].tolist(), rows[:, 1].tolist(), rows[:, 3].tolist(), strict=True)
+            )
+    for (p, q), mine in views.items():
+        theirs = views.get((q, p), set())
+        mirrored = {(r, o, int(flip[d])) for (o, r, d) in theirs}
+        if mine != mirrored:
+            diff = len(mine ^ mirrored)
+            raise PartitionError(
+                f"part-{p}/cross_edges.npy",
+                "cross_edges",
+                f"client {p} and client {q} disagree on {diff} cross edge(s) between them",
+            )

@@ -1,0 +1,115 @@
+"""The partition format: round trip, and one clear error per kind of bad input, files untouched."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from retexo_fl.data.partition import (
+    MANIFEST,
+    PartitionError,
+    check_cross_consistency,
+    load_partition,
+    load_partitions,
+    save_partition,
+)
+from retexo_fl.data.partitioners import partition_graph
+
+
+@pytest.fixture()
+def parts(sbm):
+    return partition_graph(sbm, 3, "metis", seed=0)
+
+
+@pytest.fixture()
+def written(parts, tmp_path) -> Path:
+    for p in parts:
+        save_partition(p, tmp_path / f"part-{p.partition_id}")
+    return tmp_path
+
+
+def _tree_digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_round_trip(parts, written):
+    loaded = load_partitions(written)
+    assert len(loaded) == len(parts)
+    for a, b in zip(parts, loaded, strict=True):
+        for field in ("node_ids", "x", "y", "train_mask", "val_mask", "test_mask", "edges", "cross_edges"):
+            np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
+        assert a.counts() == b.counts()
+        assert b.num_classes == a.num_classes and b.num_global_nodes == a.num_global_nodes
+
+
+def _rewrite(path: Path, arr: np.ndarray, fix_checksum: bool = True) -> None:
+    """Replace one array file; by default also update its checksum so deeper checks are reached."""
+    np.save(path, arr, allow_pickle=False)
+    if fix_checksum:
+        mpath = path.parent / MANIFEST
+        m = json.loads(mpath.read_text())
+        m["checksums"][path.name] = hashlib.sha256(path.read_bytes()).hexdigest()
+        mpath.write_text(json.dumps(m))
+
+
+def _load(name, d):
+    return np.load(d / name)
+
+
+CASES = {
+    "checksum": (lambda d: _rewrite(d / "x.npy", _load("x.npy", d) + np.float32(1), fix_checksum=False), "x.npy", "checksum"),
+    "dtype": (lambda d: _rewrite(d / "x.npy", _load("x.npy", d).astype(np.int64)), "x.npy", "dtype"),
+    "shape": (lambda d: _rewrite(d / "x.npy", _load("x.npy", d)[:-1]), "x.npy", "shape"),
+    "ndim": (lambda d: _rewrite(d / "y.npy", _load("y.npy", d)[:, None]), "y.npy", "shape"),
+    "nan": (lambda d: _rewrite(d / "x.npy", np.where(np.arange(_load("x.npy", d).shape[0])[:, None] == 3, np.nan, _load("x.npy", d)).astype(np.float32)), "x.npy", "'x'"),
+    "duplicate ids": (lambda d: _rewrite(d / "node_ids.npy", np.sort(np.r_[_load("node_ids.npy", d)[:-1], _load("node_ids.npy", d)[0]])), "node_ids.npy", "duplicate"),
+    "id range": (lambda d: _rewrite(d / "node_ids.npy", _load("node_ids.npy", d) + 10**6), "node_ids.npy", "num_global_nodes"),
+    "label range": (lambda d: _rewrite(d / "y.npy", _load("y.npy", d) + 100), "y.npy", "'y'"),
+    "masks overlap": (lambda d: _rewrite(d / "val_mask.npy", _load("train_mask.npy", d)), "train_mask.npy", "overlaps val_mask"),
+    "mask on unlabeled": (lambda d: _rewrite(d / "y.npy", np.where(_load("train_mask.npy", d), -1, _load("y.npy", d))), "train_mask.npy", "unlabeled"),
+    "local edge leaves": (lambda d: _rewrite(d / "edges.npy", np.c_[_load("edges.npy", d), [[_load("cross_edges.npy", d)[0, 1]], [_load("node_ids.npy", d)[0]]]]), "edges.npy", "not an owned node"),
+    "cross remote owned": (lambda d: _rewrite(d / "cross_edges.npy", np.r_[_load("cross_edges.npy", d), [[_load("node_ids.npy", d)[0], _load("node_ids.npy", d)[1], 1, 3]]]), "cross_edges.npy", "remote_id"),
+    "cross owner self": (lambda d: _rewrite(d / "cross_edges.npy", np.where(np.arange(4) == 2, 0, _load("cross_edges.npy", d))), "cross_edges.npy", "remote_owner"),
+    "cross direction": (lambda d: _rewrite(d / "cross_edges.npy", np.where(np.arange(4) == 3, 7, _load("cross_edges.npy", d))), "cross_edges.npy", "direction"),
+    "truncated": (lambda d: (d / "edges.npy").write_bytes((d / "edges.npy").read_bytes()[:40]), "edges.npy", "checksum"),
+    "missing file": (lambda d: (d / "y.npy").unlink(), "y.npy", "missing"),
+    "manifest json": (lambda d: (d / MANIFEST).write_text("{not json"), MANIFEST, "not valid JSON"),
+    "manifest version": (lambda d: (d / MANIFEST).write_text(json.dumps({**json.loads((d / MANIFEST).read_text()), "format_version": 99})), MANIFEST, "format_version"),
+    "manifest counts": (lambda d: (d / MANIFEST).write_text(json.dumps({**json.loads((d / MANIFEST).read_text()), "counts": {**json.loads((d / MANIFEST).read_text())["counts"], "nodes": 1}})), MANIFEST, "counts.nodes"),
+    "huge declared": (lambda d: (d / MANIFEST).write_text(json.dumps({**json.loads((d / MANIFEST).read_text()), "num_global_nodes": 10**15})), MANIFEST, "num_global_nodes"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_loader_errors_name_file_and_field(case, written):
+    corrupt, fname, needle = CASES[case]
+    d = written / "part-0"
+    corrupt(d)
+    before = _tree_digest(written)
+    with pytest.raises(PartitionError) as info:
+        load_partition(d)
+    msg = str(info.value)
+    assert fname in msg, msg
+    assert needle in msg, msg
+    assert _tree_digest(written) == before, "the loader must not touch the files"
+
+
+def test_mismatched_cross_edges_name_both_clients(parts):
+    p1 = parts[1]
+    p1.cross_edges = p1.cross_edges[1:]
+    with pytest.raises(PartitionError) as info:
+        check_cross_consistency(parts)
+    msg = str(info.value)
+    assert "client 1" in msg and "client" in msg.replace("client 1", "", 1)
+
+
+def test_load_partitions_requires_a_full_set(written):
+    import shutil
+
+    shutil.rmtree(written / "part-1")
+    with pytest.raises(PartitionError, match="partition"):
+        load_partitions(written)

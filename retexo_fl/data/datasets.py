@@ -164,7 +164,7 @@ def apply_split(data, spec: str, seed: int) -> None:
     if kind == "random":
         if any(v < 0 for v in nums) or sum(nums) > 1 + 1e-9:
             raise DatasetError(f"bad split {spec!r}: fractions must be >= 0 and sum to <= 1")
-        sizes = [int(round(v * labeled.numel())) for v in nums]
+        sizes = [round(v * labeled.numel()) for v in nums]
         sizes[2] = min(sizes[2], labeled.numel() - sizes[0] - sizes[1])
         start = 0
         for mask, size in zip(masks, sizes, strict=True):

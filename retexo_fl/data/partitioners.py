@@ -159,7 +159,9 @@ def split_graph(data, owner: np.ndarray, nparts: int, *, method: str = "", seed:
     n = data.num_nodes
     missing = [k for k in ("train_mask", "val_mask", "test_mask") if getattr(data, k, None) is None]
     if missing:
-        raise ValueError(f"graph has no {', '.join(missing)}: give it a split first (e.g. random:0.6,0.2,0.2)")
+        raise ValueError(
+            f"graph has no {', '.join(missing)}: give it a split first (e.g. random:0.6,0.2,0.2)"
+        )
     if owner.shape != (n,):
         raise ValueError(f"owner must have one entry per node ({n}), got shape {owner.shape}")
     ei, _ = remove_self_loops(data.edge_index)

@@ -45,7 +45,7 @@ def test_user_graph_with_unlabeled_nodes(tmp_path):
 
 def test_bad_user_files(tmp_path):
     (tmp_path / "junk.pt").write_bytes(b"not a torch file")
-    with pytest.raises(DatasetError, match="junk.pt"):
+    with pytest.raises(DatasetError, match=r"junk\.pt"):
         load_dataset(str(tmp_path / "junk.pt"))
     torch.save({"x": 1}, tmp_path / "dict.pt")
     with pytest.raises(DatasetError, match="expected torch_geometric Data"):

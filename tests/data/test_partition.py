@@ -33,7 +33,11 @@ def written(parts, tmp_path) -> Path:
 
 
 def _tree_digest(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_round_trip(parts, written):
@@ -61,26 +65,115 @@ def _load(name, d):
 
 
 CASES = {
-    "checksum": (lambda d: _rewrite(d / "x.npy", _load("x.npy", d) + np.float32(1), fix_checksum=False), "x.npy", "checksum"),
+    "checksum": (
+        lambda d: _rewrite(d / "x.npy", _load("x.npy", d) + np.float32(1), fix_checksum=False),
+        "x.npy",
+        "checksum",
+    ),
     "dtype": (lambda d: _rewrite(d / "x.npy", _load("x.npy", d).astype(np.int64)), "x.npy", "dtype"),
     "shape": (lambda d: _rewrite(d / "x.npy", _load("x.npy", d)[:-1]), "x.npy", "shape"),
     "ndim": (lambda d: _rewrite(d / "y.npy", _load("y.npy", d)[:, None]), "y.npy", "shape"),
-    "nan": (lambda d: _rewrite(d / "x.npy", np.where(np.arange(_load("x.npy", d).shape[0])[:, None] == 3, np.nan, _load("x.npy", d)).astype(np.float32)), "x.npy", "'x'"),
-    "duplicate ids": (lambda d: _rewrite(d / "node_ids.npy", np.sort(np.r_[_load("node_ids.npy", d)[:-1], _load("node_ids.npy", d)[0]])), "node_ids.npy", "duplicate"),
-    "id range": (lambda d: _rewrite(d / "node_ids.npy", _load("node_ids.npy", d) + 10**6), "node_ids.npy", "num_global_nodes"),
+    "nan": (
+        lambda d: _rewrite(
+            d / "x.npy",
+            np.where(np.arange(_load("x.npy", d).shape[0])[:, None] == 3, np.nan, _load("x.npy", d)).astype(
+                np.float32
+            ),
+        ),
+        "x.npy",
+        "'x'",
+    ),
+    "duplicate ids": (
+        lambda d: _rewrite(
+            d / "node_ids.npy", np.sort(np.r_[_load("node_ids.npy", d)[:-1], _load("node_ids.npy", d)[0]])
+        ),
+        "node_ids.npy",
+        "duplicate",
+    ),
+    "id range": (
+        lambda d: _rewrite(d / "node_ids.npy", _load("node_ids.npy", d) + 10**6),
+        "node_ids.npy",
+        "num_global_nodes",
+    ),
     "label range": (lambda d: _rewrite(d / "y.npy", _load("y.npy", d) + 100), "y.npy", "'y'"),
-    "masks overlap": (lambda d: _rewrite(d / "val_mask.npy", _load("train_mask.npy", d)), "train_mask.npy", "overlaps val_mask"),
-    "mask on unlabeled": (lambda d: _rewrite(d / "y.npy", np.where(_load("train_mask.npy", d), -1, _load("y.npy", d))), "train_mask.npy", "unlabeled"),
-    "local edge leaves": (lambda d: _rewrite(d / "edges.npy", np.c_[_load("edges.npy", d), [[_load("cross_edges.npy", d)[0, 1]], [_load("node_ids.npy", d)[0]]]]), "edges.npy", "not an owned node"),
-    "cross remote owned": (lambda d: _rewrite(d / "cross_edges.npy", np.r_[_load("cross_edges.npy", d), [[_load("node_ids.npy", d)[0], _load("node_ids.npy", d)[1], 1, 3]]]), "cross_edges.npy", "remote_id"),
-    "cross owner self": (lambda d: _rewrite(d / "cross_edges.npy", np.where(np.arange(4) == 2, 0, _load("cross_edges.npy", d))), "cross_edges.npy", "remote_owner"),
-    "cross direction": (lambda d: _rewrite(d / "cross_edges.npy", np.where(np.arange(4) == 3, 7, _load("cross_edges.npy", d))), "cross_edges.npy", "direction"),
-    "truncated": (lambda d: (d / "edges.npy").write_bytes((d / "edges.npy").read_bytes()[:40]), "edges.npy", "checksum"),
+    "masks overlap": (
+        lambda d: _rewrite(d / "val_mask.npy", _load("train_mask.npy", d)),
+        "train_mask.npy",
+        "overlaps val_mask",
+    ),
+    "mask on unlabeled": (
+        lambda d: _rewrite(d / "y.npy", np.where(_load("train_mask.npy", d), -1, _load("y.npy", d))),
+        "train_mask.npy",
+        "unlabeled",
+    ),
+    "local edge leaves": (
+        lambda d: _rewrite(
+            d / "edges.npy",
+            np.c_[
+                _load("edges.npy", d), [[_load("cross_edges.npy", d)[0, 1]], [_load("node_ids.npy", d)[0]]]
+            ],
+        ),
+        "edges.npy",
+        "not an owned node",
+    ),
+    "cross remote owned": (
+        lambda d: _rewrite(
+            d / "cross_edges.npy",
+            np.r_[
+                _load("cross_edges.npy", d),
+                [[_load("node_ids.npy", d)[0], _load("node_ids.npy", d)[1], 1, 3]],
+            ],
+        ),
+        "cross_edges.npy",
+        "remote_id",
+    ),
+    "cross owner self": (
+        lambda d: _rewrite(
+            d / "cross_edges.npy", np.where(np.arange(4) == 2, 0, _load("cross_edges.npy", d))
+        ),
+        "cross_edges.npy",
+        "remote_owner",
+    ),
+    "cross direction": (
+        lambda d: _rewrite(
+            d / "cross_edges.npy", np.where(np.arange(4) == 3, 7, _load("cross_edges.npy", d))
+        ),
+        "cross_edges.npy",
+        "direction",
+    ),
+    "truncated": (
+        lambda d: (d / "edges.npy").write_bytes((d / "edges.npy").read_bytes()[:40]),
+        "edges.npy",
+        "checksum",
+    ),
     "missing file": (lambda d: (d / "y.npy").unlink(), "y.npy", "missing"),
     "manifest json": (lambda d: (d / MANIFEST).write_text("{not json"), MANIFEST, "not valid JSON"),
-    "manifest version": (lambda d: (d / MANIFEST).write_text(json.dumps({**json.loads((d / MANIFEST).read_text()), "format_version": 99})), MANIFEST, "format_version"),
-    "manifest counts": (lambda d: (d / MANIFEST).write_text(json.dumps({**json.loads((d / MANIFEST).read_text()), "counts": {**json.loads((d / MANIFEST).read_text())["counts"], "nodes": 1}})), MANIFEST, "counts.nodes"),
-    "huge declared": (lambda d: (d / MANIFEST).write_text(json.dumps({**json.loads((d / MANIFEST).read_text()), "num_global_nodes": 10**15})), MANIFEST, "num_global_nodes"),
+    "manifest version": (
+        lambda d: (d / MANIFEST).write_text(
+            json.dumps({**json.loads((d / MANIFEST).read_text()), "format_version": 99})
+        ),
+        MANIFEST,
+        "format_version",
+    ),
+    "manifest counts": (
+        lambda d: (d / MANIFEST).write_text(
+            json.dumps(
+                {
+                    **json.loads((d / MANIFEST).read_text()),
+                    "counts": {**json.loads((d / MANIFEST).read_text())["counts"], "nodes": 1},
+                }
+            )
+        ),
+        MANIFEST,
+        "counts.nodes",
+    ),
+    "huge declared": (
+        lambda d: (d / MANIFEST).write_text(
+            json.dumps({**json.loads((d / MANIFEST).read_text()), "num_global_nodes": 10**15})
+        ),
+        MANIFEST,
+        "num_global_nodes",
+    ),
 }
 
 

@@ -40,7 +40,9 @@ def test_partitions_cover_graph_and_mirror_cross_edges(sbm, method):
     for p in parts:
         assert (p.cross_edges[:, 3] == CROSS_BOTH).all()
         for split in ("train", "val", "test"):
-            np.testing.assert_array_equal(getattr(p, f"{split}_mask"), sbm[f"{split}_mask"].numpy()[p.node_ids])
+            np.testing.assert_array_equal(
+                getattr(p, f"{split}_mask"), sbm[f"{split}_mask"].numpy()[p.node_ids]
+            )
 
 
 def test_metis_cuts_fewer_edges_than_random(sbm):
@@ -61,7 +63,9 @@ def test_label_skew_concentrates_labels(sbm):
 def test_one_node_per_client():
     from torch_geometric.data import Data
 
-    data = Data(x=torch.randn(5, 2), y=torch.arange(5) % 2, edge_index=torch.tensor([[0, 1, 1, 2], [1, 0, 2, 1]]))
+    data = Data(
+        x=torch.randn(5, 2), y=torch.arange(5) % 2, edge_index=torch.tensor([[0, 1, 1, 2], [1, 0, 2, 1]])
+    )
     owner = assign_nodes(data, 5, "node")
     np.testing.assert_array_equal(owner, np.arange(5))
     with pytest.raises(ValueError, match="clients == num_nodes"):

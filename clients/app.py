@@ -99,14 +99,11 @@ def _deliver(client, msg: Message) -> bool:
     degrees, halo = {}, {}
     for key, blob in payloads.items():
         kind, src = key.split("-from-")
-        target = degrees if kind == "deg" else halo
-        src_id = int(src)
-        expect = client.plan.recv.get(src_id)
-        target[src_id] = P.rows_from_bytes(blob, src_id, None if expect is None else expect.size)
+        (degrees if kind == "deg" else halo)[int(src)] = blob
     if degrees:
-        client.receive_degrees(degrees)
+        client.receive_degrees(client.decode_degrees(degrees))
     # The server attaches deliveries to the first round of every stage >= 1, also when empty.
-    client.receive_halo(halo)
+    client.receive_halo(client.decode_boundary(halo))
     return True
 
 
@@ -115,8 +112,8 @@ def setup(msg: Message, context: Context) -> Message:
     client, work = _client(msg, context)
     payloads = ConfigRecord()
     if client.cfg.model == "gcn":
-        for q, rows in client.degree_rows().items():
-            payloads[P.peer_key("to", q)] = P.rows_to_bytes(rows)
+        for q, frame in client.degree_frames().items():
+            payloads[P.peer_key("to", q)] = frame
     client.save(work)
     info = ConfigRecord(
         {
@@ -135,13 +132,16 @@ def train(msg: Message, context: Context) -> Message:
     from retexo_fl.training.client import EvalResult
 
     client, work = _client(msg, context)
-    if _deliver(client, msg):
-        client.save(work)
+    delivered = _deliver(client, msg)
     state = _state(msg)
     config = msg.content[P.CONFIG]
     # The server asks to validate the state it sends, except a stage's initial weights.
     val = client.evaluate(state, "val") if bool(config.get("validate", True)) else EvalResult(0, 0, 0.0)
-    new_state, loss = client.train(state, int(config["round"]))
+    round_ = int(config["round"])
+    new_state, loss = client.train(state, round_)
+    frames = client.encode_update(new_state, state, round_)
+    if delivered or frames is not None:  # halo rows, or the error-feedback residual, changed
+        client.save(work)
     metrics = MetricRecord(
         {
             "num-examples": client.num_train,
@@ -151,7 +151,8 @@ def train(msg: Message, context: Context) -> Message:
             "val-loss": val.loss_sum,
         }
     )
-    return Message(RecordDict({P.ARRAYS: ArrayRecord(new_state), P.METRICS: metrics}), reply_to=msg)
+    update = {P.ARRAYS: ArrayRecord(new_state)} if frames is None else {P.UPDATE: ConfigRecord(frames)}
+    return Message(RecordDict({**update, P.METRICS: metrics}), reply_to=msg)
 
 
 @app.evaluate()
@@ -165,7 +166,8 @@ def evaluate(msg: Message, context: Context) -> Message:
 @app.query("embed")
 def embed(msg: Message, context: Context) -> Message:
     client, work = _client(msg, context)
-    rows = client.advance(client.embeddings(_state(msg)))
+    frames, stats = client.encode_boundary(client.advance(client.embeddings(_state(msg))))
     client.save(work)
-    payloads = ConfigRecord({P.peer_key("to", q): P.rows_to_bytes(r) for q, r in rows.items()})
-    return Message(RecordDict({P.PAYLOADS: payloads}), reply_to=msg)
+    payloads = ConfigRecord({P.peer_key("to", q): frame for q, frame in frames.items()})
+    figures = ConfigRecord({"json": json.dumps(stats.to_dict())})
+    return Message(RecordDict({P.PAYLOADS: payloads, P.STATS: figures}), reply_to=msg)

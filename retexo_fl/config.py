@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MODES = ("lazy", "centralized")
+BIT_POLICIES = ("fixed", "adaptive-budget", "adaptive-bandwidth")
 PER_STAGE = ("rounds", "local_epochs", "lr", "server_lr", "dropout", "input_dropout")
 
 
@@ -48,6 +49,15 @@ class TrainConfig:
     heads: int = 4
     patience: int = 0
     device: str = "auto"
+    # Compression (DESIGN section 5): boundary rows and model updates.
+    bits: int = 32
+    bit_policy: str = "fixed"
+    byte_budget: str = ""
+    link_bandwidths: str = ""
+    time_budget: float = 0.0
+    rate_schedule: str = "fixed"
+    update_bits: int = 32
+    range_dtype: str = "fp16"
     out_dir: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -73,6 +83,24 @@ class TrainConfig:
             raise ValueError(f"optimizer must be adam or sgd, got {self.optimizer!r}")
         if self.clients < 1:
             raise ValueError(f"clients must be >= 1, got {self.clients}")
+        from retexo_fl.compress.quantize import ALL_BITS, RANGE_DTYPES
+        from retexo_fl.compress.schedule import RateSchedule
+
+        if self.bits not in ALL_BITS or self.update_bits not in ALL_BITS:
+            raise ValueError(
+                f"bits and update-bits must be one of {ALL_BITS}, got {self.bits}, {self.update_bits}"
+            )
+        if self.bit_policy not in BIT_POLICIES:
+            raise ValueError(f"bit-policy must be one of {BIT_POLICIES}, got {self.bit_policy!r}")
+        if self.range_dtype not in RANGE_DTYPES:
+            raise ValueError(f"range-dtype must be fp16 or bf16, got {self.range_dtype!r}")
+        if self.bit_policy == "adaptive-budget" and not self.byte_budget and self.rate_schedule == "fixed":
+            raise ValueError(
+                "bit-policy adaptive-budget needs byte-budget (bytes, or e.g. 4b) or a rate-schedule"
+            )
+        if self.bit_policy == "adaptive-bandwidth" and not self.link_bandwidths:
+            raise ValueError("bit-policy adaptive-bandwidth needs link-bandwidths")
+        RateSchedule.parse(self.rate_schedule)
         for name in ("rounds", "local_epochs"):
             for s in range(self.stages):
                 if int(self.per_stage(name, s)) < 0:

@@ -6,11 +6,8 @@ The library defines what travels; ``server/`` and ``clients/`` put it into Flowe
 from __future__ import annotations
 
 import json
-import struct
 
-import numpy as np
-import torch
-
+from retexo_fl.compress.payload import HEADER_BYTES, PayloadError, decode_rows, encode_rows
 from retexo_fl.config import TrainConfig
 
 # Message types (Flower requires train / evaluate / query, optionally with .<name>).
@@ -25,39 +22,11 @@ ARRAYS = "arrays"  # ArrayRecord: the stage model's state
 METRICS = "metrics"  # MetricRecord: counts, losses, accuracies
 PAYLOADS = "payloads"  # ConfigRecord: "to-<q>" (outgoing) or "from-<p>" (deliveries) -> bytes
 
-_ROWS = struct.Struct("<4sBII")  # magic, dtype code, rows, cols
-ROW_HEADER_BYTES = _ROWS.size
-_MAGIC = b"RXR1"
+STATS = "stats"  # ConfigRecord: a client's exchange figures (bytes before / after, widths), JSON
+UPDATE = "update"  # ConfigRecord: tensor name -> compressed update frame (update-bits < 32)
 
-
-class PayloadError(ValueError):
-    """A boundary payload does not match its header or what the receiver expects."""
-
-
-def rows_to_bytes(rows: torch.Tensor) -> bytes:
-    """Serialize a ``[k, d]`` float32 row block with a small header (shape checked on receipt)."""
-    arr = np.ascontiguousarray(rows.detach().cpu().numpy(), dtype="<f4")
-    if arr.ndim != 2:
-        raise PayloadError(f"rows must be 2-D, got shape {arr.shape}")
-    return _ROWS.pack(_MAGIC, 32, arr.shape[0], arr.shape[1]) + arr.tobytes()
-
-
-def rows_from_bytes(data: bytes, source: int, expect_rows: int | None = None) -> torch.Tensor:
-    """Parse :func:`rows_to_bytes` output from client ``source``, checking header and size."""
-    if len(data) < _ROWS.size:
-        raise PayloadError(f"payload from client {source}: {len(data)} bytes is shorter than a header")
-    magic, bits, k, d = _ROWS.unpack_from(data)
-    if magic != _MAGIC or bits != 32:
-        raise PayloadError(f"payload from client {source}: bad header (magic {magic!r}, bits {bits})")
-    if len(data) != _ROWS.size + 4 * k * d:
-        raise PayloadError(
-            f"payload from client {source}: header says {k}x{d} float32 "
-            f"but the body has {len(data) - _ROWS.size} bytes"
-        )
-    if expect_rows is not None and k != expect_rows:
-        raise PayloadError(f"payload from client {source}: {k} rows, boundary plan expects {expect_rows}")
-    arr = np.frombuffer(data, dtype="<f4", offset=_ROWS.size).reshape(k, d)
-    return torch.from_numpy(arr.copy())
+# Boundary rows, degrees and compressed updates all travel as the frames of compress.payload.
+__all__ = ["HEADER_BYTES", "PayloadError", "decode_rows", "encode_rows"]
 
 
 def config_to_json(cfg: TrainConfig) -> str:

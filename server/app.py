@@ -39,8 +39,8 @@ class StageMachine:
         self.run_json = P.config_to_json(cfg)
         self.nodes: dict[int, int] = {}  # partition id -> node id
         self.counts: dict[int, dict] = {}
-        self.bytes_boundary = 0  # payload bodies, as the in-process engine counts them
-        self.bytes_relayed = 0  # payload bytes including headers
+        self.bytes_boundary = 0  # relayed frames (degrees and boundary rows), headers included
+        self.exchange_stats: dict[int, dict] = {}  # stage -> compression figures of its exchange
         # (stage, message type, node id, direction) -> [messages, wire bytes, payload bytes]
         self.traffic: dict[tuple[int, str, int, str], list[int]] = {}
 
@@ -146,11 +146,11 @@ class StageMachine:
             for key, blob in record.items():
                 dst = P.parse_peer_key(key)
                 incoming[dst][f"{kind}-from-{src}"] = blob
-                self.bytes_relayed += len(blob)
-                self.bytes_boundary += len(blob) - P.ROW_HEADER_BYTES
+                self.bytes_boundary += len(blob)
         return incoming
 
     def run_stage(self, stage: int, deliveries: dict[int, ConfigRecord] | None) -> tuple[dict, dict]:
+        from retexo_fl.compress.updates import UpdateCodec
         from retexo_fl.training.aggregate import ServerOptimizer, state_nbytes, weighted_average
         from retexo_fl.training.client import build_stage_model, stage_input_dim
         from retexo_fl.training.selection import StageTracker
@@ -163,8 +163,10 @@ class StageMachine:
         server = ServerOptimizer(cfg.server_optimizer, state, float(cfg.per_stage("server_lr", stage)))
         rounds = int(cfg.per_stage("rounds", stage))
         tracker = StageTracker(stage, cfg.patience)
+        codec = UpdateCodec(cfg.update_bits, cfg.range_dtype)
         t0 = time.perf_counter()
         train_loss = 0.0
+        model_raw = 0
         for r in range(1, rounds + 1):
             first = r == 1 and deliveries
             contents = {
@@ -184,15 +186,26 @@ class StageMachine:
             train_loss = sum(m["train-loss"] * w for m, w in zip(metrics, weights, strict=True)) / sum(
                 weights
             )
-            states = [m.content[P.ARRAYS].to_torch_state_dict() for m in ordered]
+            states = []
+            for pid, m in zip(sorted(self.nodes), ordered, strict=True):
+                if P.UPDATE in m.content:
+                    frames = {k: bytes(v) for k, v in m.content[P.UPDATE].items()}
+                    states.append(codec.decode(frames, state, f"client {pid}"))
+                    up = codec.nbytes(frames)
+                else:
+                    states.append(m.content[P.ARRAYS].to_torch_state_dict())
+                    up = state_nbytes(states[-1])
+                tracker.model_bytes += state_nbytes(state) + up
+                model_raw += 2 * state_nbytes(state)
             state = server.step(weighted_average(states, weights))
-            tracker.model_bytes += 2 * state_nbytes(state) * len(self.nodes)
             if line := tracker.progress_line(r, rounds):
                 self.rec.progress(line)
         else:  # the last (or only) state still needs its validation
             correct, count, _ = self.evaluate(state, "val", stage)
             self._record(tracker, rounds, state, [{"val-correct": correct, "val-count": count}], train_loss)
-        return tracker.best_state, tracker.figures(time.perf_counter() - t0)
+        figures = tracker.figures(time.perf_counter() - t0)
+        figures["bytes_model_raw"] = model_raw
+        return tracker.best_state, figures
 
     def _record(self, tracker, round_: int, state: dict, metrics: list[dict], train_loss: float) -> None:
         count = sum(m["val-count"] for m in metrics)
@@ -213,10 +226,21 @@ class StageMachine:
             f"stage {stage} embed",
             stage,
         )
+        from retexo_fl.compress.boundary import ExchangeStats
+
+        stats = ExchangeStats()
+        for reply in replies.values():
+            figures = json.loads(str(reply.content[P.STATS]["json"]))
+            stats.bytes_raw += int(figures["bytes_raw"])
+            stats.bytes_sent += int(figures["bytes_sent"])
+            stats.bits.update({int(b): int(n) for b, n in figures["bit_histogram"].items()})
+        self.exchange_stats[stage] = stats
         who = {node: pid for pid, node in self.nodes.items()}
         return self._route({who[n]: r.content[P.PAYLOADS] for n, r in replies.items()}, "halo")
 
     def run(self) -> dict:
+        from retexo_fl.training.lazy import compression_totals, exchange_figures
+
         t0 = time.perf_counter()
         degrees = self.setup()
         stages, deliveries, state = [], None, {}
@@ -231,6 +255,8 @@ class StageMachine:
             if stage < self.cfg.stages - 1:
                 deliveries = self.embed(state, stage)
             figures["bytes_boundary"] = self.bytes_boundary - before
+            if stage in self.exchange_stats:
+                figures.update(exchange_figures(self.exchange_stats[stage]))
             stages.append(figures)
             self.rec.progress(
                 f"stage {stage} done: best val {figures['val_accuracy']:.4f} at round "
@@ -239,6 +265,7 @@ class StageMachine:
         correct, count, _ = self.evaluate(state, "test", self.cfg.stages - 1)
         bytes_model = sum(s["bytes_model"] for s in stages)
         return {
+            **compression_totals(stages),
             "mode": "lazy",
             "engine": "flower",
             "test_accuracy": correct / count if count else 0.0,
@@ -246,7 +273,6 @@ class StageMachine:
             "bytes_total": self.bytes_boundary + bytes_model,
             "bytes_boundary": self.bytes_boundary,
             "bytes_model": bytes_model,
-            "bytes_boundary_relayed": self.bytes_relayed,
             "traffic": self.traffic_summary(),
             "stages": stages,
             "wall_seconds": time.perf_counter() - t0,

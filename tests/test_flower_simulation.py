@@ -26,6 +26,10 @@ def test_simulation_matches_in_process(tmp_path):
         rounds=[6, 4],
         patience=2,
         seed=0,
+        # Compressed both ways: adaptive-width boundary rows, 8-bit updates with error feedback.
+        bit_policy="adaptive-budget",
+        byte_budget="4b",
+        update_bits=8,
         out_dir=str(tmp_path / "sim"),
     )
     sim = simulate(cfg)
@@ -37,11 +41,12 @@ def test_simulation_matches_in_process(tmp_path):
     assert [s["best_round"] for s in sim["stages"]] == [s["best_round"] for s in ref["stages"]]
     # Early stopping (patience 2) cuts the same rounds in both engines.
     assert [s["rounds_run"] for s in sim["stages"]] == [s["rounds_run"] for s in ref["stages"]]
-    # The server relayed opaque payloads: bodies plus one small header per block.
-    assert sim["bytes_boundary_relayed"] > sim["bytes_boundary"]
+    assert sim["bit_histogram"] == ref["bit_histogram"] and len(sim["bit_histogram"]) > 1
+    assert sim["bytes_boundary_raw"] == ref["bytes_boundary_raw"] > 2 * sim["bytes_boundary"]
+    assert sim["bytes_model"] < 0.7 * sim["bytes_model_raw"]
     # Every message was measured: wire bytes exceed payload bytes, by little for boundary rows.
     traffic = sim["traffic"]
-    assert traffic["bytes_wire"] > traffic["bytes_payload"] >= sim["bytes_boundary_relayed"]
+    assert traffic["bytes_wire"] > traffic["bytes_payload"] >= sim["bytes_boundary"]
     assert 1.0 < traffic["boundary_overhead"] < 1.5
     clients = {r["client"] for r in traffic["by_message"]}
     assert clients == {0, 1, 2}

@@ -9,6 +9,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from retexo_fl.compress.bits import aggregation_weights
+from retexo_fl.compress.boundary import BoundaryEncoder, ExchangeStats
+from retexo_fl.compress.payload import decode_rows, encode_rows
+from retexo_fl.compress.updates import UpdateCodec
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partition import Partition
 from retexo_fl.models.stage import StageModel
@@ -91,6 +95,9 @@ class LazyClient:
         self.halo: Tensor | None = None
         self.halo_degree: Tensor | None = None
         self._edges: tuple[Tensor, Tensor | None] | None = None
+        self.encoder = BoundaryEncoder(cfg)
+        self.update_codec = UpdateCodec(cfg.update_bits, cfg.range_dtype) if cfg.update_bits < 32 else None
+        self.residual: StateDict | None = None  # error feedback of compressed updates, this stage
 
     @property
     def id(self) -> int:
@@ -104,6 +111,21 @@ class LazyClient:
     def degree_rows(self) -> dict[int, Tensor]:
         """Global in-degrees of the rows each peer needs, ``{peer: [k, 1]}`` (GCN only)."""
         return self.plan.rows_for(self.graph.in_degree.view(-1, 1))
+
+    def degree_frames(self) -> dict[int, bytes]:
+        """:meth:`degree_rows` as exact (32-bit) frames."""
+        return {
+            q: encode_rows(r, 32, where=f"client {self.id}, degrees") for q, r in self.degree_rows().items()
+        }
+
+    def decode_degrees(self, frames: dict[int, bytes]) -> dict[int, Tensor]:
+        return {
+            p: decode_rows(blob, f"client {p} (degrees)", self._expect(p), 1) for p, blob in frames.items()
+        }
+
+    def _expect(self, peer: int) -> int | None:
+        ids = self.plan.recv.get(peer)
+        return None if ids is None else int(ids.size)
 
     def receive_degrees(self, incoming: dict[int, Tensor]) -> None:
         self.halo_degree = self.plan.assemble_halo(incoming, 1).view(-1)
@@ -212,6 +234,34 @@ class LazyClient:
     def receive_halo(self, incoming: dict[int, Tensor]) -> None:
         self.halo = self.plan.assemble_halo(incoming, self.owned.shape[1]).to(self.device)
 
+    def encode_boundary(self, rows: dict[int, Tensor]) -> tuple[dict[int, bytes], ExchangeStats]:
+        """Frames of the rows :meth:`advance` returned, compressed as the run config says."""
+        exchange = self.stage - 1
+        weights = None
+        if self.cfg.bit_policy != "fixed":
+            weights = aggregation_weights(
+                self.part, self.plan, self.graph.in_degree, self.halo_degree, self.cfg.model
+            )
+        gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, self.stage, 0xB0, self.id))
+        return self.encoder.encode(self.id, rows, weights, exchange, self.cfg.stages - 1, gen)
+
+    def decode_boundary(self, frames: dict[int, bytes]) -> dict[int, Tensor]:
+        """Peer frames -> row blocks, each checked against this client's boundary plan."""
+        dim = self.owned.shape[1]
+        return {p: decode_rows(blob, f"client {p}", self._expect(p), dim) for p, blob in frames.items()}
+
+    def encode_update(self, new: StateDict, base: StateDict, round_: int) -> dict[str, bytes] | None:
+        """``new``'s update from ``base`` as frames (``update-bits``), or ``None`` when uncompressed."""
+        if self.update_codec is None:
+            return None
+        if round_ == 1:
+            self.residual = None  # a new stage trains a new model
+        gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, self.stage, round_, 0xC0, self.id))
+        frames, self.residual = self.update_codec.encode(
+            new, base, self.residual, gen, where=f"client {self.id}, stage {self.stage} update"
+        )
+        return frames
+
     # -- persistence between messages (a deployed ClientApp is a new process per message) ------
     def save(self, directory: str | Path) -> None:
         """Write the stage inputs to a node-local ``directory`` (atomically)."""
@@ -222,6 +272,7 @@ class LazyClient:
             "owned": self.owned.cpu(),
             "halo": None if self.halo is None else self.halo.cpu(),
             "halo_degree": self.halo_degree,
+            "residual": self.residual,
         }
         torch.save(state, path / "client-state.pt.tmp")
         (path / "client-state.pt.tmp").replace(path / "client-state.pt")
@@ -236,5 +287,6 @@ class LazyClient:
         self.owned = state["owned"].to(self.device)
         self.halo = None if state["halo"] is None else state["halo"].to(self.device)
         self.halo_degree = state["halo_degree"]
+        self.residual = state.get("residual")
         self._edges = None
         return True

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from torch import Tensor
 
+from retexo_fl.compress.boundary import ExchangeStats
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partition import Partition, check_cross_consistency
 from retexo_fl.metrics import RunRecorder, human_bytes
@@ -20,16 +22,31 @@ from retexo_fl.training.aggregate import (
 from retexo_fl.training.client import LazyClient
 from retexo_fl.training.selection import StageTracker
 
+T = TypeVar("T", bytes, Tensor)
 
-def exchange(outgoing: dict[int, dict[int, Tensor]]) -> tuple[dict[int, dict[int, Tensor]], int]:
-    """Route ``{src: {dst: rows}}`` to ``{dst: {src: rows}}``; returns it and the payload bytes."""
-    incoming: dict[int, dict[int, Tensor]] = {}
+
+def exchange(outgoing: dict[int, dict[int, T]]) -> tuple[dict[int, dict[int, T]], int]:
+    """Route ``{src: {dst: item}}`` to ``{dst: {src: item}}``; returns it and the bytes moved.
+
+    Items are frames (``bytes``) or, for tests of the plan alone, tensors.
+    """
+    incoming: dict[int, dict[int, T]] = {}
     nbytes = 0
     for src, per_dst in outgoing.items():
-        for dst, rows in per_dst.items():
-            incoming.setdefault(dst, {})[src] = rows
-            nbytes += rows.numel() * rows.element_size()
+        for dst, item in per_dst.items():
+            incoming.setdefault(dst, {})[src] = item
+            nbytes += len(item) if isinstance(item, bytes) else item.numel() * item.element_size()
     return incoming, nbytes
+
+
+def exchange_figures(stats: ExchangeStats) -> dict:
+    """A stage's boundary figures for the summary: bytes before / after compression, widths."""
+    d = stats.to_dict()
+    return {
+        "bytes_boundary_raw": d["bytes_raw"],
+        "bytes_boundary_sent": d["bytes_sent"],
+        "bit_histogram": d["bit_histogram"],
+    }
 
 
 def _aggregate_eval(clients: Sequence[LazyClient], state: StateDict, split: str) -> tuple[float, float]:
@@ -51,10 +68,20 @@ def run_stage(
     rounds = int(cfg.per_stage("rounds", stage))
     weights = [c.num_train for c in clients]
     tracker = StageTracker(stage, cfg.patience)
+    model_raw = 0
     for r in range(1, rounds + 1):
-        results = [c.train(state, r) for c in clients]
+        results = []
+        for c in clients:
+            new, loss = c.train(state, r)
+            frames = c.encode_update(new, state, r)
+            if frames is not None:  # what the server receives is the decoded update
+                new = c.update_codec.decode(frames, state, f"client {c.id}")
+            results.append((new, loss))
+            tracker.model_bytes += state_nbytes(state) + (
+                state_nbytes(new) if frames is None else sum(map(len, frames.values()))
+            )
+            model_raw += 2 * state_nbytes(state)
         state = server.step(weighted_average([s for s, _ in results], weights))
-        tracker.model_bytes += 2 * state_nbytes(state) * len(clients)
         train_loss = sum(loss * w for (_, loss), w in zip(results, weights, strict=True)) / sum(weights)
         val_acc, val_loss = _aggregate_eval(clients, state, "val")
         tracker.record(r, state, val_acc, train_loss=train_loss, val_loss=val_loss)
@@ -66,7 +93,22 @@ def run_stage(
             break
     if rounds == 0:
         tracker.record(0, state, _aggregate_eval(clients, state, "val")[0])
-    return tracker.best_state, tracker.figures(time.perf_counter() - t0)
+    figures = tracker.figures(time.perf_counter() - t0)
+    figures["bytes_model_raw"] = model_raw
+    return tracker.best_state, figures
+
+
+def compression_totals(stages: list[dict]) -> dict:
+    """Run-level compression figures from the per-stage ones (both engines)."""
+    hist: dict[str, int] = {}
+    for s in stages:
+        for b, n in s.get("bit_histogram", {}).items():
+            hist[b] = hist.get(b, 0) + n
+    return {
+        "bytes_boundary_raw": sum(s.get("bytes_boundary_raw", 0) for s in stages),
+        "bytes_model_raw": sum(s.get("bytes_model_raw", 0) for s in stages),
+        "bit_histogram": hist,
+    }
 
 
 def run_lazy(
@@ -89,9 +131,9 @@ def run_lazy(
     bytes_boundary = 0
     stages = []
     if cfg.model == "gcn" and cfg.stages > 1:
-        incoming, nbytes = exchange({c.id: c.degree_rows() for c in clients})
+        incoming, nbytes = exchange({c.id: c.degree_frames() for c in clients})
         for c in clients:
-            c.receive_degrees(incoming.get(c.id, {}))
+            c.receive_degrees(c.decode_degrees(incoming.get(c.id, {})))
         bytes_boundary += nbytes
         rec.event("degrees", bytes=nbytes)
     state: StateDict = {}
@@ -101,13 +143,17 @@ def run_lazy(
             on_stage(stage, state)
         figures["bytes_boundary"] = 0
         if stage < cfg.stages - 1:
-            outgoing = {c.id: c.advance(c.embeddings(state)) for c in clients}
+            outgoing, stats = {}, ExchangeStats()
+            for c in clients:
+                outgoing[c.id], client_stats = c.encode_boundary(c.advance(c.embeddings(state)))
+                stats.add(client_stats)
             incoming, nbytes = exchange(outgoing)
             for c in clients:
-                c.receive_halo(incoming.get(c.id, {}))
+                c.receive_halo(c.decode_boundary(incoming.get(c.id, {})))
             figures["bytes_boundary"] = nbytes
+            figures.update(exchange_figures(stats))
             bytes_boundary += nbytes
-            rec.event("exchange", stage=stage, bytes=nbytes)
+            rec.event("exchange", stage=stage, bytes=nbytes, **exchange_figures(stats))
         stages.append(figures)
         rec.progress(
             f"stage {stage} done: best val {figures['val_accuracy']:.4f} at round "
@@ -117,6 +163,7 @@ def run_lazy(
     test_acc = sum(r.correct for r in per_client) / max(1, sum(r.count for r in per_client))
     bytes_model = sum(s["bytes_model"] for s in stages)
     return {
+        **compression_totals(stages),
         "mode": "lazy",
         "engine": "in-process",
         "test_accuracy": test_acc,

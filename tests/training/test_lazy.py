@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from retexo_fl.compress.payload import HEADER_BYTES
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.training.centralized import run_centralized, whole_graph_partition
@@ -24,12 +25,24 @@ def test_lazy_learns_from_cross_client_structure(sbm, model):
     assert summary["bytes_total"] == summary["bytes_boundary"] + summary["bytes_model"]
 
 
-def test_boundary_bytes_are_exact_row_counts(sbm):
-    cfg = TrainConfig(model="sage", hidden=8, stages=2, rounds=1, seed=0)
+@pytest.mark.parametrize("bits", [32, 4, 1])
+def test_boundary_bytes_are_exact_row_counts(sbm, bits):
+    cfg = TrainConfig(model="sage", hidden=8, stages=2, rounds=1, seed=0, bits=bits)
     parts = partition_graph(sbm, 3, "random", seed=0)
     summary = run_lazy(parts, cfg)
-    halo_rows = sum(len({(r[1]) for r in p.cross_edges.tolist()}) for p in parts)
-    assert summary["bytes_boundary"] == halo_rows * cfg.hidden * 4
+    # One frame per (receiver, sender) pair: header, then per-row ranges and packed codes.
+    blocks = [
+        len({r[1] for r in p.cross_edges.tolist() if r[2] == q})
+        for p in parts
+        for q in sorted({r[2] for r in p.cross_edges.tolist()})
+    ]
+    if bits == 32:
+        want = sum(HEADER_BYTES + k * cfg.hidden * 4 for k in blocks)
+    else:
+        want = sum(HEADER_BYTES + 4 * k + (k * cfg.hidden * bits + 7) // 8 for k in blocks)
+    assert summary["bytes_boundary"] == want
+    assert summary["bytes_boundary_raw"] == sum(HEADER_BYTES + k * cfg.hidden * 4 for k in blocks)
+    assert summary["bit_histogram"] == {str(bits): sum(blocks)}
 
 
 def test_centralized_reference(sbm):

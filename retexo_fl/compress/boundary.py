@@ -1,0 +1,176 @@
+"""The boundary encoder a client runs between stages: rate schedule, bit policy, then frames.
+
+Policies (``bit-policy``):
+
+- ``fixed``: every row at ``bits`` (or at the schedule's rate, snapped down to a codec width).
+- ``adaptive-budget``: per-row widths under ``byte-budget`` per client and exchange, summed over
+  its peers (bytes, or ``<r>b`` for what ``r``-bit frames would cost).
+- ``adaptive-bandwidth``: one budget per link, ``bandwidth(p, q) * T``; ``T`` is ``time-budget``
+  seconds, or when unset the time in which the byte budget drains over all links at once, so
+  slow links get fewer bits and every link finishes together.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from retexo_fl.compress.bits import plan_widths
+from retexo_fl.compress.payload import encode_rows, frame_size
+from retexo_fl.compress.schedule import RateSchedule, snap_bits
+from retexo_fl.config import TrainConfig
+
+
+def parse_bandwidths(spec: str) -> dict[str, float]:
+    """``link-bandwidths``: ``"P:bw,P-Q:bw,default:bw"`` in bytes/s, or a JSON file of the same keys.
+
+    ``P`` gives client ``P``'s own link (a link ``P-Q`` runs at the slower of its two ends);
+    ``P-Q`` a pair, in either order.
+    """
+    spec = spec.strip()
+    if not spec:
+        return {}
+    path = Path(spec)
+    if path.suffix == ".json" or path.is_file():
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"link-bandwidths file {path}: {exc}") from exc
+        items = list(raw.items())
+    else:
+        items = [tuple(part.split(":", 1)) for part in spec.split(",") if part.strip()]
+    out = {}
+    for item in items:
+        if len(item) != 2:
+            raise ValueError(f"link-bandwidths: bad entry {':'.join(item)!r} (want KEY:bytes-per-second)")
+        key, value = str(item[0]).strip(), item[1]
+        try:
+            bw = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"link-bandwidths: {key!r} has a non-numeric bandwidth {value!r}") from None
+        if not bw > 0:
+            raise ValueError(f"link-bandwidths: {key!r} must be > 0 bytes/s, got {value!r}")
+        out[key] = bw
+    return out
+
+
+def link_bandwidth(table: dict[str, float], p: int, q: int) -> float:
+    """Bandwidth of the link between clients ``p`` and ``q`` (inf when the table says nothing)."""
+    for key in (f"{p}-{q}", f"{q}-{p}"):
+        if key in table:
+            return table[key]
+    ends = [table.get(str(c), table.get("default", float("inf"))) for c in (p, q)]
+    return min(ends)
+
+
+@dataclass
+class ExchangeStats:
+    """What one client's boundary exchange cost, before and after compression."""
+
+    bytes_raw: int = 0  # the same rows as float32 frames
+    bytes_sent: int = 0
+    bits: Counter = field(default_factory=Counter)  # width -> rows sent at it
+
+    def add(self, other: ExchangeStats) -> None:
+        self.bytes_raw += other.bytes_raw
+        self.bytes_sent += other.bytes_sent
+        self.bits.update(other.bits)
+
+    def to_dict(self) -> dict:
+        return {
+            "bytes_raw": self.bytes_raw,
+            "bytes_sent": self.bytes_sent,
+            "bit_histogram": {str(b): n for b, n in sorted(self.bits.items())},
+        }
+
+
+class BoundaryEncoder:
+    """Turns one client's boundary blocks into frames, as the run config says.
+
+    Args:
+        cfg: the run configuration (``bits``, ``bit-policy``, ``byte-budget``, ``link-bandwidths``,
+            ``time-budget``, ``rate-schedule``, ``range-dtype``).
+    """
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.schedule = RateSchedule.parse(cfg.rate_schedule)
+        self.bandwidths = parse_bandwidths(cfg.link_bandwidths)
+
+    def rate(self, exchange: int, total: int) -> float:
+        return self.schedule.rate(exchange, total, self.cfg.bits)
+
+    def _budget(self, rate: float, rows: dict[int, Tensor]) -> int:
+        """This exchange's byte budget: ``byte-budget`` in bytes, or what ``r``-bit frames cost
+        (``r`` from a ``<r>b`` byte-budget, else from the schedule's rate)."""
+        spec = str(self.cfg.byte_budget).strip()
+        if spec and not spec.endswith("b"):
+            return int(float(spec))
+        if spec and self.schedule.kind == "fixed":
+            rate = float(spec[:-1])
+        return sum(_rate_bytes(r.shape[0], r.shape[1], rate) for r in rows.values() if r.shape[0])
+
+    def encode(
+        self,
+        client: int,
+        rows: dict[int, Tensor],
+        weights: dict[int, Tensor] | None,
+        exchange: int,
+        total: int,
+        generator: torch.Generator | None = None,
+    ) -> tuple[dict[int, bytes], ExchangeStats]:
+        """Frames for each peer, and the exchange's byte / width figures.
+
+        Args:
+            client: the sending client's id.
+            rows: peer -> ``[k, d]`` block.
+            weights: peer -> ``[k]`` aggregation weights (adaptive policies only).
+            exchange, total: this exchange's index and the run's number of exchanges (schedule).
+            generator: the stochastic rounding's random source.
+        """
+        where = f"client {client}, exchange {exchange}"
+        cfg = self.cfg
+        rate = self.rate(exchange, total)
+        widths: dict[int, int | Tensor]
+        if cfg.bit_policy == "fixed":
+            widths = dict.fromkeys(rows, snap_bits(rate))
+        elif weights is None:
+            raise ValueError(f"{where}: {cfg.bit_policy} needs aggregation weights")
+        elif cfg.bit_policy == "adaptive-budget":
+            widths = dict(plan_widths(rows, weights, self._budget(rate, rows), where))
+        else:
+            total_budget = self._budget(rate, rows)
+            bw = {q: link_bandwidth(self.bandwidths, client, q) for q in rows}
+            finite = [b for b in bw.values() if b != float("inf")]
+            seconds = cfg.time_budget or (total_budget / sum(finite) if finite else float("inf"))
+            budgets = {
+                q: (int(b * seconds) if b != float("inf") else _rate_bytes(*rows[q].shape, 8.0))
+                for q, b in bw.items()
+            }
+            widths = dict(plan_widths(rows, weights, budgets, where))
+        frames, stats = {}, ExchangeStats()
+        for q, block in rows.items():
+            w = widths[q]
+            frames[q] = encode_rows(
+                block, w, generator=generator, half=cfg.range_dtype, where=f"{where}, rows to client {q}"
+            )
+            stats.bytes_raw += frame_size(block.shape[0], block.shape[1], 32)
+            stats.bytes_sent += len(frames[q])
+            if isinstance(w, int):
+                stats.bits[w] += block.shape[0]
+            else:
+                stats.bits.update(Counter(w.tolist()))
+        return frames, stats
+
+
+def _rate_bytes(rows: int, cols: int, rate: float) -> int:
+    """What ``rows x cols`` values cost at ``rate`` bits per value, with the per-row ranges a
+    quantized frame carries (a rate of 16 or more is passthrough-sized)."""
+    if rate >= 16:
+        return frame_size(rows, cols, 16 if rate < 32 else 32)
+    return frame_size(rows, cols, 1) - (rows * cols + 7) // 8 + int(rows * cols * rate) // 8

@@ -1,0 +1,151 @@
+"""The wire frame of a row block: a 15-byte header, then per-row widths and ranges, then the codes.
+
+Layout (little endian)::
+
+    magic "RXQ1" | bits u8 (1/2/4/8/16/32, or 0 = per-row widths) | half u8 (1 fp16, 2 bf16)
+    | pad u8 | rows u32 | cols u32
+    [rows x u8 widths, when bits == 0]
+    [rows x lo, rows x hi in the half dtype, when quantized]
+    codes (dense, per width group) or raw values (16 / 32 bits)
+
+The header alone fixes the frame's exact size, so a truncated or padded frame is rejected before
+any value is read.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from retexo_fl.compress.quantize import (
+    ALL_BITS,
+    QUANT_BITS,
+    RANGE_DTYPES,
+    QuantizedRows,
+    dequantize_rows,
+    packed_size,
+    quantize_rows,
+)
+
+_HEADER = struct.Struct("<4sBBBII")
+HEADER_BYTES = _HEADER.size
+_MAGIC = b"RXQ1"
+_HALF_CODES = {"fp16": 1, "bf16": 2}
+_HALF_NAMES = {v: k for k, v in _HALF_CODES.items()}
+
+
+class PayloadError(ValueError):
+    """A boundary payload does not match its header or what the receiver expects."""
+
+
+def frame_size(rows: int, cols: int, bits: int | Tensor) -> int:
+    """Exact bytes of a frame for a ``[rows, cols]`` block at ``bits`` (a width or ``[rows]`` widths)."""
+    if isinstance(bits, int):
+        if bits in (16, 32):
+            return HEADER_BYTES + rows * cols * bits // 8
+        return HEADER_BYTES + 4 * rows + packed_size(rows * cols, bits)
+    counts = torch.bincount(bits.view(-1).long(), minlength=9)
+    body = sum(packed_size(int(counts[b]) * cols, b) for b in QUANT_BITS)
+    return HEADER_BYTES + rows + 4 * rows + body
+
+
+def _to_bytes(t: Tensor) -> bytes:
+    return t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def pack_frame(q: QuantizedRows) -> bytes:
+    """Serialize a :class:`QuantizedRows`."""
+    k, d = q.shape
+    width = q.uniform_bits
+    head = _HEADER.pack(_MAGIC, 0 if width is None else width, _HALF_CODES[q.half], 0, k, d)
+    parts = [head]
+    if width is None:
+        parts.append(_to_bytes(q.bits))
+    if q.lo.numel() or (width in QUANT_BITS):
+        parts += [_to_bytes(q.lo), _to_bytes(q.hi)]
+    parts.append(_to_bytes(q.data))
+    return b"".join(parts)
+
+
+def encode_rows(
+    rows: Tensor,
+    bits: int | Tensor = 32,
+    *,
+    generator: torch.Generator | None = None,
+    half: str = "fp16",
+    where: str = "rows",
+) -> bytes:
+    """Quantize (or pass through) a ``[k, d]`` block and frame it; see :func:`quantize_rows`."""
+    return pack_frame(quantize_rows(rows, bits, generator=generator, half=half, where=where))
+
+
+def unpack_frame(
+    data: bytes, source: str, expect_rows: int | None = None, expect_cols: int | None = None
+) -> QuantizedRows:
+    """Parse a frame, checking magic, widths, dtype, exact size and the expected shape.
+
+    Args:
+        data: the frame.
+        source: who sent it, for error messages (e.g. ``"client 3"``).
+        expect_rows, expect_cols: the shape the receiver's boundary plan expects.
+
+    Raises:
+        PayloadError: naming ``source`` and what does not match.
+    """
+    if len(data) < HEADER_BYTES:
+        raise PayloadError(f"payload from {source}: {len(data)} bytes is shorter than a header")
+    magic, bits, half_code, _, k, d = _HEADER.unpack_from(data)
+    if magic != _MAGIC:
+        raise PayloadError(f"payload from {source}: bad magic {magic!r}")
+    if bits != 0 and bits not in ALL_BITS:
+        raise PayloadError(f"payload from {source}: unknown bit width {bits}")
+    if half_code not in _HALF_NAMES:
+        raise PayloadError(f"payload from {source}: unknown range dtype code {half_code}")
+    if expect_rows is not None and k != expect_rows:
+        raise PayloadError(f"payload from {source}: {k} rows, boundary plan expects {expect_rows}")
+    if expect_cols is not None and d != expect_cols:
+        raise PayloadError(f"payload from {source}: {d} columns, expected {expect_cols}")
+    half = _HALF_NAMES[half_code]
+    offset = HEADER_BYTES
+    if bits == 0:
+        if len(data) < offset + k:
+            raise PayloadError(f"payload from {source}: truncated inside the per-row widths")
+        row_bits = torch.from_numpy(np.frombuffer(data, np.uint8, k, offset).copy())
+        if not bool(torch.isin(row_bits, torch.tensor(QUANT_BITS, dtype=torch.uint8)).all()):
+            raise PayloadError(f"payload from {source}: per-row widths outside {QUANT_BITS}")
+        offset += k
+        want = frame_size(k, d, row_bits)
+    else:
+        row_bits = torch.full((k,), bits, dtype=torch.uint8)
+        want = frame_size(k, d, bits)
+    if len(data) != want:
+        raise PayloadError(
+            f"payload from {source}: header says {k}x{d} at {bits or 'per-row'} bits ({want} bytes) "
+            f"but the frame has {len(data)} bytes"
+        )
+    dtype = RANGE_DTYPES[half]
+    empty = torch.empty(0, dtype=dtype)
+    lo = hi = empty
+    if bits not in (16, 32):
+        raw = torch.from_numpy(np.frombuffer(data, np.uint8, 4 * k, offset).copy())
+        lo, hi = raw[: 2 * k].view(dtype), raw[2 * k :].view(dtype)
+        offset += 4 * k
+        if not (bool(torch.isfinite(lo).all()) and bool(torch.isfinite(hi).all()) and bool((hi >= lo).all())):
+            raise PayloadError(f"payload from {source}: row ranges are not finite, ordered intervals")
+    body = torch.from_numpy(np.frombuffer(data, np.uint8, len(data) - offset, offset).copy())
+    q = QuantizedRows((k, d), row_bits, lo, hi, body, half)
+    if bits in (16, 32):
+        values = dequantize_rows(q)
+        if not bool(torch.isfinite(values).all()):
+            raise PayloadError(f"payload from {source}: values are NaN or Inf")
+    return q
+
+
+def decode_rows(
+    data: bytes, source: str, expect_rows: int | None = None, expect_cols: int | None = None
+) -> Tensor:
+    """The float32 ``[k, d]`` block of a frame (see :func:`unpack_frame` for the checks)."""
+    return dequantize_rows(unpack_frame(data, source, expect_rows, expect_cols))

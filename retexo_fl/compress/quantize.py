@@ -1,0 +1,241 @@
+"""Stochastic b-bit quantization of row blocks with a per-row range, dense bit packing (AdaQP).
+
+A row ``x`` of ``d`` values is sent as its range ``[lo, hi]`` (fp16 or bf16, rounded outward
+so every value lies inside) and ``d`` codes of ``b`` bits::
+
+    step = (hi - lo) / (2^b - 1)
+    q    = floor((x - lo) / step + u),  u ~ U(0, 1)
+    x~   = lo + q * step
+
+so ``E[x~] = x`` and ``|x~ - x| < step`` per element. A constant row whose value is exact in the
+range dtype has ``step = 0`` and comes back exactly (no division by zero). 16 bits (fp16 or bf16)
+and 32 bits (float32) are passthrough. Rows may carry different bit widths; their codes are then
+packed group by group, in increasing bit width, each group in row order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+QUANT_BITS = (1, 2, 4, 8)
+PASS_BITS = (16, 32)
+ALL_BITS = QUANT_BITS + PASS_BITS
+RANGE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# Rows encoded per block: intermediates of a block stay in cache, so encode reads the input once.
+_BLOCK_VALUES = 1 << 20
+
+
+class CodecError(ValueError):
+    """Input a codec refuses: non-finite values, unknown bit widths, ranges the dtype cannot hold."""
+
+
+@dataclass
+class QuantizedRows:
+    """A ``[k, d]`` row block in quantized form.
+
+    Attributes:
+        shape: ``(k, d)`` of the original block.
+        bits: ``[k]`` uint8 bit width per row (all equal for a fixed-width block).
+        lo: ``[k]`` lower end of each row's range (fp16 / bf16); empty for passthrough.
+        hi: ``[k]`` upper end of each row's range; empty for passthrough.
+        data: uint8 codes, packed densely per bit-width group; raw values for passthrough.
+        half: the 16-bit passthrough dtype name (``fp16`` or ``bf16``) or range dtype name.
+    """
+
+    shape: tuple[int, int]
+    bits: Tensor
+    lo: Tensor
+    hi: Tensor
+    data: Tensor
+    half: str = "fp16"
+
+    @property
+    def uniform_bits(self) -> int | None:
+        """The common bit width, or ``None`` when rows differ."""
+        if self.bits.numel() == 0:
+            return 32
+        first = int(self.bits[0])
+        return first if bool((self.bits == first).all()) else None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of codes and per-row ranges (what :func:`packed_size` predicts)."""
+        return self.data.numel() + 2 * (self.lo.numel() + self.hi.numel())
+
+
+def packed_size(count: int, bits: int) -> int:
+    """Bytes that ``count`` values take at ``bits`` bits, packed densely."""
+    return (count * bits + 7) // 8
+
+
+def _round_out(values: Tensor, dtype: torch.dtype, down: bool) -> Tensor:
+    """``values`` in ``dtype``, rounded toward -inf (``down``) or +inf, so the range stays a bound."""
+    out = values.to(dtype)
+    bad = out.float() > values if down else out.float() < values
+    if bool(bad.any()):
+        toward = torch.full_like(out[bad], float("-inf") if down else float("inf"))
+        out[bad] = torch.nextafter(out[bad], toward)
+    return out
+
+
+def _pack(codes: Tensor, bits: int) -> Tensor:
+    """Flat uint8 codes < 2^bits -> ``ceil(n * bits / 8)`` bytes, first value in the low bits."""
+    if bits == 8:
+        return codes
+    per = 8 // bits
+    n = codes.numel()
+    pad = (-n) % per
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad)])
+    lanes = codes.view(-1, per)
+    out = lanes[:, 0].clone()
+    for i in range(1, per):
+        out |= lanes[:, i] << (i * bits)
+    return out
+
+
+def _unpack(packed: Tensor, bits: int, count: int) -> Tensor:
+    if bits == 8:
+        return packed[:count]
+    per = 8 // bits
+    mask = (1 << bits) - 1
+    out = torch.empty(packed.numel(), per, dtype=torch.uint8, device=packed.device)
+    for i in range(per):
+        out[:, i] = (packed >> (i * bits)) & mask
+    return out.view(-1)[:count]
+
+
+def _quantize_group(
+    x: Tensor, lo: Tensor, hi: Tensor, bits: int, generator: torch.Generator | None
+) -> Tensor:
+    """Codes of a ``[k, d]`` group whose rows all use ``bits``; flat ``[k * d]`` uint8."""
+    levels = float((1 << bits) - 1)
+    k, d = x.shape
+    step = (hi.float() - lo.float()) / levels
+    inv = torch.where(step > 0, 1.0 / step.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+    offset = lo.float() * inv
+    block = max(1, min(k, _BLOCK_VALUES // max(d, 1)))
+    # Drawing k*d uniforms costs more than the rest of the encoder together, so the dither of
+    # element (i, j) is frac(D[i mod block, j] + r_i): D one [block, d] draw, r one draw per row.
+    # Each dither is U(0, 1) (r_i is uniform and independent of D), which is all unbiasedness
+    # needs; rows stay pairwise independent column by column.
+    table = torch.rand(block, d, generator=generator, device=x.device)
+    shift = torch.rand(k, generator=generator, device=x.device)
+    codes = torch.empty(k, d, dtype=torch.uint8, device=x.device)
+    for start in range(0, k, block):
+        stop = min(k, start + block)
+        v = torch.add(table[: stop - start], shift[start:stop, None]).frac_()
+        # v = (x - lo) / step + u, floored by the uint8 cast (v >= 0); clamp guards round-off.
+        v.addcmul_(x[start:stop], inv[start:stop, None]).sub_(offset[start:stop, None])
+        codes[start:stop] = v.clamp_(0.0, levels)
+    return codes.view(-1)
+
+
+def _refuse_nonfinite(x: Tensor, bad_rows: Tensor, where: str) -> None:
+    bad = bad_rows.nonzero().view(-1)
+    if bad.numel():
+        raise CodecError(
+            f"{where}: {bad.numel()} row(s) hold NaN or Inf (first row {int(bad[0])}); refusing to send them"
+        )
+
+
+def quantize_rows(
+    x: Tensor,
+    bits: int | Tensor,
+    *,
+    generator: torch.Generator | None = None,
+    half: str = "fp16",
+    where: str = "rows",
+) -> QuantizedRows:
+    """Quantize a ``[k, d]`` float block, every row at ``bits`` or row ``i`` at ``bits[i]``.
+
+    Args:
+        x: ``[k, d]`` values (any float dtype; computed in float32).
+        bits: one width from ``(1, 2, 4, 8, 16, 32)``, or a ``[k]`` tensor of widths from
+            ``(1, 2, 4, 8)``.
+        generator: the random source of the stochastic rounding (on ``x``'s device).
+        half: dtype of the per-row ranges and of 16-bit passthrough, ``fp16`` or ``bf16``.
+        where: names the stage / client in error messages.
+
+    Raises:
+        CodecError: on NaN / Inf, an unknown width, or a range ``half`` cannot represent.
+    """
+    if x.dim() != 2:
+        raise CodecError(f"{where}: rows must be 2-D, got shape {tuple(x.shape)}")
+    if half not in RANGE_DTYPES:
+        raise CodecError(f"{where}: range dtype must be fp16 or bf16, got {half!r}")
+    k, d = x.shape
+    x = x.detach().float()
+    empty = torch.empty(0, dtype=RANGE_DTYPES[half], device=x.device)
+    if isinstance(bits, int):
+        if bits not in ALL_BITS:
+            raise CodecError(f"{where}: bit width must be one of {ALL_BITS}, got {bits}")
+        if bits in PASS_BITS:
+            _refuse_nonfinite(x, ~torch.isfinite(x).all(dim=1), where)
+            dtype = torch.float32 if bits == 32 else RANGE_DTYPES[half]
+            data = x.to(dtype).contiguous().view(-1).view(torch.uint8)
+            if bits == 16 and not bool(torch.isfinite(data.view(dtype)).all()):
+                raise CodecError(f"{where}: values overflow {half}; use bf16 or 32 bits")
+            return QuantizedRows((k, d), torch.full((k,), bits, dtype=torch.uint8), empty, empty, data, half)
+        row_bits = torch.full((k,), bits, dtype=torch.uint8, device=x.device)
+    else:
+        row_bits = bits.to(device=x.device, dtype=torch.uint8).view(-1)
+        if row_bits.numel() != k:
+            raise CodecError(f"{where}: {row_bits.numel()} bit widths for {k} rows")
+        if not bool(torch.isin(row_bits, torch.tensor(QUANT_BITS, device=x.device, dtype=torch.uint8)).all()):
+            raise CodecError(f"{where}: per-row bit widths must be in {QUANT_BITS}")
+    if k == 0 or d == 0:
+        lo = hi = torch.zeros(k, dtype=RANGE_DTYPES[half], device=x.device)
+        return QuantizedRows((k, d), row_bits, lo, hi, torch.empty(0, dtype=torch.uint8), half)
+    mn, mx = torch.aminmax(x, dim=1)  # NaN and Inf propagate into the row extremes
+    _refuse_nonfinite(x, ~(torch.isfinite(mn) & torch.isfinite(mx)), where)
+    lo = _round_out(mn, RANGE_DTYPES[half], down=True)
+    hi = _round_out(mx, RANGE_DTYPES[half], down=False)
+    if not (bool(torch.isfinite(lo).all()) and bool(torch.isfinite(hi).all())):
+        raise CodecError(f"{where}: values exceed the {half} range; use bf16 ranges or 32 bits")
+    parts = []
+    for b in QUANT_BITS:
+        sel = (row_bits == b).nonzero().view(-1)
+        if sel.numel() == 0:
+            continue
+        whole = sel.numel() == k
+        xs, ls, hs = (x, lo, hi) if whole else (x[sel], lo[sel], hi[sel])
+        parts.append(_pack(_quantize_group(xs, ls, hs, b, generator), b))
+    return QuantizedRows((k, d), row_bits, lo, hi, torch.cat(parts) if len(parts) > 1 else parts[0], half)
+
+
+def dequantize_rows(q: QuantizedRows) -> Tensor:
+    """The float32 ``[k, d]`` block a :class:`QuantizedRows` stands for."""
+    k, d = q.shape
+    width = q.uniform_bits
+    if width in PASS_BITS and q.lo.numel() == 0:
+        dtype = torch.float32 if width == 32 else RANGE_DTYPES[q.half]
+        return q.data.view(dtype).float().view(k, d)
+    out = torch.empty(k, d, dtype=torch.float32, device=q.data.device)
+    offset = 0
+    for b in QUANT_BITS:
+        sel = (q.bits == b).nonzero().view(-1)
+        if sel.numel() == 0:
+            continue
+        n = sel.numel() * d
+        size = packed_size(n, b)
+        codes = _unpack(q.data[offset : offset + size], b, n).view(-1, d)
+        offset += size
+        lo, hi = q.lo[sel].float(), q.hi[sel].float()
+        step = (hi - lo) / float((1 << b) - 1)
+        if sel.numel() == k:
+            block = max(1, _BLOCK_VALUES // max(d, 1))
+            for start in range(0, k, block):  # blockwise, so the float codes stay in cache
+                stop = min(k, start + block)
+                torch.addcmul(
+                    lo[start:stop, None],
+                    codes[start:stop].float(),
+                    step[start:stop, None],
+                    out=out[start:stop],
+                )
+        else:
+            out[sel] = torch.addcmul(lo[:, None], codes.float(), step[:, None])
+    return out

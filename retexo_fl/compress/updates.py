@@ -1,0 +1,69 @@
+"""Compressed model updates: b-bit deltas from the round's global state, with error feedback.
+
+A client sends ``Q(new - base + residual)`` and keeps ``residual <- new - base + residual -
+deQ(...)`` for its next round, so what quantization drops is sent later instead of lost
+(error feedback). Matrices are scaled per row, vectors per tensor. The server rebuilds
+``base + deQ(...)``; the frames are the same as the boundary rows' (:mod:`.payload`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from retexo_fl.compress.payload import decode_rows, encode_rows, unpack_frame
+from retexo_fl.compress.quantize import dequantize_rows
+
+StateDict = dict[str, Tensor]
+
+
+def _as_rows(t: Tensor) -> Tensor:
+    return t.reshape(t.shape[0], -1) if t.dim() >= 2 else t.reshape(1, -1)
+
+
+class UpdateCodec:
+    """Encodes a client's model update at ``bits`` (8 by default; 32 is lossless).
+
+    Args:
+        bits: code width for the deltas, one of 1, 2, 4, 8, 16, 32.
+        half: dtype of the per-row ranges (``fp16`` or ``bf16``).
+    """
+
+    def __init__(self, bits: int = 8, half: str = "fp16") -> None:
+        self.bits, self.half = int(bits), half
+
+    def encode(
+        self,
+        new: StateDict,
+        base: StateDict,
+        residual: StateDict | None,
+        generator: torch.Generator | None = None,
+        where: str = "update",
+    ) -> tuple[dict[str, bytes], StateDict]:
+        """Frames of ``new - base (+ residual)`` per tensor, and the residual to keep."""
+        frames, kept = {}, {}
+        for key, value in new.items():
+            delta = value.detach().float().cpu() - base[key].detach().float().cpu()
+            if residual is not None and key in residual:
+                delta = delta + residual[key]
+            frames[key] = encode_rows(
+                _as_rows(delta), self.bits, generator=generator, half=self.half, where=f"{where}, {key}"
+            )
+            kept[key] = delta - decode_rows(frames[key], where).view_as(delta)
+        return frames, kept
+
+    def decode(self, frames: dict[str, bytes], base: StateDict, source: str) -> StateDict:
+        """``base + deltas``, checking every tensor is present and of ``base``'s shape."""
+        missing = sorted(set(base) - set(frames))
+        if missing:
+            raise ValueError(f"update from {source}: missing tensors {missing}")
+        out = {}
+        for key, ref in base.items():
+            rows = _as_rows(ref)
+            q = unpack_frame(frames[key], f"{source} ({key})", rows.shape[0], rows.shape[1])
+            out[key] = (ref.float() + dequantize_rows(q).view_as(ref)).to(ref.dtype)
+        return out
+
+    @staticmethod
+    def nbytes(frames: dict[str, bytes]) -> int:
+        return sum(len(f) for f in frames.values())

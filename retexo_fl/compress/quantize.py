@@ -210,6 +210,8 @@ def quantize_rows(
 def dequantize_rows(q: QuantizedRows) -> Tensor:
     """The float32 ``[k, d]`` block a :class:`QuantizedRows` stands for."""
     k, d = q.shape
+    if k == 0 or d == 0:
+        return torch.zeros(k, d, device=q.data.device)
     width = q.uniform_bits
     if width in PASS_BITS and q.lo.numel() == 0:
         dtype = torch.float32 if width == 32 else RANGE_DTYPES[q.half]

@@ -1,0 +1,107 @@
+"""Stochastic row quantization: unbiased, bounded error, exact passthrough, constant rows, bad input."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from retexo_fl.compress.quantize import CodecError, dequantize_rows, quantize_rows
+
+
+def _step(q) -> torch.Tensor:
+    return (q.hi.float() - q.lo.float()) / (2.0 ** q.bits.float() - 1.0)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_unbiased_within_the_variance_bound(bits):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 16, generator=gen) * torch.linspace(0.1, 10, 8)[:, None]
+    draws = 2000
+    total = torch.zeros_like(x)
+    sq = torch.zeros_like(x)
+    for _ in range(draws):
+        q = quantize_rows(x, bits, generator=gen)
+        y = dequantize_rows(q)
+        total += y
+        sq += (y - x) ** 2
+    step = _step(q)[:, None]
+    # Per element Var = step^2 p (1 - p) <= step^2 / 4; the mean of N draws has std <= step / (2 sqrt N).
+    bound = 5 * step / (2 * math.sqrt(draws))
+    assert ((total / draws - x).abs() <= bound).all()
+    # A round-to-nearest quantizer (biased) would miss this by far: its error reaches step / 2.
+    assert (sq / draws <= step**2 / 4 * 1.25 + 1e-12).all()
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_error_per_element_within_one_step(bits):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(300, 33, generator=gen) * 3 + 1
+    q = quantize_rows(x, bits, generator=gen)
+    err = (dequantize_rows(q) - x).abs()
+    step = _step(q)[:, None]
+    assert (err <= step * (1 + 1e-5)).all()
+    # Against the true range: the fp16 range is rounded outward by at most an ulp at each end.
+    true_range = (x.amax(1) - x.amin(1))[:, None]
+    slack = (x.abs().amax(1)[:, None]) * 2.0**-10 * 2
+    assert (err <= (true_range + slack) / (2**bits - 1)).all()
+    assert (
+        q.lo.dtype == torch.float16
+        and (q.lo.float() <= x.amin(1)).all()
+        and (q.hi.float() >= x.amax(1)).all()
+    )
+
+
+def test_passthrough_32_is_exact_and_16_is_half():
+    x = torch.randn(5, 7)
+    assert torch.equal(dequantize_rows(quantize_rows(x, 32)), x)
+    assert torch.equal(dequantize_rows(quantize_rows(x, 16)), x.half().float())
+    assert torch.equal(dequantize_rows(quantize_rows(x, 16, half="bf16")), x.bfloat16().float())
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_constant_rows(bits):
+    x = torch.tensor([[0.5] * 9, [0.0] * 9, [0.1] * 9, [-3.0] * 9])
+    y = dequantize_rows(quantize_rows(x, bits, generator=torch.Generator().manual_seed(0)))
+    assert torch.isfinite(y).all()
+    assert torch.equal(y[:2], x[:2]) and torch.equal(y[3], x[3])  # exact in fp16: step 0
+    assert (y[2] - 0.1).abs().max() < 1e-4  # 0.1 is not: it rounds between its fp16 neighbours
+
+
+def test_mixed_widths_match_per_row_widths():
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(40, 12, generator=gen)
+    widths = torch.tensor([1, 2, 4, 8] * 10)
+    q = quantize_rows(x, widths, generator=gen)
+    err = (dequantize_rows(q) - x).abs()
+    assert (err <= _step(q)[:, None] * (1 + 1e-5)).all()
+    assert err[widths == 8].max() < err[widths == 1].max()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("bits", [4, 16, 32])
+def test_non_finite_input_is_refused_with_its_origin(bad, bits):
+    x = torch.zeros(6, 4)
+    x[3, 1] = bad
+    with pytest.raises(CodecError, match=r"stage 2, client 5.*first row 3"):
+        quantize_rows(x, bits, where="stage 2, client 5")
+
+
+def test_out_of_range_values_and_bad_widths():
+    with pytest.raises(CodecError, match="fp16 range"):
+        quantize_rows(torch.full((2, 3), 1e6), 4)
+    assert torch.isfinite(dequantize_rows(quantize_rows(torch.full((2, 3), 1e6), 4, half="bf16"))).all()
+    with pytest.raises(CodecError, match="one of"):
+        quantize_rows(torch.ones(2, 3), 3)
+    with pytest.raises(CodecError, match="per-row"):
+        quantize_rows(torch.ones(2, 3), torch.tensor([16, 4]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_matches_cpu_bounds():
+    x = torch.randn(1000, 64, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = quantize_rows(x, 4, generator=gen)
+    assert q.data.is_cuda
+    assert ((dequantize_rows(q) - x).abs() <= _step(q)[:, None] * (1 + 1e-5)).all()

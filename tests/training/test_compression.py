@@ -1,0 +1,70 @@
+"""Compression inside lazy training: accuracy holds at 8 bits, schedules and link budgets shape widths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from retexo_fl.compress.boundary import BoundaryEncoder, parse_bandwidths
+from retexo_fl.compress.quantize import CodecError
+from retexo_fl.config import TrainConfig
+from retexo_fl.data.partitioners import partition_graph
+from retexo_fl.training.client import LazyClient
+from retexo_fl.training.lazy import run_lazy
+
+
+def _cfg(**kw) -> TrainConfig:
+    return TrainConfig(**{"model": "gcn", "hidden": 16, "stages": 3, "rounds": 40, "seed": 0, **kw})
+
+
+def test_eight_bit_boundary_and_updates_keep_accuracy(sbm):
+    parts = partition_graph(sbm, 4, "random", seed=0)
+    full = run_lazy(parts, _cfg(hidden=64))
+    small = run_lazy(parts, _cfg(hidden=64, bits=8, update_bits=8))
+    assert small["test_accuracy"] >= full["test_accuracy"] - 0.03
+    exchanged = sum(s["bytes_boundary_sent"] for s in small["stages"] if "bytes_boundary_sent" in s)
+    assert exchanged <= 0.27 * small["bytes_boundary_raw"]
+    assert small["bytes_model"] < 0.65 * small["bytes_model_raw"]
+    assert full["bytes_model"] == full["bytes_model_raw"]
+
+
+def test_linear_schedule_raises_widths_over_stages(sbm):
+    parts = partition_graph(sbm, 3, "random", seed=0)
+    out = run_lazy(parts, _cfg(stages=4, rounds=2, rate_schedule="linear:1,8"))
+    hists = [s["bit_histogram"] for s in out["stages"][:-1]]
+    assert [list(h) for h in hists] == [["1"], ["4"], ["8"]]  # rates 1, 4.5, 8 snapped down
+
+
+def test_slow_links_get_fewer_bits(sbm):
+    parts = partition_graph(sbm, 3, "random", seed=0)
+    cfg = _cfg(bit_policy="adaptive-bandwidth", byte_budget="6b", link_bandwidths="0-1:1e5,0-2:3e5")
+    client = LazyClient(parts[0], cfg)
+    rows = client.advance(torch.randn(parts[0].num_nodes, 16))
+    frames, stats = client.encode_boundary(rows)
+    per_value = {q: len(frames[q]) / rows[q].numel() for q in rows}
+    assert per_value[1] < 0.6 * per_value[2]
+    assert stats.bytes_sent <= BoundaryEncoder(cfg)._budget(6.0, rows) + 1
+
+
+def test_nan_embeddings_are_refused_naming_client_and_exchange(sbm):
+    parts = partition_graph(sbm, 3, "random", seed=0)
+    client = LazyClient(parts[2], _cfg(bits=4))
+    emb = torch.randn(parts[2].num_nodes, 16)
+    emb[client.plan.send[0][0], 3] = float("nan")
+    with pytest.raises(CodecError, match="client 2, exchange 0, rows to client 0"):
+        client.encode_boundary(client.advance(emb))
+
+
+def test_bandwidth_specs(tmp_path):
+    assert parse_bandwidths("0:1e6, 1-2:5e5,default:1e9") == {"0": 1e6, "1-2": 5e5, "default": 1e9}
+    f = tmp_path / "links.json"
+    f.write_text('{"3": 2e6}')
+    assert parse_bandwidths(str(f)) == {"3": 2e6}
+    with pytest.raises(ValueError, match="non-numeric"):
+        parse_bandwidths("0:fast")
+    with pytest.raises(ValueError, match="must be > 0"):
+        parse_bandwidths("0:0")
+    with pytest.raises(ValueError, match="adaptive-bandwidth needs link-bandwidths"):
+        TrainConfig(bit_policy="adaptive-bandwidth").validate()
+    with pytest.raises(ValueError, match="bits and update-bits"):
+        TrainConfig(bits=3).validate()

@@ -15,10 +15,11 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import DEFAULT_ROOT, private_planetoid, run_jobs
 
 RETEXO_SPLIT = "per-class:40,500,1000"  # RETEXO's split: 40 labelled nodes per class
 
@@ -135,8 +136,7 @@ def print_table(table: list[dict]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    default_root = Path(__file__).resolve().parents[1].parent / "shared" / "datasets"
-    parser.add_argument("--root", default=str(default_root), help="folder with Planetoid/<Name>/raw")
+    parser.add_argument("--root", default=str(DEFAULT_ROOT), help="folder with Planetoid/<Name>/raw")
     parser.add_argument("--out", default="bench/results/accuracy.json")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--quick", action="store_true")
@@ -150,32 +150,21 @@ def main() -> int:
             summarize([json.loads(line) for line in Path(args.from_jsonl).read_text().splitlines() if line])
         )
         return 0
-    # PyG writes processed/ beside raw/: work on a private copy of the raw files.
-    tmp = Path(tempfile.mkdtemp(prefix="retexo-bench-"))
-    for name in ("Cora", "CiteSeer"):
-        src = Path(args.root) / "Planetoid" / name / "raw"
-        if src.is_dir():
-            shutil.copytree(src, tmp / "Planetoid" / name / "raw")
+    tmp = private_planetoid(args.root)
     jobs = grid(args.quick, [int(v) for v in args.seeds.split(",")], args.models.split(","))
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_suffix(".jsonl")  # one line per finished run, so a cut-off run keeps its results
-    partial.write_text("")
-    print(f"{len(jobs)} runs on {args.workers} worker(s)", file=sys.stderr)
     t0 = time.perf_counter()
-    rows = []
-    with ProcessPoolExecutor(args.workers) as pool:
-        for i, row in enumerate(pool.map(_job, [(j, str(tmp)) for j in jobs]), 1):
-            rows.append(row)
-            with open(partial, "a") as f:
-                f.write(json.dumps(row) + "\n")
-            print(
-                f"[{time.perf_counter() - t0:7.1f}s] {i}/{len(jobs)} {row['dataset']} {row['split']} "
-                f"{row['mode']} {row['model']} K={row['clients']} {row['method']} seed {row['seed']}: "
-                f"{row['test_accuracy']:.4f}",
-                file=sys.stderr,
-                flush=True,
-            )
+    rows = run_jobs(
+        _job,
+        jobs,
+        str(tmp),
+        out.with_suffix(".jsonl"),
+        args.workers,
+        lambda row: (
+            f"{row['dataset']} {row['split']} {row['mode']} {row['model']} K={row['clients']} "
+            f"{row['method']} seed {row['seed']}: {row['test_accuracy']:.4f}"
+        ),
+    )
     shutil.rmtree(tmp, ignore_errors=True)
     table = summarize(rows)
     print_table(table)

@@ -174,11 +174,13 @@ def quantize_rows(
         if bits not in ALL_BITS:
             raise CodecError(f"{where}: bit width must be one of {ALL_BITS}, got {bits}")
         if bits in PASS_BITS:
-            _refuse_nonfinite(x, ~torch.isfinite(x).all(dim=1), where)
             dtype = torch.float32 if bits == 32 else RANGE_DTYPES[half]
-            data = x.to(dtype).contiguous().view(-1).view(torch.uint8)
-            if bits == 16 and not bool(torch.isfinite(data.view(dtype)).all()):
+            values = x.to(dtype).contiguous()
+            bad_rows = ~torch.isfinite(values).all(dim=1)  # also catches fp16 overflow
+            if bits == 16 and bool(bad_rows.any()) and bool(torch.isfinite(x[bad_rows]).all()):
                 raise CodecError(f"{where}: values overflow {half}; use bf16 or 32 bits")
+            _refuse_nonfinite(x, bad_rows, where)
+            data = values.view(-1).view(torch.uint8)
             return QuantizedRows((k, d), torch.full((k,), bits, dtype=torch.uint8), empty, empty, data, half)
         row_bits = torch.full((k,), bits, dtype=torch.uint8, device=x.device)
     else:

@@ -1,0 +1,55 @@
+"""Shared benchmark plumbing: a private copy of the datasets and a process pool that saves as it goes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+DEFAULT_ROOT = Path(__file__).resolve().parents[1].parent / "shared" / "datasets"
+
+
+def private_planetoid(root: str, names: tuple[str, ...] = ("Cora", "CiteSeer")) -> Path:
+    """Copy ``Planetoid/<name>/raw`` into a temporary folder (PyG writes ``processed/`` beside raw)."""
+    tmp = Path(tempfile.mkdtemp(prefix="retexo-bench-"))
+    for name in names:
+        src = Path(root) / "Planetoid" / name / "raw"
+        if src.is_dir():
+            shutil.copytree(src, tmp / "Planetoid" / name / "raw")
+    return tmp
+
+
+def run_jobs(
+    job: Callable[[tuple[dict, str]], dict],
+    jobs: list[dict],
+    root: str,
+    partial: Path,
+    workers: int,
+    label: Callable[[dict], str],
+) -> list[dict]:
+    """Run ``job((settings, root))`` for every job on ``workers`` processes.
+
+    Each finished run is appended to ``partial`` (JSON lines) at once, so a cut-off benchmark
+    keeps what it measured; progress goes to stderr.
+    """
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    partial.write_text("")
+    print(f"{len(jobs)} runs on {workers} worker(s)", file=sys.stderr)
+    t0 = time.perf_counter()
+    rows = []
+    with ProcessPoolExecutor(workers) as pool:
+        for i, row in enumerate(pool.map(job, [(j, root) for j in jobs]), 1):
+            rows.append(row)
+            with open(partial, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(
+                f"[{time.perf_counter() - t0:7.1f}s] {i}/{len(jobs)} {label(row)}",
+                file=sys.stderr,
+                flush=True,
+            )
+    return rows

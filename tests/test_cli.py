@@ -109,3 +109,20 @@ def test_corrupt_partition_is_a_clear_error(tmp_path, capsys):
 def test_unknown_setting_is_refused(capsys):
     assert main(["train", "--dataset", "sbm:100,2", "--model", "transformer", "--rounds", "1"]) == 2
     assert "unknown model" in capsys.readouterr().err
+
+
+def test_compression_flags(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["train", "--dataset", "sbm:300,3", "--clients", "3", "--method", "random", "--stages", "3"]
+    argv += ["--rounds", "3", "--hidden", "16", "--bit-policy", "adaptive-budget"]
+    argv += ["--update-bits", "8", "--rate-schedule", "step:2,6", "--out", str(out)]
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["rate_schedule"] == "step:2,6" and summary["config"]["update_bits"] == 8
+    assert summary["bytes_boundary"] < summary["bytes_boundary_raw"] / 4
+    assert sum(summary["bit_histogram"].values()) > 0
+    # A schedule's rate is the adaptive budget: the second exchange may spend more bits.
+    first, second = (s["bytes_boundary_sent"] for s in summary["stages"][:2])
+    assert second > first
+    assert main(["train", "--dataset", "sbm:100,2", "--bits", "3", "--rounds", "1"]) == 2
+    assert "bits and update-bits" in capsys.readouterr().err

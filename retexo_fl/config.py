@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-MODES = ("lazy", "centralized")
+MODES = ("lazy", "eager", "local", "centralized")
 BIT_POLICIES = ("fixed", "adaptive-budget", "adaptive-bandwidth")
 PER_STAGE = ("rounds", "local_epochs", "lr", "server_lr", "dropout", "input_dropout")
 
@@ -49,6 +49,9 @@ class TrainConfig:
     heads: int = 4
     patience: int = 0
     device: str = "auto"
+    # Local mode's time-based aggregation: seconds of local training per round (0: local-epochs).
+    round_seconds: float = 0.0
+    step_delay: str = ""  # "P:seconds,...": slow client P down by that much per step (emulation)
     # Compression (DESIGN section 5): boundary rows and model updates.
     bits: int = 32
     bit_policy: str = "fixed"

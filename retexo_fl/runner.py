@@ -50,6 +50,10 @@ def train(cfg: TrainConfig, rec: RunRecorder | None = None) -> dict:
         if cfg.partitions:
             raise ValueError("centralized mode trains on the whole graph: give --dataset, not --partitions")
         summary = run_centralized(whole_graph_partition(load_graph(cfg)), cfg, rec)
+    elif cfg.mode in ("eager", "local"):
+        from retexo_fl.training.eager import run_eager
+
+        summary = run_eager(make_partitions(cfg, rec), cfg, rec, local=cfg.mode == "local")
     else:
         from retexo_fl.training.lazy import run_lazy
 

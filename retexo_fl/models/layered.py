@@ -1,0 +1,73 @@
+"""The end-to-end K-layer GNN of the eager and local baselines, over owned rows plus constant halo rows."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from retexo_fl.models.stage import make_conv, make_norm
+
+
+class LayeredGNN(nn.Module):
+    """An MLP encoder on raw features, ``layers - 1`` conv layers, a linear head.
+
+    The same layer stack as ``layers`` lazy stages, trained end to end. Layer 0 is row-wise, so
+    no raw feature of another client is ever needed; conv layer ``l`` reads the owned rows'
+    layer-``l - 1`` output and, for halo rows, ``halo[l - 1]``: embeddings a peer sent (constant
+    here, so no gradient crosses clients).
+
+    Args:
+        kind: conv kind (``gcn``, ``sage``, ``sage-max``, ``gat``).
+        in_dim: raw feature width. hidden: hidden width. num_classes: output classes.
+        layers: encoder plus convs (default 2). dropout: before every layer and the head.
+        norm: ``layer`` or ``none`` after every hidden layer. heads: attention heads (``gat``).
+
+    Shapes:
+        ``forward(x [n, in_dim], edge_index [2, E], edge_weight [E]?, halo [[H, hidden]] * (layers - 1))``
+        returns ``(logits [n, num_classes], inputs)`` where ``inputs[l]`` ``[n, hidden]`` is what
+        conv layer ``l + 1`` read for the owned rows: the rows peers need.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        in_dim: int,
+        hidden: int,
+        num_classes: int,
+        *,
+        layers: int = 2,
+        dropout: float = 0.5,
+        norm: str = "layer",
+        heads: int = 4,
+    ) -> None:
+        super().__init__()
+        if layers < 1:
+            raise ValueError(f"layers must be >= 1, got {layers}")
+        self.kind = kind
+        self.encoder = nn.Linear(in_dim, hidden)
+        self.convs = nn.ModuleList(make_conv(kind, hidden, hidden, heads=heads) for _ in range(layers - 1))
+        self.norms = nn.ModuleList(make_norm(norm, hidden) for _ in range(layers))
+        self.head = nn.Linear(hidden, num_classes)
+        self.dropout = nn.Dropout(dropout)
+
+    @property
+    def num_convs(self) -> int:
+        return len(self.convs)
+
+    def forward(
+        self,
+        x: Tensor,
+        edge_index: Tensor | None,
+        edge_weight: Tensor | None,
+        halo: list[Tensor],
+    ) -> tuple[Tensor, list[Tensor]]:
+        n = x.shape[0]
+        h = torch.relu(self.norms[0](self.encoder(self.dropout(x))))
+        inputs = []
+        for i, conv in enumerate(self.convs):
+            inputs.append(h)
+            full = torch.cat([h, halo[i].to(h.dtype)]) if halo[i].numel() else h
+            full = self.dropout(full)
+            out = conv(full, edge_index, edge_weight) if self.kind == "gcn" else conv(full, edge_index)
+            h = torch.relu(self.norms[i + 1](out[:n]))
+        return self.head(self.dropout(h)), inputs

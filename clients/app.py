@@ -70,6 +70,7 @@ def _load_partition(context: Context, cfg):
 
 def _client(msg: Message, context: Context):
     from retexo_fl.training.client import LazyClient
+    from retexo_fl.training.eager import EagerClient
 
     cfg = P.config_from_json(str(msg.content[P.CONFIG]["run"]))
     hint = str(context.node_config.get("partition-id", context.node_id))
@@ -77,7 +78,11 @@ def _client(msg: Message, context: Context):
     work = _work_dir(context, msg.metadata.run_id, hint)
     client = _CACHE.get(key)
     if client is None:
-        client = LazyClient(_load_partition(context, cfg), cfg)
+        part = _load_partition(context, cfg)
+        if cfg.mode in ("eager", "local"):
+            client = EagerClient(part, cfg, local=cfg.mode == "local")
+        else:
+            client = LazyClient(part, cfg)
         for old in [k for k in _CACHE if k[0] != key[0]]:  # drop earlier runs' tensors
             del _CACHE[old]
         _CACHE[key] = client
@@ -102,8 +107,10 @@ def _deliver(client, msg: Message) -> bool:
         (degrees if kind == "deg" else halo)[int(src)] = blob
     if degrees:
         client.receive_degrees(client.decode_degrees(degrees))
-    # The server attaches deliveries to the first round of every stage >= 1, also when empty.
-    client.receive_halo(client.decode_boundary(halo))
+    if hasattr(client, "receive_boundary"):  # eager: every layer's halo, refreshed each round
+        client.receive_boundary(halo)
+    else:  # lazy: deliveries come with the first round of every stage >= 1, also when empty
+        client.receive_halo(client.decode_boundary(halo))
     return True
 
 
@@ -138,6 +145,13 @@ def train(msg: Message, context: Context) -> Message:
     # The server asks to validate the state it sends, except a stage's initial weights.
     val = client.evaluate(state, "val") if bool(config.get("validate", True)) else EvalResult(0, 0, 0.0)
     round_ = int(config["round"])
+    records = {}
+    if hasattr(client, "boundary_rows"):  # eager: this round's embeddings go to the peers' next round
+        rows = client.boundary_rows(state)
+        sent, stats = client.encode_rows_for_round(rows, round_) if rows else ({}, None)
+        records[P.PAYLOADS] = ConfigRecord({P.peer_key("to", q): f for q, f in sent.items()})
+        if stats is not None:
+            records[P.STATS] = ConfigRecord({"json": json.dumps(stats.to_dict())})
     new_state, loss = client.train(state, round_)
     frames = client.encode_update(new_state, state, round_)
     if delivered or frames is not None:  # halo rows, or the error-feedback residual, changed
@@ -149,15 +163,18 @@ def train(msg: Message, context: Context) -> Message:
             "val-correct": val.correct,
             "val-count": val.count,
             "val-loss": val.loss_sum,
+            "local-steps": getattr(client, "last_steps", 0),
         }
     )
     update = {P.ARRAYS: ArrayRecord(new_state)} if frames is None else {P.UPDATE: ConfigRecord(frames)}
-    return Message(RecordDict({**update, P.METRICS: metrics}), reply_to=msg)
+    return Message(RecordDict({**update, **records, P.METRICS: metrics}), reply_to=msg)
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    client, _ = _client(msg, context)
+    client, work = _client(msg, context)
+    if _deliver(client, msg):  # eager: the last round's halo rows come with the final evaluation
+        client.save(work)
     result = client.evaluate(_state(msg), str(msg.content[P.CONFIG]["split"]))
     metrics = MetricRecord({"correct": result.correct, "count": result.count, "loss": result.loss_sum})
     return Message(RecordDict({P.METRICS: metrics}), reply_to=msg)

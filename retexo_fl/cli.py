@@ -11,7 +11,7 @@ from pathlib import Path
 from retexo_fl.config import PER_STAGE, TrainConfig
 
 _HELP = {
-    "mode": "lazy (RETEXO, federated) or centralized (standard GNN on the whole graph)",
+    "mode": "lazy (RETEXO), eager (standard federated GNN), local (no cross edges, TMA) or centralized",
     "dataset": "PyG dataset name, sbm:N,C[,deg,homophily], or the path of a saved Data file",
     "data_root": "folder with the dataset's raw/ files (PyG downloads there if it can)",
     "split": "public | random:TRAIN,VAL,TEST | per-class:K,VAL,TEST",
@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine",
         choices=["in-process", "simulation"],
         default="in-process",
-        help="the in-process reference engine, or Flower's simulation engine (lazy mode)",
+        help="the in-process reference engine, or Flower's simulation engine (lazy, eager, local)",
     )
     t.add_argument("--root", dest="data_root", default=None, help="alias of --data-root")
     _add_config_flags(t)

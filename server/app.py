@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import time
 
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from retexo_fl import protocol as P
 from retexo_fl.config import TrainConfig
 from retexo_fl.metrics import RunRecorder, human_bytes
+from retexo_fl.models.layered import LayeredGNN
 
 app = ServerApp()
 
@@ -149,9 +151,39 @@ class StageMachine:
                 self.bytes_boundary += len(blob)
         return incoming
 
+    def _updates(self, replies: list[Message], state: dict, codec, tracker) -> tuple[list[dict], int]:
+        """Clients' new states from their replies (decoding compressed updates), counting model bytes.
+
+        Returns the states, in ``sorted(self.nodes)`` order, and the bytes float32 would have taken.
+        """
+        from retexo_fl.training.aggregate import state_nbytes
+
+        states, raw = [], 0
+        for pid, m in zip(sorted(self.nodes), replies, strict=True):
+            if P.UPDATE in m.content:
+                frames = {k: bytes(v) for k, v in m.content[P.UPDATE].items()}
+                states.append(codec.decode(frames, state, f"client {pid}"))
+                up = codec.nbytes(frames)
+            else:
+                states.append(m.content[P.ARRAYS].to_torch_state_dict())
+                up = state_nbytes(states[-1])
+            tracker.model_bytes += state_nbytes(state) + up
+            raw += 2 * state_nbytes(state)
+        return states, raw
+
+    @staticmethod
+    def _add_stats(stats, replies) -> None:
+        """Fold the exchange figures clients reported (``P.STATS``) into ``stats``."""
+        for reply in replies:
+            if P.STATS in reply.content:
+                figures = json.loads(str(reply.content[P.STATS]["json"]))
+                stats.bytes_raw += int(figures["bytes_raw"])
+                stats.bytes_sent += int(figures["bytes_sent"])
+                stats.bits.update({int(b): int(n) for b, n in figures["bit_histogram"].items()})
+
     def run_stage(self, stage: int, deliveries: dict[int, ConfigRecord] | None) -> tuple[dict, dict]:
         from retexo_fl.compress.updates import UpdateCodec
-        from retexo_fl.training.aggregate import ServerOptimizer, state_nbytes, weighted_average
+        from retexo_fl.training.aggregate import ServerOptimizer, weighted_average
         from retexo_fl.training.client import build_stage_model, stage_input_dim
         from retexo_fl.training.selection import StageTracker
 
@@ -186,17 +218,8 @@ class StageMachine:
             train_loss = sum(m["train-loss"] * w for m, w in zip(metrics, weights, strict=True)) / sum(
                 weights
             )
-            states = []
-            for pid, m in zip(sorted(self.nodes), ordered, strict=True):
-                if P.UPDATE in m.content:
-                    frames = {k: bytes(v) for k, v in m.content[P.UPDATE].items()}
-                    states.append(codec.decode(frames, state, f"client {pid}"))
-                    up = codec.nbytes(frames)
-                else:
-                    states.append(m.content[P.ARRAYS].to_torch_state_dict())
-                    up = state_nbytes(states[-1])
-                tracker.model_bytes += state_nbytes(state) + up
-                model_raw += 2 * state_nbytes(state)
+            states, raw = self._updates(ordered, state, codec, tracker)
+            model_raw += raw
             state = server.step(weighted_average(states, weights))
             if line := tracker.progress_line(r, rounds):
                 self.rec.progress(line)
@@ -213,8 +236,15 @@ class StageMachine:
         tracker.record(round_, state, acc, train_loss=train_loss)
         self.rec.event("round", stage=tracker.stage, round=round_, train_loss=train_loss, val_accuracy=acc)
 
-    def evaluate(self, state: dict, split: str, stage: int) -> tuple[int, int, float]:
-        contents = {self.nodes[pid]: self._content(state, split=split, stage=stage) for pid in self.nodes}
+    def evaluate(
+        self, state: dict, split: str, stage: int, deliveries: dict[int, ConfigRecord] | None = None
+    ) -> tuple[int, int, float]:
+        contents = {
+            self.nodes[pid]: self._content(
+                state, deliveries.get(pid) if deliveries else None, split=split, stage=stage
+            )
+            for pid in self.nodes
+        }
         replies = self._send(P.EVALUATE, contents, f"{split} evaluation", stage)
         ms = [dict(r.content[P.METRICS]) for r in replies.values()]
         return sum(m["correct"] for m in ms), sum(m["count"] for m in ms), sum(m["loss"] for m in ms)
@@ -229,11 +259,7 @@ class StageMachine:
         from retexo_fl.compress.boundary import ExchangeStats
 
         stats = ExchangeStats()
-        for reply in replies.values():
-            figures = json.loads(str(reply.content[P.STATS]["json"]))
-            stats.bytes_raw += int(figures["bytes_raw"])
-            stats.bytes_sent += int(figures["bytes_sent"])
-            stats.bits.update({int(b): int(n) for b, n in figures["bit_histogram"].items()})
+        self._add_stats(stats, replies.values())
         self.exchange_stats[stage] = stats
         who = {node: pid for pid, node in self.nodes.items()}
         return self._route({who[n]: r.content[P.PAYLOADS] for n, r in replies.items()}, "halo")
@@ -280,11 +306,111 @@ class StageMachine:
         }
 
 
+class RoundMachine(StageMachine):
+    """Eager and local baselines over a Flower ``Grid``: one ``train`` message per round.
+
+    Round ``r`` carries the global state and the boundary frames peers computed in round ``r - 1``;
+    each client validates the state, sends this round's frames and its update back in one reply.
+    """
+
+    def run(self) -> dict:
+        from retexo_fl.compress.boundary import ExchangeStats
+        from retexo_fl.compress.updates import UpdateCodec
+        from retexo_fl.training.aggregate import ServerOptimizer, weighted_average
+        from retexo_fl.training.client import derive_seed
+        from retexo_fl.training.lazy import compression_totals, exchange_figures
+        from retexo_fl.training.selection import StageTracker
+
+        cfg = self.cfg
+        mode = cfg.mode
+        t0 = time.perf_counter()
+        deliveries = self.setup()  # degrees (eager GCN) ride with round 1
+        c0 = self.counts[0]
+        torch.manual_seed(derive_seed(cfg.seed, 0xE0))
+        model = LayeredGNN(
+            cfg.model,
+            c0["num-features"],
+            cfg.hidden,
+            c0["num-classes"],
+            layers=cfg.stages,
+            dropout=float(cfg.per_stage("dropout", 1)),
+            norm=cfg.norm,
+            heads=cfg.heads,
+        )
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        server = ServerOptimizer(cfg.server_optimizer, state, float(cfg.per_stage("server_lr", 1)))
+        codec = UpdateCodec(cfg.update_bits, cfg.range_dtype)
+        rounds = int(cfg.per_stage("rounds", 1))
+        tracker = StageTracker(0, cfg.patience)
+        stats, model_raw, steps, train_loss = ExchangeStats(), 0, [], 0.0
+        pids = sorted(self.nodes)
+        for r in range(1, rounds + 1):
+            contents = {
+                self.nodes[pid]: self._content(
+                    state, deliveries.get(pid) if deliveries else None, stage=0, round=r, validate=r > 1
+                )
+                for pid in pids
+            }
+            replies = self._send(P.TRAIN, contents, f"{mode} round {r}", 0)
+            ordered = [replies[self.nodes[pid]] for pid in pids]
+            metrics = [dict(m.content[P.METRICS]) for m in ordered]
+            if r > 1:  # each reply validated the state it received, with the halo it was delivered
+                self._record(tracker, r - 1, state, metrics, train_loss)
+                if tracker.should_stop:
+                    deliveries = None
+                    break
+            steps.append([int(m["local-steps"]) for m in metrics])
+            self._add_stats(stats, ordered)
+            outgoing = {
+                pid: m.content[P.PAYLOADS]
+                for pid, m in zip(pids, ordered, strict=True)
+                if P.PAYLOADS in m.content
+            }
+            deliveries = self._route(outgoing, "halo") if outgoing else None
+            weights = [m["num-examples"] for m in metrics]
+            train_loss = sum(m["train-loss"] * w for m, w in zip(metrics, weights, strict=True)) / sum(
+                weights
+            )
+            states, raw = self._updates(ordered, state, codec, tracker)
+            model_raw += raw
+            state = server.step(weighted_average(states, weights))
+            if line := tracker.progress_line(r, rounds):
+                self.rec.progress(f"{mode} {line} boundary so far {human_bytes(self.bytes_boundary)}")
+        else:  # the last state's validation, with the last round's halo rows delivered
+            correct, count, _ = self.evaluate(state, "val", 0, deliveries)
+            self._record(tracker, rounds, state, [{"val-correct": correct, "val-count": count}], train_loss)
+        figures = tracker.figures(time.perf_counter() - t0)
+        figures.update(
+            bytes_boundary=self.bytes_boundary, bytes_model_raw=model_raw, **exchange_figures(stats)
+        )
+        correct, count, _ = self.evaluate(tracker.best_state, "test", 0)
+        return {
+            **compression_totals([figures]),
+            "mode": mode,
+            "engine": "flower",
+            "test_accuracy": correct / count if count else 0.0,
+            "val_accuracy": figures["val_accuracy"],
+            "bytes_total": self.bytes_boundary + figures["bytes_model"],
+            "bytes_boundary": self.bytes_boundary,
+            "bytes_model": figures["bytes_model"],
+            "local_steps": steps,
+            "traffic": self.traffic_summary(),
+            "stages": [figures],
+            "wall_seconds": time.perf_counter() - t0,
+            "config": cfg.to_dict(),
+        }
+
+
 def run_server(grid: Grid, cfg: TrainConfig) -> dict:
     """Run a lazy job on ``grid`` and write the run folder; returns the summary."""
     rec = RunRecorder(cfg.out_dir or None)
     rec.write_json("config.json", cfg.to_dict())
-    summary = StageMachine(grid, cfg, rec).run()
+    if cfg.mode == "centralized":
+        raise ValueError(
+            "centralized mode trains on one graph in process; the Flower app runs lazy, eager, local"
+        )
+    machine = RoundMachine if cfg.mode in ("eager", "local") else StageMachine
+    summary = machine(grid, cfg, rec).run()
     rec.write_json("summary.json", summary)
     if cfg.out_dir:
         from retexo_fl.plots import write_plots

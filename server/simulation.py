@@ -8,7 +8,7 @@ from retexo_fl.config import TrainConfig
 
 
 def simulate(cfg: TrainConfig, *, cpus_per_client: float = 1.0) -> dict:
-    """Run one lazy job through Flower's simulation engine (Ray) and return its summary.
+    """Run one lazy, eager or local job through Flower's simulation engine (Ray) and return its summary.
 
     Flower's Python ``run_simulation`` API passes no run config, so the config travels in the
     ServerApp's closure; ``flwr run .`` uses ``server.app:app`` with ``[tool.flwr.app.config]``.

@@ -127,3 +127,34 @@ def test_client_failing_mid_stage_ends_the_run_with_its_name(tmp_path):
     finally:
         done.set()
         watcher.join(timeout=5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["eager", "local"])
+def test_baselines_match_in_process(tmp_path, mode):
+    from server.simulation import simulate
+
+    cfg = TrainConfig(
+        mode=mode,
+        dataset="sbm:300,3,8,0.85",
+        clients=3,
+        method="random",
+        model="gcn",
+        hidden=8,
+        stages=3,
+        rounds=4,
+        seed=0,
+        bits=8,
+        update_bits=8,
+        out_dir=str(tmp_path / "sim"),
+    )
+    sim = simulate(cfg)
+    ref = train(TrainConfig(**{**cfg.to_dict(), "out_dir": ""}), RunRecorder(None, stream=None))
+    assert sim["mode"] == ref["mode"] == mode
+    assert sim["test_accuracy"] == pytest.approx(ref["test_accuracy"], abs=1e-9)
+    assert sim["val_accuracy"] == pytest.approx(ref["val_accuracy"], abs=1e-9)
+    assert sim["bytes_boundary"] == ref["bytes_boundary"]
+    assert sim["bytes_model"] == ref["bytes_model"] > 0
+    assert sim["bit_histogram"] == ref["bit_histogram"]
+    assert (sim["bytes_boundary"] > 0) == (mode == "eager")
+    assert sim["local_steps"] == ref["local_steps"] == [[1, 1, 1]] * 4

@@ -43,6 +43,7 @@ class StageMachine:
         self.counts: dict[int, dict] = {}
         self.bytes_boundary = 0  # relayed frames (degrees and boundary rows), headers included
         self.exchange_stats: dict[int, dict] = {}  # stage -> compression figures of its exchange
+        self.model_bytes_done = 0  # model bytes of finished stages
         # (stage, message type, node id, direction) -> [messages, wire bytes, payload bytes]
         self.traffic: dict[tuple[int, str, int, str], list[int]] = {}
 
@@ -195,6 +196,7 @@ class StageMachine:
         server = ServerOptimizer(cfg.server_optimizer, state, float(cfg.per_stage("server_lr", stage)))
         rounds = int(cfg.per_stage("rounds", stage))
         tracker = StageTracker(stage, cfg.patience)
+        tracker.bytes_offset = self.bytes_boundary + self.model_bytes_done
         codec = UpdateCodec(cfg.update_bits, cfg.range_dtype)
         t0 = time.perf_counter()
         train_loss = 0.0
@@ -231,6 +233,8 @@ class StageMachine:
         return tracker.best_state, figures
 
     def _record(self, tracker, round_: int, state: dict, metrics: list[dict], train_loss: float) -> None:
+        if self.cfg.mode in ("eager", "local"):
+            tracker.bytes_offset = self.bytes_boundary
         count = sum(m["val-count"] for m in metrics)
         acc = sum(m["val-correct"] for m in metrics) / count if count else 0.0
         tracker.record(round_, state, acc, train_loss=train_loss)
@@ -277,6 +281,7 @@ class StageMachine:
                         deliveries[pid][k] = v
             before = self.bytes_boundary
             state, figures = self.run_stage(stage, deliveries)
+            self.model_bytes_done += figures["bytes_model"]
             deliveries = None
             if stage < self.cfg.stages - 1:
                 deliveries = self.embed(state, stage)

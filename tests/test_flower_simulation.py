@@ -42,6 +42,7 @@ def test_simulation_matches_in_process(tmp_path):
     # Early stopping (patience 2) cuts the same rounds in both engines.
     assert [s["rounds_run"] for s in sim["stages"]] == [s["rounds_run"] for s in ref["stages"]]
     assert sim["bit_histogram"] == ref["bit_histogram"] and len(sim["bit_histogram"]) > 1
+    assert _bytes_curve(sim) == _bytes_curve(ref) and _bytes_curve(sim)[-1] == sim["bytes_total"]
     assert sim["bytes_boundary_raw"] == ref["bytes_boundary_raw"] > 2 * sim["bytes_boundary"]
     assert sim["bytes_model"] < 0.7 * sim["bytes_model_raw"]
     # Every message was measured: wire bytes exceed payload bytes, by little for boundary rows.
@@ -158,3 +159,8 @@ def test_baselines_match_in_process(tmp_path, mode):
     assert sim["bit_histogram"] == ref["bit_histogram"]
     assert (sim["bytes_boundary"] > 0) == (mode == "eager")
     assert sim["local_steps"] == ref["local_steps"] == [[1, 1, 1]] * 4
+    assert _bytes_curve(sim) == _bytes_curve(ref) and _bytes_curve(sim)[-1] == sim["bytes_total"]
+
+
+def _bytes_curve(summary: dict) -> list[int]:
+    return [h["bytes_total"] for s in summary["stages"] for h in s["history"]]

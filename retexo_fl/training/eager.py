@@ -238,6 +238,7 @@ def run_eager(
         state = server.step(weighted_average([s for s, _ in results], weights))
         train_loss = sum(loss * w for (_, loss), w in zip(results, weights, strict=True)) / sum(weights)
         val = _evaluate(clients, state, "val")
+        tracker.bytes_offset = bytes_boundary
         tracker.record(r, state, val, train_loss=train_loss)
         rec.event("round", mode=mode, round=r, train_loss=train_loss, val_accuracy=val, bytes=nbytes)
         if line := tracker.progress_line(r, rounds):

@@ -58,9 +58,12 @@ def _aggregate_eval(clients: Sequence[LazyClient], state: StateDict, split: str)
 
 
 def run_stage(
-    clients: Sequence[LazyClient], cfg: TrainConfig, stage: int, rec: RunRecorder
+    clients: Sequence[LazyClient], cfg: TrainConfig, stage: int, rec: RunRecorder, bytes_before: int = 0
 ) -> tuple[StateDict, dict]:
-    """Train one stage by FedAvg rounds; returns the best-validation state and stage figures."""
+    """Train one stage by FedAvg rounds; returns the best-validation state and stage figures.
+
+    ``bytes_before`` (all bytes of earlier stages and exchanges) starts the history's byte count.
+    """
     t0 = time.perf_counter()
     model = clients[0].make_model()
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
@@ -68,6 +71,7 @@ def run_stage(
     rounds = int(cfg.per_stage("rounds", stage))
     weights = [c.num_train for c in clients]
     tracker = StageTracker(stage, cfg.patience)
+    tracker.bytes_offset = bytes_before
     model_raw = 0
     for r in range(1, rounds + 1):
         results = []
@@ -138,7 +142,8 @@ def run_lazy(
         rec.event("degrees", bytes=nbytes)
     state: StateDict = {}
     for stage in range(cfg.stages):
-        state, figures = run_stage(clients, cfg, stage, rec)
+        before = bytes_boundary + sum(s["bytes_model"] for s in stages)
+        state, figures = run_stage(clients, cfg, stage, rec, before)
         if on_stage is not None:
             on_stage(stage, state)
         figures["bytes_boundary"] = 0

@@ -27,9 +27,13 @@ class StageTracker:
         self.best_round = 0
         self.stale = 0
         self.model_bytes = 0
+        self.bytes_offset = 0  # bytes sent before this round's model traffic: earlier stages, boundary
 
     def record(self, round_: int, state: StateDict, val_accuracy: float, **extra: float) -> None:
-        self.history.append({"round": round_, "val_accuracy": val_accuracy, **extra})
+        """Keep ``state`` if it is the best so far; history rows carry the run's bytes so far."""
+        row = {"round": round_, "val_accuracy": val_accuracy, **extra}
+        row["bytes_total"] = self.bytes_offset + self.model_bytes
+        self.history.append(row)
         if val_accuracy > self.best_val:
             self.best_state, self.best_val, self.best_round, self.stale = state, val_accuracy, round_, 0
         else:

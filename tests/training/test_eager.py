@@ -64,3 +64,38 @@ def test_time_based_rounds_end_on_time_and_slow_clients_do_fewer_steps(sbm):
     assert step_delays("1:0.1, 3:2") == {1: 0.1, 3: 2.0}
     with pytest.raises(ValueError, match="step-delay"):
         step_delays("1=0.1")
+
+
+def test_settled_halos_give_the_whole_graph_forward(sbm):
+    """With the state held fixed, two exchanges settle both layers' halos: every client's logits
+    then equal the whole-graph model's, so eager's only approximation is staleness."""
+    import torch
+
+    from retexo_fl.training.centralized import whole_graph_partition
+    from retexo_fl.training.lazy import exchange
+
+    cfg = _cfg(mode="eager", hidden=8)
+    clients = [EagerClient(p, cfg) for p in partition_graph(sbm, 3, "random", seed=0)]
+    incoming, _ = exchange({c.id: c.degree_frames() for c in clients})
+    for c in clients:
+        c.receive_degrees(c.decode_degrees(incoming.get(c.id, {})))
+    state = {k: v.detach().clone() for k, v in clients[0].make_model().state_dict().items()}
+
+    def logits(client):
+        model = client.make_model()
+        model.load_state_dict(state)
+        model.eval()
+        with torch.no_grad():
+            return client._forward(model)[1]
+
+    whole = logits(EagerClient(whole_graph_partition(sbm), cfg))
+
+    def gap() -> float:
+        return max(float((logits(c) - whole[torch.from_numpy(c.part.node_ids)]).abs().max()) for c in clients)
+
+    before = gap()  # zero halos
+    for _ in range(cfg.stages - 1):
+        incoming, _ = exchange({c.id: c.encode_rows_for_round(c.boundary_rows(state), 1)[0] for c in clients})
+        for c in clients:
+            c.receive_boundary(incoming.get(c.id, {}))
+    assert before > 1e-2 and gap() < 1e-5

@@ -164,3 +164,25 @@ def test_baselines_match_in_process(tmp_path, mode):
 
 def _bytes_curve(summary: dict) -> list[int]:
     return [h["bytes_total"] for s in summary["stages"] for h in s["history"]]
+
+
+@pytest.mark.slow
+def test_time_based_rounds_in_simulation(tmp_path):
+    from server.simulation import simulate
+
+    cfg = TrainConfig(
+        mode="local",
+        dataset="sbm:300,3,8,0.85",
+        clients=3,
+        method="random",
+        hidden=8,
+        stages=2,
+        rounds=3,
+        round_seconds=0.4,
+        step_delay="1:0.15",
+        out_dir=str(tmp_path / "sim"),
+    )
+    steps = simulate(cfg)["local_steps"]
+    assert len(steps) == 3
+    for fast0, slow, fast2 in steps:  # the slowed client does few steps; nobody waits for it
+        assert slow <= 4 and min(fast0, fast2) > 2 * slow

@@ -24,6 +24,13 @@ def private_planetoid(root: str, names: tuple[str, ...] = ("Cora", "CiteSeer")) 
     return tmp
 
 
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far, in MB (Linux reports kB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def run_jobs(
     job: Callable[[tuple[dict, str]], dict],
     jobs: list[dict],
@@ -42,7 +49,8 @@ def run_jobs(
     print(f"{len(jobs)} runs on {workers} worker(s)", file=sys.stderr)
     t0 = time.perf_counter()
     rows = []
-    with ProcessPoolExecutor(workers) as pool:
+    # One process per run, so each run's peak memory (ru_maxrss) is its own.
+    with ProcessPoolExecutor(workers, max_tasks_per_child=1) as pool:
         for i, row in enumerate(pool.map(job, [(j, root) for j in jobs]), 1):
             rows.append(row)
             with open(partial, "a") as f:

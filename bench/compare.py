@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DEFAULT_ROOT, private_planetoid, run_jobs
+from common import DEFAULT_ROOT, peak_rss_mb, private_planetoid, run_jobs
 
 # The synthetic graph: 100,000 nodes, about 2,000,000 undirected edges (4,000,000 directed).
 SBM = "sbm:100000,8,40,0.7"
@@ -47,6 +47,7 @@ PEER = {
     "bytes_model": None,
     "bytes_to_target": None,
     "seconds": 120.0,
+    "peak_mb": 5000.0,  # about 5 GB across its processes
 }
 
 
@@ -76,6 +77,7 @@ def _job(args: tuple[dict, str]) -> dict:
         "bytes_model": summary["bytes_model"],
         "curve": curve,
         "wall_seconds": summary["wall_seconds"],
+        "peak_rss_mb": peak_rss_mb(),
     }
 
 
@@ -158,6 +160,7 @@ def summarize(rows: list[dict], target_frac: float) -> list[dict]:
                 # Mean over the seeds that reached the target; None if any did not.
                 "bytes_to_target": statistics.mean(reached) if reach and len(reached) == len(reach) else None,
                 "seconds": statistics.mean(r["wall_seconds"] for r in rs),
+                "peak_mb": max((r.get("peak_rss_mb", 0.0) for r in rs), default=0.0),
             }
         )
     order = {m: i for i, m in enumerate(["centralized", "lazy", "eager", "local"])}
@@ -185,7 +188,7 @@ def _fmt_bytes(v) -> str:
 def print_table(table: list[dict]) -> None:
     head = (
         f"{'dataset':22} {'K':>3} {'part':8} {'mode':24} {'bits':>4} {'test acc':>15} {'total':>10} "
-        f"{'boundary':>10} {'model':>10} {'to target':>10} {'s':>7}"
+        f"{'boundary':>10} {'model':>10} {'to target':>10} {'s':>7} {'peak MB':>8}"
     )
     print(head)
     print("-" * len(head))
@@ -194,7 +197,7 @@ def print_table(table: list[dict]) -> None:
             f"{r['dataset']:22} {r['clients']:>3} {r['method']:8} {r['mode']:24} {r['bits']:>4} "
             f"{r['test_mean']:.4f}±{r['test_std']:.4f} {_fmt_bytes(r['bytes_total']):>10} "
             f"{_fmt_bytes(r['bytes_boundary']):>10} {_fmt_bytes(r['bytes_model']):>10} "
-            f"{_fmt_bytes(r['bytes_to_target']):>10} {r['seconds']:>7.1f}"
+            f"{_fmt_bytes(r['bytes_to_target']):>10} {r['seconds']:>7.1f} {r.get('peak_mb', 0):>8.0f}"
         )
 
 

@@ -140,7 +140,11 @@ def train(msg: Message, context: Context) -> Message:
 
     client, work = _client(msg, context)
     delivered = _deliver(client, msg)
-    state = _state(msg)
+    if P.MODEL in msg.content:  # a compressed broadcast: a delta from the model held since
+        frames_in = {k: bytes(v) for k, v in msg.content[P.MODEL].items()}
+        state = client.receive_model(None, frames_in)
+    else:
+        state = client.receive_model(_state(msg), None)
     config = msg.content[P.CONFIG]
     # The server asks to validate the state it sends, except a stage's initial weights.
     val = client.evaluate(state, "val") if bool(config.get("validate", True)) else EvalResult(0, 0, 0.0)
@@ -154,7 +158,7 @@ def train(msg: Message, context: Context) -> Message:
             records[P.STATS] = ConfigRecord({"json": json.dumps(stats.to_dict())})
     new_state, loss = client.train(state, round_)
     frames = client.encode_update(new_state, state, round_)
-    if delivered or frames is not None:  # halo rows, or the error-feedback residual, changed
+    if delivered or frames is not None or client.cfg.broadcast_bits < 32:  # halo, residual or view
         client.save(work)
     metrics = MetricRecord(
         {

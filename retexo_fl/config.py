@@ -60,6 +60,7 @@ class TrainConfig:
     time_budget: float = 0.0
     rate_schedule: str = "fixed"
     update_bits: int = 32
+    broadcast_bits: int = 32  # the server's model broadcast as b-bit deltas (32: whole state)
     range_dtype: str = "fp16"
     out_dir: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -89,6 +90,8 @@ class TrainConfig:
         from retexo_fl.compress.quantize import ALL_BITS, RANGE_DTYPES
         from retexo_fl.compress.schedule import RateSchedule
 
+        if self.broadcast_bits not in ALL_BITS:
+            raise ValueError(f"broadcast-bits must be one of {ALL_BITS}, got {self.broadcast_bits}")
         if self.bits not in ALL_BITS or self.update_bits not in ALL_BITS:
             raise ValueError(
                 f"bits and update-bits must be one of {ALL_BITS}, got {self.bits}, {self.update_bits}"

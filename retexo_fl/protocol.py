@@ -23,6 +23,7 @@ METRICS = "metrics"  # MetricRecord: counts, losses, accuracies
 PAYLOADS = "payloads"  # ConfigRecord: "to-<q>" (outgoing) or "from-<p>" (deliveries) -> bytes
 
 STATS = "stats"  # ConfigRecord: a client's exchange figures (bytes before / after, widths), JSON
+MODEL = "model"  # ConfigRecord: tensor name -> broadcast delta frame (broadcast-bits < 32)
 UPDATE = "update"  # ConfigRecord: tensor name -> compressed update frame (update-bits < 32)
 
 # Boundary rows, degrees and compressed updates all travel as the frames of compress.payload.

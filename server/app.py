@@ -100,9 +100,13 @@ class StageMachine:
             "by_message": rows,
         }
 
-    def _content(self, state=None, payloads: ConfigRecord | None = None, **config) -> RecordDict:
+    def _content(self, state=None, payloads: ConfigRecord | None = None, model=None, **config) -> RecordDict:
+        """A message's records; ``model`` (a :class:`ModelBroadcast`) sends its prepared delta
+        frames instead of ``state`` when it has them."""
         records = {P.CONFIG: ConfigRecord({"run": self.run_json, **config})}
-        if state is not None:
+        if model is not None and model.frames is not None:
+            records[P.MODEL] = ConfigRecord(model.frames)
+        elif state is not None:
             records[P.ARRAYS] = ArrayRecord(state)
         if payloads is not None:
             records[P.PAYLOADS] = payloads
@@ -152,8 +156,11 @@ class StageMachine:
                 self.bytes_boundary += len(blob)
         return incoming
 
-    def _updates(self, replies: list[Message], state: dict, codec, tracker) -> tuple[list[dict], int]:
-        """Clients' new states from their replies (decoding compressed updates), counting model bytes.
+    def _updates(
+        self, replies: list[Message], state: dict, codec, tracker, down: int
+    ) -> tuple[list[dict], int]:
+        """Clients' new states from their replies (decoding compressed updates against ``state``,
+        what they trained from), counting model bytes (``down`` per client for the broadcast).
 
         Returns the states, in ``sorted(self.nodes)`` order, and the bytes float32 would have taken.
         """
@@ -168,7 +175,7 @@ class StageMachine:
             else:
                 states.append(m.content[P.ARRAYS].to_torch_state_dict())
                 up = state_nbytes(states[-1])
-            tracker.model_bytes += state_nbytes(state) + up
+            tracker.model_bytes += down + up
             raw += 2 * state_nbytes(state)
         return states, raw
 
@@ -183,9 +190,9 @@ class StageMachine:
                 stats.bits.update({int(b): int(n) for b, n in figures["bit_histogram"].items()})
 
     def run_stage(self, stage: int, deliveries: dict[int, ConfigRecord] | None) -> tuple[dict, dict]:
-        from retexo_fl.compress.updates import UpdateCodec
-        from retexo_fl.training.aggregate import ServerOptimizer, weighted_average
-        from retexo_fl.training.client import build_stage_model, stage_input_dim
+        from retexo_fl.compress.updates import ModelBroadcast, UpdateCodec, apply_updates
+        from retexo_fl.training.aggregate import ServerOptimizer
+        from retexo_fl.training.client import build_stage_model, derive_seed, stage_input_dim
         from retexo_fl.training.selection import StageTracker
 
         cfg = self.cfg
@@ -198,6 +205,8 @@ class StageMachine:
         tracker = StageTracker(stage, cfg.patience)
         tracker.bytes_offset = self.bytes_boundary + self.model_bytes_done
         codec = UpdateCodec(cfg.update_bits, cfg.range_dtype)
+        broadcast = ModelBroadcast(cfg.broadcast_bits, cfg.range_dtype, derive_seed(cfg.seed, stage, 0xBC))
+        view = broadcast.prepare(state, 1)
         t0 = time.perf_counter()
         train_loss = 0.0
         model_raw = 0
@@ -205,7 +214,12 @@ class StageMachine:
             first = r == 1 and deliveries
             contents = {
                 self.nodes[pid]: self._content(
-                    state, deliveries.get(pid) if first else None, stage=stage, round=r, validate=r > 1
+                    view,
+                    deliveries.get(pid) if first else None,
+                    model=broadcast,
+                    stage=stage,
+                    round=r,
+                    validate=r > 1,
                 )
                 for pid in self.nodes
             }
@@ -213,21 +227,22 @@ class StageMachine:
             ordered = [replies[self.nodes[pid]] for pid in sorted(self.nodes)]
             metrics = [dict(m.content[P.METRICS]) for m in ordered]
             if r > 1:  # each reply validated the state it received: the previous round's average
-                self._record(tracker, r - 1, state, metrics, train_loss)
+                self._record(tracker, r - 1, view, metrics, train_loss)
                 if tracker.should_stop:
                     break
             weights = [m["num-examples"] for m in metrics]
             train_loss = sum(m["train-loss"] * w for m, w in zip(metrics, weights, strict=True)) / sum(
                 weights
             )
-            states, raw = self._updates(ordered, state, codec, tracker)
+            states, raw = self._updates(ordered, view, codec, tracker, broadcast.nbytes())
             model_raw += raw
-            state = server.step(weighted_average(states, weights))
+            state = server.step(apply_updates(state, view, states, weights))
+            view = broadcast.prepare(state, r + 1)
             if line := tracker.progress_line(r, rounds):
                 self.rec.progress(line)
         else:  # the last (or only) state still needs its validation
-            correct, count, _ = self.evaluate(state, "val", stage)
-            self._record(tracker, rounds, state, [{"val-correct": correct, "val-count": count}], train_loss)
+            correct, count, _ = self.evaluate(view, "val", stage)
+            self._record(tracker, rounds, view, [{"val-correct": correct, "val-count": count}], train_loss)
         figures = tracker.figures(time.perf_counter() - t0)
         figures["bytes_model_raw"] = model_raw
         return tracker.best_state, figures
@@ -320,8 +335,8 @@ class RoundMachine(StageMachine):
 
     def run(self) -> dict:
         from retexo_fl.compress.boundary import ExchangeStats
-        from retexo_fl.compress.updates import UpdateCodec
-        from retexo_fl.training.aggregate import ServerOptimizer, weighted_average
+        from retexo_fl.compress.updates import ModelBroadcast, UpdateCodec, apply_updates
+        from retexo_fl.training.aggregate import ServerOptimizer
         from retexo_fl.training.client import derive_seed
         from retexo_fl.training.lazy import compression_totals, exchange_figures
         from retexo_fl.training.selection import StageTracker
@@ -345,6 +360,8 @@ class RoundMachine(StageMachine):
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         server = ServerOptimizer(cfg.server_optimizer, state, float(cfg.per_stage("server_lr", 1)))
         codec = UpdateCodec(cfg.update_bits, cfg.range_dtype)
+        broadcast = ModelBroadcast(cfg.broadcast_bits, cfg.range_dtype, derive_seed(cfg.seed, 0xBC))
+        view = broadcast.prepare(state, 1)
         rounds = int(cfg.per_stage("rounds", 1))
         tracker = StageTracker(0, cfg.patience)
         stats, model_raw, steps, train_loss = ExchangeStats(), 0, [], 0.0
@@ -352,7 +369,12 @@ class RoundMachine(StageMachine):
         for r in range(1, rounds + 1):
             contents = {
                 self.nodes[pid]: self._content(
-                    state, deliveries.get(pid) if deliveries else None, stage=0, round=r, validate=r > 1
+                    view,
+                    deliveries.get(pid) if deliveries else None,
+                    model=broadcast,
+                    stage=0,
+                    round=r,
+                    validate=r > 1,
                 )
                 for pid in pids
             }
@@ -360,7 +382,7 @@ class RoundMachine(StageMachine):
             ordered = [replies[self.nodes[pid]] for pid in pids]
             metrics = [dict(m.content[P.METRICS]) for m in ordered]
             if r > 1:  # each reply validated the state it received, with the halo it was delivered
-                self._record(tracker, r - 1, state, metrics, train_loss)
+                self._record(tracker, r - 1, view, metrics, train_loss)
                 if tracker.should_stop:
                     deliveries = None
                     break
@@ -376,14 +398,15 @@ class RoundMachine(StageMachine):
             train_loss = sum(m["train-loss"] * w for m, w in zip(metrics, weights, strict=True)) / sum(
                 weights
             )
-            states, raw = self._updates(ordered, state, codec, tracker)
+            states, raw = self._updates(ordered, view, codec, tracker, broadcast.nbytes())
             model_raw += raw
-            state = server.step(weighted_average(states, weights))
+            state = server.step(apply_updates(state, view, states, weights))
+            view = broadcast.prepare(state, r + 1)
             if line := tracker.progress_line(r, rounds):
                 self.rec.progress(f"{mode} {line} boundary so far {human_bytes(self.bytes_boundary)}")
         else:  # the last state's validation, with the last round's halo rows delivered
-            correct, count, _ = self.evaluate(state, "val", 0, deliveries)
-            self._record(tracker, rounds, state, [{"val-correct": correct, "val-count": count}], train_loss)
+            correct, count, _ = self.evaluate(view, "val", 0, deliveries)
+            self._record(tracker, rounds, view, [{"val-correct": correct, "val-count": count}], train_loss)
         figures = tracker.figures(time.perf_counter() - t0)
         figures.update(
             bytes_boundary=self.bytes_boundary, bytes_model_raw=model_raw, **exchange_figures(stats)

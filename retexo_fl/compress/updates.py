@@ -67,3 +67,58 @@ class UpdateCodec:
     @staticmethod
     def nbytes(frames: dict[str, bytes]) -> int:
         return sum(len(f) for f in frames.values())
+
+
+class ModelBroadcast:
+    """Server side of a compressed model broadcast: what every client holds, and how to move it.
+
+    Clients hold a ``view`` of the global state. The first round of a stage sends the state
+    whole; later rounds send ``Q(state - view)`` frames and both sides add the decoded delta to
+    ``view``. What a round leaves out stays in ``state - view`` and goes out with the next round
+    (error feedback). At 32 bits the view is the state itself.
+
+    Args:
+        bits: width of the broadcast deltas (32: send the state whole every round).
+        half: dtype of the per-row ranges.
+        seed: seed of the stochastic rounding (rounds are mixed in).
+    """
+
+    def __init__(self, bits: int = 32, half: str = "fp16", seed: int = 0) -> None:
+        self.codec = UpdateCodec(bits, half)
+        self.bits, self.seed = int(bits), int(seed)
+        self.view: StateDict | None = None
+        self.frames: dict[str, bytes] | None = None
+
+    def prepare(self, state: StateDict, round_: int) -> StateDict:
+        """The view clients will hold after round ``round_``'s broadcast of ``state``."""
+        if self.bits >= 32 or self.view is None or round_ <= 1:
+            self.frames = None
+            self.view = state  # states are never modified in place once made
+
+        else:
+            gen = torch.Generator().manual_seed((self.seed * 1_000_003 + round_) % (1 << 63))
+            self.frames, _ = self.codec.encode(state, self.view, None, gen, where="broadcast")
+            self.view = self.codec.decode(self.frames, self.view, "server broadcast")
+        return self.view
+
+    def nbytes(self) -> int:
+        """Bytes of the prepared broadcast, per client."""
+        if self.frames is None:
+            return sum(t.numel() * t.element_size() for t in (self.view or {}).values())
+        return UpdateCodec.nbytes(self.frames)
+
+
+def apply_updates(
+    state: StateDict, view: StateDict, states: list[StateDict], weights: list[float]
+) -> StateDict:
+    """``state`` plus the weighted mean of the clients' updates ``states[i] - view``.
+
+    When clients trained from the state itself (``view is state``) this is plain FedAvg.
+    """
+    from retexo_fl.training.aggregate import weighted_average
+
+    if view is state:
+        return weighted_average(states, weights)
+    deltas = [{k: s[k].float() - view[k].float() for k in view} for s in states]
+    mean = weighted_average(deltas, weights)
+    return {k: (state[k].float() + mean[k]).to(state[k].dtype) for k in state}

@@ -98,6 +98,7 @@ class LazyClient:
         self.encoder = BoundaryEncoder(cfg)
         self.update_codec = UpdateCodec(cfg.update_bits, cfg.range_dtype) if cfg.update_bits < 32 else None
         self.residual: StateDict | None = None  # error feedback of compressed updates, this stage
+        self.view: StateDict | None = None  # the model as the compressed broadcast left it
 
     @property
     def id(self) -> int:
@@ -250,6 +251,19 @@ class LazyClient:
         dim = self.owned.shape[1]
         return {p: decode_rows(blob, f"client {p}", self._expect(p), dim) for p, blob in frames.items()}
 
+    def receive_model(self, state: StateDict | None, frames: dict[str, bytes] | None) -> StateDict:
+        """The round's model: ``state`` sent whole, or ``frames`` of a delta from the last one."""
+        if frames is None:
+            if state is None:
+                raise ValueError(f"client {self.id}: a model message with neither state nor delta")
+            self.view = state
+            return state
+        if self.view is None:
+            raise RuntimeError(f"client {self.id}: a model delta arrived before any whole state")
+        codec = UpdateCodec(self.cfg.broadcast_bits, self.cfg.range_dtype)
+        self.view = codec.decode(frames, self.view, "server broadcast")
+        return self.view
+
     def encode_update(self, new: StateDict, base: StateDict, round_: int) -> dict[str, bytes] | None:
         """``new``'s update from ``base`` as frames (``update-bits``), or ``None`` when uncompressed."""
         if self.update_codec is None:
@@ -273,6 +287,7 @@ class LazyClient:
             "halo": None if self.halo is None else self.halo.cpu(),
             "halo_degree": self.halo_degree,
             "residual": self.residual,
+            "view": self.view if self.cfg.broadcast_bits < 32 else None,
         }
         torch.save(state, path / "client-state.pt.tmp")
         (path / "client-state.pt.tmp").replace(path / "client-state.pt")
@@ -288,5 +303,6 @@ class LazyClient:
         self.halo = None if state["halo"] is None else state["halo"].to(self.device)
         self.halo_degree = state["halo_degree"]
         self.residual = state.get("residual")
+        self.view = state.get("view")
         self._edges = None
         return True

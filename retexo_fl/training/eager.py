@@ -24,12 +24,13 @@ from torch import Tensor
 from retexo_fl.compress.bits import aggregation_weights
 from retexo_fl.compress.boundary import ExchangeStats
 from retexo_fl.compress.payload import decode_rows
+from retexo_fl.compress.updates import ModelBroadcast, apply_updates
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partition import Partition, check_cross_consistency
 from retexo_fl.metrics import RunRecorder, human_bytes
 from retexo_fl.models.layered import LayeredGNN
 from retexo_fl.plan import check_plans
-from retexo_fl.training.aggregate import ServerOptimizer, StateDict, state_nbytes, weighted_average
+from retexo_fl.training.aggregate import ServerOptimizer, StateDict, state_nbytes
 from retexo_fl.training.client import LazyClient, derive_seed
 from retexo_fl.training.selection import StageTracker
 
@@ -167,6 +168,7 @@ class EagerClient(LazyClient):
             "halo_layers": [h.cpu() for h in self.halo_layers],
             "residual": self.residual,
             "halo_degree": self.halo_degree,
+            "view": self.view if self.cfg.broadcast_bits < 32 else None,
         }
         torch.save(state, path / "eager-state.pt.tmp")
         (path / "eager-state.pt.tmp").replace(path / "eager-state.pt")
@@ -179,6 +181,7 @@ class EagerClient(LazyClient):
         self.halo_layers = [h.to(self.device) for h in state["halo_layers"]]
         self.residual = state["residual"]
         self.halo_degree = state["halo_degree"]
+        self.view = state.get("view")
         self._edges = None
         return True
 
@@ -214,18 +217,21 @@ def run_eager(
     weights = [c.num_train for c in clients]
     tracker = StageTracker(0, cfg.patience)
     stats, model_raw, steps = ExchangeStats(), 0, []
+    broadcast = ModelBroadcast(cfg.broadcast_bits, cfg.range_dtype, derive_seed(cfg.seed, 0xBC))
+    view = broadcast.prepare(state, 1)  # what the clients hold and train from
     for r in range(1, rounds + 1):
         results, outgoing = [], {}
+        down = broadcast.nbytes()
         for c in clients:
-            rows = c.boundary_rows(state)  # this round's embeddings, for the peers' next round
+            rows = c.boundary_rows(view)  # this round's embeddings, for the peers' next round
             if rows:
                 outgoing[c.id], s = c.encode_rows_for_round(rows, r)
                 stats.add(s)
-            new, loss = c.train(state, r)
-            frames = c.encode_update(new, state, r)
+            new, loss = c.train(view, r)
+            frames = c.encode_update(new, view, r)
             if frames is not None:
-                new = c.update_codec.decode(frames, state, f"client {c.id}")
-            tracker.model_bytes += state_nbytes(state) + (
+                new = c.update_codec.decode(frames, view, f"client {c.id}")
+            tracker.model_bytes += down + (
                 state_nbytes(new) if frames is None else sum(map(len, frames.values()))
             )
             model_raw += 2 * state_nbytes(state)
@@ -235,11 +241,12 @@ def run_eager(
         bytes_boundary += nbytes
         for c in clients:
             c.receive_boundary(incoming.get(c.id, {}))
-        state = server.step(weighted_average([s for s, _ in results], weights))
+        state = server.step(apply_updates(state, view, [s for s, _ in results], weights))
+        view = broadcast.prepare(state, r + 1)
         train_loss = sum(loss * w for (_, loss), w in zip(results, weights, strict=True)) / sum(weights)
-        val = _evaluate(clients, state, "val")
+        val = _evaluate(clients, view, "val")
         tracker.bytes_offset = bytes_boundary
-        tracker.record(r, state, val, train_loss=train_loss)
+        tracker.record(r, view, val, train_loss=train_loss)
         rec.event("round", mode=mode, round=r, train_loss=train_loss, val_accuracy=val, bytes=nbytes)
         if line := tracker.progress_line(r, rounds):
             rec.progress(f"{mode} {line} boundary so far {human_bytes(bytes_boundary)}")

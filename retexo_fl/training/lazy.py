@@ -9,6 +9,7 @@ from typing import TypeVar
 from torch import Tensor
 
 from retexo_fl.compress.boundary import ExchangeStats
+from retexo_fl.compress.updates import ModelBroadcast, apply_updates
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partition import Partition, check_cross_consistency
 from retexo_fl.metrics import RunRecorder, human_bytes
@@ -17,9 +18,8 @@ from retexo_fl.training.aggregate import (
     ServerOptimizer,
     StateDict,
     state_nbytes,
-    weighted_average,
 )
-from retexo_fl.training.client import LazyClient
+from retexo_fl.training.client import LazyClient, derive_seed
 from retexo_fl.training.selection import StageTracker
 
 T = TypeVar("T", bytes, Tensor)
@@ -73,22 +73,26 @@ def run_stage(
     tracker = StageTracker(stage, cfg.patience)
     tracker.bytes_offset = bytes_before
     model_raw = 0
+    broadcast = ModelBroadcast(cfg.broadcast_bits, cfg.range_dtype, derive_seed(cfg.seed, stage, 0xBC))
+    view = broadcast.prepare(state, 1)  # what the clients hold and train from
     for r in range(1, rounds + 1):
         results = []
+        down = broadcast.nbytes()
         for c in clients:
-            new, loss = c.train(state, r)
-            frames = c.encode_update(new, state, r)
+            new, loss = c.train(view, r)
+            frames = c.encode_update(new, view, r)
             if frames is not None:  # what the server receives is the decoded update
-                new = c.update_codec.decode(frames, state, f"client {c.id}")
+                new = c.update_codec.decode(frames, view, f"client {c.id}")
             results.append((new, loss))
-            tracker.model_bytes += state_nbytes(state) + (
+            tracker.model_bytes += down + (
                 state_nbytes(new) if frames is None else sum(map(len, frames.values()))
             )
             model_raw += 2 * state_nbytes(state)
-        state = server.step(weighted_average([s for s, _ in results], weights))
+        state = server.step(apply_updates(state, view, [s for s, _ in results], weights))
+        view = broadcast.prepare(state, r + 1)
         train_loss = sum(loss * w for (_, loss), w in zip(results, weights, strict=True)) / sum(weights)
-        val_acc, val_loss = _aggregate_eval(clients, state, "val")
-        tracker.record(r, state, val_acc, train_loss=train_loss, val_loss=val_loss)
+        val_acc, val_loss = _aggregate_eval(clients, view, "val")
+        tracker.record(r, view, val_acc, train_loss=train_loss, val_loss=val_loss)
         rec.event("round", stage=stage, round=r, train_loss=train_loss, val_accuracy=val_acc)
         if line := tracker.progress_line(r, rounds):
             rec.progress(line)

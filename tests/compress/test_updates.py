@@ -41,3 +41,33 @@ def test_sizes_shrink_and_bad_frames_fail():
         UpdateCodec(8).decode({"w": frames["w"]}, base, "client 2")
     with pytest.raises(PayloadError, match=r"client 2 \(w\)"):
         UpdateCodec(8).decode({**frames, "w": frames["b"]}, base, "client 2")
+
+
+def test_broadcast_view_tracks_the_state():
+    from retexo_fl.compress.updates import ModelBroadcast, apply_updates
+    from retexo_fl.training.aggregate import weighted_average
+
+    gen = torch.Generator().manual_seed(2)
+    state = {"w": torch.randn(64, 32, generator=gen), "b": torch.randn(64, generator=gen)}
+    full = ModelBroadcast(32)
+    assert full.prepare(state, 5) is state and full.nbytes() == sum(v.numel() * 4 for v in state.values())
+    cast = ModelBroadcast(8, seed=1)
+    assert cast.prepare(state, 1) is state and cast.frames is None  # the first round goes whole
+    for r in range(2, 30):
+        state = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
+        view = cast.prepare(state, r)
+        assert cast.frames is not None and cast.nbytes() < 0.3 * sum(v.numel() * 4 for v in state.values())
+        for k in state:  # what is left out is carried to the next round, so it never piles up
+            assert (view[k] - state[k]).abs().max() < 0.01
+    clients = [{k: torch.randn(v.shape, generator=gen) for k, v in state.items()} for _ in range(2)]
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            apply_updates(state, state, clients, [1, 3]).values(),
+            weighted_average(clients, [1, 3]).values(),
+            strict=True,
+        )
+    )
+    moved = apply_updates(state, view, clients, [1, 1])
+    for k in state:
+        assert torch.allclose(moved[k], state[k] + (clients[0][k] + clients[1][k]) / 2 - view[k], atol=1e-5)

@@ -81,12 +81,23 @@ def _job(args: tuple[dict, str]) -> dict:
     }
 
 
+def split_datasets(spec: str) -> list[str]:
+    """``"Cora,sbm:1000,4,10,0.8"`` -> ``["Cora", "sbm:1000,4,10,0.8"]``: numbers join the sbm before."""
+    out: list[str] = []
+    for token in filter(None, (t.strip() for t in spec.split(","))):
+        if out and out[-1].startswith("sbm:") and token.replace(".", "", 1).isdigit():
+            out[-1] += "," + token
+        else:
+            out.append(token)
+    return out
+
+
 def grid(args: argparse.Namespace) -> list[dict]:
     seeds = [int(v) for v in args.seeds.split(",")]
     if args.quick:
         datasets, clients, methods, seeds = ["Cora"], [10], ["random"], seeds[:1]
     else:
-        datasets = args.datasets.split(",")
+        datasets = split_datasets(args.datasets)
         clients = [int(k) for k in args.clients.split(",")]
         methods = args.methods.split(",")
     jobs = []

@@ -245,18 +245,29 @@ def plot(table: list[dict], path: Path) -> None:
     datasets = sorted({r["dataset"] for r in table})
     fig, axes = plt.subplots(1, len(datasets), figsize=(5.5 * len(datasets), 4.5), squeeze=False)
     markers = {"lazy": "o", "eager": "s", "local": "^"}
+    colors = {
+        "lazy 32b": "tab:blue",
+        "lazy 8b": "tab:cyan",
+        "eager 32b": "tab:red",
+        "eager 8b": "tab:orange",
+        "local 32b": "tab:green",
+    }
     for ax, ds in zip(axes[0], datasets, strict=True):
         for r in table:
             if r["dataset"] != ds or not r["bytes_total"]:
                 continue
             mode = r["mode"] if r["mode"] in markers else "peer"
+            label = f"{mode} {r['bits']}b" if mode != "peer" else r["mode"]
+            color = colors.get(label, "black")
+            hollow = r["method"] == "random"  # filled: METIS, hollow: random partitions
             ax.scatter(
                 r["bytes_total"],
                 r["test_mean"],
                 marker=markers.get(mode, "*"),
                 s=60 if mode != "peer" else 160,
-                alpha=0.8,
-                label=f"{mode} {r['bits']}b" if mode != "peer" else r["mode"],
+                facecolors="none" if hollow else color,
+                edgecolors=color,
+                label=label,
             )
         for r in table:
             if r["dataset"] == ds and r["mode"] == "centralized":
@@ -267,7 +278,7 @@ def plot(table: list[dict], path: Path) -> None:
         ax.set_xscale("log")
         ax.set_xlabel("total bytes (log)")
         ax.set_ylabel("test accuracy")
-        ax.set_title(ds)
+        ax.set_title(f"{ds} (filled: METIS, hollow: random)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -10,6 +10,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from retexo_fl import protocol as P
+from retexo_fl.compress.boundary import ExchangeStats
 from retexo_fl.config import TrainConfig
 from retexo_fl.metrics import RunRecorder, human_bytes
 from retexo_fl.models.layered import LayeredGNN
@@ -184,10 +185,7 @@ class StageMachine:
         """Fold the exchange figures clients reported (``P.STATS``) into ``stats``."""
         for reply in replies:
             if P.STATS in reply.content:
-                figures = json.loads(str(reply.content[P.STATS]["json"]))
-                stats.bytes_raw += int(figures["bytes_raw"])
-                stats.bytes_sent += int(figures["bytes_sent"])
-                stats.bits.update({int(b): int(n) for b, n in figures["bit_histogram"].items()})
+                stats.add(ExchangeStats.from_dict(json.loads(str(reply.content[P.STATS]["json"]))))
 
     def run_stage(self, stage: int, deliveries: dict[int, ConfigRecord] | None) -> tuple[dict, dict]:
         from retexo_fl.compress.updates import ModelBroadcast, UpdateCodec, apply_updates
@@ -275,8 +273,6 @@ class StageMachine:
             f"stage {stage} embed",
             stage,
         )
-        from retexo_fl.compress.boundary import ExchangeStats
-
         stats = ExchangeStats()
         self._add_stats(stats, replies.values())
         self.exchange_stats[stage] = stats
@@ -334,7 +330,6 @@ class RoundMachine(StageMachine):
     """
 
     def run(self) -> dict:
-        from retexo_fl.compress.boundary import ExchangeStats
         from retexo_fl.compress.updates import ModelBroadcast, UpdateCodec, apply_updates
         from retexo_fl.training.aggregate import ServerOptimizer
         from retexo_fl.training.client import derive_seed

@@ -81,6 +81,12 @@ class ExchangeStats:
         self.bytes_sent += other.bytes_sent
         self.bits.update(other.bits)
 
+    @classmethod
+    def from_dict(cls, d: dict) -> ExchangeStats:
+        """The inverse of :meth:`to_dict` (what a client reports over the wire)."""
+        bits = Counter({int(b): int(n) for b, n in d["bit_histogram"].items()})
+        return cls(int(d["bytes_raw"]), int(d["bytes_sent"]), bits)
+
     def to_dict(self) -> dict:
         return {
             "bytes_raw": self.bytes_raw,

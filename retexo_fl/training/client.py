@@ -99,6 +99,7 @@ class LazyClient:
         self.update_codec = UpdateCodec(cfg.update_bits, cfg.range_dtype) if cfg.update_bits < 32 else None
         self.residual: StateDict | None = None  # error feedback of compressed updates, this stage
         self.view: StateDict | None = None  # the model as the compressed broadcast left it
+        self._weights: dict[int, Tensor] | None = None
 
     @property
     def id(self) -> int:
@@ -131,6 +132,16 @@ class LazyClient:
     def receive_degrees(self, incoming: dict[int, Tensor]) -> None:
         self.halo_degree = self.plan.assemble_halo(incoming, 1).view(-1)
         self._edges = None
+        self._weights = None
+
+    def boundary_weights(self) -> dict[int, Tensor]:
+        """Per peer, the aggregation weights of the rows sent to it (adaptive widths); computed
+        once, as they depend only on the graph and the halo degrees."""
+        if self._weights is None:
+            self._weights = aggregation_weights(
+                self.part, self.plan, self.graph.in_degree, self.halo_degree, self.cfg.model
+            )
+        return self._weights
 
     # -- stage inputs -----------------------------------------------------------------------
     def stage_input(self) -> Tensor:
@@ -173,18 +184,22 @@ class LazyClient:
         return (hidden, logits) if rows is None else (hidden[rows], logits[rows])
 
     # -- rounds -----------------------------------------------------------------------------
+    def optimizer(self, model: torch.nn.Module, stage: int) -> torch.optim.Optimizer:
+        """The local optimizer the run config names, at ``stage``'s learning rate."""
+        cfg = self.cfg
+        lr = float(cfg.per_stage("lr", stage))
+        if cfg.optimizer == "adam":
+            return torch.optim.Adam(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(
+            model.parameters(), lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        )
+
     def train(self, state: StateDict, round_: int) -> tuple[StateDict, float]:
         """Local epochs from ``state``; returns the new state and the mean training loss."""
         model = self.make_model()
         model.load_state_dict(state)
         cfg, stage = self.cfg, self.stage
-        lr = float(cfg.per_stage("lr", stage))
-        if cfg.optimizer == "adam":
-            opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
-        else:
-            opt = torch.optim.SGD(
-                model.parameters(), lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
-            )
+        opt = self.optimizer(model, stage)
         torch.manual_seed(derive_seed(cfg.seed, stage, round_, self.id))
         mask = self.masks["train"]
         model.train()
@@ -238,11 +253,7 @@ class LazyClient:
     def encode_boundary(self, rows: dict[int, Tensor]) -> tuple[dict[int, bytes], ExchangeStats]:
         """Frames of the rows :meth:`advance` returned, compressed as the run config says."""
         exchange = self.stage - 1
-        weights = None
-        if self.cfg.bit_policy != "fixed":
-            weights = aggregation_weights(
-                self.part, self.plan, self.graph.in_degree, self.halo_degree, self.cfg.model
-            )
+        weights = self.boundary_weights() if self.cfg.bit_policy != "fixed" else None
         gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, self.stage, 0xB0, self.id))
         return self.encoder.encode(self.id, rows, weights, exchange, self.cfg.stages - 1, gen)
 
@@ -277,11 +288,9 @@ class LazyClient:
         return frames
 
     # -- persistence between messages (a deployed ClientApp is a new process per message) ------
-    def save(self, directory: str | Path) -> None:
-        """Write the stage inputs to a node-local ``directory`` (atomically)."""
-        path = Path(directory)
-        path.mkdir(parents=True, exist_ok=True)
-        state = {
+    def _snapshot(self) -> dict:
+        """What :meth:`save` writes: everything a later message needs besides the partition."""
+        return {
             "stage": self.stage,
             "owned": self.owned.cpu(),
             "halo": None if self.halo is None else self.halo.cpu(),
@@ -289,7 +298,17 @@ class LazyClient:
             "residual": self.residual,
             "view": self.view if self.cfg.broadcast_bits < 32 else None,
         }
-        torch.save(state, path / "client-state.pt.tmp")
+
+    def _load_snapshot(self, state: dict) -> None:
+        self.stage = int(state["stage"])
+        self.owned = state["owned"].to(self.device)
+        self.halo = None if state["halo"] is None else state["halo"].to(self.device)
+
+    def save(self, directory: str | Path) -> None:
+        """Write the stage inputs to a node-local ``directory`` (atomically)."""
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        torch.save(self._snapshot(), path / "client-state.pt.tmp")
         (path / "client-state.pt.tmp").replace(path / "client-state.pt")
 
     def restore(self, directory: str | Path) -> bool:
@@ -298,11 +317,10 @@ class LazyClient:
         if not path.is_file():
             return False
         state = torch.load(path, weights_only=True)
-        self.stage = int(state["stage"])
-        self.owned = state["owned"].to(self.device)
-        self.halo = None if state["halo"] is None else state["halo"].to(self.device)
+        self._load_snapshot(state)
         self.halo_degree = state["halo_degree"]
         self.residual = state.get("residual")
         self.view = state.get("view")
         self._edges = None
+        self._weights = None
         return True

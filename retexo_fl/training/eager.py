@@ -15,13 +15,11 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from retexo_fl.compress.bits import aggregation_weights
 from retexo_fl.compress.boundary import ExchangeStats
 from retexo_fl.compress.payload import decode_rows
 from retexo_fl.compress.updates import ModelBroadcast, apply_updates
@@ -93,13 +91,7 @@ class EagerClient(LazyClient):
         model = self.make_model()
         model.load_state_dict(state)
         cfg = self.cfg
-        lr = float(cfg.per_stage("lr", 1))
-        if cfg.optimizer == "adam":
-            opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
-        else:
-            opt = torch.optim.SGD(
-                model.parameters(), lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
-            )
+        opt = self.optimizer(model, 1)
         torch.manual_seed(derive_seed(cfg.seed, 0xEA, round_, self.id))
         mask = self.masks["train"]
         model.train()
@@ -139,11 +131,8 @@ class EagerClient(LazyClient):
         self, rows: dict[int, Tensor], round_: int
     ) -> tuple[dict[int, bytes], ExchangeStats]:
         weights = None
-        if self.cfg.bit_policy != "fixed":
-            base = aggregation_weights(
-                self.part, self.plan, self.graph.in_degree, self.halo_degree, self.cfg.model
-            )
-            weights = {q: w.repeat(self.layers - 1) for q, w in base.items()}
+        if self.cfg.bit_policy != "fixed":  # every layer's block of a row weighs the same
+            weights = {q: w.repeat(self.layers - 1) for q, w in self.boundary_weights().items()}
         gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, 0xEB, round_, self.id))
         rounds = int(self.cfg.per_stage("rounds", 1))
         return self.encoder.encode(self.id, rows, weights, round_ - 1, rounds, gen)
@@ -160,43 +149,24 @@ class EagerClient(LazyClient):
         if frames:
             self.halo_layers = [self.plan.assemble_halo(b, self.cfg.hidden).to(self.device) for b in blocks]
 
-    def save(self, directory: str | Path) -> None:
-        """Write the per-layer halo, degrees and update residual to a node-local ``directory``."""
-        path = Path(directory)
-        path.mkdir(parents=True, exist_ok=True)
-        state = {
+    def _snapshot(self) -> dict:
+        # Stage inputs are the raw features throughout; the per-layer halo is what changes.
+        return {
+            **super()._snapshot(),
+            "owned": None,
+            "halo": None,
             "halo_layers": [h.cpu() for h in self.halo_layers],
-            "residual": self.residual,
-            "halo_degree": self.halo_degree,
-            "view": self.view if self.cfg.broadcast_bits < 32 else None,
         }
-        torch.save(state, path / "eager-state.pt.tmp")
-        (path / "eager-state.pt.tmp").replace(path / "eager-state.pt")
 
-    def restore(self, directory: str | Path) -> bool:
-        path = Path(directory) / "eager-state.pt"
-        if not path.is_file():
-            return False
-        state = torch.load(path, weights_only=True)
+    def _load_snapshot(self, state: dict) -> None:
         self.halo_layers = [h.to(self.device) for h in state["halo_layers"]]
-        self.residual = state["residual"]
-        self.halo_degree = state["halo_degree"]
-        self.view = state.get("view")
-        self._edges = None
-        return True
-
-
-def _evaluate(clients: Sequence[EagerClient], state: StateDict, split: str) -> float:
-    results = [c.evaluate(state, split) for c in clients]
-    count = sum(r.count for r in results)
-    return sum(r.correct for r in results) / count if count else 0.0
 
 
 def run_eager(
     parts: Sequence[Partition], cfg: TrainConfig, rec: RunRecorder | None = None, local: bool = False
 ) -> dict:
     """Eager (or, with ``local``, local-only) federated training in one process; returns the summary."""
-    from retexo_fl.training.lazy import compression_totals, exchange, exchange_figures
+    from retexo_fl.training.lazy import aggregate_eval, compression_totals, exchange, exchange_figures
 
     rec = rec or RunRecorder(None, stream=None)
     mode = "local" if local else "eager"
@@ -244,7 +214,7 @@ def run_eager(
         state = server.step(apply_updates(state, view, [s for s, _ in results], weights))
         view = broadcast.prepare(state, r + 1)
         train_loss = sum(loss * w for (_, loss), w in zip(results, weights, strict=True)) / sum(weights)
-        val = _evaluate(clients, view, "val")
+        val = aggregate_eval(clients, view, "val")[0]
         tracker.bytes_offset = bytes_boundary
         tracker.record(r, view, val, train_loss=train_loss)
         rec.event("round", mode=mode, round=r, train_loss=train_loss, val_accuracy=val, bytes=nbytes)
@@ -255,7 +225,7 @@ def run_eager(
     figures = tracker.figures(time.perf_counter() - t0)
     figures.update(bytes_boundary=bytes_boundary, bytes_model_raw=model_raw, **exchange_figures(stats))
     best = tracker.best_state
-    test = _evaluate(clients, best, "test")
+    test = aggregate_eval(clients, best, "test")[0]
     return {
         **compression_totals([figures]),
         "mode": mode,

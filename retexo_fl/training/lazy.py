@@ -49,7 +49,8 @@ def exchange_figures(stats: ExchangeStats) -> dict:
     }
 
 
-def _aggregate_eval(clients: Sequence[LazyClient], state: StateDict, split: str) -> tuple[float, float]:
+def aggregate_eval(clients: Sequence[LazyClient], state: StateDict, split: str) -> tuple[float, float]:
+    """Accuracy and mean loss of ``state`` over every client's ``split`` nodes."""
     results = [c.evaluate(state, split) for c in clients]
     count = sum(r.count for r in results)
     correct = sum(r.correct for r in results)
@@ -91,7 +92,7 @@ def run_stage(
         state = server.step(apply_updates(state, view, [s for s, _ in results], weights))
         view = broadcast.prepare(state, r + 1)
         train_loss = sum(loss * w for (_, loss), w in zip(results, weights, strict=True)) / sum(weights)
-        val_acc, val_loss = _aggregate_eval(clients, view, "val")
+        val_acc, val_loss = aggregate_eval(clients, view, "val")
         tracker.record(r, view, val_acc, train_loss=train_loss, val_loss=val_loss)
         rec.event("round", stage=stage, round=r, train_loss=train_loss, val_accuracy=val_acc)
         if line := tracker.progress_line(r, rounds):
@@ -100,7 +101,7 @@ def run_stage(
             rec.progress(f"stage {stage}: no validation gain for {cfg.patience} rounds, stopping")
             break
     if rounds == 0:
-        tracker.record(0, state, _aggregate_eval(clients, state, "val")[0])
+        tracker.record(0, state, aggregate_eval(clients, state, "val")[0])
     figures = tracker.figures(time.perf_counter() - t0)
     figures["bytes_model_raw"] = model_raw
     return tracker.best_state, figures

@@ -6,7 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-MODES = ("lazy", "eager", "local", "centralized")
+MODES = ("lazy", "eager", "local", "centralized", "datacenter")
+ALGORITHMS = ("1d", "1.5d", "2d", "3d")
 BIT_POLICIES = ("fixed", "adaptive-budget", "adaptive-bandwidth")
 PER_STAGE = ("rounds", "local_epochs", "lr", "server_lr", "dropout", "input_dropout")
 
@@ -62,6 +63,11 @@ class TrainConfig:
     update_bits: int = 32
     broadcast_bits: int = 32  # the server's model broadcast as b-bit deltas (32: whole state)
     range_dtype: str = "fp16"
+    # Data-center mode (CAGNET full-graph training on torch.distributed, trusted clusters only).
+    algorithm: str = "1d"
+    procs: int = 4
+    replication: int = 2  # 1.5d's replication factor c
+    trusted_cluster: bool = False
     out_dir: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -107,6 +113,14 @@ class TrainConfig:
         if self.bit_policy == "adaptive-bandwidth" and not self.link_bandwidths:
             raise ValueError("bit-policy adaptive-bandwidth needs link-bandwidths")
         RateSchedule.parse(self.rate_schedule)
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
+        if self.procs < 1:
+            raise ValueError(f"procs must be >= 1, got {self.procs}")
+        if self.mode == "datacenter":
+            from retexo_fl.datacenter.volumes import check_procs
+
+            check_procs(self.algorithm, self.procs, self.replication)
         for name in ("rounds", "local_epochs"):
             for s in range(self.stages):
                 if int(self.per_stage(name, s)) < 0:

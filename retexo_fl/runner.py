@@ -50,6 +50,10 @@ def train(cfg: TrainConfig, rec: RunRecorder | None = None) -> dict:
         if cfg.partitions:
             raise ValueError("centralized mode trains on the whole graph: give --dataset, not --partitions")
         summary = run_centralized(whole_graph_partition(load_graph(cfg)), cfg, rec)
+    elif cfg.mode == "datacenter":
+        from retexo_fl.datacenter.launch import run_datacenter
+
+        summary = run_datacenter(cfg, rec)
     elif cfg.mode in ("eager", "local"):
         from retexo_fl.training.eager import run_eager
 

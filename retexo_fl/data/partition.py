@@ -72,6 +72,8 @@ class Partition:
             direction a bitmask of :data:`CROSS_IN` and :data:`CROSS_OUT`.
         dataset: name of the dataset the partition came from.
         directed: whether the whole graph is directed (else every edge appears both ways).
+        residency_bound: the owner's data may not leave it (the default); only the federated
+            modes may train on it, and data-center mode only with ``--trusted-cluster``.
     """
 
     partition_id: int
@@ -88,6 +90,7 @@ class Partition:
     cross_edges: np.ndarray
     dataset: str = "unknown"
     directed: bool = False
+    residency_bound: bool = True
     meta: dict = field(default_factory=dict)
 
     @property
@@ -149,6 +152,7 @@ def save_partition(part: Partition, directory: str | os.PathLike[str]) -> Path:
         "num_global_nodes": int(part.num_global_nodes),
         "num_classes": int(part.num_classes),
         "directed": bool(part.directed),
+        "residency_bound": bool(part.residency_bound),
         "counts": part.counts(),
         "checksums": checksums,
         "meta": part.meta,
@@ -194,8 +198,9 @@ def read_manifest(directory: str | os.PathLike[str]) -> dict:
     for key in ("counts", "checksums"):
         if not isinstance(manifest.get(key), dict):
             raise PartitionError(path, key, "must be a JSON object")
-    if not isinstance(manifest.get("directed", False), bool):
-        raise PartitionError(path, "directed", "must be true or false")
+    for key, default in (("directed", False), ("residency_bound", True)):
+        if not isinstance(manifest.get(key, default), bool):
+            raise PartitionError(path, key, "must be true or false")
     return manifest
 
 
@@ -328,6 +333,8 @@ def load_partition(directory: str | os.PathLike[str], *, verify_checksums: bool 
         cross_edges=cross,
         dataset=str(manifest.get("dataset", "unknown")),
         directed=bool(manifest.get("directed", False)),
+        # A manifest that does not say is bound: residency is never assumed away.
+        residency_bound=bool(manifest.get("residency_bound", True)),
         meta=manifest.get("meta", {}) if isinstance(manifest.get("meta"), dict) else {},
     )
     for key, value in part.counts().items():

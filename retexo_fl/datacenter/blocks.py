@@ -1,0 +1,102 @@
+"""Block ranges and sparse adjacency blocks: how the matrices are cut over the process grid."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+from torch import Tensor
+
+#: Bytes one stored nonzero costs on the wire: int32 row, int32 column, float32 value.
+NNZ_BYTES = 12
+
+
+def bounds(n: int, parts: int) -> np.ndarray:
+    """``[parts + 1]`` cut points splitting ``range(n)`` into ``parts`` near-equal blocks."""
+    return np.array([n * b // parts for b in range(parts + 1)], dtype=np.int64)
+
+
+def block(n: int, parts: int, b: int) -> slice:
+    """The ``b``-th of ``parts`` near-equal blocks of ``range(n)``."""
+    cuts = bounds(n, parts)
+    return slice(int(cuts[b]), int(cuts[b + 1]))
+
+
+def sub_block(n: int, parts: int, b: int, pieces: int, p: int) -> slice:
+    """Piece ``p`` of ``pieces`` of block ``b`` of ``parts`` (3D splits each block once more)."""
+    outer = block(n, parts, b)
+    inner = block(outer.stop - outer.start, pieces, p)
+    return slice(outer.start + inner.start, outer.start + inner.stop)
+
+
+def width(s: slice) -> int:
+    return s.stop - s.start
+
+
+@dataclass
+class SparseBlock:
+    """A block of the normalized adjacency in coordinate form, in the block's local indices.
+
+    Attributes:
+        rows, cols: ``[nnz]`` int32 local row and column indices.
+        values: ``[nnz]`` float32 entries.
+        shape: ``(rows, cols)`` of the block.
+    """
+
+    rows: Tensor
+    cols: Tensor
+    values: Tensor
+    shape: tuple[int, int]
+    _csr: Tensor | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def nnz(self) -> int:
+        return int(self.values.numel())
+
+    @classmethod
+    def cut(
+        cls, matrix: sp.csr_matrix, rows: slice, cols: slice, device: torch.device | None = None
+    ) -> SparseBlock:
+        """The block ``matrix[rows, cols]``, rows sorted, on ``device``."""
+        sub = matrix[rows, cols].tocoo()
+        order = np.lexsort((sub.col, sub.row))
+        return cls(
+            torch.from_numpy(sub.row[order].astype(np.int32)).to(device),
+            torch.from_numpy(sub.col[order].astype(np.int32)).to(device),
+            torch.from_numpy(sub.data[order].astype(np.float32)).to(device),
+            (width(rows), width(cols)),
+        )
+
+    @classmethod
+    def empty(cls, nnz: int, shape: tuple[int, int], device: torch.device) -> SparseBlock:
+        """A receive buffer for a block of ``nnz`` entries."""
+        i = torch.empty(nnz, dtype=torch.int32, device=device)
+        return cls(i, torch.empty_like(i), torch.empty(nnz, dtype=torch.float32, device=device), shape)
+
+    @staticmethod
+    def stack_rows(pieces: list[SparseBlock]) -> SparseBlock:
+        """One block from its row pieces, in order (all with the same columns)."""
+        offsets, total = [], 0
+        for p in pieces:
+            offsets.append(total)
+            total += p.shape[0]
+        return SparseBlock(
+            torch.cat([p.rows + off for p, off in zip(pieces, offsets, strict=True)]),
+            torch.cat([p.cols for p in pieces]),
+            torch.cat([p.values for p in pieces]),
+            (total, pieces[0].shape[1]),
+        )
+
+    def matmul(self, dense: Tensor) -> Tensor:
+        """``self @ dense``: ``[shape[0], F]`` from ``[shape[1], F]`` (rows must be sorted)."""
+        if self.nnz == 0:
+            return dense.new_zeros(self.shape[0], dense.shape[1])
+        if self._csr is None or self._csr.device != dense.device:
+            crow = torch.zeros(self.shape[0] + 1, dtype=torch.int64, device=self.rows.device)
+            crow[1:] = torch.bincount(self.rows.long(), minlength=self.shape[0]).cumsum(0)
+            self._csr = torch.sparse_csr_tensor(crow, self.cols.long(), self.values, self.shape).to(
+                dense.device
+            )
+        return self._csr @ dense

@@ -1,0 +1,127 @@
+"""Start a data-center run: P local processes on this host, or one process of a ``torchrun`` job."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from retexo_fl.config import TrainConfig
+from retexo_fl.datacenter.graph import FullGraph
+from retexo_fl.metrics import RunRecorder
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _device(cfg: TrainConfig) -> tuple[torch.device, str]:
+    """This process's device and backend: one GPU per process with NCCL where there are GPUs."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    want_cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
+    if want_cuda:
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"device {cfg.device!r}: CUDA is not available on this host")
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device()), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def run_process(
+    cfg: TrainConfig,
+    summary_path: str | None,
+    graph: FullGraph | None = None,
+    weights_path: str | None = None,
+    timeout_s: float = 600.0,
+) -> dict | None:
+    """Join the process group described by the environment (``torchrun`` sets it) and train.
+
+    Rank 0 writes the summary to ``summary_path`` (if given) and returns it, and the final
+    weights to ``weights_path`` (if given). ``graph`` skips loading ``cfg``'s dataset.
+    """
+    from retexo_fl.datacenter.graph import load_full_graph
+    from retexo_fl.datacenter.trainer import train_process
+
+    device, backend = _device(cfg)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        rec = RunRecorder(None) if dist.get_rank() == 0 else None
+        if graph is None:
+            # PyG writes processed/ on first load: one process per host goes first, the rest read it.
+            first = os.environ.get("LOCAL_RANK", "0") == "0"
+            if first:
+                graph = load_full_graph(cfg)
+            dist.barrier()
+            if not first:
+                graph = load_full_graph(cfg)
+        summary = train_process(cfg, graph, device, rec)
+        if summary is not None:
+            weights = summary.pop("final_weights")
+            if summary_path:
+                Path(summary_path).write_text(json.dumps(summary))
+            if weights_path:
+                torch.save(weights, weights_path)
+        return summary
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawned(
+    rank: int, cfg_dict: dict, port: int, summary_path: str, graph: FullGraph | None, weights_path: str | None
+) -> None:
+    cfg = TrainConfig(**cfg_dict)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(cfg.procs),
+        LOCAL_RANK=str(rank),
+    )
+    # The host's cores are shared by all P processes: oversubscribing them costs more than it gives.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.procs))
+    run_process(cfg, summary_path, graph, weights_path)
+
+
+def run_datacenter(
+    cfg: TrainConfig,
+    rec: RunRecorder | None = None,
+    graph: FullGraph | None = None,
+    keep_weights: bool = False,
+) -> dict:
+    """Run ``cfg`` (mode ``datacenter``) as ``cfg.procs`` processes on this host; returns rank 0's summary.
+
+    Args:
+        graph: train on this in-memory graph instead of loading ``cfg``'s dataset in every process.
+        keep_weights: put the final ``[(W, b)]`` per layer in the summary as ``final_weights``.
+    """
+    from retexo_fl.datacenter.graph import check_residency
+
+    if graph is None:
+        check_residency(cfg)  # before anything is spawned or loaded
+    rec = rec or RunRecorder(None, stream=None)
+    rec.progress(f"data-center {cfg.algorithm}: starting {cfg.procs} processes on 127.0.0.1")
+    with tempfile.TemporaryDirectory(prefix="retexo-dc-") as tmp:
+        path, wpath = str(Path(tmp) / "summary.json"), str(Path(tmp) / "weights.pt")
+        try:
+            mp.start_processes(
+                _spawned,
+                args=(cfg.to_dict(), _free_port(), path, graph, wpath if keep_weights else None),
+                nprocs=cfg.procs,
+                start_method="spawn",
+            )
+        except mp.ProcessRaisedException as exc:
+            last = str(exc).strip().splitlines()[-1]
+            raise RuntimeError(f"data-center process failed: {last}") from None
+        summary = json.loads(Path(path).read_text())
+        if keep_weights:
+            summary["final_weights"] = torch.load(wpath)
+        return summary

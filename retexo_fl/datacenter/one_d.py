@@ -1,0 +1,52 @@
+"""CAGNET 1D: row blocks of A and H; each product broadcasts every H block to every process."""
+
+from __future__ import annotations
+
+import scipy.sparse as sp
+import torch
+from torch import Tensor
+
+from retexo_fl.datacenter.blocks import SparseBlock, block, width
+from retexo_fl.datacenter.comm import Counted, Group
+from retexo_fl.datacenter.spmm import DistributedSpMM
+
+
+class OneD(DistributedSpMM):
+    """Process ``p`` holds rows ``R_p`` of A (all columns, cut into P column blocks) and of H.
+
+    ``(A H)_p = sum_q A_pq H_q``: P broadcasts per product, each process receiving
+    ``(P - 1) / P * n * F`` words.
+    """
+
+    name = "1d"
+
+    def __init__(
+        self,
+        adjacency: sp.csr_matrix,
+        comm: Counted,
+        world: tuple[int, int],
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__(adjacency, comm, world, device)
+        self.world = Group(tuple(range(self.size)))
+        self.row = block(self.n, self.size, self.rank)
+        transpose = adjacency.T.tocsr()
+        cols = [block(self.n, self.size, q) for q in range(self.size)]
+        self.a = [SparseBlock.cut(adjacency, self.row, c, self.device) for c in cols]
+        self.at = [SparseBlock.cut(transpose, self.row, c, self.device) for c in cols]
+
+    def rows(self, layer: int) -> slice:
+        return self.row
+
+    @property
+    def gradient_group(self) -> Group:
+        return self.world
+
+    def spmm(self, h: Tensor, layer: int, transposed: bool = False) -> Tensor:
+        blocks = self.at if transposed else self.a
+        out = h.new_zeros(h.shape[0], h.shape[1])
+        for q in range(self.size):
+            buf = h if q == self.rank else h.new_empty(width(block(self.n, self.size, q)), h.shape[1])
+            self.comm.broadcast(buf, q, self.world)
+            out += blocks[q].matmul(buf)
+        return out

@@ -1,0 +1,75 @@
+"""CAGNET 1.5D: 1D row blocks replicated ``c`` times; replicas split the block sum and all-reduce."""
+
+from __future__ import annotations
+
+import scipy.sparse as sp
+import torch
+from torch import Tensor
+
+from retexo_fl.datacenter.blocks import SparseBlock, block, width
+from retexo_fl.datacenter.comm import Counted, Group, make_groups
+from retexo_fl.datacenter.spmm import DistributedSpMM
+from retexo_fl.datacenter.volumes import check_procs
+
+
+class OneHalfD(DistributedSpMM):
+    """P processes in ``P / c`` teams of ``c``; team ``t`` holds row block ``R_t`` of A and H.
+
+    Replica ``r`` of team ``t`` computes ``sum_{q = r mod c} A_tq H_q``, receiving ``H_q`` by
+    broadcast among the replicas ``r`` of all teams; the team then all-reduces its ``c``
+    partial sums. Per product a process receives about ``n F / c`` words by broadcast plus
+    ``2 (c - 1) / c * n F c / P`` in the all-reduce: ``c`` trades memory for bandwidth.
+
+    Args:
+        replication: ``c``, which must divide P.
+    """
+
+    name = "1.5d"
+
+    def __init__(
+        self,
+        adjacency: sp.csr_matrix,
+        comm: Counted,
+        world: tuple[int, int],
+        device: torch.device | None = None,
+        replication: int = 2,
+    ) -> None:
+        super().__init__(adjacency, comm, world, device)
+        c = int(replication)
+        check_procs("1.5d", self.size, c)
+        self.c, self.teams = c, self.size // c
+        self.team, self.replica = divmod(self.rank, c)
+        groups = make_groups(
+            [[t * c + r for r in range(c)] for t in range(self.teams)]
+            + [[t * c + r for t in range(self.teams)] for r in range(c)]
+        )
+        self.team_group = groups[tuple(self.team * c + r for r in range(c))]
+        self.replica_group = groups[tuple(t * c + self.replica for t in range(self.teams))]
+        self.row = block(self.n, self.teams, self.team)
+        self.stages = [q for q in range(self.teams) if q % c == self.replica]
+        transpose = adjacency.T.tocsr()
+        cols = {q: block(self.n, self.teams, q) for q in self.stages}
+        self.a = {q: SparseBlock.cut(adjacency, self.row, cols[q], self.device) for q in self.stages}
+        self.at = {q: SparseBlock.cut(transpose, self.row, cols[q], self.device) for q in self.stages}
+
+    def rows(self, layer: int) -> slice:
+        return self.row
+
+    @property
+    def gradient_group(self) -> Group:
+        # Every replica of a team holds the same rows: one replica per team makes the sum.
+        return self.replica_group
+
+    @property
+    def counts_rows(self) -> bool:
+        return self.replica == 0
+
+    def spmm(self, h: Tensor, layer: int, transposed: bool = False) -> Tensor:
+        blocks = self.at if transposed else self.a
+        out = h.new_zeros(h.shape[0], h.shape[1])
+        for q in self.stages:
+            src = q * self.c + self.replica
+            buf = h if src == self.rank else h.new_empty(width(block(self.n, self.teams, q)), h.shape[1])
+            self.comm.broadcast(buf, src, self.replica_group)
+            out += blocks[q].matmul(buf)
+        return self.comm.all_reduce(out, self.team_group)

@@ -1,0 +1,96 @@
+"""CAGNET 2D: a sqrt(P) x sqrt(P) grid; SUMMA broadcasts A blocks along rows and H blocks down columns."""
+
+from __future__ import annotations
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+from torch import Tensor
+
+from retexo_fl.datacenter.blocks import SparseBlock, block, bounds, width
+from retexo_fl.datacenter.comm import Counted, Group, make_groups
+from retexo_fl.datacenter.spmm import DistributedSpMM
+from retexo_fl.datacenter.volumes import check_procs
+
+
+def block_nnz(matrix: sp.csr_matrix, row_cuts: np.ndarray, col_cuts: np.ndarray) -> np.ndarray:
+    """``[R, C]`` nonzeros of every block of ``matrix`` cut at ``row_cuts`` x ``col_cuts``."""
+    coo = matrix.tocoo()
+    rb = np.searchsorted(row_cuts, coo.row, side="right") - 1
+    cb = np.searchsorted(col_cuts, coo.col, side="right") - 1
+    out = np.zeros((len(row_cuts) - 1, len(col_cuts) - 1), dtype=np.int64)
+    np.add.at(out, (rb, cb), 1)
+    return out
+
+
+def grid_side(procs: int, dims: int) -> int:
+    """``q`` with ``q ** dims == procs``, or a clear error."""
+    check_procs(f"{dims}d", procs)
+    return round(procs ** (1.0 / dims))
+
+
+class TwoD(DistributedSpMM):
+    """Process ``(i, j)`` (rank ``i q + j``) holds ``A_ij`` and ``H_ij`` (row block i, column block j).
+
+    ``(A H)_ij = sum_k A_ik H_kj``: at step k, ``A_ik`` is broadcast along grid row i and
+    ``H_kj`` down grid column j. Per product a process receives about ``nnz / sqrt(P)``
+    nonzeros and ``n F / sqrt(P)`` words.
+    """
+
+    name = "2d"
+
+    def __init__(
+        self,
+        adjacency: sp.csr_matrix,
+        comm: Counted,
+        world: tuple[int, int],
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__(adjacency, comm, world, device)
+        q = self.q = grid_side(self.size, 2)
+        self.i, self.j = divmod(self.rank, q)
+        groups = make_groups(
+            [[i * q + j for j in range(q)] for i in range(q)]
+            + [[i * q + j for i in range(q)] for j in range(q)]
+        )
+        self.grid_row = groups[tuple(self.i * q + j for j in range(q))]
+        self.grid_col = groups[tuple(i * q + self.j for i in range(q))]
+        self.world = Group(tuple(range(self.size)))
+        self.row = block(self.n, q, self.i)
+        transpose = adjacency.T.tocsr()
+        cuts = bounds(self.n, q)
+        own_cols = block(self.n, q, self.j)
+        self.a = SparseBlock.cut(adjacency, self.row, own_cols, self.device)
+        self.at = SparseBlock.cut(transpose, self.row, own_cols, self.device)
+        self.nnz_a = block_nnz(adjacency, cuts, cuts)[self.i]
+        self.nnz_at = block_nnz(transpose, cuts, cuts)[self.i]
+
+    def rows(self, layer: int) -> slice:
+        return self.row
+
+    @property
+    def column_group(self) -> Group:
+        return self.grid_row
+
+    @property
+    def gradient_group(self) -> Group:
+        return self.world
+
+    def spmm(self, h: Tensor, layer: int, transposed: bool = False) -> Tensor:
+        own, nnz = (self.at, self.nnz_at) if transposed else (self.a, self.nnz_a)
+        out = h.new_zeros(h.shape[0], h.shape[1])
+        for k in range(self.q):
+            cols = block(self.n, self.q, k)
+            src_a = self.i * self.q + k
+            a = (
+                own
+                if src_a == self.rank
+                else SparseBlock.empty(int(nnz[k]), (h.shape[0], width(cols)), h.device)
+            )
+            for t in (a.rows, a.cols, a.values):
+                self.comm.broadcast(t, src_a, self.grid_row)
+            src_h = k * self.q + self.j
+            hk = h if src_h == self.rank else h.new_empty(width(cols), h.shape[1])
+            self.comm.broadcast(hk, src_h, self.grid_col)
+            out += a.matmul(hk)
+        return out

@@ -1,0 +1,59 @@
+"""Closed-form communication of each CAGNET algorithm, to set beside what a run measured."""
+
+from __future__ import annotations
+
+from retexo_fl.datacenter.blocks import NNZ_BYTES
+
+#: Bytes of one dense word (float32).
+WORD_BYTES = 4
+
+
+def check_procs(algorithm: str, procs: int, replication: int = 2) -> None:
+    """Raise a clear error where ``procs`` cannot form ``algorithm``'s process grid."""
+    if algorithm == "1.5d" and (replication < 1 or procs % replication):
+        raise ValueError(f"1.5d: the replication factor {replication} must divide the process count {procs}")
+    dims = {"2d": 2, "3d": 3}.get(algorithm)
+    if dims:
+        q = round(procs ** (1.0 / dims))
+        if q**dims != procs:
+            kind = "a square (4, 9, 16, ...)" if dims == 2 else "a cube (8, 27, ...)"
+            raise ValueError(f"{algorithm} needs a process count that is {kind}; got {procs}")
+
+
+def spmm_bytes(algorithm: str, n: int, nnz: int, width: int, procs: int, replication: int = 2) -> float:
+    """Mean bytes a process receives in one distributed ``A @ H`` (``A`` ``[n, n]``, ``H`` ``[n, width]``).
+
+    With ``q`` the grid side and ``T = P / c`` the 1.5D team count:
+
+    - 1D: ``(P - 1) / P * n F`` words (every H block but one's own);
+    - 1.5D: ``(T - 1) / (c T) * n F`` by broadcast plus a ring all-reduce of the team's block,
+      ``2 (c - 1) / c * n F / T``;
+    - 2D: ``(q - 1) / q^2 * nnz`` nonzeros plus ``(q - 1) / q^2 * n F`` words (SUMMA);
+    - 3D: ``(q - 1) / q^3 * nnz`` nonzeros plus ``2 (q - 1) / q^3 * n F`` words (all-gather of
+      H, reduce-scatter of the partial sums).
+
+    A nonzero costs :data:`~retexo_fl.datacenter.blocks.NNZ_BYTES`, a word :data:`WORD_BYTES`.
+    """
+    p, nf = procs, n * width
+    if algorithm == "1d":
+        words, nonzeros = (p - 1) / p * nf, 0.0
+    elif algorithm == "1.5d":
+        c = replication
+        t = p // c
+        words, nonzeros = (t - 1) / (c * t) * nf + 2 * (c - 1) / c * nf / t, 0.0
+    elif algorithm == "2d":
+        q = round(p**0.5)
+        words, nonzeros = (q - 1) / q**2 * nf, (q - 1) / q**2 * nnz
+    elif algorithm == "3d":
+        q = round(p ** (1 / 3))
+        words, nonzeros = 2 * (q - 1) / q**3 * nf, (q - 1) / q**3 * nnz
+    else:
+        raise ValueError(f"unknown algorithm {algorithm!r}")
+    return words * WORD_BYTES + nonzeros * NNZ_BYTES
+
+
+def epoch_spmm_bytes(
+    algorithm: str, n: int, nnz: int, widths: list[int], procs: int, replication: int = 2
+) -> float:
+    """Mean bytes a process receives in the products of one training epoch (forward + backward)."""
+    return sum(2 * spmm_bytes(algorithm, n, nnz, w, procs, replication) for w in widths)

@@ -70,6 +70,10 @@ def _job(args: tuple[dict, str]) -> dict:
         curve = []
     return {
         **settings,
+        # One table row per data-center algorithm.
+        "mode": f"datacenter {settings['algorithm']}"
+        if settings["mode"] == "datacenter"
+        else settings["mode"],
         "test_accuracy": summary["test_accuracy"],
         "val_accuracy": best_val,
         "bytes_total": summary["bytes_total"],
@@ -121,6 +125,17 @@ def grid(args: argparse.Namespace) -> list[dict]:
                 "hidden": depth.get("hidden", 256),
             }
         )
+        for spec in filter(None, args.datacenter.split(",")):
+            algorithm, _, procs = spec.partition(":")
+            jobs.append(
+                {
+                    **jobs[-1],
+                    "mode": "datacenter",
+                    "algorithm": algorithm,
+                    "procs": int(procs or 4),
+                    "clients": int(procs or 4),
+                }
+            )
         for k, method, (mode, bits) in itertools.product(clients, methods, MODES):
             jobs.append(
                 {
@@ -175,10 +190,11 @@ def summarize(rows: list[dict], target_frac: float) -> list[dict]:
             }
         )
     order = {m: i for i, m in enumerate(["centralized", "lazy", "eager", "local"])}
+    order.update({f"datacenter {a}": 0.5 for a in ("1d", "1.5d", "2d", "3d")})
     table.sort(
         key=lambda r: (
             r["dataset"],
-            r["clients"] if r["mode"] != "centralized" else 0,
+            r["clients"] if r["mode"] != "centralized" and not r["mode"].startswith("datacenter") else 0,
             r["method"],
             order.get(r["mode"], 9),
             -r["bits"],
@@ -244,19 +260,20 @@ def plot(table: list[dict], path: Path) -> None:
 
     datasets = sorted({r["dataset"] for r in table})
     fig, axes = plt.subplots(1, len(datasets), figsize=(5.5 * len(datasets), 4.5), squeeze=False)
-    markers = {"lazy": "o", "eager": "s", "local": "^"}
+    markers = {"lazy": "o", "eager": "s", "local": "^", "datacenter": "D"}
     colors = {
         "lazy 32b": "tab:blue",
         "lazy 8b": "tab:cyan",
         "eager 32b": "tab:red",
         "eager 8b": "tab:orange",
         "local 32b": "tab:green",
+        "datacenter 32b": "tab:purple",
     }
     for ax, ds in zip(axes[0], datasets, strict=True):
         for r in table:
             if r["dataset"] != ds or not r["bytes_total"]:
                 continue
-            mode = r["mode"] if r["mode"] in markers else "peer"
+            mode = r["mode"].split()[0] if r["mode"].split()[0] in markers else "peer"
             label = f"{mode} {r['bits']}b" if mode != "peer" else r["mode"]
             color = colors.get(label, "black")
             hollow = r["method"] == "random"  # filled: METIS, hollow: random partitions
@@ -299,6 +316,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=100, help="rounds per stage, and eager / local rounds")
     parser.add_argument("--sbm-rounds", type=int, default=30, help="rounds on the generated graph")
     parser.add_argument("--target-frac", type=float, default=0.95)
+    parser.add_argument(
+        "--datacenter",
+        default="",
+        help="data-center rows beside the centralized one: ALG:PROCS,... (e.g. 1d:4,2d:4)",
+    )
     parser.add_argument("--quick", action="store_true", help="Cora, 10 random clients, one seed")
     parser.add_argument("--from-jsonl", default="", help="only rebuild table, JSON and PNG from saved runs")
     args = parser.parse_args()

@@ -11,7 +11,8 @@ from pathlib import Path
 from retexo_fl.config import PER_STAGE, TrainConfig
 
 _HELP = {
-    "mode": "lazy (RETEXO), eager (standard federated GNN), local (no cross edges, TMA) or centralized",
+    "mode": "lazy (RETEXO), eager (standard federated GNN), local (no cross edges, TMA), centralized, "
+    "or datacenter (CAGNET full-graph training on torch.distributed, trusted clusters only)",
     "dataset": "PyG dataset name, sbm:N,C[,deg,homophily], or the path of a saved Data file",
     "data_root": "folder with the dataset's raw/ files (PyG downloads there if it can)",
     "split": "public | random:TRAIN,VAL,TEST | per-class:K,VAL,TEST",
@@ -24,6 +25,10 @@ _HELP = {
     "pass_embedding": "what the next stage receives: hidden or logits",
     "server_optimizer": "avg (FedAvg) or adam (FedAdam on the averaged update)",
     "out_dir": "run folder for config.json, events.jsonl and summary.json",
+    "algorithm": "data-center product: 1d, 1.5d, 2d (P a square) or 3d (P a cube)",
+    "procs": "data-center processes started on this host (torchrun sets its own)",
+    "replication": "1.5d's replication factor c (divides procs)",
+    "trusted_cluster": "let data-center mode pool partitions marked residency-bound",
 }
 
 
@@ -41,7 +46,15 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
                 help=f"{help_} one value or a comma list per stage (default {default})".strip(),
             )
         elif isinstance(default, bool):
-            parser.add_argument(flag, default=None, type=lambda v: v.lower() in ("1", "true", "yes"))
+            # ``--flag`` alone means true; ``--flag false`` also works (run-config style).
+            parser.add_argument(
+                flag,
+                default=None,
+                nargs="?",
+                const=True,
+                type=lambda v: v.lower() in ("1", "true", "yes"),
+                help=f"{help_} (default {str(default).lower()})".strip(),
+            )
         else:
             parser.add_argument(flag, default=None, type=type(default), help=f"{help_} (default {default})")
     parser.add_argument("--out", dest="out_dir", default=None, help="alias of --out-dir")
@@ -68,6 +81,8 @@ def cmd_partition(args: argparse.Namespace) -> int:
     if args.method == "supernode" and args.clusters:
         options["clusters"] = args.clusters
     parts = partition_graph(data, args.clients, args.method, seed=args.seed, **options)
+    if args.residency == "free":
+        parts = [dataclasses.replace(p, residency_bound=False) for p in parts]
     out = Path(args.out)
     for p in parts:
         save_partition(p, out / f"part-{p.partition_id}")
@@ -123,10 +138,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration (label-skew)")
     p.add_argument("--clusters", type=int, default=0, help="METIS clusters (supernode)")
+    p.add_argument(
+        "--residency",
+        choices=["bound", "free"],
+        default="bound",
+        help="bound (default): the owners' data may not be pooled; free: data-center mode may pool it",
+    )
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_partition)
 
-    t = sub.add_parser("train", help="train a model (lazy federated, or a centralized reference)")
+    t = sub.add_parser("train", help="train a model (federated, centralized or data-center)")
     t.add_argument(
         "--engine",
         choices=["in-process", "simulation"],

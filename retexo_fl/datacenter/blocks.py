@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -96,7 +97,10 @@ class SparseBlock:
         if self._csr is None or self._csr.device != dense.device:
             crow = torch.zeros(self.shape[0] + 1, dtype=torch.int64, device=self.rows.device)
             crow[1:] = torch.bincount(self.rows.long(), minlength=self.shape[0]).cumsum(0)
-            self._csr = torch.sparse_csr_tensor(crow, self.cols.long(), self.values, self.shape).to(
-                dense.device
-            )
+            with warnings.catch_warnings():  # "sparse CSR support is in beta": it is what we want
+                warnings.simplefilter("ignore", UserWarning)
+                csr = torch.sparse_csr_tensor(
+                    crow, self.cols.long(), self.values, self.shape, check_invariants=False
+                )
+            self._csr = csr.to(dense.device)
         return self._csr @ dense

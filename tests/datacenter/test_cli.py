@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 
 import pytest
 
@@ -61,3 +63,34 @@ def test_datacenter_on_partitions_matches_centralized(data_root, tmp_path, capsy
     assert dc["bytes_total"] >= dc["bytes_boundary"] + dc["bytes_model"] > 0
     history = dc["stages"][0]["history"]
     assert len(history) == 30 and history[-1]["bytes_total"] == pytest.approx(dc["bytes_total"], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_torchrun_entry_point(tmp_path):
+    """The multi-host line the README gives, on one host: torchrun starts the processes itself."""
+    torchrun = shutil.which("torchrun") or pytest.skip("torchrun not on PATH")
+    summary = tmp_path / "summary.json"
+    cmd = [
+        torchrun,
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "retexo_fl.datacenter",
+        "--algorithm",
+        "1.5d",
+        "--dataset",
+        "sbm:300,3,8,0.9",
+        "--rounds",
+        "3",
+        "--hidden",
+        "8",
+        "--summary",
+        str(summary),
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    s = json.loads(summary.read_text())
+    assert s["procs"] == 2 and s["algorithm"] == "1.5d" and s["replication"] == 2
+    assert len(s["stages"][0]["history"]) == 3
+    assert s["per_epoch"]["spmm_bytes_measured"] == pytest.approx(s["per_epoch"]["spmm_bytes_predicted"])

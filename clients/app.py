@@ -114,9 +114,30 @@ def _deliver(client, msg: Message) -> bool:
     return True
 
 
+def _identity(context: Context) -> str:
+    """A deployed party's long-term identity key (node config ``identity-key``), if it has one."""
+    return str(context.node_config.get("identity-key", ""))
+
+
+@app.query("hello")
+def hello(msg: Message, context: Context) -> Message:
+    client, work = _client(msg, context)
+    public = client.public_key(_identity(context))
+    client.save(work)  # the private key stays in the node-local work directory
+    info = ConfigRecord({"partition-id": client.id, "public-key": public.hex()})
+    return Message(RecordDict({P.CONFIG: info}), reply_to=msg)
+
+
 @app.query("setup")
 def setup(msg: Message, context: Context) -> Message:
     client, work = _client(msg, context)
+    if client.cfg.encrypt:
+        from retexo_fl.secure.keys import parse_public
+
+        keys = json.loads(str(msg.content[P.CONFIG]["keys"]))
+        directory = {int(q): parse_public(k, f"key directory, client {q}") for q, k in keys.items()}
+        client.public_key(_identity(context))
+        client.connect(directory, msg.metadata.run_id)
     payloads = ConfigRecord()
     if client.cfg.model == "gcn":
         for q, frame in client.degree_frames().items():

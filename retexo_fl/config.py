@@ -63,6 +63,10 @@ class TrainConfig:
     update_bits: int = 32
     broadcast_bits: int = 32  # the server's model broadcast as b-bit deltas (32: whole state)
     range_dtype: str = "fp16"
+    # End-to-end encryption of boundary payloads between clients (DESIGN section 6).
+    encrypt: bool = True
+    identity_keys: str = ""  # folder of client-<id>.key identity keys (else one key pair per run)
+    pinned_keys: str = ""  # JSON {client id: public key hex} exchanged out of band
     # Data-center mode (CAGNET full-graph training on torch.distributed, trusted clusters only).
     algorithm: str = "1d"
     procs: int = 4

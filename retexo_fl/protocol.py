@@ -11,6 +11,7 @@ from retexo_fl.compress.payload import HEADER_BYTES, PayloadError, decode_rows, 
 from retexo_fl.config import TrainConfig
 
 # Message types (Flower requires train / evaluate / query, optionally with .<name>).
+HELLO = "query.hello"  # encryption on: report the partition id and this client's public key
 SETUP = "query.setup"  # load and validate the partition; report counts, plan digests, degrees
 TRAIN = "train"  # validate the incoming state, then train on it; may carry halo deliveries
 EVALUATE = "evaluate"  # validation (or test) metrics of one state

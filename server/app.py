@@ -128,14 +128,23 @@ class StageMachine:
         from retexo_fl.plan import check_plans
 
         nodes = self.wait_for_nodes()
-        replies = self._send(P.SETUP, {n: self._content() for n in nodes}, "setup")
+        keys = {}
+        if self.cfg.encrypt:
+            # Public keys first: the setup replies already carry sealed degree frames.
+            for node, reply in self._send(P.HELLO, {n: self._content() for n in nodes}, "key setup").items():
+                info = reply.content[P.CONFIG]
+                self._claim(int(info["partition-id"]), node)
+                keys[str(int(info["partition-id"]))] = str(info["public-key"])
+            self.rec.progress(f"keys: {len(keys)} public keys collected; relaying the directory")
+        replies = self._send(P.SETUP, {n: self._content(keys=json.dumps(keys)) for n in nodes}, "setup")
         digests, outgoing = {}, {}
         for node, reply in replies.items():
             info = reply.content[P.CONFIG]
             pid = int(info["partition-id"])
-            if pid in self.nodes:
-                raise ClientFailure(f"nodes {self.nodes[pid]} and {node} both hold partition {pid}")
-            self.nodes[pid] = node
+            if not self.cfg.encrypt:
+                self._claim(pid, node)
+            elif self.nodes.get(pid) != node:
+                raise ClientFailure(f"node {node} claimed partition {pid} at setup, another one at key setup")
             self.counts[pid] = {
                 **dict(reply.content[P.METRICS]),
                 "num-classes": int(info["num-classes"]),
@@ -146,6 +155,11 @@ class StageMachine:
         check_plans(digests)
         self.rec.progress(f"setup: {len(self.nodes)} clients, plans consistent")
         return self._route(outgoing, "deg")
+
+    def _claim(self, pid: int, node: int) -> None:
+        if pid in self.nodes and self.nodes[pid] != node:
+            raise ClientFailure(f"nodes {self.nodes[pid]} and {node} both hold partition {pid}")
+        self.nodes[pid] = node
 
     def _route(self, outgoing: dict[int, ConfigRecord], kind: str) -> dict[int, ConfigRecord]:
         """``{src: {"to-q": bytes}}`` -> ``{dst: {"<kind>-from-p": bytes}}``, counting bytes."""

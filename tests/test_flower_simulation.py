@@ -88,7 +88,7 @@ def test_failing_client_ends_the_run_with_its_name(tmp_path):
     cfg = TrainConfig(partitions=str(parts), clients=3, stages=2, hidden=8, rounds=2)
     with pytest.raises(
         ClientFailure,
-        match=r"failed during setup: client 2: PartitionError: .*part-2/x\.npy: field 'checksum'",
+        match=r"failed during (key )?setup: client 2: PartitionError: .*part-2/x\.npy: field 'checksum'",
     ):
         simulate(cfg)
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from torch import Tensor
 
 from retexo_fl.compress.bits import aggregation_weights
@@ -17,6 +19,15 @@ from retexo_fl.config import TrainConfig
 from retexo_fl.data.partition import Partition
 from retexo_fl.models.stage import StageModel
 from retexo_fl.plan import BoundaryPlan, LocalGraph
+from retexo_fl.secure.envelope import Envelopes, Route
+from retexo_fl.secure.keys import (
+    KeyMaterialError,
+    check_directory,
+    load_pins,
+    load_private_key,
+    private_bytes,
+    public_bytes,
+)
 
 StateDict = dict[str, Tensor]
 
@@ -27,6 +38,16 @@ def derive_seed(*parts: int) -> int:
     for p in parts:
         h = ((h ^ (int(p) & 0xFFFFFFFFFFFF)) * 1099511628211) % (1 << 63)
     return h
+
+
+def connect_clients(clients: list[LazyClient]) -> None:
+    """The in-process engines' key setup: what the server does at setup in a Flower run."""
+    if not clients or not clients[0].cfg.encrypt:
+        return
+    run_id = secrets.randbits(63)
+    directory = {c.id: c.public_key() for c in clients}
+    for c in clients:
+        c.connect(directory, run_id)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -100,6 +121,11 @@ class LazyClient:
         self.residual: StateDict | None = None  # error feedback of compressed updates, this stage
         self.view: StateDict | None = None  # the model as the compressed broadcast left it
         self._weights: dict[int, Tensor] | None = None
+        self.identity: X25519PrivateKey | None = None
+        self.directory: dict[int, bytes] | None = None
+        self.run_id = 0
+        self.envelopes: Envelopes | None = None
+        self.halo_round = 0  # eager: the newest round whose halo rows were accepted
 
     @property
     def id(self) -> int:
@@ -109,6 +135,54 @@ class LazyClient:
     def num_train(self) -> int:
         return int(self.masks["train"].sum())
 
+    # -- end-to-end encryption --------------------------------------------------------------
+    def public_key(self, identity_path: str = "") -> bytes:
+        """This client's X25519 public key: from its identity key file, else a key pair for this run."""
+        if self.identity is None:
+            path = identity_path or (
+                str(Path(self.cfg.identity_keys) / f"client-{self.id}.key") if self.cfg.identity_keys else ""
+            )
+            self.identity = load_private_key(path) if path else X25519PrivateKey.generate()
+        return public_bytes(self.identity)
+
+    def connect(self, directory: dict[int, bytes], run_id: int) -> None:
+        """Derive the sealed channels to every peer from the server's key directory.
+
+        Raises:
+            KeyMaterialError: the directory misses a peer, has another key for this client, or
+                disagrees with the pinned keys (``pinned-keys``).
+        """
+        where = f"client {self.id}"
+        pins = load_pins(self.cfg.pinned_keys) if self.cfg.pinned_keys else None
+        check_directory(directory, pins, where)
+        if directory.get(self.id) != self.public_key():
+            raise KeyMaterialError(f"{where}: the key directory holds another key for this client")
+        peers = set(self.plan.send) | set(self.plan.recv)
+        missing = sorted(peers - set(directory))
+        if missing:
+            raise KeyMaterialError(f"{where}: no public key for peer clients {missing}")
+        self.directory, self.run_id = dict(directory), int(run_id)
+        self.envelopes = Envelopes(self.id, self.identity, self.run_id, {q: directory[q] for q in peers})
+
+    def _seal(self, frames: dict[int, bytes], kind: str, stage: int, round_: int = 0) -> dict[int, bytes]:
+        if not self.cfg.encrypt:
+            return frames
+        if self.envelopes is None:
+            raise RuntimeError(f"client {self.id}: encryption is on but no key directory arrived")
+        return {q: self.envelopes.seal(f, Route(kind, stage, round_, self.id, q)) for q, f in frames.items()}
+
+    def _open(self, blobs: dict[int, bytes], kind: str, stage: int, min_round: int = 0) -> tuple[dict, int]:
+        """Opened frames and the newest round they were sealed in."""
+        if not self.cfg.encrypt:
+            return blobs, 0
+        if self.envelopes is None:
+            raise RuntimeError(f"client {self.id}: encryption is on but no key directory arrived")
+        out, newest = {}, 0
+        for p, blob in blobs.items():
+            out[p], rnd = self.envelopes.open(blob, kind, stage, p, min_round)
+            newest = max(newest, rnd)
+        return out, newest
+
     # -- one-time setup exchange ------------------------------------------------------------
     def degree_rows(self) -> dict[int, Tensor]:
         """Global in-degrees of the rows each peer needs, ``{peer: [k, 1]}`` (GCN only)."""
@@ -116,11 +190,13 @@ class LazyClient:
 
     def degree_frames(self) -> dict[int, bytes]:
         """:meth:`degree_rows` as exact (32-bit) frames."""
-        return {
+        frames = {
             q: encode_rows(r, 32, where=f"client {self.id}, degrees") for q, r in self.degree_rows().items()
         }
+        return self._seal(frames, "deg", 0)
 
     def decode_degrees(self, frames: dict[int, bytes]) -> dict[int, Tensor]:
+        frames, _ = self._open(frames, "deg", 0)
         return {
             p: decode_rows(blob, f"client {p} (degrees)", self._expect(p), 1) for p, blob in frames.items()
         }
@@ -255,10 +331,12 @@ class LazyClient:
         exchange = self.stage - 1
         weights = self.boundary_weights() if self.cfg.bit_policy != "fixed" else None
         gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, self.stage, 0xB0, self.id))
-        return self.encoder.encode(self.id, rows, weights, exchange, self.cfg.stages - 1, gen)
+        frames, stats = self.encoder.encode(self.id, rows, weights, exchange, self.cfg.stages - 1, gen)
+        return self._seal(frames, "halo", self.stage), stats
 
     def decode_boundary(self, frames: dict[int, bytes]) -> dict[int, Tensor]:
         """Peer frames -> row blocks, each checked against this client's boundary plan."""
+        frames, _ = self._open(frames, "halo", self.stage)
         dim = self.owned.shape[1]
         return {p: decode_rows(blob, f"client {p}", self._expect(p), dim) for p, blob in frames.items()}
 
@@ -297,6 +375,11 @@ class LazyClient:
             "halo_degree": self.halo_degree,
             "residual": self.residual,
             "view": self.view if self.cfg.broadcast_bits < 32 else None,
+            # Node-local, like everything here: the private key never leaves this folder.
+            "identity": None if self.identity is None else private_bytes(self.identity).hex(),
+            "directory": None if self.directory is None else {q: k.hex() for q, k in self.directory.items()},
+            "run_id": self.run_id,
+            "halo_round": self.halo_round,
         }
 
     def _load_snapshot(self, state: dict) -> None:
@@ -323,4 +406,9 @@ class LazyClient:
         self.view = state.get("view")
         self._edges = None
         self._weights = None
+        if state.get("identity"):
+            self.identity = X25519PrivateKey.from_private_bytes(bytes.fromhex(state["identity"]))
+        self.halo_round = int(state.get("halo_round", 0))
+        if state.get("directory"):
+            self.connect({int(q): bytes.fromhex(k) for q, k in state["directory"].items()}, state["run_id"])
         return True

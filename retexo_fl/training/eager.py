@@ -29,7 +29,7 @@ from retexo_fl.metrics import RunRecorder, human_bytes
 from retexo_fl.models.layered import LayeredGNN
 from retexo_fl.plan import check_plans
 from retexo_fl.training.aggregate import ServerOptimizer, StateDict, state_nbytes
-from retexo_fl.training.client import LazyClient, derive_seed
+from retexo_fl.training.client import LazyClient, connect_clients, derive_seed
 from retexo_fl.training.selection import StageTracker
 
 
@@ -135,10 +135,16 @@ class EagerClient(LazyClient):
             weights = {q: w.repeat(self.layers - 1) for q, w in self.boundary_weights().items()}
         gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, 0xEB, round_, self.id))
         rounds = int(self.cfg.per_stage("rounds", 1))
-        return self.encoder.encode(self.id, rows, weights, round_ - 1, rounds, gen)
+        frames, stats = self.encoder.encode(self.id, rows, weights, round_ - 1, rounds, gen)
+        return self._seal(frames, "eager", 0, round_), stats
 
     def receive_boundary(self, frames: dict[int, bytes]) -> None:
-        """Replace the halo of every layer with what peers sent this round (missing peers: kept)."""
+        """Replace the halo of every layer with what peers sent this round (missing peers: kept).
+
+        Sealed rows older than the newest already accepted are refused as replays.
+        """
+        frames, newest = self._open(frames, "eager", 0, self.halo_round + 1)
+        self.halo_round = max(self.halo_round, newest)
         k_layers = self.layers - 1
         blocks: list[dict[int, Tensor]] = [{} for _ in range(k_layers)]
         for p, blob in frames.items():
@@ -173,6 +179,7 @@ def run_eager(
     t0 = time.perf_counter()
     check_cross_consistency(list(parts))
     clients = [EagerClient(p, cfg, local) for p in parts]
+    connect_clients(clients)
     check_plans({c.id: c.plan.digests() for c in clients})
     bytes_boundary = 0
     if cfg.model == "gcn" and not local and cfg.stages > 1:

@@ -19,7 +19,7 @@ from retexo_fl.training.aggregate import (
     StateDict,
     state_nbytes,
 )
-from retexo_fl.training.client import LazyClient, derive_seed
+from retexo_fl.training.client import LazyClient, connect_clients, derive_seed
 from retexo_fl.training.selection import StageTracker
 
 T = TypeVar("T", bytes, Tensor)
@@ -136,6 +136,7 @@ def run_lazy(
     rec = rec or RunRecorder(None, stream=None)
     check_cross_consistency(list(parts))
     clients = [LazyClient(p, cfg) for p in parts]
+    connect_clients(clients)
     check_plans({c.id: c.plan.digests() for c in clients})
     bytes_boundary = 0
     stages = []

@@ -38,7 +38,9 @@ def test_linear_schedule_raises_widths_over_stages(sbm):
 
 def test_slow_links_get_fewer_bits(sbm):
     parts = partition_graph(sbm, 3, "random", seed=0)
-    cfg = _cfg(bit_policy="adaptive-bandwidth", byte_budget="6b", link_bandwidths="0-1:1e5,0-2:3e5")
+    cfg = _cfg(
+        bit_policy="adaptive-bandwidth", byte_budget="6b", link_bandwidths="0-1:1e5,0-2:3e5", encrypt=False
+    )
     client = LazyClient(parts[0], cfg)
     rows = client.advance(torch.randn(parts[0].num_nodes, 16))
     frames, stats = client.encode_boundary(rows)

@@ -10,6 +10,8 @@ from retexo_fl.compress.payload import HEADER_BYTES
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.plan import BoundaryPlan
+from retexo_fl.secure.envelope import ENVELOPE_BYTES
+from retexo_fl.training.client import connect_clients
 from retexo_fl.training.eager import EagerClient, run_eager, step_delays
 
 
@@ -22,14 +24,15 @@ def test_eager_trains_and_counts_every_round(sbm):
     cfg = _cfg(mode="eager", model="sage")
     out = run_eager(parts, cfg)
     assert out["mode"] == "eager" and out["test_accuracy"] >= 0.85
-    # Each round every client sends each peer one frame: (layers - 1) blocks of its rows.
-    per_round = 0
+    # Each round every client sends each peer one sealed frame: (layers - 1) blocks of its rows.
+    per_round = frames = 0
     for p in parts:
         for idx in BoundaryPlan.from_partition(p).send.values():
             per_round += HEADER_BYTES + (cfg.stages - 1) * idx.size * cfg.hidden * 4
+            frames += 1
     rounds = out["stages"][0]["rounds_run"]
-    assert out["bytes_boundary"] == rounds * per_round
-    assert out["bytes_boundary_raw"] == out["bytes_boundary"]
+    assert out["bytes_boundary"] == rounds * (per_round + frames * ENVELOPE_BYTES)
+    assert out["bytes_boundary_raw"] == rounds * per_round
 
 
 def test_local_mode_sends_no_boundary_and_loses_the_cross_edges(sbm):
@@ -76,6 +79,7 @@ def test_settled_halos_give_the_whole_graph_forward(sbm):
 
     cfg = _cfg(mode="eager", hidden=8)
     clients = [EagerClient(p, cfg) for p in partition_graph(sbm, 3, "random", seed=0)]
+    connect_clients(clients)
     incoming, _ = exchange({c.id: c.degree_frames() for c in clients})
     for c in clients:
         c.receive_degrees(c.decode_degrees(incoming.get(c.id, {})))
@@ -94,8 +98,8 @@ def test_settled_halos_give_the_whole_graph_forward(sbm):
         return max(float((logits(c) - whole[torch.from_numpy(c.part.node_ids)]).abs().max()) for c in clients)
 
     before = gap()  # zero halos
-    for _ in range(cfg.stages - 1):
-        incoming, _ = exchange({c.id: c.encode_rows_for_round(c.boundary_rows(state), 1)[0] for c in clients})
+    for r in range(1, cfg.stages):
+        incoming, _ = exchange({c.id: c.encode_rows_for_round(c.boundary_rows(state), r)[0] for c in clients})
         for c in clients:
             c.receive_boundary(incoming.get(c.id, {}))
     assert before > 1e-2 and gap() < 1e-5

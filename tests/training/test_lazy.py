@@ -7,6 +7,7 @@ import pytest
 from retexo_fl.compress.payload import HEADER_BYTES
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partitioners import partition_graph
+from retexo_fl.secure.envelope import ENVELOPE_BYTES
 from retexo_fl.training.centralized import run_centralized, whole_graph_partition
 from retexo_fl.training.lazy import run_lazy
 
@@ -40,7 +41,8 @@ def test_boundary_bytes_are_exact_row_counts(sbm, bits):
         want = sum(HEADER_BYTES + k * cfg.hidden * 4 for k in blocks)
     else:
         want = sum(HEADER_BYTES + 4 * k + (k * cfg.hidden * bits + 7) // 8 for k in blocks)
-    assert summary["bytes_boundary"] == want
+    # Encryption is on by default: every frame travels in one envelope.
+    assert summary["bytes_boundary"] == want + len(blocks) * ENVELOPE_BYTES
     assert summary["bytes_boundary_raw"] == sum(HEADER_BYTES + k * cfg.hidden * 4 for k in blocks)
     assert summary["bit_histogram"] == {str(bits): sum(blocks)}
 

@@ -124,6 +124,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_keys(args: argparse.Namespace) -> int:
+    from retexo_fl.secure.keys import write_identities
+
+    out = write_identities(args.clients, args.out)
+    print(
+        f"wrote {args.clients} identity keys (client-<id>.key, mode 0600) and pins.json to {out}: "
+        "give each party its own key (node config identity-key) and every party pins.json (pinned-keys)"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="retexo-fl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -146,6 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_partition)
+
+    k = sub.add_parser("keys", help="make one X25519 identity key per party and the pins file")
+    k.add_argument("--clients", type=int, required=True)
+    k.add_argument("--out", required=True)
+    k.set_defaults(func=cmd_keys)
 
     t = sub.add_parser("train", help="train a model (federated, centralized or data-center)")
     t.add_argument(

@@ -29,7 +29,32 @@ def report_errors(msg: Message, context: Context, call_next) -> Message:
         return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg)
 
 
-app = ClientApp(mods=[report_errors])
+def _plain(content: RecordDict) -> dict[str, dict]:
+    """A reply's records as plain values: arrays as NumPy, frames as bytes."""
+    out: dict[str, dict] = {}
+    for name, record in content.items():
+        if isinstance(record, ArrayRecord):
+            out[name] = {k: v.numpy() for k, v in record.to_torch_state_dict().items()}
+        else:
+            out[name] = dict(record)
+    return out
+
+
+def audit_messages(msg: Message, context: Context, call_next) -> Message:
+    """With ``audit`` (or node config ``audit-dir``) set, record every reply this client sends."""
+    reply = call_next(msg, context)
+    cfg = P.config_from_json(str(msg.content[P.CONFIG]["run"]))
+    folder = context.node_config.get("audit-dir") or cfg.audit
+    if folder and not reply.has_error():
+        from retexo_fl.secure.audit import AuditLog
+
+        client, _ = _client(msg, context)
+        log = AuditLog(str(folder), client.id, str(_partition_dir(context, cfg)), cfg.encrypt)
+        log.record(msg.metadata.message_type, _plain(reply.content))
+    return reply
+
+
+app = ClientApp(mods=[report_errors, audit_messages])
 
 # Ray actors serve several virtual nodes and keep Python state between messages; a deployed
 # ClientApp is a new process per message and falls back to the node-local work directory.
@@ -41,15 +66,13 @@ def _work_dir(context: Context, run_id: int, pid_hint: str) -> Path:
     return Path(str(base)) / f"run-{run_id}" / f"node-{pid_hint}"
 
 
-def _load_partition(context: Context, cfg):
-    from retexo_fl.data.partition import load_partition, save_partition
-
+def _partition_dir(context: Context, cfg) -> Path:
+    """Where this node's partition lives: given, written earlier, or this run's cached cut."""
     if "partition-dir" in context.node_config:
-        return load_partition(str(context.node_config["partition-dir"]))
+        return Path(str(context.node_config["partition-dir"]))
     pid = int(context.node_config["partition-id"])
     if cfg.partitions:  # simulation over partitions written earlier by `retexo-fl partition`
-        return load_partition(Path(cfg.partitions) / f"part-{pid}")
-    # Simulation: every virtual node cuts the same dataset deterministically and keeps its part.
+        return Path(cfg.partitions) / f"part-{pid}"
     key = json.dumps([cfg.dataset, cfg.split, cfg.split_index, cfg.method, cfg.clients, cfg.seed])
     cache = (
         Path(tempfile.gettempdir())
@@ -57,12 +80,20 @@ def _load_partition(context: Context, cfg):
         / "partitions"
         / hashlib.sha256(key.encode()).hexdigest()[:16]
     )
-    part_dir = cache / f"part-{pid}"
-    if (part_dir / "manifest.json").is_file():
+    return cache / f"part-{pid}"
+
+
+def _load_partition(context: Context, cfg):
+    from retexo_fl.data.partition import load_partition, save_partition
+
+    part_dir = _partition_dir(context, cfg)
+    if "partition-dir" in context.node_config or cfg.partitions or (part_dir / "manifest.json").is_file():
         return load_partition(part_dir)
+    # Simulation: every virtual node cuts the same dataset deterministically and keeps its part.
     from retexo_fl.data.partitioners import partition_graph
     from retexo_fl.runner import load_graph
 
+    pid = int(context.node_config["partition-id"])
     parts = partition_graph(load_graph(cfg), cfg.clients, cfg.method, seed=cfg.seed)
     save_partition(parts[pid], part_dir)
     return parts[pid]

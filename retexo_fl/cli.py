@@ -135,6 +135,24 @@ def cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_audit(args: argparse.Namespace) -> int:
+    from retexo_fl.secure.audit import check_audit
+
+    figures, findings = check_audit(args.run_dir, args.partitions or None)
+    for cid, f in sorted(figures.items()):
+        print(
+            f"client {cid}: {f['messages']} messages, {f['arrays']} arrays, {f['payloads']} relayed payloads "
+            f"checked against {f['partition']}"
+        )
+    for finding in findings:
+        print(f"LEAK {finding}")
+    print(
+        f"audit {'FAILED' if findings else 'passed'}: {len(findings)} finding(s) in "
+        f"{sum(f['messages'] for f in figures.values())} messages of {len(figures)} clients"
+    )
+    return 1 if findings else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="retexo-fl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -162,6 +180,13 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--clients", type=int, required=True)
     k.add_argument("--out", required=True)
     k.set_defaults(func=cmd_keys)
+
+    a = sub.add_parser("audit", help="prove from a run's audit records that no raw data left a client")
+    a.add_argument(
+        "run_dir", help="the audit folder (client-<id>/ sub-folders) of a run started with --audit"
+    )
+    a.add_argument("--partitions", default="", help="compare against these part-<id>/ folders instead")
+    a.set_defaults(func=cmd_audit)
 
     t = sub.add_parser("train", help="train a model (federated, centralized or data-center)")
     t.add_argument(

@@ -67,6 +67,7 @@ class TrainConfig:
     encrypt: bool = True
     identity_keys: str = ""  # folder of client-<id>.key identity keys (else one key pair per run)
     pinned_keys: str = ""  # JSON {client id: public key hex} exchanged out of band
+    audit: str = ""  # folder where each client records every message it sends (retexo-fl audit)
     # Data-center mode (CAGNET full-graph training on torch.distributed, trusted clusters only).
     algorithm: str = "1d"
     procs: int = 4

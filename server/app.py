@@ -179,17 +179,24 @@ class StageMachine:
 
         Returns the states, in ``sorted(self.nodes)`` order, and the bytes float32 would have taken.
         """
-        from retexo_fl.training.aggregate import state_nbytes
+        from retexo_fl.training.aggregate import check_state, state_nbytes
 
         states, raw = [], 0
         for pid, m in zip(sorted(self.nodes), replies, strict=True):
-            if P.UPDATE in m.content:
-                frames = {k: bytes(v) for k, v in m.content[P.UPDATE].items()}
-                states.append(codec.decode(frames, state, f"client {pid}"))
-                up = codec.nbytes(frames)
-            else:
-                states.append(m.content[P.ARRAYS].to_torch_state_dict())
-                up = state_nbytes(states[-1])
+            # A malformed update ends the run naming its sender before it touches the model.
+            try:
+                if P.UPDATE in m.content:
+                    frames = {k: bytes(v) for k, v in m.content[P.UPDATE].items()}
+                    new = codec.decode(frames, state, f"client {pid}")
+                    up = codec.nbytes(frames)
+                elif P.ARRAYS in m.content:
+                    new = m.content[P.ARRAYS].to_torch_state_dict()
+                    up = state_nbytes(new)
+                else:
+                    raise ValueError(f"update from client {pid}: the reply carries no model")
+                states.append(check_state(new, state, f"client {pid}"))
+            except ValueError as exc:  # PayloadError is a ValueError too
+                raise ClientFailure(str(exc)) from None
             tracker.model_bytes += down + up
             raw += 2 * state_nbytes(state)
         return states, raw

@@ -33,6 +33,29 @@ def weighted_average(states: Sequence[StateDict], weights: Sequence[float]) -> S
     return out
 
 
+def check_state(new: StateDict, reference: StateDict, source: str) -> StateDict:
+    """``new`` if it has ``reference``'s tensors, shapes and a float dtype, all finite.
+
+    Raises:
+        ValueError: naming ``source`` and the first tensor that is missing, extra, misshapen,
+            of the wrong dtype, or not finite.
+    """
+    missing, extra = sorted(set(reference) - set(new)), sorted(set(new) - set(reference))
+    if missing or extra:
+        raise ValueError(f"update from {source}: missing tensors {missing}, unexpected tensors {extra}")
+    for key, ref in reference.items():
+        t = new[key]
+        if tuple(t.shape) != tuple(ref.shape):
+            raise ValueError(
+                f"update from {source}: {key} has shape {list(t.shape)}, expected {list(ref.shape)}"
+            )
+        if not t.is_floating_point():
+            raise ValueError(f"update from {source}: {key} has dtype {t.dtype}, expected a float tensor")
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"update from {source}: {key} holds NaN or Inf")
+    return new
+
+
 def state_nbytes(state: StateDict) -> int:
     """Exact payload bytes of a state's tensors."""
     return sum(t.numel() * t.element_size() for t in state.values())

@@ -67,6 +67,11 @@ class TrainConfig:
     encrypt: bool = True
     identity_keys: str = ""  # folder of client-<id>.key identity keys (else one key pair per run)
     pinned_keys: str = ""  # JSON {client id: public key hex} exchanged out of band
+    # Client failures (Flower engines): how many clients a run needs, what replaces a lost
+    # client's boundary rows (fail | zero | reuse-last), and how long the server waits per message.
+    min_clients: int = 0  # 0: every client; a lost client ends the run
+    on_missing_halo: str = "fail"
+    client_timeout: float = 300.0
     audit: str = ""  # folder where each client records every message it sends (retexo-fl audit)
     # Data-center mode (CAGNET full-graph training on torch.distributed, trusted clusters only).
     algorithm: str = "1d"
@@ -118,6 +123,14 @@ class TrainConfig:
         if self.bit_policy == "adaptive-bandwidth" and not self.link_bandwidths:
             raise ValueError("bit-policy adaptive-bandwidth needs link-bandwidths")
         RateSchedule.parse(self.rate_schedule)
+        if self.on_missing_halo not in ("fail", "zero", "reuse-last"):
+            raise ValueError(
+                f"on-missing-halo must be fail, zero or reuse-last, got {self.on_missing_halo!r}"
+            )
+        if not 0 <= self.min_clients <= self.clients:
+            raise ValueError(f"min-clients must be in [0, clients={self.clients}], got {self.min_clients}")
+        if self.client_timeout <= 0:
+            raise ValueError(f"client-timeout must be > 0 seconds, got {self.client_timeout}")
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
         if self.procs < 1:

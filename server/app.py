@@ -37,8 +37,10 @@ class ClientFailure(RuntimeError):
 class StageMachine:
     """Drives one lazy run over a Flower ``Grid``; the server routes payloads it never decodes."""
 
-    def __init__(self, grid: Grid, cfg: TrainConfig, rec: RunRecorder, timeout: float = 300.0) -> None:
-        self.grid, self.cfg, self.rec, self.timeout = grid, cfg, rec, timeout
+    def __init__(self, grid: Grid, cfg: TrainConfig, rec: RunRecorder, timeout: float | None = None) -> None:
+        self.grid, self.cfg, self.rec = grid, cfg, rec
+        self.timeout = cfg.client_timeout if timeout is None else timeout
+        self.lost: list[dict] = []  # clients lost on the way: who, when, why
         self.run_json = P.config_to_json(cfg)
         self.nodes: dict[int, int] = {}  # partition id -> node id
         self.counts: dict[int, dict] = {}
@@ -63,16 +65,38 @@ class StageMachine:
             name = f"client {who[node]}" if node in who else f"node {node}"
             reply = by_node.get(node)
             if reply is None:
-                raise ClientFailure(f"{name} did not reply to {phase} within {self.timeout:.0f}s")
-            if reply.has_error():
-                raise ClientFailure(f"{name} failed during {phase}: {reply.error.reason}")
-        for node in per_node:
+                self._lose(
+                    node, who.get(node), phase, f"{name} did not reply to {phase} within {self.timeout:.0f}s"
+                )
+            elif reply.has_error():
+                self._lose(node, who.get(node), phase, f"{name} failed during {phase}: {reply.error.reason}")
+                del by_node[node]
+        for node in by_node:
             for direction, msg in (("down", sent[node]), ("up", by_node[node])):
                 row = self.traffic.setdefault((stage, kind, node, direction), [0, 0, 0])
                 row[0] += 1
                 row[1] += wire_bytes(msg)
                 row[2] += payload_bytes(msg)
         return by_node
+
+    def _lose(self, node: int, pid: int | None, phase: str, reason: str) -> None:
+        """Drop a client that timed out or failed, or end the run if the policy says so."""
+        cfg = self.cfg
+        required = cfg.min_clients or cfg.clients
+        if pid is not None:
+            self.nodes.pop(pid, None)
+        left = len(self.nodes)
+        halo_bound = cfg.mode != "local" and cfg.on_missing_halo == "fail"
+        if required >= cfg.clients or pid is None or left < required or halo_bound:
+            why = ""
+            if required < cfg.clients and left < required:
+                why = f" ({left} of {cfg.clients} clients left, min-clients {required})"
+            elif required < cfg.clients and halo_bound:
+                why = " (on-missing-halo fail: its peers would miss its boundary rows)"
+            raise ClientFailure(reason + why)
+        self.lost.append({"client": pid, "phase": phase, "reason": reason, "t": round(self.rec.elapsed(), 3)})
+        self.rec.event("client_lost", client=pid, phase=phase, reason=reason)
+        self.rec.progress(f"lost {reason}; continuing with {left} clients (min-clients {required})")
 
     def traffic_summary(self) -> dict:
         """Per (stage, message type, client, direction) counts, and wire / payload ratios."""
@@ -167,6 +191,8 @@ class StageMachine:
         for src, record in outgoing.items():
             for key, blob in record.items():
                 dst = P.parse_peer_key(key)
+                if dst not in incoming:  # a client lost since: nothing to deliver to
+                    continue
                 incoming[dst][f"{kind}-from-{src}"] = blob
                 self.bytes_boundary += len(blob)
         return incoming
@@ -215,7 +241,7 @@ class StageMachine:
         from retexo_fl.training.selection import StageTracker
 
         cfg = self.cfg
-        c0 = self.counts[0]
+        c0 = self.counts[min(self.counts)]
         in_dim = stage_input_dim(cfg, stage, c0["num-features"], c0["num-classes"])
         model = build_stage_model(cfg, stage, in_dim, c0["num-classes"])
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -309,6 +335,8 @@ class StageMachine:
         for stage in range(self.cfg.stages):
             if stage == 1:  # degrees travel with the halo rows of the first conv stage
                 for pid, rec in degrees.items():
+                    if pid not in deliveries:  # lost since setup
+                        continue
                     for k, v in rec.items():
                         deliveries[pid][k] = v
             before = self.bytes_boundary
@@ -336,6 +364,7 @@ class StageMachine:
             "bytes_total": self.bytes_boundary + bytes_model,
             "bytes_boundary": self.bytes_boundary,
             "bytes_model": bytes_model,
+            "lost_clients": self.lost,
             "traffic": self.traffic_summary(),
             "stages": stages,
             "wall_seconds": time.perf_counter() - t0,
@@ -361,7 +390,7 @@ class RoundMachine(StageMachine):
         mode = cfg.mode
         t0 = time.perf_counter()
         deliveries = self.setup()  # degrees (eager GCN) ride with round 1
-        c0 = self.counts[0]
+        c0 = self.counts[min(self.counts)]
         torch.manual_seed(derive_seed(cfg.seed, 0xE0))
         model = LayeredGNN(
             cfg.model,
@@ -381,8 +410,8 @@ class RoundMachine(StageMachine):
         rounds = int(cfg.per_stage("rounds", 1))
         tracker = StageTracker(0, cfg.patience)
         stats, model_raw, steps, train_loss = ExchangeStats(), 0, [], 0.0
-        pids = sorted(self.nodes)
         for r in range(1, rounds + 1):
+            pids = sorted(self.nodes)
             contents = {
                 self.nodes[pid]: self._content(
                     view,
@@ -395,6 +424,7 @@ class RoundMachine(StageMachine):
                 for pid in pids
             }
             replies = self._send(P.TRAIN, contents, f"{mode} round {r}", 0)
+            pids = sorted(self.nodes)  # without any client lost in this round
             ordered = [replies[self.nodes[pid]] for pid in pids]
             metrics = [dict(m.content[P.METRICS]) for m in ordered]
             if r > 1:  # each reply validated the state it received, with the halo it was delivered
@@ -438,6 +468,7 @@ class RoundMachine(StageMachine):
             "bytes_boundary": self.bytes_boundary,
             "bytes_model": figures["bytes_model"],
             "local_steps": steps,
+            "lost_clients": self.lost,
             "traffic": self.traffic_summary(),
             "stages": [figures],
             "wall_seconds": time.perf_counter() - t0,

@@ -205,8 +205,32 @@ class LazyClient:
         ids = self.plan.recv.get(peer)
         return None if ids is None else int(ids.size)
 
+    def complete_halo(
+        self, incoming: dict[int, Tensor], dim: int, previous: Tensor | None
+    ) -> dict[int, Tensor]:
+        """``incoming`` plus the blocks of peers lost since (absent), as ``on-missing-halo`` says.
+
+        ``zero`` fills them with zeros, ``reuse-last`` with their rows in ``previous`` (the halo
+        held so far, if it has the same width; else zeros); ``fail`` leaves them missing, so
+        assembling the halo names them.
+        """
+        missing = sorted(set(self.plan.recv) - set(incoming))
+        policy = self.cfg.on_missing_halo
+        if not missing or policy == "fail":
+            return incoming
+        out, start, spans = dict(incoming), 0, {}
+        for q in sorted(self.plan.recv):
+            spans[q] = slice(start, start + int(self.plan.recv[q].size))
+            start = spans[q].stop
+        for q in missing:
+            if policy == "reuse-last" and previous is not None and previous.shape[1] == dim:
+                out[q] = previous[spans[q]].detach().cpu()
+            else:
+                out[q] = torch.zeros(int(self.plan.recv[q].size), dim)
+        return out
+
     def receive_degrees(self, incoming: dict[int, Tensor]) -> None:
-        self.halo_degree = self.plan.assemble_halo(incoming, 1).view(-1)
+        self.halo_degree = self.plan.assemble_halo(self.complete_halo(incoming, 1, None), 1).view(-1)
         self._edges = None
         self._weights = None
 
@@ -324,7 +348,8 @@ class LazyClient:
         return self.plan.rows_for(embeddings)
 
     def receive_halo(self, incoming: dict[int, Tensor]) -> None:
-        self.halo = self.plan.assemble_halo(incoming, self.owned.shape[1]).to(self.device)
+        dim = self.owned.shape[1]
+        self.halo = self.plan.assemble_halo(self.complete_halo(incoming, dim, self.halo), dim).to(self.device)
 
     def encode_boundary(self, rows: dict[int, Tensor]) -> tuple[dict[int, bytes], ExchangeStats]:
         """Frames of the rows :meth:`advance` returned, compressed as the run config says."""

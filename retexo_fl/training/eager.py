@@ -153,7 +153,13 @@ class EagerClient(LazyClient):
             for layer, chunk in enumerate(rows.chunk(k_layers)):
                 blocks[layer][p] = chunk
         if frames:
-            self.halo_layers = [self.plan.assemble_halo(b, self.cfg.hidden).to(self.device) for b in blocks]
+            dim = self.cfg.hidden
+            self.halo_layers = [
+                self.plan.assemble_halo(self.complete_halo(b, dim, self.halo_layers[layer]), dim).to(
+                    self.device
+                )
+                for layer, b in enumerate(blocks)
+            ]
 
     def _snapshot(self) -> dict:
         # Stage inputs are the raw features throughout; the per-layer halo is what changes.

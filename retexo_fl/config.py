@@ -67,6 +67,10 @@ class TrainConfig:
     encrypt: bool = True
     identity_keys: str = ""  # folder of client-<id>.key identity keys (else one key pair per run)
     pinned_keys: str = ""  # JSON {client id: public key hex} exchanged out of band
+    # Differential privacy of model updates (DP-FedAvg, central noise; needs retexo-fl[dp]).
+    dp_noise: float = 0.0  # noise multiplier; 0 turns DP off
+    dp_clip: float = 1.0  # L2 norm each client's round update is clipped to
+    dp_delta: float = 1e-5
     # Client failures (Flower engines): how many clients a run needs, what replaces a lost
     # client's boundary rows (fail | zero | reuse-last), and how long the server waits per message.
     min_clients: int = 0  # 0: every client; a lost client ends the run
@@ -123,6 +127,8 @@ class TrainConfig:
         if self.bit_policy == "adaptive-bandwidth" and not self.link_bandwidths:
             raise ValueError("bit-policy adaptive-bandwidth needs link-bandwidths")
         RateSchedule.parse(self.rate_schedule)
+        if self.dp_noise < 0 or self.dp_clip <= 0 or not 0 < self.dp_delta < 1:
+            raise ValueError("dp-noise must be >= 0, dp-clip > 0 and dp-delta in (0, 1)")
         if self.on_missing_halo not in ("fail", "zero", "reuse-last"):
             raise ValueError(
                 f"on-missing-halo must be fail, zero or reuse-last, got {self.on_missing_halo!r}"

@@ -14,6 +14,7 @@ from retexo_fl.compress.boundary import ExchangeStats
 from retexo_fl.config import TrainConfig
 from retexo_fl.metrics import RunRecorder, human_bytes
 from retexo_fl.models.layered import LayeredGNN
+from retexo_fl.training.privacy import aggregate_round, make_privacy
 
 app = ServerApp()
 
@@ -41,6 +42,7 @@ class StageMachine:
         self.grid, self.cfg, self.rec = grid, cfg, rec
         self.timeout = cfg.client_timeout if timeout is None else timeout
         self.lost: list[dict] = []  # clients lost on the way: who, when, why
+        self.privacy = make_privacy(cfg, cfg.clients)
         self.run_json = P.config_to_json(cfg)
         self.nodes: dict[int, int] = {}  # partition id -> node id
         self.counts: dict[int, dict] = {}
@@ -235,7 +237,7 @@ class StageMachine:
                 stats.add(ExchangeStats.from_dict(json.loads(str(reply.content[P.STATS]["json"]))))
 
     def run_stage(self, stage: int, deliveries: dict[int, ConfigRecord] | None) -> tuple[dict, dict]:
-        from retexo_fl.compress.updates import ModelBroadcast, UpdateCodec, apply_updates
+        from retexo_fl.compress.updates import ModelBroadcast, UpdateCodec
         from retexo_fl.training.aggregate import ServerOptimizer
         from retexo_fl.training.client import build_stage_model, derive_seed, stage_input_dim
         from retexo_fl.training.selection import StageTracker
@@ -281,7 +283,7 @@ class StageMachine:
             )
             states, raw = self._updates(ordered, view, codec, tracker, broadcast.nbytes())
             model_raw += raw
-            state = server.step(apply_updates(state, view, states, weights))
+            state = server.step(aggregate_round(state, view, states, weights, self.privacy, (stage, r)))
             view = broadcast.prepare(state, r + 1)
             if line := tracker.progress_line(r, rounds):
                 self.rec.progress(line)
@@ -365,6 +367,7 @@ class StageMachine:
             "bytes_boundary": self.bytes_boundary,
             "bytes_model": bytes_model,
             "lost_clients": self.lost,
+            "privacy": self.privacy.spent() if self.privacy else None,
             "traffic": self.traffic_summary(),
             "stages": stages,
             "wall_seconds": time.perf_counter() - t0,
@@ -380,7 +383,7 @@ class RoundMachine(StageMachine):
     """
 
     def run(self) -> dict:
-        from retexo_fl.compress.updates import ModelBroadcast, UpdateCodec, apply_updates
+        from retexo_fl.compress.updates import ModelBroadcast, UpdateCodec
         from retexo_fl.training.aggregate import ServerOptimizer
         from retexo_fl.training.client import derive_seed
         from retexo_fl.training.lazy import compression_totals, exchange_figures
@@ -446,7 +449,7 @@ class RoundMachine(StageMachine):
             )
             states, raw = self._updates(ordered, view, codec, tracker, broadcast.nbytes())
             model_raw += raw
-            state = server.step(apply_updates(state, view, states, weights))
+            state = server.step(aggregate_round(state, view, states, weights, self.privacy, (0, r)))
             view = broadcast.prepare(state, r + 1)
             if line := tracker.progress_line(r, rounds):
                 self.rec.progress(f"{mode} {line} boundary so far {human_bytes(self.bytes_boundary)}")
@@ -469,6 +472,7 @@ class RoundMachine(StageMachine):
             "bytes_model": figures["bytes_model"],
             "local_steps": steps,
             "lost_clients": self.lost,
+            "privacy": self.privacy.spent() if self.privacy else None,
             "traffic": self.traffic_summary(),
             "stages": [figures],
             "wall_seconds": time.perf_counter() - t0,

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from retexo_fl.compress.boundary import ExchangeStats
 from retexo_fl.compress.payload import decode_rows
-from retexo_fl.compress.updates import ModelBroadcast, apply_updates
+from retexo_fl.compress.updates import ModelBroadcast
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partition import Partition, check_cross_consistency
 from retexo_fl.metrics import RunRecorder, human_bytes
@@ -30,6 +30,7 @@ from retexo_fl.models.layered import LayeredGNN
 from retexo_fl.plan import check_plans
 from retexo_fl.training.aggregate import ServerOptimizer, StateDict, state_nbytes
 from retexo_fl.training.client import LazyClient, connect_clients, derive_seed
+from retexo_fl.training.privacy import aggregate_round, make_privacy
 from retexo_fl.training.selection import StageTracker
 
 
@@ -187,6 +188,7 @@ def run_eager(
     clients = [EagerClient(p, cfg, local) for p in parts]
     connect_clients(clients)
     check_plans({c.id: c.plan.digests() for c in clients})
+    privacy = make_privacy(cfg, len(clients))
     bytes_boundary = 0
     if cfg.model == "gcn" and not local and cfg.stages > 1:
         incoming, nbytes = exchange({c.id: c.degree_frames() for c in clients})
@@ -224,7 +226,7 @@ def run_eager(
         bytes_boundary += nbytes
         for c in clients:
             c.receive_boundary(incoming.get(c.id, {}))
-        state = server.step(apply_updates(state, view, [s for s, _ in results], weights))
+        state = server.step(aggregate_round(state, view, [s for s, _ in results], weights, privacy, (0, r)))
         view = broadcast.prepare(state, r + 1)
         train_loss = sum(loss * w for (_, loss), w in zip(results, weights, strict=True)) / sum(weights)
         val = aggregate_eval(clients, view, "val")[0]
@@ -249,5 +251,6 @@ def run_eager(
         "bytes_boundary": bytes_boundary,
         "bytes_model": figures["bytes_model"],
         "local_steps": steps,
+        "privacy": privacy.spent() if privacy else None,
         "stages": [figures],
     }

@@ -9,7 +9,7 @@ from typing import TypeVar
 from torch import Tensor
 
 from retexo_fl.compress.boundary import ExchangeStats
-from retexo_fl.compress.updates import ModelBroadcast, apply_updates
+from retexo_fl.compress.updates import ModelBroadcast
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partition import Partition, check_cross_consistency
 from retexo_fl.metrics import RunRecorder, human_bytes
@@ -20,6 +20,7 @@ from retexo_fl.training.aggregate import (
     state_nbytes,
 )
 from retexo_fl.training.client import LazyClient, connect_clients, derive_seed
+from retexo_fl.training.privacy import UpdatePrivacy, aggregate_round, make_privacy
 from retexo_fl.training.selection import StageTracker
 
 T = TypeVar("T", bytes, Tensor)
@@ -59,11 +60,17 @@ def aggregate_eval(clients: Sequence[LazyClient], state: StateDict, split: str) 
 
 
 def run_stage(
-    clients: Sequence[LazyClient], cfg: TrainConfig, stage: int, rec: RunRecorder, bytes_before: int = 0
+    clients: Sequence[LazyClient],
+    cfg: TrainConfig,
+    stage: int,
+    rec: RunRecorder,
+    bytes_before: int = 0,
+    privacy: UpdatePrivacy | None = None,
 ) -> tuple[StateDict, dict]:
     """Train one stage by FedAvg rounds; returns the best-validation state and stage figures.
 
-    ``bytes_before`` (all bytes of earlier stages and exchanges) starts the history's byte count.
+    ``bytes_before`` (all bytes of earlier stages and exchanges) starts the history's byte count;
+    ``privacy`` (the run's, shared by all stages) makes each round DP-FedAvg.
     """
     t0 = time.perf_counter()
     model = clients[0].make_model()
@@ -89,7 +96,9 @@ def run_stage(
                 state_nbytes(new) if frames is None else sum(map(len, frames.values()))
             )
             model_raw += 2 * state_nbytes(state)
-        state = server.step(apply_updates(state, view, [s for s, _ in results], weights))
+        state = server.step(
+            aggregate_round(state, view, [s for s, _ in results], weights, privacy, (stage, r))
+        )
         view = broadcast.prepare(state, r + 1)
         train_loss = sum(loss * w for (_, loss), w in zip(results, weights, strict=True)) / sum(weights)
         val_acc, val_loss = aggregate_eval(clients, view, "val")
@@ -138,6 +147,7 @@ def run_lazy(
     clients = [LazyClient(p, cfg) for p in parts]
     connect_clients(clients)
     check_plans({c.id: c.plan.digests() for c in clients})
+    privacy = make_privacy(cfg, len(clients))
     bytes_boundary = 0
     stages = []
     if cfg.model == "gcn" and cfg.stages > 1:
@@ -149,7 +159,7 @@ def run_lazy(
     state: StateDict = {}
     for stage in range(cfg.stages):
         before = bytes_boundary + sum(s["bytes_model"] for s in stages)
-        state, figures = run_stage(clients, cfg, stage, rec, before)
+        state, figures = run_stage(clients, cfg, stage, rec, before, privacy)
         if on_stage is not None:
             on_stage(stage, state)
         figures["bytes_boundary"] = 0
@@ -186,5 +196,6 @@ def run_lazy(
             {"client": c.id, "test_accuracy": r.accuracy, "test_count": r.count, **c.part.counts()}
             for c, r in zip(clients, per_client, strict=True)
         ],
+        "privacy": privacy.spent() if privacy else None,
         "stages": stages,
     }

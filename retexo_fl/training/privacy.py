@@ -1,0 +1,122 @@
+"""Differential privacy of model updates: server-side clipping, Gaussian noise, Flower's RDP accountant.
+
+This is DP-FedAvg with central noise (McMahan et al., 2018) as Flower's
+``DifferentialPrivacyServerSideFixedClipping`` does it, using Flower's own clipping and noise
+functions and its RDP accountant (``flwr[dp]``): each round, every client's update is clipped
+to L2 norm ``dp-clip``, the clipped updates are averaged with equal weights, and Gaussian noise
+of standard deviation ``dp-noise * dp-clip / n`` is added to the mean. Every round of every
+stage is one Gaussian release over all ``n`` clients (no sampling, so no amplification); the
+accountant composes them and reports the client-level (epsilon, delta) spent.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+StateDict = dict[str, Tensor]
+
+
+class UpdatePrivacy:
+    """Clip, average and noise one round's updates, and account for the privacy spent.
+
+    Args:
+        noise: the noise multiplier (noise standard deviation over the clipping norm), > 0.
+        clip: the L2 clipping norm of one client's whole update, > 0.
+        clients: the number of clients (every one takes part in every round).
+        delta: the delta at which epsilon is reported.
+        seed: seeds the noise, so a run is reproducible.
+    """
+
+    def __init__(self, noise: float, clip: float, clients: int, delta: float, seed: int) -> None:
+        if noise <= 0 or clip <= 0:
+            raise ValueError(f"dp-noise and dp-clip must be > 0, got {noise} and {clip}")
+        try:
+            from flwr.supercore.privacy_accounting import NeighboringRelation, PrivacyConfig, SamplingMethod
+            from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant
+
+            self.accountant = RdpAccountant(
+                PrivacyConfig(
+                    target_delta=delta,
+                    population_size=clients,
+                    neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
+                    sampling_method=SamplingMethod.NO_AMPLIFICATION,
+                )
+            )
+        except ImportError as exc:
+            raise RuntimeError(
+                "dp-noise needs Flower's privacy accountant: pip install 'retexo-fl[dp]' (flwr[dp])"
+            ) from exc
+        self.noise, self.clip, self.clients, self.delta, self.seed = noise, clip, clients, delta, seed
+        self.clipped = 0  # updates whose norm exceeded the clipping norm
+
+    def aggregate(
+        self, state: StateDict, view: StateDict, states: list[StateDict], tag: tuple[int, ...]
+    ) -> StateDict:
+        """``state`` plus the noisy mean of the clipped updates ``states[i] - view``.
+
+        ``tag`` (stage, round) seeds this release's noise.
+        """
+        from flwr.supercore.differential_privacy import (
+            add_gaussian_noise_inplace,
+            clip_inputs_inplace,
+            compute_stdv,
+            get_norm,
+        )
+        from flwr.supercore.privacy_accounting import GaussianPrivacyEvent
+
+        from retexo_fl.training.client import derive_seed
+
+        keys = list(view)
+        deltas = []
+        for s in states:
+            d = [(s[k].float() - view[k].float()).numpy().astype(np.float64) for k in keys]
+            if get_norm(d) > self.clip:  # (Flower's clip divides by the norm: a zero update stays as is)
+                self.clipped += 1
+                clip_inputs_inplace(d, self.clip)
+            deltas.append(d)
+        mean = [np.mean([d[i] for d in deltas], axis=0) for i in range(len(keys))]
+        # Flower draws the noise from NumPy's global generator: seed it per release.
+        np.random.seed(derive_seed(self.seed, *tag, 0xD9) % (2**32))
+        add_gaussian_noise_inplace(mean, compute_stdv(self.noise, self.clip, len(states)))
+        self.accountant.compose(GaussianPrivacyEvent(self.noise, len(states), self.clients))
+        return {
+            k: (state[k].float() + torch.from_numpy(m).float()).to(state[k].dtype)
+            for k, m in zip(keys, mean, strict=True)
+        }
+
+    def spent(self) -> dict:
+        """The (epsilon, delta) spent so far, with the releases composed and the clipping rate."""
+        s = self.accountant.get_privacy_spent(self.delta)
+        return {
+            "epsilon": s.epsilon,
+            "delta": s.delta,
+            "releases": s.num_releases,
+            "noise_multiplier": self.noise,
+            "clip": self.clip,
+            "updates_clipped": self.clipped,
+        }
+
+
+def make_privacy(cfg, clients: int) -> UpdatePrivacy | None:
+    """The run's :class:`UpdatePrivacy`, or ``None`` when ``dp-noise`` is 0."""
+    if cfg.dp_noise <= 0:
+        return None
+    return UpdatePrivacy(cfg.dp_noise, cfg.dp_clip, clients, cfg.dp_delta, cfg.seed)
+
+
+def aggregate_round(
+    state: StateDict,
+    view: StateDict,
+    states: list[StateDict],
+    weights: list[float],
+    privacy: UpdatePrivacy | None,
+    tag: tuple[int, ...],
+) -> StateDict:
+    """One round's aggregate before the server optimizer: FedAvg, or DP-FedAvg with ``privacy``."""
+    from retexo_fl.compress.updates import apply_updates
+
+    if privacy is None:
+        return apply_updates(state, view, states, weights)
+    return privacy.aggregate(state, view, states, tag)

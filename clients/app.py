@@ -12,6 +12,7 @@ from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
 from retexo_fl import protocol as P
+from retexo_fl.compress.boundary import ExchangeStats
 
 
 def _who(context: Context) -> str:
@@ -99,14 +100,20 @@ def _load_partition(context: Context, cfg):
     return parts[pid]
 
 
+def _run_key(msg: Message) -> int:
+    """The server's key for this run: it outlives Flower's run id when a run is resumed."""
+    return int(msg.content[P.CONFIG].get("run-key", msg.metadata.run_id))
+
+
 def _client(msg: Message, context: Context):
     from retexo_fl.training.client import LazyClient
     from retexo_fl.training.eager import EagerClient
 
     cfg = P.config_from_json(str(msg.content[P.CONFIG]["run"]))
     hint = str(context.node_config.get("partition-id", context.node_id))
-    key = (msg.metadata.run_id, hint)
-    work = _work_dir(context, msg.metadata.run_id, hint)
+    run_key = _run_key(msg)
+    key = (run_key, hint)
+    work = _work_dir(context, run_key, hint)
     client = _CACHE.get(key)
     if client is None:
         part = _load_partition(context, cfg)
@@ -168,7 +175,7 @@ def setup(msg: Message, context: Context) -> Message:
         keys = json.loads(str(msg.content[P.CONFIG]["keys"]))
         directory = {int(q): parse_public(k, f"key directory, client {q}") for q, k in keys.items()}
         client.public_key(_identity(context))
-        client.connect(directory, msg.metadata.run_id)
+        client.connect(directory, _run_key(msg))
     payloads = ConfigRecord()
     if client.cfg.model == "gcn":
         for q, frame in client.degree_frames().items():
@@ -239,8 +246,13 @@ def evaluate(msg: Message, context: Context) -> Message:
 @app.query("embed")
 def embed(msg: Message, context: Context) -> Message:
     client, work = _client(msg, context)
-    frames, stats = client.encode_boundary(client.advance(client.embeddings(_state(msg))))
-    client.save(work)
+    stage = int(msg.content[P.CONFIG]["stage"])
+    if client.sent is not None and client.sent[0] == stage:  # asked again by a resumed server
+        frames, stats = client.sent[1], ExchangeStats.from_dict(client.sent[2])
+    else:
+        frames, stats = client.encode_boundary(client.advance(client.embeddings(_state(msg))))
+        client.sent = (stage, frames, stats.to_dict())
+        client.save(work)
     payloads = ConfigRecord({P.peer_key("to", q): frame for q, frame in frames.items()})
     figures = ConfigRecord({"json": json.dumps(stats.to_dict())})
     return Message(RecordDict({P.PAYLOADS: payloads, P.STATS: figures}), reply_to=msg)

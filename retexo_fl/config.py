@@ -76,6 +76,7 @@ class TrainConfig:
     min_clients: int = 0  # 0: every client; a lost client ends the run
     on_missing_halo: str = "fail"
     client_timeout: float = 300.0
+    resume: str = ""  # a lazy run's folder (--out) to continue from its last checkpoint (Flower engines)
     audit: str = ""  # folder where each client records every message it sends (retexo-fl audit)
     # Data-center mode (CAGNET full-graph training on torch.distributed, trusted clusters only).
     algorithm: str = "1d"

@@ -14,17 +14,21 @@ class RunRecorder:
 
     Args:
         out_dir: the run folder; created on first write.
+        append: keep the folder's ``events.jsonl`` and add to it (a resumed run).
         stream: where progress lines go: ``"stderr"`` (default, looked up at each line so captured
             streams work), a text stream, or ``None`` for silence.
     """
 
-    def __init__(self, out_dir: str | Path | None = None, stream: TextIO | str | None = "stderr") -> None:
+    def __init__(
+        self, out_dir: str | Path | None = None, stream: TextIO | str | None = "stderr", append: bool = False
+    ) -> None:
         self.out = Path(out_dir) if out_dir else None
         self._stream = stream
         self.t0 = time.perf_counter()
         if self.out:
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "events.jsonl").write_text("")
+            if not append or not (self.out / "events.jsonl").is_file():  # a resumed run keeps its events
+                (self.out / "events.jsonl").write_text("")
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import secrets
 import time
+from pathlib import Path
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
@@ -31,6 +33,9 @@ def payload_bytes(msg: Message) -> int:
     return sum(record.count_bytes() for record in msg.content.values())
 
 
+CHECKPOINT = "checkpoint.pt"
+
+
 class ClientFailure(RuntimeError):
     """A client replied with an error or did not reply in time."""
 
@@ -43,6 +48,11 @@ class StageMachine:
         self.timeout = cfg.client_timeout if timeout is None else timeout
         self.lost: list[dict] = []  # clients lost on the way: who, when, why
         self.privacy = make_privacy(cfg, cfg.clients)
+        # Clients key their node-local state and their channel keys on this, not on Flower's
+        # run id, so a resumed run (a new Flower run) finds both again.
+        self.run_key = secrets.randbits(62)
+        self.keys: dict[str, str] = {}
+        self.checkpoint: dict = {}
         self.run_json = P.config_to_json(cfg)
         self.nodes: dict[int, int] = {}  # partition id -> node id
         self.counts: dict[int, dict] = {}
@@ -130,7 +140,7 @@ class StageMachine:
     def _content(self, state=None, payloads: ConfigRecord | None = None, model=None, **config) -> RecordDict:
         """A message's records; ``model`` (a :class:`ModelBroadcast`) sends its prepared delta
         frames instead of ``state`` when it has them."""
-        records = {P.CONFIG: ConfigRecord({"run": self.run_json, **config})}
+        records = {P.CONFIG: ConfigRecord({"run": self.run_json, "run-key": self.run_key, **config})}
         if model is not None and model.frames is not None:
             records[P.MODEL] = ConfigRecord(model.frames)
         elif state is not None:
@@ -161,6 +171,7 @@ class StageMachine:
                 info = reply.content[P.CONFIG]
                 self._claim(int(info["partition-id"]), node)
                 keys[str(int(info["partition-id"]))] = str(info["public-key"])
+            self.keys = keys
             self.rec.progress(f"keys: {len(keys)} public keys collected; relaying the directory")
         replies = self._send(P.SETUP, {n: self._content(keys=json.dumps(keys)) for n in nodes}, "setup")
         digests, outgoing = {}, {}
@@ -236,28 +247,38 @@ class StageMachine:
             if P.STATS in reply.content:
                 stats.add(ExchangeStats.from_dict(json.loads(str(reply.content[P.STATS]["json"]))))
 
-    def run_stage(self, stage: int, deliveries: dict[int, ConfigRecord] | None) -> tuple[dict, dict]:
+    def run_stage(
+        self, stage: int, deliveries: dict[int, ConfigRecord] | None, resume: dict | None = None
+    ) -> tuple[dict, dict]:
+        """Train ``stage`` by rounds; ``resume`` (a checkpoint's stage state) continues after its round."""
         from retexo_fl.compress.updates import ModelBroadcast, UpdateCodec
         from retexo_fl.training.aggregate import ServerOptimizer
         from retexo_fl.training.client import build_stage_model, derive_seed, stage_input_dim
         from retexo_fl.training.selection import StageTracker
 
         cfg = self.cfg
-        c0 = self.counts[min(self.counts)]
-        in_dim = stage_input_dim(cfg, stage, c0["num-features"], c0["num-classes"])
-        model = build_stage_model(cfg, stage, in_dim, c0["num-classes"])
-        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        server = ServerOptimizer(cfg.server_optimizer, state, float(cfg.per_stage("server_lr", stage)))
         rounds = int(cfg.per_stage("rounds", stage))
-        tracker = StageTracker(stage, cfg.patience)
-        tracker.bytes_offset = self.bytes_boundary + self.model_bytes_done
         codec = UpdateCodec(cfg.update_bits, cfg.range_dtype)
-        broadcast = ModelBroadcast(cfg.broadcast_bits, cfg.range_dtype, derive_seed(cfg.seed, stage, 0xBC))
-        view = broadcast.prepare(state, 1)
         t0 = time.perf_counter()
-        train_loss = 0.0
-        model_raw = 0
-        for r in range(1, rounds + 1):
+        if resume is None:
+            c0 = self.counts[min(self.counts)]
+            in_dim = stage_input_dim(cfg, stage, c0["num-features"], c0["num-classes"])
+            model = build_stage_model(cfg, stage, in_dim, c0["num-classes"])
+            state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            server = ServerOptimizer(cfg.server_optimizer, state, float(cfg.per_stage("server_lr", stage)))
+            tracker = StageTracker(stage, cfg.patience)
+            tracker.bytes_offset = self.bytes_boundary + self.model_bytes_done
+            broadcast = ModelBroadcast(
+                cfg.broadcast_bits, cfg.range_dtype, derive_seed(cfg.seed, stage, 0xBC)
+            )
+            view = broadcast.prepare(state, 1)
+            train_loss, model_raw, start = 0.0, 0, 1
+        else:
+            state, view, server = resume["state"], resume["view"], resume["server"]
+            tracker, broadcast = resume["tracker"], resume["broadcast"]
+            train_loss, model_raw, start = resume["train_loss"], resume["model_raw"], resume["round"] + 1
+            t0 -= resume["seconds"]
+        for r in range(start, rounds + 1):
             first = r == 1 and deliveries
             contents = {
                 self.nodes[pid]: self._content(
@@ -287,6 +308,21 @@ class StageMachine:
             view = broadcast.prepare(state, r + 1)
             if line := tracker.progress_line(r, rounds):
                 self.rec.progress(line)
+            self.checkpoint.update(
+                deliveries=None,  # delivered with round 1
+                stage_state={
+                    "round": r,
+                    "state": state,
+                    "view": view,
+                    "server": server,
+                    "tracker": tracker,
+                    "broadcast": broadcast,
+                    "train_loss": train_loss,
+                    "model_raw": model_raw,
+                    "seconds": time.perf_counter() - t0,
+                },
+            )
+            self._save_checkpoint()
         else:  # the last (or only) state still needs its validation
             correct, count, _ = self.evaluate(view, "val", stage)
             self._record(tracker, rounds, view, [{"val-correct": correct, "val-count": count}], train_loss)
@@ -332,22 +368,32 @@ class StageMachine:
         from retexo_fl.training.lazy import compression_totals, exchange_figures
 
         t0 = time.perf_counter()
-        degrees = self.setup()
-        stages, deliveries, state = [], None, {}
-        for stage in range(self.cfg.stages):
-            if stage == 1:  # degrees travel with the halo rows of the first conv stage
-                for pid, rec in degrees.items():
-                    if pid not in deliveries:  # lost since setup
-                        continue
-                    for k, v in rec.items():
-                        deliveries[pid][k] = v
-            before = self.bytes_boundary
-            state, figures = self.run_stage(stage, deliveries)
+        if self.cfg.resume:
+            self._resume()
+        else:
+            degrees = self.setup()
+            self.checkpoint = {
+                "stage": 0,
+                "before": self.bytes_boundary,
+                "deliveries": None,
+                "degrees": degrees,
+            }
+            self.checkpoint.update(stages=[], stage_state=None)
+            self._save_checkpoint()
+        ck = self.checkpoint
+        stages, state = ck["stages"], {}
+        for stage in range(ck["stage"], self.cfg.stages):
+            state, figures = self.run_stage(stage, ck["deliveries"], ck["stage_state"])
             self.model_bytes_done += figures["bytes_model"]
             deliveries = None
             if stage < self.cfg.stages - 1:
                 deliveries = self.embed(state, stage)
-            figures["bytes_boundary"] = self.bytes_boundary - before
+                if stage == 0:  # degrees travel with the halo rows of the first conv stage
+                    for pid, rec in (ck.pop("degrees", None) or {}).items():
+                        if pid in deliveries:  # else lost since setup
+                            for k, v in rec.items():
+                                deliveries[pid][k] = v
+            figures["bytes_boundary"] = self.bytes_boundary - ck["before"]
             if stage in self.exchange_stats:
                 figures.update(exchange_figures(self.exchange_stats[stage]))
             stages.append(figures)
@@ -355,6 +401,8 @@ class StageMachine:
                 f"stage {stage} done: best val {figures['val_accuracy']:.4f} at round "
                 f"{figures['best_round']}, boundary so far {human_bytes(self.bytes_boundary)}"
             )
+            ck.update(stage=stage + 1, before=self.bytes_boundary, deliveries=deliveries, stage_state=None)
+            self._save_checkpoint()
         correct, count, _ = self.evaluate(state, "test", self.cfg.stages - 1)
         bytes_model = sum(s["bytes_model"] for s in stages)
         return {
@@ -372,7 +420,75 @@ class StageMachine:
             "stages": stages,
             "wall_seconds": time.perf_counter() - t0,
             "config": self.cfg.to_dict(),
+            "resumed": bool(self.cfg.resume),
         }
+
+    # -- checkpoint and resume --------------------------------------------------------------
+    def _save_checkpoint(self) -> None:
+        """Persist the stage machine (after setup, every round and every exchange), atomically."""
+        if not self.cfg.out_dir:
+            return
+        plain = {  # relayed ciphertext, as plain bytes
+            k: None if self.checkpoint.get(k) is None else {p: dict(r) for p, r in self.checkpoint[k].items()}
+            for k in ("deliveries", "degrees")
+        }
+        ck = {
+            **self.checkpoint,
+            **plain,
+            "run_key": self.run_key,
+            "config": self.cfg.to_dict(),
+            "nodes": sorted(self.nodes),
+            "keys": self.keys,
+            "counts": self.counts,
+            "lost": self.lost,
+            "bytes_boundary": self.bytes_boundary,
+            "model_bytes_done": self.model_bytes_done,
+            "exchange_stats": self.exchange_stats,
+            "traffic": self.traffic,
+            "privacy": self.privacy,
+        }
+        path = Path(self.cfg.out_dir) / CHECKPOINT
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(ck, path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").replace(path)
+
+    def _resume(self) -> None:
+        """Load ``resume``'s checkpoint and find the surviving clients again on this run's nodes."""
+        path = Path(self.cfg.resume) / CHECKPOINT
+        if not path.is_file():
+            raise ValueError(f"{path}: no checkpoint to resume from (the run folder of a lazy run)")
+        # Our own file, written by _save_checkpoint: it holds optimizer and tracker objects.
+        ck = torch.load(path, weights_only=False)
+        for key in ("run_key", "keys", "counts", "lost", "bytes_boundary", "model_bytes_done"):
+            setattr(self, key, ck.pop(key))
+        self.exchange_stats, self.traffic, self.privacy = (
+            ck.pop("exchange_stats"),
+            ck.pop("traffic"),
+            ck.pop("privacy"),
+        )
+        wanted = ck.pop("nodes")
+        ck.pop("config")
+        for k in ("deliveries", "degrees"):
+            if ck.get(k) is not None:
+                ck[k] = {p: ConfigRecord(r) for p, r in ck[k].items()}
+        self.checkpoint = ck
+        self.run_json = P.config_to_json(self.cfg)
+        nodes = self.wait_for_nodes()
+        for node, reply in self._send(P.HELLO, {n: self._content() for n in nodes}, "resume").items():
+            info = reply.content[P.CONFIG]
+            pid = int(info["partition-id"])
+            if pid not in wanted:
+                continue  # lost before the checkpoint: stays lost
+            if self.keys and self.keys.get(str(pid)) != str(info["public-key"]):
+                raise ClientFailure(f"client {pid} came back with another key: its saved state is gone")
+            self._claim(pid, node)
+        missing = sorted(set(wanted) - set(self.nodes))
+        if missing:
+            raise ClientFailure(f"clients {missing} did not come back to resume the run")
+        where = f"stage {ck['stage']}" + (
+            f" after round {ck['stage_state']['round']}" if ck.get("stage_state") else ""
+        )
+        self.rec.progress(f"resumed {self.cfg.resume} at {where} with {len(self.nodes)} clients")
 
 
 class RoundMachine(StageMachine):
@@ -480,10 +596,26 @@ class RoundMachine(StageMachine):
         }
 
 
+def resumed_config(cfg: TrainConfig) -> TrainConfig:
+    """The configuration of the run in ``cfg.resume``, set to resume it in that folder."""
+    path = Path(cfg.resume) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{path}: not a run folder (no config.json); resume needs the --out of a lazy run")
+    values = json.loads(path.read_text())
+    values.pop("extra", None)
+    resumed = TrainConfig.from_mapping({**values, "resume": str(cfg.resume), "out_dir": str(cfg.resume)})
+    if resumed.mode != "lazy":
+        raise ValueError(f"{cfg.resume}: resume continues lazy runs; this one is {resumed.mode}")
+    return resumed
+
+
 def run_server(grid: Grid, cfg: TrainConfig) -> dict:
-    """Run a lazy job on ``grid`` and write the run folder; returns the summary."""
-    rec = RunRecorder(cfg.out_dir or None)
-    rec.write_json("config.json", cfg.to_dict())
+    """Run a job on ``grid`` (or resume the one in ``cfg.resume``) and write the run folder."""
+    if cfg.resume:
+        cfg = resumed_config(cfg)
+    rec = RunRecorder(cfg.out_dir or None, append=bool(cfg.resume))
+    if not cfg.resume:
+        rec.write_json("config.json", cfg.to_dict())
     if cfg.mode == "centralized":
         raise ValueError(
             "centralized mode trains on one graph in process; the Flower app runs lazy, eager, local"

@@ -19,7 +19,10 @@ def simulate(cfg: TrainConfig, *, cpus_per_client: float = 1.0) -> dict:
     from flwr.simulation import run_simulation
 
     from clients.app import app as client_app
-    from server.app import run_server
+    from server.app import resumed_config, run_server
+
+    if cfg.resume:  # the federation's size comes from the run being resumed
+        cfg = resumed_config(cfg)
 
     result: dict = {}
     server_app = ServerApp()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,6 +127,8 @@ class LazyClient:
         self.run_id = 0
         self.envelopes: Envelopes | None = None
         self.halo_round = 0  # eager: the newest round whose halo rows were accepted
+        # (stage, frames, stats) of the last boundary rows sent: a resumed server may ask again.
+        self.sent: tuple[int, dict[int, bytes], dict] | None = None
 
     @property
     def id(self) -> int:
@@ -405,6 +408,7 @@ class LazyClient:
             "directory": None if self.directory is None else {q: k.hex() for q, k in self.directory.items()},
             "run_id": self.run_id,
             "halo_round": self.halo_round,
+            "sent": None if self.sent is None else [self.sent[0], self.sent[1], json.dumps(self.sent[2])],
         }
 
     def _load_snapshot(self, state: dict) -> None:
@@ -434,6 +438,8 @@ class LazyClient:
         if state.get("identity"):
             self.identity = X25519PrivateKey.from_private_bytes(bytes.fromhex(state["identity"]))
         self.halo_round = int(state.get("halo_round", 0))
+        sent = state.get("sent")
+        self.sent = None if sent is None else (int(sent[0]), dict(sent[1]), json.loads(sent[2]))
         if state.get("directory"):
             self.connect({int(q): bytes.fromhex(k) for q, k in state["directory"].items()}, state["run_id"])
         return True

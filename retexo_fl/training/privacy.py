@@ -86,6 +86,18 @@ class UpdatePrivacy:
             for k, m in zip(keys, mean, strict=True)
         }
 
+    def __getstate__(self) -> dict:
+        # The accountant holds modules; its own state_dict is what a checkpoint can keep.
+        state = dict(self.__dict__)
+        state["accountant"] = self.accountant.state_dict()
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        saved = state.pop("accountant")
+        fresh = UpdatePrivacy(state["noise"], state["clip"], state["clients"], state["delta"], state["seed"])
+        self.__dict__.update({**fresh.__dict__, **state})
+        self.accountant.load_state_dict(saved)
+
     def spent(self) -> dict:
         """The (epsilon, delta) spent so far, with the releases composed and the clipping rate."""
         s = self.accountant.get_privacy_spent(self.delta)

@@ -101,9 +101,9 @@ class StageMachine:
         halo_bound = cfg.mode != "local" and cfg.on_missing_halo == "fail"
         if required >= cfg.clients or pid is None or left < required or halo_bound:
             why = ""
-            if required < cfg.clients and left < required:
+            if pid is not None and required < cfg.clients and left < required:
                 why = f" ({left} of {cfg.clients} clients left, min-clients {required})"
-            elif required < cfg.clients and halo_bound:
+            elif pid is not None and required < cfg.clients and halo_bound:
                 why = " (on-missing-halo fail: its peers would miss its boundary rows)"
             raise ClientFailure(reason + why)
         self.lost.append({"client": pid, "phase": phase, "reason": reason, "t": round(self.rec.elapsed(), 3)})

@@ -123,13 +123,13 @@ def test_a_client_that_hangs_is_timed_out_and_dropped():
         rounds=6,
         seed=0,
         step_delay="1:40",  # client 1 takes 40 s per local step
-        client_timeout=8,
+        client_timeout=25,  # setup (partitions, Ray actors) must fit too, also on a loaded machine
         min_clients=2,
         on_missing_halo="reuse-last",
     )
     summary = simulate(cfg)
     lost = summary["lost_clients"]
     assert [c["client"] for c in lost] == [1]
-    assert "did not reply to eager round 1 within 8s" in lost[0]["reason"]
+    assert "did not reply to eager round 1 within 25s" in lost[0]["reason"]
     assert len(summary["local_steps"]) >= 5 and all(len(s) == 2 for s in summary["local_steps"])
-    assert time.time() - started < 200
+    assert time.time() - started < 240

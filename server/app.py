@@ -70,8 +70,7 @@ class StageMachine:
             Message(content, dst_node_id=node, message_type=kind) for node, content in per_node.items()
         ]
         sent = {m.metadata.dst_node_id: m for m in messages}
-        replies = list(self.grid.send_and_receive(messages, timeout=self.timeout))
-        by_node = {r.metadata.src_node_id: r for r in replies}
+        by_node = self._exchange(messages)
         who = {node: pid for pid, node in self.nodes.items()}
         for node in per_node:
             name = f"client {who[node]}" if node in who else f"node {node}"
@@ -90,6 +89,30 @@ class StageMachine:
                 row[1] += wire_bytes(msg)
                 row[2] += payload_bytes(msg)
         return by_node
+
+    def _exchange(self, messages: list[Message]) -> dict[int, Message]:
+        """Push ``messages`` and pull their replies until all are in or the time-out passes.
+
+        Replies are matched to requests by ``reply_to_message_id``, so an error reply the
+        SuperLink writes for a node that died (its source is the SuperLink) is that node's. The
+        pull interval starts at 20 ms and backs off to 0.5 s, where Flower's own
+        ``send_and_receive`` sleeps 3 s between pulls.
+        """
+        ids = list(self.grid.push_messages(messages))
+        node_of = {mid: m.metadata.dst_node_id for mid, m in zip(ids, messages, strict=True)}
+        pending, replies = set(ids), {}
+        deadline, pause = time.monotonic() + self.timeout, 0.02
+        while pending:
+            for reply in self.grid.pull_messages(pending):
+                mid = reply.metadata.reply_to_message_id
+                if mid in pending:
+                    pending.discard(mid)
+                    replies[node_of[mid]] = reply
+            if not pending or time.monotonic() >= deadline:
+                break
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(0.5, pause * 1.5)
+        return replies
 
     def _lose(self, node: int, pid: int | None, phase: str, reason: str) -> None:
         """Drop a client that timed out or failed, or end the run if the policy says so."""

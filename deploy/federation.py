@@ -1,0 +1,239 @@
+"""Run a whole federation on one machine as real processes: one SuperLink, N SuperNodes, ``flwr run``.
+
+    python deploy/federation.py --partitions parts/ --out runs/fed \\
+        [--tls certs/] [--run-config "stages=3 rounds='100'"] [--timeout 1800]
+
+Each SuperNode gets its own fixed partition (``part-<i>`` of ``--partitions``, written by
+``retexo-fl partition``) through ``--node-config "partition-dir=..."``. With ``--tls DIR`` the
+SuperLink serves TLS with the certificate in DIR and requires SuperNode authentication; the
+launcher makes missing key material with ``deploy/make_certs.py`` and registers every party's
+public key with ``flwr supernode register`` before its SuperNode starts. The run is submitted
+with ``flwr run . <connection>``, followed with ``flwr ls`` until it ends, and its run folder
+(``--out``) is where the ServerApp writes it. Every process the launcher started is stopped by
+process id (its whole process group: a SuperNode's SuperExec and ClientApps too) when the run
+ends, fails, or on Ctrl-C. Logs are in ``--work`` (default ``<out>/federation``).
+
+The commands it runs are printed as they start (``$ ...``); ``deploy/README.md`` uses the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {
+    "FLWR_TELEMETRY_ENABLED": "0",
+    "FLWR_DISABLE_UPDATE_CHECK": "1",
+    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Federation:
+    """The processes of one local federation, and how to stop them all.
+
+    Args:
+        work: folder for logs, the SuperLink database and ``FLWR_HOME``.
+        tls: folder of key material (TLS + SuperNode authentication), or None for insecure.
+    """
+
+    def __init__(self, work: Path, tls: Path | None = None) -> None:
+        self.work, self.tls = work, tls
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.home = self.work / "flwr-home"
+        self.home.mkdir(exist_ok=True)
+        self.env = {**os.environ, **ENV, "FLWR_HOME": str(self.home)}
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.http, self.fleet = free_port(), free_port()
+
+    # -- processes ---------------------------------------------------------------------------
+    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
+        print(f"$ {shlex.join(argv)}", flush=True)
+        log = open(self.work / f"{name}.log", "wb")  # noqa: SIM115 (the process keeps it)
+        proc = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
+        self.procs[name] = proc
+        return proc
+
+    def stop(self, name: str, sig: int = signal.SIGTERM) -> None:
+        """Stop one process and everything it started (its process group)."""
+        proc = self.procs.get(name)
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+    def stop_all(self) -> None:
+        for name in reversed(list(self.procs)):  # SuperNodes first, the SuperLink last
+            self.stop(name)
+        for proc in self.procs.values():  # anything left in a group whose leader exited
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+
+    def flwr(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        argv = ["flwr", *args]
+        print(f"$ {shlex.join(argv)}", flush=True)
+        return subprocess.run(argv, capture_output=True, text=True, env=self.env, cwd=ROOT, timeout=timeout)
+
+    # -- the federation ----------------------------------------------------------------------
+    def start_superlink(self) -> None:
+        security = ["--insecure"]
+        if self.tls:
+            security = [
+                "--ssl-ca-certfile", str(self.tls / "ca.crt"),
+                "--ssl-certfile", str(self.tls / "superlink.crt"),
+                "--ssl-keyfile", str(self.tls / "superlink.key"),
+                "--enable-supernode-auth",
+            ]  # fmt: skip
+        self.start(
+            "superlink",
+            [
+                "flower-superlink", *security,
+                "--host", "127.0.0.1", "--port", str(self.http),
+                "--fleet-api-address", f"127.0.0.1:{self.fleet}",
+                "--database", str(self.work / "superlink.db"),
+                "--disable-runtime-dependency-installation",
+            ],
+        )  # fmt: skip
+        conn = [
+            '[superlink]\ndefault = "local-fed"\n',
+            "[superlink.local-fed]",
+            f'address = "127.0.0.1:{self.http}"',
+            f'root-certificates = "{self.tls / "ca.crt"}"' if self.tls else "insecure = true",
+        ]
+        (self.home / "config.toml").write_text("\n".join(conn) + "\n")
+        self.wait_for_port(self.fleet, "superlink")
+
+    def wait_for_port(self, port: int, name: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.procs[name].poll() is not None:
+                raise RuntimeError(
+                    f"{name} exited ({self.procs[name].returncode}); see {self.work / (name + '.log')}"
+                )
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    return
+            time.sleep(0.2)
+        raise RuntimeError(f"{name} did not listen on 127.0.0.1:{port} within {timeout:.0f}s")
+
+    def register(self, party: int) -> None:
+        done = self.flwr("supernode", "register", str(self.tls / f"party-{party}.pub"), "local-fed")
+        if done.returncode != 0:
+            raise RuntimeError(f"registering party {party} failed: {done.stdout[-500:]} {done.stderr[-500:]}")
+
+    def start_supernode(self, party: int, partition: Path, key_party: int | None = None) -> subprocess.Popen:
+        node_config = f"partition-dir='{partition}' work-dir='{self.work / 'node-work'}'"
+        security = ["--insecure"]
+        if self.tls:
+            key = self.tls / f"party-{party if key_party is None else key_party}"
+            security = [
+                "--root-certificates",
+                str(self.tls / "ca.crt"),
+                "--auth-supernode-private-key",
+                str(key),
+            ]
+        return self.start(
+            f"supernode-{party}",
+            [
+                "flower-supernode", *security,
+                "--superlink", f"127.0.0.1:{self.fleet}",
+                "--port", str(free_port()),
+                "--node-config", node_config,
+            ],
+        )  # fmt: skip
+
+    def run(self, run_config: str, timeout: float) -> dict:
+        """Submit the app, follow it until it ends; returns ``flwr ls``'s record of the run."""
+        done = self.flwr("run", ".", "local-fed", "--format", "json", "--run-config", run_config)
+        try:
+            run_id = json.loads(done.stdout)["run-id"]
+        except (ValueError, KeyError):
+            raise RuntimeError(f"flwr run failed: {done.stdout[-1000:]} {done.stderr[-1000:]}") from None
+        print(f"run {run_id} submitted", flush=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ls = self.flwr("ls", "local-fed", "--run-id", str(run_id), "--format", "json", timeout=60)
+            try:
+                record = json.loads(ls.stdout)["runs"][0]
+            except (ValueError, KeyError, IndexError):
+                record = {"status": "unknown"}
+            if str(record.get("status", "")).startswith("finished"):
+                return record
+            time.sleep(2)
+        raise TimeoutError(f"run {run_id} did not finish within {timeout:.0f}s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--partitions", required=True, help="folder of part-<i>/ written by `retexo-fl partition`"
+    )
+    parser.add_argument("--out", required=True, help="the run folder (summary.json, events.jsonl)")
+    parser.add_argument("--tls", default="", help="key material folder: TLS + SuperNode authentication")
+    parser.add_argument("--run-config", default="", help="extra run config, e.g. \"stages=3 rounds='100'\"")
+    parser.add_argument("--work", default="", help="logs, database and FLWR_HOME (default <out>/federation)")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds the run may take")
+    args = parser.parse_args(argv)
+
+    parts = sorted(Path(args.partitions).resolve().glob("part-*"))
+    if not parts:
+        print(f"{args.partitions}: no part-* folders", file=sys.stderr)
+        return 2
+    out = Path(args.out).resolve()
+    tls = Path(args.tls).resolve() if args.tls else None
+    if tls:
+        from make_certs import main as make_certs
+
+        make_certs(["--out", str(tls), "--parties", str(len(parts))])
+    fed = Federation(Path(args.work).resolve() if args.work else out / "federation", tls)
+
+    def interrupted(signum, frame):  # Ctrl-C or SIGTERM: stop everything, then leave
+        fed.stop_all()
+        sys.exit(130)
+
+    signal.signal(signal.SIGINT, interrupted)
+    signal.signal(signal.SIGTERM, interrupted)
+    try:
+        fed.start_superlink()
+        for i, part in enumerate(parts):
+            if tls:
+                fed.register(i)
+            fed.start_supernode(i, part)
+        config = f"clients={len(parts)} out-dir='{out}' {args.run_config}".strip()
+        record = fed.run(config, args.timeout)
+        status = record.get("status", "")
+        summary = out / "summary.json"
+        print(f"run ended: {status}; run folder {out}", flush=True)
+        return 0 if status == "finished:completed" and summary.is_file() else 1
+    finally:
+        fed.stop_all()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -113,15 +113,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--days", type=int, default=365)
     parser.add_argument("--force", action="store_true", help="replace existing files (rotates keys)")
+    parser.add_argument(
+        "--keys-only", action="store_true", help="a party's own key pairs only: no CA, no certificate"
+    )
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sans = args.san or ["127.0.0.1", "localhost"]
     made = []
-    if args.force or not (out / "ca.crt").is_file():
+    if args.keys_only:
+        pass
+    elif args.force or not (out / "ca.crt").is_file():
         make_ca(out, args.days)
         made.append("ca.crt, ca.key")
-    if args.force or not (out / "superlink.crt").is_file():
+    if not args.keys_only and (args.force or not (out / "superlink.crt").is_file()):
         ca = x509.load_pem_x509_certificate((out / "ca.crt").read_bytes())
         ca_key = serialization.load_pem_private_key((out / "ca.key").read_bytes(), None)
         make_server_cert(out, ca, ca_key, sans, args.days)

@@ -62,11 +62,15 @@ class Federation:
         self.http, self.fleet = free_port(), free_port()
 
     # -- processes ---------------------------------------------------------------------------
-    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         print(f"$ {shlex.join(argv)}", flush=True)
         log = open(self.work / f"{name}.log", "wb")  # noqa: SIM115 (the process keeps it)
         proc = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**self.env, **(env or {})},
+            start_new_session=True,
         )
         self.procs[name] = proc
         return proc
@@ -145,7 +149,9 @@ class Federation:
         if done.returncode != 0:
             raise RuntimeError(f"registering party {party} failed: {done.stdout[-500:]} {done.stderr[-500:]}")
 
-    def start_supernode(self, party: int, partition: Path, key_party: int | None = None) -> subprocess.Popen:
+    def start_supernode(
+        self, party: int, partition: Path, key_party: int | None = None, env: dict[str, str] | None = None
+    ) -> subprocess.Popen:
         node_config = f"partition-dir='{partition}' work-dir='{self.work / 'node-work'}'"
         security = ["--insecure"]
         if self.tls:
@@ -164,6 +170,7 @@ class Federation:
                 "--port", str(free_port()),
                 "--node-config", node_config,
             ],
+            env,
         )  # fmt: skip
 
     def run(self, run_config: str, timeout: float) -> dict:

@@ -53,6 +53,11 @@ class TrainConfig:
     # Local mode's time-based aggregation: seconds of local training per round (0: local-epochs).
     round_seconds: float = 0.0
     step_delay: str = ""  # "P:seconds,...": slow client P down by that much per step (emulation)
+    # Small clients: profile "edge" means CPU, bounded threads, embeddings in row chunks and
+    # 8-bit boundary rows, updates and broadcasts wherever those were left at their defaults.
+    profile: str = "default"
+    threads: int = 0  # torch threads per client (0: torch's default)
+    chunk_rows: int = 0  # embeddings for this many target rows at a time (0: all at once)
     # Compression (DESIGN section 5): boundary rows and model updates.
     bits: int = 32
     bit_policy: str = "fixed"
@@ -85,6 +90,15 @@ class TrainConfig:
     trusted_cluster: bool = False
     out_dir: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.profile == "edge":
+            self.device = "cpu" if self.device == "auto" else self.device
+            self.threads = self.threads or 1
+            self.chunk_rows = self.chunk_rows or 4096
+            self.bits = 8 if self.bits == 32 else self.bits
+            self.update_bits = 8 if self.update_bits == 32 else self.update_bits
+            self.broadcast_bits = 8 if self.broadcast_bits == 32 else self.broadcast_bits
 
     def per_stage(self, name: str, stage: int) -> Any:
         """The value of a per-stage setting for ``stage`` (the last list entry repeats)."""
@@ -138,6 +152,10 @@ class TrainConfig:
             raise ValueError(f"min-clients must be in [0, clients={self.clients}], got {self.min_clients}")
         if self.client_timeout <= 0:
             raise ValueError(f"client-timeout must be > 0 seconds, got {self.client_timeout}")
+        if self.profile not in ("default", "edge"):
+            raise ValueError(f"profile must be default or edge, got {self.profile!r}")
+        if self.threads < 0 or self.chunk_rows < 0:
+            raise ValueError("threads and chunk-rows must be >= 0")
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
         if self.procs < 1:

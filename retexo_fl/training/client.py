@@ -105,6 +105,8 @@ class LazyClient:
         self.part = part
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
+        if cfg.threads:  # edge devices: bounded compute threads
+            torch.set_num_threads(cfg.threads)
         self.plan = BoundaryPlan.from_partition(part)
         self.graph = LocalGraph.build(part, self.plan)
         self.y = torch.from_numpy(np.array(part.y)).to(self.device)
@@ -339,9 +341,29 @@ class LazyClient:
         model = self.make_model()
         model.load_state_dict(state)
         model.eval()
-        hidden, logits = self._forward(model)
-        out = hidden if self.cfg.pass_embedding == "hidden" else logits
-        return out.float().cpu()
+        hidden_out = self.cfg.pass_embedding == "hidden"
+        chunk = self.cfg.chunk_rows
+        n = self.graph.num_owned
+        if not chunk or chunk >= n:
+            hidden, logits = self._forward(model)
+            return (hidden if hidden_out else logits).float().cpu()
+        # In row chunks: a conv stage's messages (one per edge into the chunk) are what dominates
+        # memory, and every target's incoming edges are all in its chunk, so the rows are exact.
+        out = []
+        with torch.no_grad():
+            if self.stage == 0:
+                for start in range(0, n, chunk):
+                    h, z = model(self.owned[start : start + chunk])
+                    out.append((h if hidden_out else z).float().cpu())
+                return torch.cat(out)
+            ei, w = self.edges()
+            x, dst = self.stage_input(), ei[1]
+            for start in range(0, n, chunk):
+                stop = min(n, start + chunk)
+                sel = (dst >= start) & (dst < stop)
+                h, z = model(x, ei[:, sel], None if w is None else w[sel], num_targets=stop)
+                out.append((h if hidden_out else z)[start:stop].float().cpu())
+        return torch.cat(out)
 
     def advance(self, embeddings: Tensor) -> dict[int, Tensor]:
         """Make ``embeddings`` the owned input of the next stage; return the rows peers need."""

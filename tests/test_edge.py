@@ -1,0 +1,82 @@
+"""profile=edge: chunked embeddings give the same rows and keep a client's peak memory under its ceiling."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from retexo_fl.config import TrainConfig
+from retexo_fl.data.partition import save_partition
+
+#: The stated ceiling (README): a client with profile=edge computing a 64-wide GCN stage over a
+#: 40,000-node partition with about 2,000,000 edges stays under this peak RSS.
+EDGE_CEILING_MB = 900
+
+_CHILD = textwrap.dedent(
+    """
+    import json, resource, sys, torch
+    from retexo_fl.config import TrainConfig
+    from retexo_fl.data.partition import load_partition
+    from retexo_fl.training.client import LazyClient
+    part = load_partition(sys.argv[1])
+    cfg = TrainConfig(**json.loads(sys.argv[2]))
+    client = LazyClient(part, cfg)
+    client.stage, client.halo_degree, client.halo = 1, torch.zeros(0), torch.zeros(0, 64)
+    client.owned = torch.randn(part.num_nodes, 64, generator=torch.Generator().manual_seed(0))
+    state = client.make_model().state_dict()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out = client.embeddings(state)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    torch.save(out[:500].clone(), sys.argv[3])
+    print(json.dumps({"peak_mb": peak, "before_mb": before}))
+    """
+)
+
+
+def test_edge_profile_defaults():
+    cfg = TrainConfig(profile="edge")
+    assert (cfg.device, cfg.threads, cfg.chunk_rows) == ("cpu", 1, 4096)
+    assert (cfg.bits, cfg.update_bits, cfg.broadcast_bits) == (8, 8, 8)
+    assert TrainConfig(profile="edge", bits=4, chunk_rows=100).bits == 4  # what the user set stays
+    assert TrainConfig.from_mapping(TrainConfig(profile="edge").to_dict()).chunk_rows == 4096
+    with pytest.raises(ValueError, match="profile"):
+        TrainConfig(profile="phone").validate()
+
+
+@pytest.mark.slow
+def test_edge_client_stays_under_its_memory_ceiling(tmp_path):
+    import torch
+
+    from retexo_fl.data.datasets import apply_split, synthetic_sbm
+    from retexo_fl.data.partitioners import partition_graph
+
+    data = synthetic_sbm(40_000, 4, avg_degree=50, homophily=0.8, num_features=8, seed=0)
+    apply_split(data, "random:0.1,0.1,0.8", seed=0)
+    part = partition_graph(data, 1, "random", seed=0)[0]
+    assert part.edges.shape[1] > 1_900_000
+    save_partition(part, tmp_path / "part-0")
+    del data, part
+
+    def run(settings: dict) -> tuple[float, np.ndarray]:
+        out = tmp_path / f"rows-{len(settings)}.pt"
+        cfg = {"model": "gcn", "hidden": 64, "stages": 2, **settings}
+        done = subprocess.run(
+            [sys.executable, "-c", _CHILD, str(tmp_path / "part-0"), json.dumps(cfg), str(out)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])["peak_mb"], torch.load(out)
+
+    edge_peak, edge_rows = run({"profile": "edge"})
+    full_peak, full_rows = run({"device": "cpu", "threads": 1})
+    print(f"peak RSS: edge {edge_peak:.0f} MB, all rows at once {full_peak:.0f} MB")
+    assert torch.allclose(edge_rows, full_rows, atol=1e-5)  # the same embeddings
+    assert edge_peak < EDGE_CEILING_MB, f"edge client peaked at {edge_peak:.0f} MB"
+    assert full_peak > edge_peak + 300, (full_peak, edge_peak)  # chunking is what keeps it down

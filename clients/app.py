@@ -84,12 +84,12 @@ def _partition_dir(context: Context, cfg) -> Path:
     return cache / f"part-{pid}"
 
 
-def _load_partition(context: Context, cfg):
+def _load_partition(context: Context, cfg, work: Path):
     from retexo_fl.data.partition import load_partition, save_partition
 
     part_dir = _partition_dir(context, cfg)
     if "partition-dir" in context.node_config or cfg.partitions or (part_dir / "manifest.json").is_file():
-        return load_partition(part_dir)
+        return load_partition(part_dir, stamp=work / "partition-verified.json")
     # Simulation: every virtual node cuts the same dataset deterministically and keeps its part.
     from retexo_fl.data.partitioners import partition_graph
     from retexo_fl.runner import load_graph
@@ -116,7 +116,7 @@ def _client(msg: Message, context: Context):
     work = _work_dir(context, run_key, hint)
     client = _CACHE.get(key)
     if client is None:
-        part = _load_partition(context, cfg)
+        part = _load_partition(context, cfg, work)
         if cfg.mode in ("eager", "local"):
             client = EagerClient(part, cfg, local=cfg.mode == "local")
         else:

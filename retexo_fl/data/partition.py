@@ -229,18 +229,50 @@ def _load_array(root: Path, name: str, manifest: dict, verify: bool) -> np.ndarr
     return np.asarray(arr)
 
 
-def load_partition(directory: str | os.PathLike[str], *, verify_checksums: bool = True) -> Partition:
+def _file_stamp(root: Path) -> dict:
+    """What a verified partition looked like: the manifest's hash and every file's size and mtime."""
+    files = sorted(p for p in root.iterdir() if p.is_file())
+    return {
+        "manifest": _sha256(root / MANIFEST),
+        "files": {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files},
+    }
+
+
+def load_partition(
+    directory: str | os.PathLike[str],
+    *,
+    verify_checksums: bool = True,
+    stamp: str | os.PathLike[str] | None = None,
+) -> Partition:
     """Load and fully validate one client's partition.
 
     Every check raises :class:`PartitionError` naming the file and field; nothing is repaired and
-    nothing on disk is written.
+    nothing in the partition directory is written.
 
     Args:
         directory: the partition directory written by :func:`save_partition` or by hand.
         verify_checksums: check every file's sha256 against the manifest (default ``True``).
+        stamp: a node-local file recording a past full verification. When the manifest and
+            every file's size and modification time still match it, the sha256 pass (reading
+            every byte) is skipped; all other checks still run. A deployed ClientApp starts a new
+            process per message: this keeps a large partition from being hashed every time.
     """
     root = Path(directory)
     manifest = read_manifest(root)
+    stamp_path = Path(stamp) if stamp else None
+    if verify_checksums and stamp_path is not None and stamp_path.is_file():
+        try:
+            verify_checksums = json.loads(stamp_path.read_text()) != _file_stamp(root)
+        except (OSError, ValueError):
+            verify_checksums = True
+    part = _load_validated(root, manifest, verify_checksums)
+    if stamp_path is not None and verify_checksums:
+        stamp_path.parent.mkdir(parents=True, exist_ok=True)
+        stamp_path.write_text(json.dumps(_file_stamp(root)))
+    return part
+
+
+def _load_validated(root: Path, manifest: dict, verify_checksums: bool) -> Partition:
     mpath = root / MANIFEST
     arrays = {name: _load_array(root, name, manifest, verify_checksums) for name in FILES}
 

@@ -206,3 +206,18 @@ def test_load_partitions_requires_a_full_set(written):
     shutil.rmtree(written / "part-1")
     with pytest.raises(PartitionError, match="partition"):
         load_partitions(written)
+
+
+def test_a_verification_stamp_skips_only_the_hashing(sbm, tmp_path):
+    """A node-local stamp lets later loads skip sha256; any change to the files brings it back."""
+    from retexo_fl.data.partitioners import partition_graph
+
+    root = save_partition(partition_graph(sbm, 2, "metis", seed=0)[0], tmp_path / "part-0")
+    stamp = tmp_path / "work" / "verified.json"
+    load_partition(root, stamp=stamp)
+    assert stamp.is_file()
+    x = np.load(root / "x.npy")
+    x[0, 0] += 1.0
+    np.save(root / "x.npy", x)  # same size, new bytes and mtime: the stamp no longer matches
+    with pytest.raises(PartitionError, match="checksum"):
+        load_partition(root, stamp=stamp)

@@ -25,10 +25,13 @@ def private_planetoid(root: str, names: tuple[str, ...] = ("Cora", "CiteSeer")) 
 
 
 def peak_rss_mb() -> float:
-    """Peak resident memory of this process so far, in MB (Linux reports kB)."""
+    """Peak resident memory of this process, or of its largest finished child process (the
+    data-center mode's workers), so far, in MB (Linux reports kB)."""
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return max(own, children) / 1024
 
 
 def run_jobs(

@@ -49,7 +49,8 @@ def audit_messages(msg: Message, context: Context, call_next) -> Message:
     if folder and not reply.has_error():
         from retexo_fl.secure.audit import AuditLog
 
-        client, _ = _client(msg, context)
+        # The handler has just built or restored this client: look it up, do not restore it again.
+        client = _CACHE[_cache_key(msg, context)]
         log = AuditLog(str(folder), client.id, str(_partition_dir(context, cfg)), cfg.encrypt)
         log.record(msg.metadata.message_type, _plain(reply.content))
     return reply
@@ -105,15 +106,18 @@ def _run_key(msg: Message) -> int:
     return int(msg.content[P.CONFIG].get("run-key", msg.metadata.run_id))
 
 
+def _cache_key(msg: Message, context: Context) -> tuple[int, str]:
+    """(run key, node) of this node's client in this run: its cache slot and work folder."""
+    return _run_key(msg), str(context.node_config.get("partition-id", context.node_id))
+
+
 def _client(msg: Message, context: Context):
     from retexo_fl.training.client import LazyClient
     from retexo_fl.training.eager import EagerClient
 
     cfg = P.config_from_json(str(msg.content[P.CONFIG]["run"]))
-    hint = str(context.node_config.get("partition-id", context.node_id))
-    run_key = _run_key(msg)
-    key = (run_key, hint)
-    work = _work_dir(context, run_key, hint)
+    key = _cache_key(msg, context)
+    work = _work_dir(context, *key)
     client = _CACHE.get(key)
     if client is None:
         part = _load_partition(context, cfg, work)

@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from retexo_fl.datacenter.blocks import SparseBlock
+
 
 @dataclass
 class CommLedger:
@@ -98,6 +100,21 @@ class Counted:
         self.ledger.add("all_reduce", vol, vol)
         return tensor
 
+    def share(self, own: Tensor, src: int, shape: tuple[int, ...], group: Group) -> Tensor:
+        """Global rank ``src``'s tensor at every member of ``group``: ``src`` passes ``own``, the
+        others get it in a new buffer of ``shape`` (same dtype and device as ``own``)."""
+        buf = own.contiguous() if src == self.rank else own.new_empty(shape)
+        return self.broadcast(buf, src, group)
+
+    def share_block(
+        self, own: SparseBlock, src: int, nnz: int, shape: tuple[int, int], group: Group
+    ) -> SparseBlock:
+        """:meth:`share` for a sparse block of ``nnz`` entries: rows, columns and values."""
+        blk = own if src == self.rank else SparseBlock.empty(nnz, shape, own.values.device)
+        for t in (blk.rows, blk.cols, blk.values):
+            self.broadcast(t, src, group)
+        return blk
+
     def reduce_scatter(self, blocks: Sequence[Tensor], group: Group) -> Tensor:
         """Sum ``blocks[m]`` over ``group`` into member ``m``; returns this member's summed block."""
         mine = group.index(self.rank)
@@ -116,12 +133,7 @@ class Counted:
         Gloo's ``all_gather`` wants equal sizes; uneven blocks are the rule here, and padding
         them would put bytes on the wire that carry nothing.
         """
-        out = []
-        for m, shape in enumerate(shapes):
-            src = group.ranks[m]
-            buf = mine.contiguous() if src == self.rank else mine.new_empty(shape)
-            out.append(self.broadcast(buf, src, group))
-        return out
+        return [self.share(mine, group.ranks[m], shape, group) for m, shape in enumerate(shapes)]
 
 
 @dataclass(frozen=True)

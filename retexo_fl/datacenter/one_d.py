@@ -46,7 +46,6 @@ class OneD(DistributedSpMM):
         blocks = self.at if transposed else self.a
         out = h.new_zeros(h.shape[0], h.shape[1])
         for q in range(self.size):
-            buf = h if q == self.rank else h.new_empty(width(block(self.n, self.size, q)), h.shape[1])
-            self.comm.broadcast(buf, q, self.world)
-            out += blocks[q].matmul(buf)
+            rows = width(block(self.n, self.size, q))
+            out += blocks[q].matmul(self.comm.share(h, q, (rows, h.shape[1]), self.world))
         return out

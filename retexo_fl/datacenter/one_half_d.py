@@ -68,8 +68,6 @@ class OneHalfD(DistributedSpMM):
         blocks = self.at if transposed else self.a
         out = h.new_zeros(h.shape[0], h.shape[1])
         for q in self.stages:
-            src = q * self.c + self.replica
-            buf = h if src == self.rank else h.new_empty(width(block(self.n, self.teams, q)), h.shape[1])
-            self.comm.broadcast(buf, src, self.replica_group)
-            out += blocks[q].matmul(buf)
+            shape = (width(block(self.n, self.teams, q)), h.shape[1])
+            out += blocks[q].matmul(self.comm.share(h, q * self.c + self.replica, shape, self.replica_group))
         return self.comm.all_reduce(out, self.team_group)

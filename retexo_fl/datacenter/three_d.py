@@ -94,14 +94,13 @@ class ThreeD(DistributedSpMM):
         cols = block(n, q, b_idx)
         # A_ab from its q row pieces, one at each member of the (i, *, k) fibre.
         shapes = [width(sub_block(n, q, a_idx, q, m)) for m in range(q)]
-        pieces = []
-        for m in range(q):
-            src = self.fibre[1].ranks[m]
-            p = own if src == self.rank else SparseBlock.empty(nnz[m], (shapes[m], width(cols)), h.device)
-            for t in (p.rows, p.cols, p.values):
-                self.comm.broadcast(t, src, self.fibre[1])
-            pieces.append(p)
-        a = SparseBlock.stack_rows(pieces)
+        group = self.fibre[1]
+        a = SparseBlock.stack_rows(
+            [
+                self.comm.share_block(own, group.ranks[m], nnz[m], (shapes[m], width(cols)), group)
+                for m in range(q)
+            ]
+        )
         # H_b (all of row block b, this column block) from its q pieces.
         h_pieces = self.comm.all_gather(
             h, [(width(sub_block(n, q, b_idx, q, m)), h.shape[1]) for m in range(q)], gather_h

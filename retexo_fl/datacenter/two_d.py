@@ -80,17 +80,10 @@ class TwoD(DistributedSpMM):
         own, nnz = (self.at, self.nnz_at) if transposed else (self.a, self.nnz_a)
         out = h.new_zeros(h.shape[0], h.shape[1])
         for k in range(self.q):
-            cols = block(self.n, self.q, k)
-            src_a = self.i * self.q + k
-            a = (
-                own
-                if src_a == self.rank
-                else SparseBlock.empty(int(nnz[k]), (h.shape[0], width(cols)), h.device)
+            k_rows = width(block(self.n, self.q, k))
+            a = self.comm.share_block(
+                own, self.i * self.q + k, int(nnz[k]), (h.shape[0], k_rows), self.grid_row
             )
-            for t in (a.rows, a.cols, a.values):
-                self.comm.broadcast(t, src_a, self.grid_row)
-            src_h = k * self.q + self.j
-            hk = h if src_h == self.rank else h.new_empty(width(cols), h.shape[1])
-            self.comm.broadcast(hk, src_h, self.grid_col)
+            hk = self.comm.share(h, k * self.q + self.j, (k_rows, h.shape[1]), self.grid_col)
             out += a.matmul(hk)
         return out

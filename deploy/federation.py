@@ -50,10 +50,13 @@ class Federation:
     Args:
         work: folder for logs, the SuperLink database and ``FLWR_HOME``.
         tls: folder of key material (TLS + SuperNode authentication), or None for insecure.
+        host: the address the SuperLink's Fleet API listens on and SuperNodes dial (default
+            127.0.0.1; an emulated WAN's bridge address, see ``deploy/wan.py``). The ``flwr``
+            CLI's control API stays on 127.0.0.1.
     """
 
-    def __init__(self, work: Path, tls: Path | None = None) -> None:
-        self.work, self.tls = work, tls
+    def __init__(self, work: Path, tls: Path | None = None, host: str = "127.0.0.1") -> None:
+        self.work, self.tls, self.host = work, tls, host
         self.work.mkdir(parents=True, exist_ok=True)
         self.home = self.work / "flwr-home"
         self.home.mkdir(exist_ok=True)
@@ -117,7 +120,7 @@ class Federation:
             [
                 "flower-superlink", *security,
                 "--host", "127.0.0.1", "--port", str(self.http),
-                "--fleet-api-address", f"127.0.0.1:{self.fleet}",
+                "--fleet-api-address", f"{self.host}:{self.fleet}",
                 "--database", str(self.work / "superlink.db"),
                 "--disable-runtime-dependency-installation",
             ],
@@ -129,9 +132,9 @@ class Federation:
             f'root-certificates = "{self.tls / "ca.crt"}"' if self.tls else "insecure = true",
         ]
         (self.home / "config.toml").write_text("\n".join(conn) + "\n")
-        self.wait_for_port(self.fleet, "superlink")
+        self.wait_for_port(self.fleet, "superlink", self.host)
 
-    def wait_for_port(self, port: int, name: str, timeout: float = 60) -> None:
+    def wait_for_port(self, port: int, name: str, host: str = "127.0.0.1", timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.procs[name].poll() is not None:
@@ -139,10 +142,10 @@ class Federation:
                     f"{name} exited ({self.procs[name].returncode}); see {self.work / (name + '.log')}"
                 )
             with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
+                if s.connect_ex((host, port)) == 0:
                     return
             time.sleep(0.2)
-        raise RuntimeError(f"{name} did not listen on 127.0.0.1:{port} within {timeout:.0f}s")
+        raise RuntimeError(f"{name} did not listen on {host}:{port} within {timeout:.0f}s")
 
     def register(self, party: int) -> None:
         done = self.flwr("supernode", "register", str(self.tls / f"party-{party}.pub"), "local-fed")
@@ -150,8 +153,14 @@ class Federation:
             raise RuntimeError(f"registering party {party} failed: {done.stdout[-500:]} {done.stderr[-500:]}")
 
     def start_supernode(
-        self, party: int, partition: Path, key_party: int | None = None, env: dict[str, str] | None = None
+        self,
+        party: int,
+        partition: Path,
+        key_party: int | None = None,
+        env: dict[str, str] | None = None,
+        netns: str = "",
     ) -> subprocess.Popen:
+        """Start party ``party``'s SuperNode on ``partition`` (in network namespace ``netns``)."""
         node_config = f"partition-dir='{partition}' work-dir='{self.work / 'node-work'}'"
         security = ["--insecure"]
         if self.tls:
@@ -162,11 +171,13 @@ class Federation:
                 "--auth-supernode-private-key",
                 str(key),
             ]
+        # `ip netns exec` execs the SuperNode in place: same process id, same process group.
+        inside = ["ip", "netns", "exec", netns] if netns else []
         return self.start(
             f"supernode-{party}",
             [
-                "flower-supernode", *security,
-                "--superlink", f"127.0.0.1:{self.fleet}",
+                *inside, "flower-supernode", *security,
+                "--superlink", f"{self.host}:{self.fleet}",
                 "--port", str(free_port()),
                 "--node-config", node_config,
             ],
@@ -206,6 +217,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-config", default="", help="extra run config, e.g. \"stages=3 rounds='100'\"")
     parser.add_argument("--work", default="", help="logs, database and FLWR_HOME (default <out>/federation)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds the run may take")
+    parser.add_argument(
+        "--wan-mbit",
+        type=float,
+        default=0.0,
+        help="emulate a WAN: every SuperNode in its own network namespace behind a link of this "
+        "many Mbit/s each way (root only; see deploy/wan.py)",
+    )
     args = parser.parse_args(argv)
 
     parts = sorted(Path(args.partitions).resolve().glob("part-*"))
@@ -214,14 +232,26 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out).resolve()
     tls = Path(args.tls).resolve() if args.tls else None
+    wan = None
+    if args.wan_mbit:
+        from wan import EmulatedWan, wan_unavailable
+
+        if reason := wan_unavailable():
+            print(f"--wan-mbit: cannot emulate links here: {reason}", file=sys.stderr)
+            return 2
+        wan = EmulatedWan(len(parts), args.wan_mbit).up()
+    host = wan.host_address if wan else "127.0.0.1"
     if tls:
         from make_certs import main as make_certs
 
-        make_certs(["--out", str(tls), "--parties", str(len(parts))])
-    fed = Federation(Path(args.work).resolve() if args.work else out / "federation", tls)
+        sans = ["--san", "127.0.0.1", "--san", "localhost"] + (["--san", host] if wan else [])
+        make_certs(["--out", str(tls), "--parties", str(len(parts)), *sans])
+    fed = Federation(Path(args.work).resolve() if args.work else out / "federation", tls, host)
 
     def interrupted(signum, frame):  # Ctrl-C or SIGTERM: stop everything, then leave
         fed.stop_all()
+        if wan:
+            wan.down()
         sys.exit(130)
 
     signal.signal(signal.SIGINT, interrupted)
@@ -231,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, part in enumerate(parts):
             if tls:
                 fed.register(i)
-            fed.start_supernode(i, part)
+            fed.start_supernode(i, part, netns=wan.netns(i) if wan else "")
         config = f"clients={len(parts)} out-dir='{out}' {args.run_config}".strip()
         record = fed.run(config, args.timeout)
         status = record.get("status", "")
@@ -240,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if status == "finished:completed" and summary.is_file() else 1
     finally:
         fed.stop_all()
+        if wan:
+            wan.down()
 
 
 if __name__ == "__main__":

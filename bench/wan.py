@@ -1,0 +1,143 @@
+"""Time to target accuracy, lazy against eager, deployed over emulated WAN links of 100 and 5 Mbit/s.
+
+A real federation (SuperLink + one SuperNode per Cora partition, ``deploy/federation.py``) whose
+SuperNodes each sit in their own network namespace behind a token-bucket link of the given rate
+in both directions (``deploy/wan.py``; root only). Every mode runs the same partitions and seed.
+A run's time to target is the server's clock (its ``events.jsonl``) at the first round whose
+validation accuracy reaches ``--target``; lazy's rounds count across stages, so it includes the
+earlier stages and the boundary exchanges. Writes JSON and prints a table. Example::
+
+    sudo python bench/wan.py --rates 100,5 --out bench/results/wan.json
+
+The default settings are chosen so that both modes reach the target within a few deployed rounds
+(local Adam, 10 local epochs a round, plain averaging): a deployed round costs seconds of Flower
+plumbing, and the comparison is about what the link adds on top.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "deploy"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import DEFAULT_ROOT, private_planetoid  # noqa: E402
+from federation import Federation  # noqa: E402
+from wan import EmulatedWan, wan_unavailable  # noqa: E402
+
+COMMON = "optimizer='adam' lr='0.01' server-optimizer='avg' local-epochs='10'"
+MODES = {
+    "lazy": "mode='lazy' stages=3 rounds='6'",
+    "eager": "mode='eager' stages=3 rounds='12'",
+}
+
+
+def time_to_target(run_dir: Path, target: float) -> tuple[float | None, int | None]:
+    """Server seconds and round count at the first round with validation accuracy >= target."""
+    rounds = 0
+    for event in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines()):
+        if event["event"] != "round":
+            continue
+        rounds += 1
+        if event.get("val_accuracy", 0.0) >= target:
+            return float(event["t"]), rounds
+    return None, None
+
+
+def deployed_run(parts: list[Path], work: Path, rate: float, run_config: str, timeout: float) -> Path:
+    out = work / "run"
+    with EmulatedWan(len(parts), rate) as wan:
+        fed = Federation(work, host=wan.host_address)
+        try:
+            fed.start_superlink()
+            for i, part in enumerate(parts):
+                fed.start_supernode(i, part, netns=wan.netns(i))
+            record = fed.run(f"clients={len(parts)} out-dir='{out}' {run_config}", timeout)
+        finally:
+            fed.stop_all()
+    if record.get("status") != "finished:completed":
+        raise RuntimeError(f"run ended {record.get('status')}; logs in {work}")
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--root", default=str(DEFAULT_ROOT), help="datasets root (Planetoid/Cora/raw)")
+    parser.add_argument("--rates", default="100,5", help="link rates in Mbit/s, comma separated")
+    parser.add_argument("--modes", default="lazy,eager")
+    parser.add_argument("--clients", type=int, default=3)
+    parser.add_argument("--target", type=float, default=0.68, help="validation accuracy to reach")
+    parser.add_argument("--run-config", default="", help="added to every run's config")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take")
+    parser.add_argument("--out", default="bench/results/wan.json")
+    args = parser.parse_args()
+    if reason := wan_unavailable():
+        print(f"cannot emulate WAN links here: {reason}", file=sys.stderr)
+        return 2
+
+    from retexo_fl.cli import main as cli
+
+    tmp = Path(tempfile.mkdtemp(prefix="retexo-wan-"))
+    data = private_planetoid(args.root, ("Cora",))
+    parts_dir = tmp / "parts"
+    cli(["partition", "--dataset", "Cora", "--root", str(data), "--clients", str(args.clients),
+         "--out", str(parts_dir)])  # fmt: skip
+    parts = sorted(parts_dir.glob("part-*"))
+    rows = []
+    for rate in (float(r) for r in args.rates.split(",")):
+        for mode in args.modes.split(","):
+            config = f"{MODES[mode]} {COMMON} {args.run_config}".strip()
+            print(f"\n== {mode} at {rate:g} Mbit/s: {config}", flush=True)
+            t0 = time.perf_counter()
+            run = deployed_run(parts, tmp / f"{mode}-{rate:g}", rate, config, args.timeout)
+            wall = time.perf_counter() - t0
+            summary = json.loads((run / "summary.json").read_text())
+            seconds, rounds = time_to_target(run, args.target)
+            per_client = summary["bytes_total"] / args.clients
+            rows.append(
+                {
+                    "rate_mbit": rate,
+                    "mode": mode,
+                    "config": config,
+                    "target": args.target,
+                    "seconds_to_target": seconds,
+                    "rounds_to_target": rounds,
+                    "run_seconds": summary["wall_seconds"],
+                    "wall_seconds": wall,
+                    "test_accuracy": summary["test_accuracy"],
+                    "val_accuracy": summary["val_accuracy"],
+                    "bytes_total": summary["bytes_total"],
+                    "bytes_boundary": summary["bytes_boundary"],
+                    "bytes_model": summary["bytes_model"],
+                    # What one client's link needs at the rate for its share of the bytes.
+                    "link_seconds_per_client": per_client * 8 / (rate * 1e6),
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
+
+    print(f"\nCora, {args.clients} METIS clients, target validation accuracy {args.target}")
+    print(f"{'Mbit/s':>7} {'mode':6} {'to target':>10} {'rounds':>6} {'run s':>7} {'link s':>7} "
+          f"{'test':>6} {'MB total':>9} {'MB boundary':>11}")  # fmt: skip
+    for r in rows:
+        to = f"{r['seconds_to_target']:.1f}" if r["seconds_to_target"] is not None else "not met"
+        print(
+            f"{r['rate_mbit']:7g} {r['mode']:6} {to:>10} {r['rounds_to_target'] or '-':>6} "
+            f"{r['run_seconds']:7.1f} {r['link_seconds_per_client']:7.1f} {r['test_accuracy']:6.3f} "
+            f"{r['bytes_total'] / 1e6:9.2f} {r['bytes_boundary'] / 1e6:11.3f}"
+        )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"clients": args.clients, "target": args.target, "runs": rows}, indent=2))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

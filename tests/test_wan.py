@@ -1,0 +1,151 @@
+"""Emulated WAN links (deploy/wan.py): rates are enforced, everything made is removed, a federation runs over them.
+
+Skipped, with the reason, where the machine does not allow network namespaces and tc (not root,
+no iproute2). Addresses are the emulated network's own (10.213.0.0/24 on a bridge this test makes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "deploy"))
+
+from federation import Federation  # noqa: E402
+from wan import EmulatedWan, WanError, wan_unavailable  # noqa: E402
+
+from retexo_fl.cli import main as cli  # noqa: E402
+
+REASON = wan_unavailable()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"cannot emulate WAN links: {REASON}")
+
+SENDER = """
+import socket, sys, time
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30)
+s.sendall(b"x" * int(sys.argv[3]))
+s.close()
+"""
+READER = """
+import socket, sys, time
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30)
+n = len(s.recv(65536))
+t = time.perf_counter()  # from the first byte: the connection set-up is not the link's rate
+while chunk := s.recv(65536):
+    n += len(chunk)
+print(n, n * 8 / (time.perf_counter() - t) / 1e6)
+"""
+
+
+def _receive_all(conn: socket.socket) -> int:
+    n = 0
+    while chunk := conn.recv(65536):
+        n += len(chunk)
+    return n
+
+
+def uplink_mbit(wan: EmulatedWan, nbytes: int) -> float:
+    """Party 0 sends ``nbytes`` to the host address; the measured rate in Mbit/s."""
+    with socket.create_server((wan.host_address, 0)) as srv:
+        port = srv.getsockname()[1]
+        sender = subprocess.Popen(
+            ["ip", "netns", "exec", wan.netns(0), sys.executable, "-c", SENDER,
+             wan.host_address, str(port), str(nbytes)]  # fmt: skip
+        )
+        srv.settimeout(30)
+        conn, _ = srv.accept()
+        t0 = time.perf_counter()
+        with conn:
+            got = _receive_all(conn)
+        seconds = time.perf_counter() - t0
+        assert sender.wait(timeout=30) == 0
+    assert got == nbytes
+    return got * 8 / seconds / 1e6
+
+
+def downlink_mbit(wan: EmulatedWan, nbytes: int) -> float:
+    """The host sends ``nbytes`` to party 0, which measures the rate it reads at, in Mbit/s."""
+    with socket.create_server((wan.host_address, 0)) as srv:
+        port = srv.getsockname()[1]
+        reader = subprocess.Popen(
+            ["ip", "netns", "exec", wan.netns(0), sys.executable, "-c", READER,
+             wan.host_address, str(port)],  # fmt: skip
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        srv.settimeout(30)
+        conn, _ = srv.accept()
+        with conn:
+            conn.sendall(b"x" * nbytes)
+        got, rate = reader.communicate(timeout=60)[0].split()
+    assert int(got) == nbytes
+    return float(rate)
+
+
+def test_each_direction_has_its_own_rate():
+    with EmulatedWan(1, rate_mbit=8, uplink_mbit=2) as wan:
+        up = uplink_mbit(wan, 500_000)  # 2 s at 2 Mbit/s
+        down = downlink_mbit(wan, 1_000_000)  # 1 s at 8 Mbit/s
+    assert 1.4 < up < 2.4, f"uplink measured {up:.2f} Mbit/s on a 2 Mbit/s link"
+    assert 5.6 < down < 9.6, f"downlink measured {down:.2f} Mbit/s on an 8 Mbit/s link"
+
+
+def _netns_names() -> set[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in listed.splitlines() if line.strip()}
+
+
+def test_everything_made_is_removed_also_when_setup_fails():
+    wan = EmulatedWan(2, rate_mbit=10, prefix="rfltw")
+    with wan:
+        assert {"rfltw-0", "rfltw-1"} <= _netns_names()
+        clash = EmulatedWan(1, rate_mbit=10, prefix="rfltw")  # the same names: `ip` refuses
+        with pytest.raises(WanError, match="rfltwbr"):
+            clash.up()
+        assert wan.exists(), "a failed second network removed the first one's namespaces"
+    assert not wan.exists()
+    assert not {"rfltw-0", "rfltw-1"} & _netns_names()
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert "rfltw" not in links
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="parties"):
+        EmulatedWan(0, rate_mbit=5)
+    with pytest.raises(ValueError, match="rates"):
+        EmulatedWan(2, rate_mbit=0)
+    with pytest.raises(ValueError, match="prefix"):
+        EmulatedWan(2, rate_mbit=5, prefix="a-very-long-prefix")
+
+
+@pytest.mark.slow
+def test_federation_runs_with_each_supernode_behind_its_own_link(data_root, tmp_path):
+    parts = tmp_path / "parts"
+    argv = ["partition", "--dataset", "Cora", "--root", str(data_root), "--clients", "2", "--out", str(parts)]
+    assert cli(argv) == 0
+    out = tmp_path / "run"
+    with EmulatedWan(2, rate_mbit=50) as wan:
+        fed = Federation(tmp_path / "work", host=wan.host_address)
+        try:
+            fed.start_superlink()
+            nodes = [fed.start_supernode(i, parts / f"part-{i}", netns=wan.netns(i)) for i in range(2)]
+            ours = os.readlink("/proc/self/ns/net")
+            for node in nodes:
+                assert os.readlink(f"/proc/{node.pid}/ns/net") != ours, "a SuperNode is not in its namespace"
+            record = fed.run(f"clients=2 out-dir='{out}' stages=2 rounds='2' hidden=16", timeout=240)
+        finally:
+            fed.stop_all()
+        for proc in fed.procs.values():
+            assert proc.poll() is not None, "a federation process outlived the test"
+    assert not wan.exists()
+    assert record["status"] == "finished:completed", (fed.work / "superlink.log").read_text()[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["engine"] == "flower"
+    assert summary["bytes_boundary"] > 0 and 0.0 < summary["test_accuracy"] <= 1.0

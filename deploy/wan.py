@@ -6,8 +6,8 @@
         fed = Federation(work, host=wan.host_address)   # the SuperLink's Fleet API binds here
         fed.start_supernode(i, part, netns=wan.netns(i))
 
-Layout: one bridge in the launching namespace holding ``wan.host_address`` (10.213.0.1/24, an
-address of our own), and per party a namespace ``<prefix>-<i>`` whose veth is enslaved to the
+Layout: one bridge in the launching namespace holding ``wan.host_address`` (10.213.N.1/24, the
+first such /24 no interface has yet, so that networks can coexist), and per party a namespace ``<prefix>-<i>`` whose veth is enslaved to the
 bridge. Each party's link is shaped in both directions with a token bucket (``tc ... tbf``):
 the host end's egress is the party's downlink, the namespace end's egress its uplink. Parties
 reach nothing but the bridge, so the SuperLink's Fleet API needs to listen on that one address
@@ -23,7 +23,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-SUBNET = "10.213.0"  # the bridge's /24; party i is .(i + 2)
+SUBNETS = "10.213"  # bridges take 10.213.N.0/24 for the first free N; party i is .(i + 2)
 
 
 def _ip(*args: str, netns: str | None = None) -> None:
@@ -76,6 +76,15 @@ def wan_unavailable() -> str | None:
     return None
 
 
+def free_subnet() -> str:
+    """The first ``10.213.N`` with no address on any interface of this namespace."""
+    listed = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True, text=True).stdout
+    for n in range(256):
+        if f" {SUBNETS}.{n}." not in listed:
+            return f"{SUBNETS}.{n}"
+    raise WanError(f"every {SUBNETS}.N.0/24 is taken")
+
+
 @dataclass(frozen=True)
 class PartyLink:
     """One party's namespace and the address it has there."""
@@ -110,8 +119,8 @@ class EmulatedWan:
         if len(self.prefix) > 10:
             raise ValueError(f"prefix {self.prefix!r} is longer than 10 characters")
         self.bridge = f"{self.prefix}br"
-        self.host_address = f"{SUBNET}.1"
-        self.links = [PartyLink(i, f"{self.prefix}-{i}", f"{SUBNET}.{i + 2}") for i in range(parties)]
+        self.host_address = ""  # set by up()
+        self.links = [PartyLink(i, f"{self.prefix}-{i}", "") for i in range(parties)]
         self._made: list[tuple[str, str]] = []  # ("netns" | "link", name) in creation order
 
     def netns(self, party: int) -> str:
@@ -121,6 +130,9 @@ class EmulatedWan:
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
             self._made.append(("link", self.bridge))
+            subnet = free_subnet()
+            self.host_address = f"{subnet}.1"
+            self.links = [PartyLink(k.party, k.netns, f"{subnet}.{k.party + 2}") for k in self.links]
             _ip("addr", "add", f"{self.host_address}/24", "dev", self.bridge)
             _ip("link", "set", self.bridge, "up")
             for link in self.links:

@@ -1,7 +1,7 @@
-"""Emulated WAN links (deploy/wan.py): rates are enforced, everything made is removed, a federation runs over them.
+"""Emulated WAN links (deploy/wan.py): rates hold, everything made is removed, a federation runs over them.
 
 Skipped, with the reason, where the machine does not allow network namespaces and tc (not root,
-no iproute2). Addresses are the emulated network's own (10.213.0.0/24 on a bridge this test makes).
+no iproute2). Addresses are the emulated networks' own (10.213.N.0/24 on bridges the tests make).
 """
 
 from __future__ import annotations
@@ -53,12 +53,10 @@ def _receive_all(conn: socket.socket) -> int:
 
 def uplink_mbit(wan: EmulatedWan, nbytes: int) -> float:
     """Party 0 sends ``nbytes`` to the host address; the measured rate in Mbit/s."""
+    in_party = ["ip", "netns", "exec", wan.netns(0), sys.executable]
     with socket.create_server((wan.host_address, 0)) as srv:
         port = srv.getsockname()[1]
-        sender = subprocess.Popen(
-            ["ip", "netns", "exec", wan.netns(0), sys.executable, "-c", SENDER,
-             wan.host_address, str(port), str(nbytes)]  # fmt: skip
-        )
+        sender = subprocess.Popen([*in_party, "-c", SENDER, wan.host_address, str(port), str(nbytes)])
         srv.settimeout(30)
         conn, _ = srv.accept()
         t0 = time.perf_counter()
@@ -72,11 +70,11 @@ def uplink_mbit(wan: EmulatedWan, nbytes: int) -> float:
 
 def downlink_mbit(wan: EmulatedWan, nbytes: int) -> float:
     """The host sends ``nbytes`` to party 0, which measures the rate it reads at, in Mbit/s."""
+    in_party = ["ip", "netns", "exec", wan.netns(0), sys.executable]
     with socket.create_server((wan.host_address, 0)) as srv:
         port = srv.getsockname()[1]
         reader = subprocess.Popen(
-            ["ip", "netns", "exec", wan.netns(0), sys.executable, "-c", READER,
-             wan.host_address, str(port)],  # fmt: skip
+            [*in_party, "-c", READER, wan.host_address, str(port)],
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -110,6 +108,9 @@ def test_everything_made_is_removed_also_when_setup_fails():
         with pytest.raises(WanError, match="rfltwbr"):
             clash.up()
         assert wan.exists(), "a failed second network removed the first one's namespaces"
+        with EmulatedWan(1, rate_mbit=10, prefix="rfltv") as other:  # networks coexist
+            assert other.host_address != wan.host_address
+            assert uplink_mbit(other, 20_000) > 0
     assert not wan.exists()
     assert not {"rfltw-0", "rfltw-1"} & _netns_names()
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout

@@ -7,7 +7,7 @@ A run's time to target is the server's clock (its ``events.jsonl``) at the first
 validation accuracy reaches ``--target``; lazy's rounds count across stages, so it includes the
 earlier stages and the boundary exchanges. Writes JSON and prints a table. Example::
 
-    sudo python bench/wan.py --rates 100,5 --out bench/results/wan.json
+    sudo python bench/wan_compare.py --rates 100,5 --out bench/results/wan_compare.json
 
 The default settings are chosen so that both modes reach the target within a few deployed rounds
 (local Adam, 10 local epochs a round, plain averaging): a deployed round costs seconds of Flower
@@ -76,7 +76,7 @@ def main() -> int:
     parser.add_argument("--target", type=float, default=0.68, help="validation accuracy to reach")
     parser.add_argument("--run-config", default="", help="added to every run's config")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take")
-    parser.add_argument("--out", default="bench/results/wan.json")
+    parser.add_argument("--out", default="bench/results/wan_compare.json")
     args = parser.parse_args()
     if reason := wan_unavailable():
         print(f"cannot emulate WAN links here: {reason}", file=sys.stderr)

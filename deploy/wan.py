@@ -6,14 +6,15 @@
         fed = Federation(work, host=wan.host_address)   # the SuperLink's Fleet API binds here
         fed.start_supernode(i, part, netns=wan.netns(i))
 
-Layout: one bridge in the launching namespace holding ``wan.host_address`` (10.213.N.1/24, the
-first such /24 no interface has yet, so that networks can coexist), and per party a namespace ``<prefix>-<i>`` whose veth is enslaved to the
-bridge. Each party's link is shaped in both directions with a token bucket (``tc ... tbf``):
-the host end's egress is the party's downlink, the namespace end's egress its uplink. Parties
-reach nothing but the bridge, so the SuperLink's Fleet API needs to listen on that one address
-only. netem (delay, loss) is not available on these machines, so links have a rate, not a
-latency. Everything made is removed by :meth:`EmulatedWan.down` (also when ``up`` fails half way,
-and on leaving the ``with`` block). Needs root (``CAP_NET_ADMIN``) and iproute2.
+Layout: one bridge in the launching namespace holding ``wan.host_address`` (10.213.N.1/24,
+the first such /24 no interface has yet, so that networks can coexist), and per party a
+namespace ``<prefix>-<i>`` whose veth is enslaved to the bridge. Each party's link is shaped
+in both directions with a token bucket (``tc ... tbf``): the host end's egress is the party's
+downlink, the namespace end's egress its uplink. Parties reach nothing but the bridge, so the
+SuperLink's Fleet API needs to listen on that one address only. netem (delay, loss) is not
+available on these machines, so links have a rate, not a latency. Everything made is removed
+by :meth:`EmulatedWan.down` (also when ``up`` fails half way, and on leaving the ``with``
+block). Needs root (``CAP_NET_ADMIN``) and iproute2.
 """
 
 from __future__ import annotations

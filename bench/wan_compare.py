@@ -17,7 +17,9 @@ plumbing, and the comparison is about what the link adds on top.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -47,6 +49,14 @@ def time_to_target(run_dir: Path, target: float) -> tuple[float | None, int | No
         if event.get("val_accuracy", 0.0) >= target:
             return float(event["t"]), rounds
     return None, None
+
+
+def median_round_seconds(run_dir: Path) -> float:
+    """Median seconds between consecutive rounds of the same stage (the link's share per round)."""
+    events = map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
+    rounds = [(e["stage"], e["t"]) for e in events if e["event"] == "round"]
+    gaps = [t1 - t0 for (s0, t0), (s1, t1) in itertools.pairwise(rounds) if s0 == s1]
+    return statistics.median(gaps) if gaps else float("nan")
 
 
 def deployed_run(parts: list[Path], work: Path, rate: float, run_config: str, timeout: float) -> Path:
@@ -110,6 +120,7 @@ def main() -> int:
                     "seconds_to_target": seconds,
                     "rounds_to_target": rounds,
                     "run_seconds": summary["wall_seconds"],
+                    "median_round_seconds": median_round_seconds(run),
                     "wall_seconds": wall,
                     "test_accuracy": summary["test_accuracy"],
                     "val_accuracy": summary["val_accuracy"],
@@ -123,12 +134,13 @@ def main() -> int:
             print(json.dumps(rows[-1]), flush=True)
 
     print(f"\nCora, {args.clients} METIS clients, target validation accuracy {args.target}")
-    print(f"{'Mbit/s':>7} {'mode':6} {'to target':>10} {'rounds':>6} {'run s':>7} {'link s':>7} "
-          f"{'test':>6} {'MB total':>9} {'MB boundary':>11}")  # fmt: skip
+    print(f"{'Mbit/s':>7} {'mode':6} {'to target':>10} {'rounds':>6} {'s/round':>7} {'run s':>7} "
+          f"{'link s':>7} {'test':>6} {'MB total':>9} {'MB boundary':>11}")  # fmt: skip
     for r in rows:
         to = f"{r['seconds_to_target']:.1f}" if r["seconds_to_target"] is not None else "not met"
         print(
             f"{r['rate_mbit']:7g} {r['mode']:6} {to:>10} {r['rounds_to_target'] or '-':>6} "
+            f"{r['median_round_seconds']:7.1f} "
             f"{r['run_seconds']:7.1f} {r['link_seconds_per_client']:7.1f} {r['test_accuracy']:6.3f} "
             f"{r['bytes_total'] / 1e6:9.2f} {r['bytes_boundary'] / 1e6:11.3f}"
         )

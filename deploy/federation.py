@@ -100,9 +100,10 @@ class Federation:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
 
-    def flwr(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    def flwr(self, *args: str, timeout: float = 120, echo: bool = True) -> subprocess.CompletedProcess:
         argv = ["flwr", *args]
-        print(f"$ {shlex.join(argv)}", flush=True)
+        if echo:
+            print(f"$ {shlex.join(argv)}", flush=True)
         return subprocess.run(argv, capture_output=True, text=True, env=self.env, cwd=ROOT, timeout=timeout)
 
     # -- the federation ----------------------------------------------------------------------
@@ -193,13 +194,20 @@ class Federation:
             raise RuntimeError(f"flwr run failed: {done.stdout[-1000:]} {done.stderr[-1000:]}") from None
         print(f"run {run_id} submitted", flush=True)
         deadline = time.monotonic() + timeout
+        last = None
         while time.monotonic() < deadline:
-            ls = self.flwr("ls", "local-fed", "--run-id", str(run_id), "--format", "json", timeout=60)
+            ls = self.flwr(
+                "ls", "local-fed", "--run-id", str(run_id), "--format", "json", timeout=60, echo=last is None
+            )
             try:
                 record = json.loads(ls.stdout)["runs"][0]
             except (ValueError, KeyError, IndexError):
                 record = {"status": "unknown"}
-            if str(record.get("status", "")).startswith("finished"):
+            status = str(record.get("status", ""))
+            if status != last:  # the poll is echoed once; after that, only status changes
+                print(f"run {run_id}: {status}", flush=True)
+                last = status
+            if status.startswith("finished"):
                 return record
             time.sleep(2)
         raise TimeoutError(f"run {run_id} did not finish within {timeout:.0f}s")

@@ -35,7 +35,7 @@ def _ip(*args: str, netns: str | None = None) -> None:
 
 
 def _tc(dev: str, rate_mbit: float, netns: str | None = None) -> None:
-    # A burst of at least one MTU-sized packet per timer tick keeps tbf from under-shooting at
+    # A bucket of 10 ms of traffic (at least 32 kB) keeps tbf from under-shooting the rate at
     # high rates; 400 ms of queue keeps it from dropping a TCP window's worth at low ones.
     burst = max(32_000, int(rate_mbit * 1e6 / 8 / 100))
     argv = [

@@ -53,10 +53,8 @@ def deployed(parts: Path, work: Path, rounds: int, env: dict[str, str] | None) -
     fed = Federation(work)
     out = work / "run"
     try:
-        fed.start_superlink()
-        for i, part in enumerate(sorted(parts.glob("part-*"))):
-            fed.start_supernode(i, part, env=env)
-        record = fed.run(f"clients=3 out-dir='{out}' stages=1 rounds='{rounds}' hidden=64", timeout=1200)
+        parties = sorted(parts.glob("part-*"))
+        record = fed.run_parties(parties, out, f"stages=1 rounds='{rounds}' hidden=64", 1200, env=env)
         if record.get("status") != "finished:completed":
             raise RuntimeError(f"deployed run ended {record.get('status')}; see {work}")
     finally:

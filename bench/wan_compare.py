@@ -39,23 +39,23 @@ MODES = {
 }
 
 
-def time_to_target(run_dir: Path, target: float) -> tuple[float | None, int | None]:
+def round_events(run_dir: Path) -> list[dict]:
+    """The run's ``round`` events, in order."""
+    events = map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
+    return [e for e in events if e["event"] == "round"]
+
+
+def time_to_target(rounds: list[dict], target: float) -> tuple[float | None, int | None]:
     """Server seconds and round count at the first round with validation accuracy >= target."""
-    rounds = 0
-    for event in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines()):
-        if event["event"] != "round":
-            continue
-        rounds += 1
+    for n, event in enumerate(rounds, 1):
         if event.get("val_accuracy", 0.0) >= target:
-            return float(event["t"]), rounds
+            return float(event["t"]), n
     return None, None
 
 
-def median_round_seconds(run_dir: Path) -> float:
+def median_round_seconds(rounds: list[dict]) -> float:
     """Median seconds between consecutive rounds of the same stage (the link's share per round)."""
-    events = map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
-    rounds = [(e["stage"], e["t"]) for e in events if e["event"] == "round"]
-    gaps = [t1 - t0 for (s0, t0), (s1, t1) in itertools.pairwise(rounds) if s0 == s1]
+    gaps = [b["t"] - a["t"] for a, b in itertools.pairwise(rounds) if a["stage"] == b["stage"]]
     return statistics.median(gaps) if gaps else float("nan")
 
 
@@ -64,10 +64,8 @@ def deployed_run(parts: list[Path], work: Path, rate: float, run_config: str, ti
     with EmulatedWan(len(parts), rate) as wan:
         fed = Federation(work, host=wan.host_address)
         try:
-            fed.start_superlink()
-            for i, part in enumerate(parts):
-                fed.start_supernode(i, part, netns=wan.netns(i))
-            record = fed.run(f"clients={len(parts)} out-dir='{out}' {run_config}", timeout)
+            netns = [wan.netns(i) for i in range(len(parts))]
+            record = fed.run_parties(parts, out, run_config, timeout, netns)
         finally:
             fed.stop_all()
     if record.get("status") != "finished:completed":
@@ -109,7 +107,8 @@ def main() -> int:
             run = deployed_run(parts, tmp / f"{mode}-{rate:g}", rate, config, args.timeout)
             wall = time.perf_counter() - t0
             summary = json.loads((run / "summary.json").read_text())
-            seconds, rounds = time_to_target(run, args.target)
+            events = round_events(run)
+            seconds, rounds = time_to_target(events, args.target)
             per_client = summary["bytes_total"] / args.clients
             rows.append(
                 {
@@ -120,7 +119,7 @@ def main() -> int:
                     "seconds_to_target": seconds,
                     "rounds_to_target": rounds,
                     "run_seconds": summary["wall_seconds"],
-                    "median_round_seconds": median_round_seconds(run),
+                    "median_round_seconds": median_round_seconds(events),
                     "wall_seconds": wall,
                     "test_accuracy": summary["test_accuracy"],
                     "val_accuracy": summary["val_accuracy"],

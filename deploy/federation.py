@@ -185,6 +185,26 @@ class Federation:
             env,
         )  # fmt: skip
 
+    def run_parties(
+        self,
+        parts: list[Path],
+        out: Path,
+        run_config: str,
+        timeout: float,
+        netns: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> dict:
+        """SuperLink, one SuperNode per partition (registered first under TLS, in ``netns[i]``
+        when given), then the run into ``out``; returns :meth:`run`'s record. The caller stops
+        the processes (:meth:`stop_all`)."""
+        self.start_superlink()
+        for i, part in enumerate(parts):
+            if self.tls:
+                self.register(i)
+            self.start_supernode(i, part, env=env, netns=netns[i] if netns else "")
+        config = f"clients={len(parts)} out-dir='{out}' {run_config}".strip()
+        return self.run(config, timeout)
+
     def run(self, run_config: str, timeout: float) -> dict:
         """Submit the app, follow it until it ends; returns ``flwr ls``'s record of the run."""
         done = self.flwr("run", ".", "local-fed", "--format", "json", "--run-config", run_config)
@@ -265,13 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, interrupted)
     signal.signal(signal.SIGTERM, interrupted)
     try:
-        fed.start_superlink()
-        for i, part in enumerate(parts):
-            if tls:
-                fed.register(i)
-            fed.start_supernode(i, part, netns=wan.netns(i) if wan else "")
-        config = f"clients={len(parts)} out-dir='{out}' {args.run_config}".strip()
-        record = fed.run(config, args.timeout)
+        netns = [wan.netns(i) for i in range(len(parts))] if wan else None
+        record = fed.run_parties(parts, out, args.run_config, args.timeout, netns)
         status = record.get("status", "")
         summary = out / "summary.json"
         print(f"run ended: {status}; run folder {out}", flush=True)

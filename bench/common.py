@@ -26,10 +26,19 @@ def private_planetoid(root: str, names: tuple[str, ...] = ("Cora", "CiteSeer")) 
 
 def peak_rss_mb() -> float:
     """Peak resident memory of this process, or of its largest finished child process (the
-    data-center mode's workers), so far, in MB (Linux reports kB)."""
+    data-center mode's workers), so far, in MB.
+
+    This process's own peak is read from ``VmHWM`` where Linux has it: ``ru_maxrss`` survives
+    ``exec`` and so would report the peak of whatever process started this one.
+    """
     import resource
 
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        with open("/proc/self/status") as f:
+            own = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        pass
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     return max(own, children) / 1024
 
@@ -52,7 +61,7 @@ def run_jobs(
     print(f"{len(jobs)} runs on {workers} worker(s)", file=sys.stderr)
     t0 = time.perf_counter()
     rows = []
-    # One process per run, so each run's peak memory (ru_maxrss) is its own.
+    # One process per run, so each run's peak memory is its own.
     with ProcessPoolExecutor(workers, max_tasks_per_child=1) as pool:
         for i, row in enumerate(pool.map(job, [(j, root) for j in jobs]), 1):
             rows.append(row)

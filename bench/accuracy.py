@@ -4,6 +4,10 @@ Prints a table (mean and std over seeds) and writes JSON. Example::
 
     python bench/accuracy.py --root ../shared/datasets --out bench/results/accuracy.json
     python bench/accuracy.py --quick      # Cora, public split, 4 METIS clients, one seed
+    python bench/accuracy.py --self-training 0,1 --datasets Cora --splits public --clients 4
+
+``--self-training 0,1`` runs every row without and with one self-training pass (lazy and
+centralized alike); "gap" is always against the plain centralized GCN of the same split.
 """
 
 from __future__ import annotations
@@ -46,18 +50,26 @@ def _job(args: tuple[dict, str]) -> dict:
     }
 
 
-def grid(quick: bool, seeds: list[int], models: list[str]) -> list[dict]:
-    datasets, splits, clients, methods = (
-        ["Cora", "CiteSeer"],
-        ["public", RETEXO_SPLIT],
-        [4, 10],
-        ["metis", "random"],
-    )
+def grid(
+    quick: bool,
+    seeds: list[int],
+    models: list[str],
+    self_training: list[int] = [0],  # noqa: B006 (read only)
+    datasets: list[str] | None = None,
+    splits: list[str] | None = None,
+    clients: list[int] | None = None,
+    methods: list[str] | None = None,
+) -> list[dict]:
+    datasets = datasets or ["Cora", "CiteSeer"]
+    splits = splits or ["public", RETEXO_SPLIT]
+    clients = clients or [4, 10]
+    methods = methods or ["metis", "random"]
     if quick:
         datasets, splits, clients, methods, seeds = ["Cora"], ["public"], [4], ["metis"], seeds[:1]
     jobs = []
     # Seeds outermost: a run cut off early still holds whole seeds of the grid.
-    for seed, ds, split in itertools.product(seeds, datasets, splits):
+    for seed, ds, split, st in itertools.product(seeds, datasets, splits, self_training):
+        extra = {"self_training": st} if st else {}
         jobs.append(
             {
                 "mode": "centralized",
@@ -68,6 +80,7 @@ def grid(quick: bool, seeds: list[int], models: list[str]) -> list[dict]:
                 "hidden": 64,
                 "clients": 1,
                 "method": "-",
+                **extra,
             }
         )
         for model, k, method in itertools.product(models, clients, methods):
@@ -80,23 +93,30 @@ def grid(quick: bool, seeds: list[int], models: list[str]) -> list[dict]:
                     "seed": seed,
                     "clients": k,
                     "method": method,
+                    **extra,
                 }
             )
     return jobs
+
+
+def mode_label(row: dict) -> str:
+    """``lazy``, or ``lazy+st1`` with one self-training pass."""
+    st = row.get("self_training", 0)
+    return f"{row['mode']}+st{st}" if st else row["mode"]
 
 
 def summarize(rows: list[dict]) -> list[dict]:
     keyf = ("dataset", "split", "mode", "model", "clients", "method")
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault(tuple(r[k] for k in keyf), []).append(r)
+        groups.setdefault(tuple(mode_label(r) if k == "mode" else r[k] for k in keyf), []).append(r)
     table = []
     for key, rs in sorted(groups.items(), key=lambda kv: tuple(str(v) for v in kv[0])):
         accs = [r["test_accuracy"] for r in rs]
         central = [
             r["test_accuracy"]
             for r in rows
-            if r["mode"] == "centralized" and r["dataset"] == key[0] and r["split"] == key[1]
+            if mode_label(r) == "centralized" and r["dataset"] == key[0] and r["split"] == key[1]
         ]
         table.append(
             {
@@ -115,7 +135,7 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 def print_table(table: list[dict]) -> None:
     head = (
-        f"{'dataset':9} {'split':22} {'mode':12} {'model':5} {'K':>3} {'part':7} {'test acc':>15} "
+        f"{'dataset':9} {'split':22} {'mode':16} {'model':5} {'K':>3} {'part':7} {'test acc':>15} "
         f"{'gap':>7} {'boundary B':>12} {'model B':>12} {'s':>6}"
     )
     print(head)
@@ -127,7 +147,7 @@ def print_table(table: list[dict]) -> None:
             else f"{100 * r['gap_to_centralized']:+.1f}"
         )
         print(
-            f"{r['dataset']:9} {r['split']:22} {r['mode']:12} {r['model']:5} {r['clients']:>3} "
+            f"{r['dataset']:9} {r['split']:22} {r['mode']:16} {r['model']:5} {r['clients']:>3} "
             f"{r['method']:7} "
             f"{r['test_mean']:.4f}±{r['test_std']:.4f} {gap:>7} {r['bytes_boundary']:>12.0f} "
             f"{r['bytes_model']:>12.0f} {r['seconds']:>6.1f}"
@@ -143,6 +163,11 @@ def main() -> int:
     parser.add_argument("--from-jsonl", default="", help="only print the table of runs saved in this file")
     parser.add_argument("--seeds", default="0,1,2", help="comma list of seeds (default 0,1,2)")
     parser.add_argument("--models", default="gcn,sage", help="lazy stage convs (default gcn,sage)")
+    parser.add_argument("--self-training", default="0", help="self-training passes to run, e.g. 0,1")
+    parser.add_argument("--datasets", default="", help="subset, e.g. Cora (default Cora,CiteSeer)")
+    parser.add_argument("--splits", default="", help=f"';'-separated subset of public;{RETEXO_SPLIT}")
+    parser.add_argument("--clients", default="", help="subset, e.g. 4 (default 4,10)")
+    parser.add_argument("--methods", default="", help="subset, e.g. metis (default metis,random)")
     args = parser.parse_args()
 
     if args.from_jsonl:
@@ -151,7 +176,21 @@ def main() -> int:
         )
         return 0
     tmp = private_planetoid(args.root)
-    jobs = grid(args.quick, [int(v) for v in args.seeds.split(",")], args.models.split(","))
+
+    def listed(value: str, kind: type = str) -> list | None:
+        return [kind(v) for v in value.split(",")] if value else None
+
+    jobs = grid(
+        args.quick,
+        [int(v) for v in args.seeds.split(",")],
+        args.models.split(","),
+        [int(v) for v in args.self_training.split(",")],
+        listed(args.datasets),
+        # A split holds commas itself ("per-class:40,500,1000"): splits are separated by ";".
+        args.splits.split(";") if args.splits else None,
+        listed(args.clients, int),
+        listed(args.methods),
+    )
     out = Path(args.out)
     t0 = time.perf_counter()
     rows = run_jobs(

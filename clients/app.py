@@ -254,7 +254,7 @@ def embed(msg: Message, context: Context) -> Message:
     if client.sent is not None and client.sent[0] == stage:  # asked again by a resumed server
         frames, stats = client.sent[1], ExchangeStats.from_dict(client.sent[2])
     else:
-        frames, stats = client.encode_boundary(client.advance(client.embeddings(_state(msg))))
+        frames, stats = client.encode_boundary(client.next_stage(_state(msg)))
         client.sent = (stage, frames, stats.to_dict())
         client.save(work)
     payloads = ConfigRecord({P.peer_key("to", q): frame for q, frame in frames.items()})

@@ -23,6 +23,9 @@ _HELP = {
     "stages": "number of stages (stage 0 is the MLP; K stages = K-1 GNN layers)",
     "central_layers": "layers of the centralized (end-to-end) reference GNN",
     "pass_embedding": "what the next stage receives: hidden or logits",
+    "self_training": "extra passes over all stages, each client training on its own confident "
+    "predictions as labels (lazy, centralized)",
+    "pseudo_threshold": "softmax confidence a prediction needs to become a self-training label",
     "server_optimizer": "avg (FedAvg) or adam (FedAdam on the averaged update)",
     "out_dir": "run folder for config.json, events.jsonl and summary.json",
     "algorithm": "data-center product: 1d, 1.5d, 2d (P a square) or 3d (P a cube)",

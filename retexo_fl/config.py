@@ -34,6 +34,11 @@ class TrainConfig:
     central_layers: int = 2
     hidden: int = 256
     pass_embedding: str = "hidden"
+    # Self-training (lazy and centralized): after the last stage, every client labels its own
+    # unlabeled nodes predicted with at least this confidence (never validation nodes), and the
+    # whole stack is trained again on them, once per pass. The labels never leave the client.
+    self_training: int = 0  # extra passes
+    pseudo_threshold: float = 0.9
     rounds: int | list[int] = 200
     local_epochs: int | list[int] = 1
     # One local SGD step (lr 1) per round makes the averaged update the exact full-graph
@@ -100,6 +105,15 @@ class TrainConfig:
             self.update_bits = 8 if self.update_bits == 32 else self.update_bits
             self.broadcast_bits = 8 if self.broadcast_bits == 32 else self.broadcast_bits
 
+    @property
+    def total_stages(self) -> int:
+        """Stages of a lazy run over all self-training passes."""
+        return self.stages * (1 + self.self_training)
+
+    def layer(self, stage: int) -> int:
+        """Which layer of the stack a lazy run's ``stage`` trains (passes repeat the stack)."""
+        return stage % self.stages
+
     def per_stage(self, name: str, stage: int) -> Any:
         """The value of a per-stage setting for ``stage`` (the last list entry repeats)."""
         value = getattr(self, name)
@@ -114,6 +128,10 @@ class TrainConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.stages < 1:
             raise ValueError(f"stages must be >= 1, got {self.stages}")
+        if self.self_training < 0 or not 0 < self.pseudo_threshold <= 1:
+            raise ValueError("self-training must be >= 0 and pseudo-threshold in (0, 1]")
+        if self.self_training and self.mode not in ("lazy", "centralized"):
+            raise ValueError(f"self-training applies to lazy and centralized mode, not {self.mode}")
         if self.pass_embedding not in ("hidden", "logits"):
             raise ValueError(f"pass-embedding must be hidden or logits, got {self.pass_embedding!r}")
         if self.server_optimizer not in ("avg", "adam"):

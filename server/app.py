@@ -280,7 +280,7 @@ class StageMachine:
         from retexo_fl.training.selection import StageTracker
 
         cfg = self.cfg
-        rounds = int(cfg.per_stage("rounds", stage))
+        rounds = int(cfg.per_stage("rounds", cfg.layer(stage)))
         codec = UpdateCodec(cfg.update_bits, cfg.range_dtype)
         t0 = time.perf_counter()
         if resume is None:
@@ -288,7 +288,8 @@ class StageMachine:
             in_dim = stage_input_dim(cfg, stage, c0["num-features"], c0["num-classes"])
             model = build_stage_model(cfg, stage, in_dim, c0["num-classes"])
             state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            server = ServerOptimizer(cfg.server_optimizer, state, float(cfg.per_stage("server_lr", stage)))
+            lr = float(cfg.per_stage("server_lr", cfg.layer(stage)))
+            server = ServerOptimizer(cfg.server_optimizer, state, lr)
             tracker = StageTracker(stage, cfg.patience)
             tracker.bytes_offset = self.bytes_boundary + self.model_bytes_done
             broadcast = ModelBroadcast(
@@ -405,12 +406,17 @@ class StageMachine:
             self._save_checkpoint()
         ck = self.checkpoint
         stages, state = ck["stages"], {}
-        for stage in range(ck["stage"], self.cfg.stages):
+        last = self.cfg.total_stages - 1
+        for stage in range(ck["stage"], last + 1):
             state, figures = self.run_stage(stage, ck["deliveries"], ck["stage_state"])
             self.model_bytes_done += figures["bytes_model"]
             deliveries = None
-            if stage < self.cfg.stages - 1:
+            if stage < last:
+                # Clients embed, or after a pass's last stage label their own nodes (nothing to relay).
                 deliveries = self.embed(state, stage)
+                if self.cfg.layer(stage + 1) == 0:
+                    deliveries = None
+                    self.rec.progress(f"self-training pass {stage // self.cfg.stages + 1} begins")
                 if stage == 0:  # degrees travel with the halo rows of the first conv stage
                     for pid, rec in (ck.pop("degrees", None) or {}).items():
                         if pid in deliveries:  # else lost since setup
@@ -426,7 +432,7 @@ class StageMachine:
             )
             ck.update(stage=stage + 1, before=self.bytes_boundary, deliveries=deliveries, stage_state=None)
             self._save_checkpoint()
-        correct, count, _ = self.evaluate(state, "test", self.cfg.stages - 1)
+        correct, count, _ = self.evaluate(state, "test", last)
         bytes_model = sum(s["bytes_model"] for s in stages)
         return {
             **compression_totals(stages),

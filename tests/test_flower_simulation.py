@@ -189,3 +189,32 @@ def test_time_based_rounds_in_simulation(tmp_path):
     assert len(steps) == 3
     for fast0, slow, fast2 in steps:  # the slowed client does few steps; nobody waits for it
         assert slow <= 4 and min(fast0, fast2) > 2 * slow
+
+
+@pytest.mark.slow
+def test_self_training_in_simulation_matches_in_process(tmp_path):
+    from server.simulation import simulate
+
+    cfg = TrainConfig(
+        dataset="sbm:400,3,8,0.85",
+        clients=3,
+        method="metis",
+        hidden=16,
+        stages=2,
+        rounds=[8, 6],
+        seed=0,
+        self_training=1,
+        pseudo_threshold=0.5,
+        out_dir=str(tmp_path / "sim"),
+    )
+    sim = simulate(cfg)
+    ref = train(TrainConfig(**{**cfg.to_dict(), "out_dir": ""}), RunRecorder(tmp_path / "ref", stream=None))
+    events = [json.loads(line) for line in (tmp_path / "ref" / "events.jsonl").read_text().splitlines()]
+    (relabel,) = [e for e in events if e["event"] == "relabel"]
+    assert relabel["train_nodes"] > sum(c["train"] for c in ref["clients"])  # labels were added
+    # The pseudo-labels are made and kept on the nodes, across messages: both engines train the
+    # second pass on the same labels, so they agree to the bit.
+    assert len(sim["stages"]) == len(ref["stages"]) == 4
+    assert sim["test_accuracy"] == pytest.approx(ref["test_accuracy"], abs=1e-9)
+    assert [s["val_accuracy"] for s in sim["stages"]] == [s["val_accuracy"] for s in ref["stages"]]
+    assert sim["bytes_boundary"] == ref["bytes_boundary"] and sim["bytes_model"] == ref["bytes_model"]

@@ -14,6 +14,7 @@ from retexo_fl.metrics import RunRecorder
 from retexo_fl.models.gnn import GNN
 from retexo_fl.plan import BoundaryPlan, LocalGraph
 from retexo_fl.training.client import derive_seed, resolve_device
+from retexo_fl.training.pseudo import pseudo_labels
 
 
 def whole_graph_partition(data) -> Partition:
@@ -28,6 +29,8 @@ def run_centralized(part: Partition, cfg: TrainConfig, rec: RunRecorder | None =
 
     Uses the same GCN normalization as lazy mode and the settings of stage 1
     (``lr``, epochs = ``rounds * local_epochs``); the best-validation epoch's weights are tested.
+    With ``self_training`` passes, each pass trains a fresh model on the given labels plus the
+    previous pass's predictions of at least ``pseudo_threshold`` confidence (as lazy mode does).
     """
     rec = rec or RunRecorder(None, stream=None)
     device = resolve_device(cfg.device)
@@ -44,58 +47,72 @@ def run_centralized(part: Partition, cfg: TrainConfig, rec: RunRecorder | None =
     masks = {
         k: torch.from_numpy(np.array(getattr(part, f"{k}_mask"))).to(device) for k in ("train", "val", "test")
     }
-    torch.manual_seed(derive_seed(cfg.seed, 0xC3))
     layers = cfg.central_layers
-    model = GNN(
-        cfg.model,
-        x.shape[1],
-        cfg.hidden,
-        part.num_classes,
-        layers=layers,
-        dropout=float(cfg.per_stage("dropout", 1)),
-        heads=cfg.heads,
-    ).to(device)
     # The server's Adam is what drives federated training when it is on; mirror its rate.
     lr = float(cfg.per_stage("server_lr" if cfg.server_optimizer == "adam" else "lr", 1))
     epochs = int(cfg.per_stage("rounds", 1)) * int(cfg.per_stage("local_epochs", 1))
-    opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
 
-    def accuracy(split: str) -> float:
+    def predict(model: torch.nn.Module) -> torch.Tensor:
         model.eval()
         with torch.no_grad():
-            pred = model(x, ei, w).argmax(1)
-        m = masks[split]
-        return float((pred[m] == y[m]).float().mean())
+            return model(x, ei, w)
 
-    best_val, best_state, best_epoch = -1.0, None, 0
-    for epoch in range(1, epochs + 1):
-        model.train()
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x, ei, w)[masks["train"]], y[masks["train"]])
-        loss.backward()
-        opt.step()
-        val = accuracy("val")
-        rec.event("epoch", epoch=epoch, train_loss=loss.item(), val_accuracy=val)
-        if val > best_val:
-            best_val, best_state, best_epoch = val, copy.deepcopy(model.state_dict()), epoch
-        if epoch == 1 or epoch % max(1, epochs // 5) == 0:
-            rec.progress(f"epoch {epoch:4d}/{epochs}  loss {loss.item():.4f}  val {val:.4f}")
-    if best_state is not None:
-        model.load_state_dict(best_state)
+    def accuracy(model: torch.nn.Module, split: str) -> float:
+        m = masks[split]
+        return float((predict(model).argmax(1)[m] == y[m]).float().mean())
+
+    train_y, train_mask = y, masks["train"]
+    passes: list[dict] = []
+    model: torch.nn.Module | None = None
+    for pass_ in range(1 + cfg.self_training):
+        if model is not None:  # self-training: the last pass's confident predictions become labels
+            train_y, train_mask = pseudo_labels(
+                predict(model), y, masks["train"], masks["val"], cfg.pseudo_threshold
+            )
+            rec.progress(f"self-training pass {pass_}: {int(train_mask.sum())} training nodes")
+        torch.manual_seed(derive_seed(cfg.seed, 0xC3, pass_) if pass_ else derive_seed(cfg.seed, 0xC3))
+        model = GNN(
+            cfg.model,
+            x.shape[1],
+            cfg.hidden,
+            part.num_classes,
+            layers=layers,
+            dropout=float(cfg.per_stage("dropout", 1)),
+            heads=cfg.heads,
+        ).to(device)
+        opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
+
+        best_val, best_state, best_epoch = -1.0, None, 0
+        for epoch in range(1, epochs + 1):
+            model.train()
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x, ei, w)[train_mask], train_y[train_mask])
+            loss.backward()
+            opt.step()
+            val = accuracy(model, "val")
+            rec.event("epoch", epoch=epoch, train_loss=loss.item(), val_accuracy=val)
+            if val > best_val:
+                best_val, best_state, best_epoch = val, copy.deepcopy(model.state_dict()), epoch
+            if epoch == 1 or epoch % max(1, epochs // 5) == 0:
+                rec.progress(f"epoch {epoch:4d}/{epochs}  loss {loss.item():.4f}  val {val:.4f}")
+        if best_state is not None:
+            model.load_state_dict(best_state)
+        passes.append(
+            {
+                "stage": pass_,
+                "best_round": best_epoch,
+                "val_accuracy": best_val,
+                "train_nodes": int(train_mask.sum()),
+                "seconds": time.perf_counter() - t0,
+            }
+        )
     return {
         "mode": "centralized",
         "engine": "in-process",
-        "test_accuracy": accuracy("test"),
+        "test_accuracy": accuracy(model, "test"),
         "val_accuracy": best_val,
         "bytes_total": 0,
         "bytes_boundary": 0,
         "bytes_model": 0,
-        "stages": [
-            {
-                "stage": 0,
-                "best_round": best_epoch,
-                "val_accuracy": best_val,
-                "seconds": time.perf_counter() - t0,
-            }
-        ],
+        "stages": passes,
     }

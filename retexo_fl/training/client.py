@@ -58,22 +58,27 @@ def resolve_device(name: str) -> torch.device:
 
 
 def build_stage_model(cfg: TrainConfig, stage: int, in_dim: int, num_classes: int) -> StageModel:
-    """The stage-``stage`` model for ``cfg``; weights are a pure function of the seed and stage."""
+    """The stage-``stage`` model for ``cfg``; weights are a pure function of the seed and stage.
+
+    A self-training pass repeats the stack: its layers are built as the first pass's are, from
+    fresh initial weights.
+    """
     torch.manual_seed(derive_seed(cfg.seed, stage, 0xA11))
+    layer = cfg.layer(stage)
     return StageModel(
-        "mlp" if stage == 0 else cfg.model,
+        "mlp" if layer == 0 else cfg.model,
         in_dim,
         cfg.hidden,
         num_classes,
-        dropout=float(cfg.per_stage("dropout", stage)),
-        input_dropout=float(cfg.per_stage("input_dropout", stage)),
+        dropout=float(cfg.per_stage("dropout", layer)),
+        input_dropout=float(cfg.per_stage("input_dropout", layer)),
         norm=cfg.norm,
         heads=cfg.heads,
     )
 
 
 def stage_input_dim(cfg: TrainConfig, stage: int, num_features: int, num_classes: int) -> int:
-    if stage == 0:
+    if cfg.layer(stage) == 0:
         return num_features
     return cfg.hidden if cfg.pass_embedding == "hidden" else num_classes
 
@@ -114,8 +119,11 @@ class LazyClient:
             k: torch.from_numpy(np.array(m)).to(self.device)
             for k, m in (("train", part.train_mask), ("val", part.val_mask), ("test", part.test_mask))
         }
+        # What local training fits: the given labels, plus this client's own confident
+        # predictions after a self-training pass (they stay here, like the labels).
+        self.train_y = self.y
         self.stage = 0
-        self.owned = torch.from_numpy(np.array(part.x, dtype=np.float32)).to(self.device)
+        self.owned = self.raw_features()
         self.halo: Tensor | None = None
         self.halo_degree: Tensor | None = None
         self._edges: tuple[Tensor, Tensor | None] | None = None
@@ -135,6 +143,14 @@ class LazyClient:
     @property
     def id(self) -> int:
         return self.part.partition_id
+
+    @property
+    def layer(self) -> int:
+        """The layer of the stack this stage trains (0: the MLP on raw features)."""
+        return self.cfg.layer(self.stage)
+
+    def raw_features(self) -> Tensor:
+        return torch.from_numpy(np.array(self.part.x, dtype=np.float32)).to(self.device)
 
     @property
     def num_train(self) -> int:
@@ -250,14 +266,14 @@ class LazyClient:
 
     # -- stage inputs -----------------------------------------------------------------------
     def stage_input(self) -> Tensor:
-        if self.stage == 0:
+        if self.layer == 0:
             return self.owned
         if self.halo is None:
             raise RuntimeError(f"client {self.id}: stage {self.stage} has no halo rows yet")
         return torch.cat([self.owned, self.halo])
 
     def edges(self) -> tuple[Tensor | None, Tensor | None]:
-        if self.stage == 0:
+        if self.layer == 0:
             return None, None
         if self._edges is None:
             if self.cfg.model == "gcn":
@@ -281,7 +297,7 @@ class LazyClient:
         Stage 0 is row-wise, so it runs on the selected rows alone; a conv stage needs the whole
         local graph and is sliced after.
         """
-        if self.stage == 0:
+        if self.layer == 0:
             hidden, logits = model(self.owned if rows is None else self.owned[rows])
             return hidden, logits
         ei, w = self.edges()
@@ -292,7 +308,7 @@ class LazyClient:
     def optimizer(self, model: torch.nn.Module, stage: int) -> torch.optim.Optimizer:
         """The local optimizer the run config names, at ``stage``'s learning rate."""
         cfg = self.cfg
-        lr = float(cfg.per_stage("lr", stage))
+        lr = float(cfg.per_stage("lr", cfg.layer(stage)))
         if cfg.optimizer == "adam":
             return torch.optim.Adam(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
         return torch.optim.SGD(
@@ -309,10 +325,10 @@ class LazyClient:
         mask = self.masks["train"]
         model.train()
         losses = []
-        for _ in range(int(cfg.per_stage("local_epochs", stage))):
+        for _ in range(int(cfg.per_stage("local_epochs", self.layer))):
             opt.zero_grad()
             _, logits = self._forward(model, mask)
-            loss = torch.nn.functional.cross_entropy(logits, self.y[mask])
+            loss = torch.nn.functional.cross_entropy(logits, self.train_y[mask])
             loss.backward()
             opt.step()
             losses.append(loss.item())
@@ -351,7 +367,7 @@ class LazyClient:
         # memory, and every target's incoming edges are all in its chunk, so the rows are exact.
         out = []
         with torch.no_grad():
-            if self.stage == 0:
+            if self.layer == 0:
                 for start in range(0, n, chunk):
                     h, z = model(self.owned[start : start + chunk])
                     out.append((h if hidden_out else z).float().cpu())
@@ -372,13 +388,48 @@ class LazyClient:
         self.halo = None
         return self.plan.rows_for(embeddings)
 
+    def next_stage(self, state: StateDict) -> dict[int, Tensor]:
+        """Move on from this stage, trained to ``state``; return the boundary rows peers need.
+
+        Within a pass that is :meth:`advance` with this stage's embeddings. After a pass's last
+        stage it is :meth:`relabel`, and nothing crosses: the next stage reads raw features.
+        """
+        if self.layer == self.cfg.stages - 1:
+            self.relabel(state)
+            return {}
+        return self.advance(self.embeddings(state))
+
+    @torch.no_grad()
+    def relabel(self, state: StateDict) -> int:
+        """End a self-training pass: label confident predictions of ``state``, restart at layer 0.
+
+        Returns how many nodes the next pass trains on.
+        """
+        from retexo_fl.training.pseudo import pseudo_labels
+
+        model = self.make_model()
+        model.load_state_dict(state)
+        model.eval()
+        _, logits = self._forward(model)
+        self.train_y, self.masks["train"] = pseudo_labels(
+            logits, self.y, self.given_train_mask(), self.masks["val"], self.cfg.pseudo_threshold
+        )
+        self.stage += 1
+        self.owned, self.halo = self.raw_features(), None
+        return self.num_train
+
+    def given_train_mask(self) -> Tensor:
+        return torch.from_numpy(np.array(self.part.train_mask)).to(self.device)
+
     def receive_halo(self, incoming: dict[int, Tensor]) -> None:
         dim = self.owned.shape[1]
         self.halo = self.plan.assemble_halo(self.complete_halo(incoming, dim, self.halo), dim).to(self.device)
 
     def encode_boundary(self, rows: dict[int, Tensor]) -> tuple[dict[int, bytes], ExchangeStats]:
         """Frames of the rows :meth:`advance` returned, compressed as the run config says."""
-        exchange = self.stage - 1
+        if not rows:
+            return {}, ExchangeStats()
+        exchange = self.layer - 1
         weights = self.boundary_weights() if self.cfg.bit_policy != "fixed" else None
         gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, self.stage, 0xB0, self.id))
         frames, stats = self.encoder.encode(self.id, rows, weights, exchange, self.cfg.stages - 1, gen)
@@ -431,12 +482,22 @@ class LazyClient:
             "run_id": self.run_id,
             "halo_round": self.halo_round,
             "sent": None if self.sent is None else [self.sent[0], self.sent[1], json.dumps(self.sent[2])],
+            # Self-training labels: node-local, restored so that a later message trains on them.
+            "pseudo": None
+            if self.train_y is self.y
+            else {"labels": self.train_y.cpu(), "mask": self.masks["train"].cpu()},
         }
 
     def _load_snapshot(self, state: dict) -> None:
         self.stage = int(state["stage"])
         self.owned = state["owned"].to(self.device)
         self.halo = None if state["halo"] is None else state["halo"].to(self.device)
+        pseudo = state.get("pseudo")
+        if pseudo is None:
+            self.train_y, self.masks["train"] = self.y, self.given_train_mask()
+        else:
+            self.train_y = pseudo["labels"].to(self.device)
+            self.masks["train"] = pseudo["mask"].to(self.device)
 
     def save(self, directory: str | Path) -> None:
         """Write the stage inputs to a node-local ``directory`` (atomically)."""

@@ -69,6 +69,10 @@ class EagerClient(LazyClient):
         self.delay = step_delays(cfg.step_delay).get(self.id, 0.0)
         self.last_steps = 0
 
+    @property
+    def layer(self) -> int:
+        return 1  # every conv layer at once: the edges are always needed
+
     def make_model(self) -> LayeredGNN:  # type: ignore[override]
         cfg = self.cfg
         return LayeredGNN(

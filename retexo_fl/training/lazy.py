@@ -75,8 +75,9 @@ def run_stage(
     t0 = time.perf_counter()
     model = clients[0].make_model()
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    server = ServerOptimizer(cfg.server_optimizer, state, float(cfg.per_stage("server_lr", stage)))
-    rounds = int(cfg.per_stage("rounds", stage))
+    layer = cfg.layer(stage)
+    server = ServerOptimizer(cfg.server_optimizer, state, float(cfg.per_stage("server_lr", layer)))
+    rounds = int(cfg.per_stage("rounds", layer))
     weights = [c.num_train for c in clients]
     tracker = StageTracker(stage, cfg.patience)
     tracker.bytes_offset = bytes_before
@@ -157,13 +158,17 @@ def run_lazy(
         bytes_boundary += nbytes
         rec.event("degrees", bytes=nbytes)
     state: StateDict = {}
-    for stage in range(cfg.stages):
+    for stage in range(cfg.total_stages):
         before = bytes_boundary + sum(s["bytes_model"] for s in stages)
         state, figures = run_stage(clients, cfg, stage, rec, before, privacy)
         if on_stage is not None:
             on_stage(stage, state)
         figures["bytes_boundary"] = 0
-        if stage < cfg.stages - 1:
+        if stage < cfg.total_stages - 1 and cfg.layer(stage + 1) == 0:
+            labeled = sum(c.relabel(state) for c in clients)
+            rec.event("relabel", stage=stage, train_nodes=labeled)
+            rec.progress(f"self-training pass {stage // cfg.stages + 1}: {labeled} training nodes")
+        elif stage < cfg.total_stages - 1:
             outgoing, stats = {}, ExchangeStats()
             for c in clients:
                 outgoing[c.id], client_stats = c.encode_boundary(c.advance(c.embeddings(state)))

@@ -1,0 +1,31 @@
+"""Self-training labels: a client's own confident predictions on its unlabeled nodes."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def pseudo_labels(
+    logits: Tensor, y: Tensor, train_mask: Tensor, val_mask: Tensor, threshold: float
+) -> tuple[Tensor, Tensor]:
+    """Labels and training mask extended by predictions made with at least ``threshold`` confidence.
+
+    Validation nodes are never labeled, so that model selection stays honest; every other
+    node outside the training set is a candidate (its true label, if any, is not read).
+
+    Args:
+        logits: ``[n, C]`` predictions for the owned nodes.
+        y: ``[n]`` labels; only the training nodes' are kept.
+        train_mask: ``[n]`` the given training nodes.
+        val_mask: ``[n]`` validation nodes, never labeled.
+        threshold: softmax probability a prediction needs, in ``(0, 1]``.
+
+    Returns:
+        ``(labels, mask)``: ``[n]`` labels (given ones on training nodes, predicted ones on the
+        selected nodes) and ``[n]`` the new training mask.
+    """
+    conf, pred = torch.softmax(logits.float(), dim=1).max(dim=1)
+    chosen = ~train_mask & ~val_mask & (conf >= threshold)
+    labels = torch.where(train_mask, y, pred.to(y.dtype))
+    return labels, train_mask | chosen

@@ -1,0 +1,86 @@
+"""Self-training passes: clients label their own confident nodes, locally, and train the stack again."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from retexo_fl.config import TrainConfig
+from retexo_fl.data.partitioners import partition_graph
+from retexo_fl.training.centralized import run_centralized, whole_graph_partition
+from retexo_fl.training.client import LazyClient
+from retexo_fl.training.lazy import run_lazy
+from retexo_fl.training.pseudo import pseudo_labels
+
+
+def test_pseudo_labels_take_confident_predictions_and_never_validation_nodes():
+    logits = torch.tensor([[5.0, 0.0], [0.0, 5.0], [0.0, 5.0], [0.2, 0.0], [0.0, 5.0]])
+    y = torch.tensor([1, -1, 0, 0, 0])  # node 1 unlabeled; nodes 2-4 hold labels we must not read
+    train = torch.tensor([True, False, False, False, False])
+    val = torch.tensor([False, False, False, False, True])
+    labels, mask = pseudo_labels(logits, y, train, val, threshold=0.9)
+    # Node 0 keeps its given label against the prediction; 1 and 2 are confident; 3 is not
+    # (p = 0.55); 4 is a validation node.
+    assert mask.tolist() == [True, True, True, False, False]
+    assert labels[mask].tolist() == [1, 1, 1]
+    _, low = pseudo_labels(logits, y, train, val, threshold=0.5)
+    assert low.tolist() == [True, True, True, True, False]
+
+
+def test_config_refuses_self_training_where_it_does_not_apply():
+    with pytest.raises(ValueError, match="self-training"):
+        TrainConfig(mode="eager", self_training=1).validate()
+    with pytest.raises(ValueError, match="pseudo-threshold"):
+        TrainConfig(pseudo_threshold=0.0).validate()
+    cfg = TrainConfig(stages=3, self_training=2)
+    assert cfg.total_stages == 9 and [cfg.layer(s) for s in (0, 2, 3, 8)] == [0, 2, 0, 2]
+
+
+def test_lazy_self_training_pass(sbm):
+    cfg = TrainConfig(stages=2, hidden=16, rounds=30, seed=0, self_training=1)
+    parts = partition_graph(sbm, 3, "metis", seed=0)
+    seen: list[int] = []
+    summary = run_lazy(parts, cfg, on_stage=lambda stage, state: seen.append(stage))
+    assert seen == [0, 1, 2, 3] and len(summary["stages"]) == 4
+    # Each pass has one exchange (stage 0 -> 1); the pass boundary sends nothing between clients.
+    assert [s["bytes_boundary"] > 0 for s in summary["stages"]] == [True, False, True, False]
+    plain = run_lazy(parts, TrainConfig(**{**cfg.to_dict(), "self_training": 0}))
+    keys = ("best_round", "val_accuracy", "bytes_model", "bytes_boundary")
+    first_pass = [{k: s[k] for k in keys} for s in summary["stages"][:2]]
+    assert first_pass == [{k: s[k] for k in keys} for s in plain["stages"]]  # the plain run
+    assert summary["bytes_boundary"] == 2 * plain["bytes_boundary"] - _degree_bytes(plain)
+    assert summary["test_accuracy"] >= 0.85
+
+
+def _degree_bytes(summary: dict) -> int:
+    return summary["bytes_boundary"] - sum(s["bytes_boundary"] for s in summary["stages"])
+
+
+def test_relabel_is_local_and_survives_save_and_restore(sbm, tmp_path):
+    cfg = TrainConfig(stages=2, hidden=8, seed=0, self_training=1, pseudo_threshold=0.4)
+    part = partition_graph(sbm, 1, "metis", seed=0)[0]
+    client = LazyClient(part, cfg)
+    client.stage = 1
+    client.halo_degree = torch.zeros(0)
+    client.owned = torch.randn(part.num_nodes, 8)
+    client.halo = torch.zeros(0, 8)
+    given = client.num_train
+    assert client.next_stage(client.make_model().state_dict()) == {}  # nothing for the peers
+    assert client.stage == 2 and client.layer == 0 and client.halo is None
+    assert torch.equal(client.owned, torch.from_numpy(part.x).float())  # raw features again
+    assert client.num_train > given
+    assert not (client.masks["train"] & client.masks["val"]).any()
+    client.save(tmp_path)
+    fresh = LazyClient(part, cfg)
+    assert fresh.restore(tmp_path)
+    assert fresh.stage == 2 and fresh.num_train == client.num_train
+    assert torch.equal(fresh.train_y[fresh.masks["train"]], client.train_y[client.masks["train"]])
+
+
+def test_centralized_self_training_pass(sbm):
+    summary = run_centralized(
+        whole_graph_partition(sbm), TrainConfig(hidden=32, rounds=40, self_training=1, pseudo_threshold=0.6)
+    )
+    first, second = summary["stages"]
+    assert second["train_nodes"] > first["train_nodes"] == int(sbm.train_mask.sum())
+    assert summary["test_accuracy"] >= 0.9

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -17,10 +18,20 @@ DEFAULT_ROOT = Path(__file__).resolve().parents[1].parent / "shared" / "datasets
 def private_planetoid(root: str, names: tuple[str, ...] = ("Cora", "CiteSeer")) -> Path:
     """Copy ``Planetoid/<name>/raw`` into a temporary folder (PyG writes ``processed/`` beside raw)."""
     tmp = Path(tempfile.mkdtemp(prefix="retexo-bench-"))
+    copied = []
     for name in names:
         src = Path(root) / "Planetoid" / name / "raw"
         if src.is_dir():
             shutil.copytree(src, tmp / "Planetoid" / name / "raw")
+            copied.append(name)
+    # Write processed/ once, here: workers that each process the same folder race on its files.
+    # In a child process, so that this one stays small (workers are forked from it).
+    load = (
+        "import sys; from torch_geometric.datasets import Planetoid\n"
+        "for n in sys.argv[2:]: Planetoid(sys.argv[1], n)"
+    )
+    cmd = [sys.executable, "-c", load, str(tmp / "Planetoid"), *copied]
+    subprocess.run(cmd, check=True, capture_output=True)
     return tmp
 
 

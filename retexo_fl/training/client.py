@@ -305,10 +305,10 @@ class LazyClient:
         return (hidden, logits) if rows is None else (hidden[rows], logits[rows])
 
     # -- rounds -----------------------------------------------------------------------------
-    def optimizer(self, model: torch.nn.Module, stage: int) -> torch.optim.Optimizer:
-        """The local optimizer the run config names, at ``stage``'s learning rate."""
+    def optimizer(self, model: torch.nn.Module, layer: int) -> torch.optim.Optimizer:
+        """The local optimizer the run config names, at ``layer``'s learning rate."""
         cfg = self.cfg
-        lr = float(cfg.per_stage("lr", cfg.layer(stage)))
+        lr = float(cfg.per_stage("lr", layer))
         if cfg.optimizer == "adam":
             return torch.optim.Adam(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
         return torch.optim.SGD(
@@ -320,7 +320,7 @@ class LazyClient:
         model = self.make_model()
         model.load_state_dict(state)
         cfg, stage = self.cfg, self.stage
-        opt = self.optimizer(model, stage)
+        opt = self.optimizer(model, self.layer)
         torch.manual_seed(derive_seed(cfg.seed, stage, round_, self.id))
         mask = self.masks["train"]
         model.train()

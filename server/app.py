@@ -417,7 +417,7 @@ class StageMachine:
                 if self.cfg.layer(stage + 1) == 0:
                     deliveries = None
                     self.rec.progress(f"self-training pass {stage // self.cfg.stages + 1} begins")
-                if stage == 0:  # degrees travel with the halo rows of the first conv stage
+                if stage == 0 and deliveries is not None:  # degrees go with the first conv stage's rows
                     for pid, rec in (ck.pop("degrees", None) or {}).items():
                         if pid in deliveries:  # else lost since setup
                             for k, v in rec.items():

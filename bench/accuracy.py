@@ -20,6 +20,7 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -54,7 +55,7 @@ def grid(
     quick: bool,
     seeds: list[int],
     models: list[str],
-    self_training: list[int] = [0],  # noqa: B006 (read only)
+    self_training: Sequence[int] = (0,),
     datasets: list[str] | None = None,
     splits: list[str] | None = None,
     clients: list[int] | None = None,

@@ -114,6 +114,10 @@ class TrainConfig:
         """Which layer of the stack a lazy run's ``stage`` trains (passes repeat the stack)."""
         return stage % self.stages
 
+    def ends_pass(self, stage: int) -> bool:
+        """Whether ``stage`` is the last of a self-training pass that another pass follows."""
+        return stage < self.total_stages - 1 and self.layer(stage) == self.stages - 1
+
     def per_stage(self, name: str, stage: int) -> Any:
         """The value of a per-stage setting for ``stage`` (the last list entry repeats)."""
         value = getattr(self, name)

@@ -414,7 +414,7 @@ class StageMachine:
             if stage < last:
                 # Clients embed, or after a pass's last stage label their own nodes (nothing to relay).
                 deliveries = self.embed(state, stage)
-                if self.cfg.layer(stage + 1) == 0:
+                if self.cfg.ends_pass(stage):
                     deliveries = None
                     self.rec.progress(f"self-training pass {stage // self.cfg.stages + 1} begins")
                 if stage == 0 and deliveries is not None:  # degrees go with the first conv stage's rows

@@ -12,10 +12,17 @@ from retexo_fl.metrics import RunRecorder
 from retexo_fl.runner import train
 
 
-@pytest.mark.slow
-def test_simulation_matches_in_process(tmp_path):
+def _both_engines(cfg: TrainConfig, rec: RunRecorder | None = None) -> tuple[dict, dict]:
+    """``cfg`` run in Flower's simulation engine (into its ``out_dir``) and in process."""
     from server.simulation import simulate
 
+    sim = simulate(cfg)
+    ref = train(TrainConfig(**{**cfg.to_dict(), "out_dir": ""}), rec or RunRecorder(None, stream=None))
+    return sim, ref
+
+
+@pytest.mark.slow
+def test_simulation_matches_in_process(tmp_path):
     cfg = TrainConfig(
         dataset="sbm:500,3,8,0.85",
         clients=3,
@@ -34,8 +41,7 @@ def test_simulation_matches_in_process(tmp_path):
         broadcast_bits=8,
         out_dir=str(tmp_path / "sim"),
     )
-    sim = simulate(cfg)
-    ref = train(TrainConfig(**{**cfg.to_dict(), "out_dir": ""}), RunRecorder(None, stream=None))
+    sim, ref = _both_engines(cfg)
     # Both engines are deterministic for a seed: same weights, so the same accuracy and bytes.
     assert sim["test_accuracy"] == pytest.approx(ref["test_accuracy"], abs=1e-9)
     assert sim["bytes_boundary"] == ref["bytes_boundary"] > 0
@@ -135,8 +141,6 @@ def test_client_failing_mid_stage_ends_the_run_with_its_name(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["eager", "local"])
 def test_baselines_match_in_process(tmp_path, mode):
-    from server.simulation import simulate
-
     cfg = TrainConfig(
         mode=mode,
         dataset="sbm:300,3,8,0.85",
@@ -152,8 +156,7 @@ def test_baselines_match_in_process(tmp_path, mode):
         broadcast_bits=8 if mode == "eager" else 32,
         out_dir=str(tmp_path / "sim"),
     )
-    sim = simulate(cfg)
-    ref = train(TrainConfig(**{**cfg.to_dict(), "out_dir": ""}), RunRecorder(None, stream=None))
+    sim, ref = _both_engines(cfg)
     assert sim["mode"] == ref["mode"] == mode
     assert sim["test_accuracy"] == pytest.approx(ref["test_accuracy"], abs=1e-9)
     assert sim["val_accuracy"] == pytest.approx(ref["val_accuracy"], abs=1e-9)
@@ -193,8 +196,6 @@ def test_time_based_rounds_in_simulation(tmp_path):
 
 @pytest.mark.slow
 def test_self_training_in_simulation_matches_in_process(tmp_path):
-    from server.simulation import simulate
-
     cfg = TrainConfig(
         dataset="sbm:400,3,8,0.85",
         clients=3,
@@ -207,8 +208,7 @@ def test_self_training_in_simulation_matches_in_process(tmp_path):
         pseudo_threshold=0.5,
         out_dir=str(tmp_path / "sim"),
     )
-    sim = simulate(cfg)
-    ref = train(TrainConfig(**{**cfg.to_dict(), "out_dir": ""}), RunRecorder(tmp_path / "ref", stream=None))
+    sim, ref = _both_engines(cfg, RunRecorder(tmp_path / "ref", stream=None))
     events = [json.loads(line) for line in (tmp_path / "ref" / "events.jsonl").read_text().splitlines()]
     (relabel,) = [e for e in events if e["event"] == "relabel"]
     assert relabel["train_nodes"] > sum(c["train"] for c in ref["clients"])  # labels were added

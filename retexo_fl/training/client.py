@@ -122,6 +122,7 @@ class LazyClient:
         # What local training fits: the given labels, plus this client's own confident
         # predictions after a self-training pass (they stay here, like the labels).
         self.train_y = self.y
+        self.given_train = self.masks["train"]
         self.stage = 0
         self.owned = self.raw_features()
         self.halo: Tensor | None = None
@@ -394,7 +395,7 @@ class LazyClient:
         Within a pass that is :meth:`advance` with this stage's embeddings. After a pass's last
         stage it is :meth:`relabel`, and nothing crosses: the next stage reads raw features.
         """
-        if self.layer == self.cfg.stages - 1:
+        if self.cfg.ends_pass(self.stage):
             self.relabel(state)
             return {}
         return self.advance(self.embeddings(state))
@@ -412,14 +413,11 @@ class LazyClient:
         model.eval()
         _, logits = self._forward(model)
         self.train_y, self.masks["train"] = pseudo_labels(
-            logits, self.y, self.given_train_mask(), self.masks["val"], self.cfg.pseudo_threshold
+            logits, self.y, self.given_train, self.masks["val"], self.cfg.pseudo_threshold
         )
         self.stage += 1
         self.owned, self.halo = self.raw_features(), None
         return self.num_train
-
-    def given_train_mask(self) -> Tensor:
-        return torch.from_numpy(np.array(self.part.train_mask)).to(self.device)
 
     def receive_halo(self, incoming: dict[int, Tensor]) -> None:
         dim = self.owned.shape[1]
@@ -494,7 +492,7 @@ class LazyClient:
         self.halo = None if state["halo"] is None else state["halo"].to(self.device)
         pseudo = state.get("pseudo")
         if pseudo is None:
-            self.train_y, self.masks["train"] = self.y, self.given_train_mask()
+            self.train_y, self.masks["train"] = self.y, self.given_train
         else:
             self.train_y = pseudo["labels"].to(self.device)
             self.masks["train"] = pseudo["mask"].to(self.device)

@@ -164,7 +164,7 @@ def run_lazy(
         if on_stage is not None:
             on_stage(stage, state)
         figures["bytes_boundary"] = 0
-        if stage < cfg.total_stages - 1 and cfg.layer(stage + 1) == 0:
+        if cfg.ends_pass(stage):
             labeled = sum(c.relabel(state) for c in clients)
             rec.event("relabel", stage=stage, train_nodes=labeled)
             rec.progress(f"self-training pass {stage // cfg.stages + 1}: {labeled} training nodes")

@@ -29,7 +29,7 @@ from retexo_fl.metrics import RunRecorder, human_bytes
 from retexo_fl.models.layered import LayeredGNN
 from retexo_fl.plan import check_plans
 from retexo_fl.training.aggregate import ServerOptimizer, StateDict, state_nbytes
-from retexo_fl.training.client import LazyClient, connect_clients, derive_seed
+from retexo_fl.training.client import LazyClient, connect_clients, derive_seed, seed_dropout
 from retexo_fl.training.privacy import aggregate_round, make_privacy
 from retexo_fl.training.selection import StageTracker
 
@@ -93,11 +93,10 @@ class EagerClient(LazyClient):
 
     def train(self, state: StateDict, round_: int) -> tuple[StateDict, float]:
         """Local steps from ``state``: ``local-epochs`` of them, or as many as fit in ``round-seconds``."""
-        model = self.make_model()
-        model.load_state_dict(state)
+        model = self.loaded_model(state)
         cfg = self.cfg
         opt = self.optimizer(model, 1)
-        torch.manual_seed(derive_seed(cfg.seed, 0xEA, round_, self.id))
+        seed_dropout(derive_seed(cfg.seed, 0xEA, round_, self.id), self.device)
         mask = self.masks["train"]
         model.train()
         deadline = time.perf_counter() + cfg.round_seconds if cfg.round_seconds > 0 else None
@@ -117,15 +116,17 @@ class EagerClient(LazyClient):
             if deadline is not None and time.perf_counter() >= deadline:
                 break
         self.last_steps = len(losses)
-        return {k: v.detach().cpu() for k, v in model.state_dict().items()}, float(np.mean(losses))
+        # A copy: the module is reused next round and would overwrite these tensors in place.
+        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}, float(
+            np.mean(losses)
+        )
 
     @torch.no_grad()
     def boundary_rows(self, state: StateDict) -> dict[int, Tensor]:
         """Per peer, the conv inputs of its halo rows for every layer, stacked ``[(K - 1) k, hidden]``."""
         if self.local or self.layers < 2 or not self.plan.send:
             return {}
-        model = self.make_model()
-        model.load_state_dict(state)
+        model = self.loaded_model(state)
         model.eval()
         ei, w = self.edges()
         _, inputs = model(self.owned, ei, w, self.halo_layers)

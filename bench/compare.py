@@ -25,30 +25,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DEFAULT_ROOT, peak_rss_mb, private_planetoid, run_jobs
+from common import DEFAULT_ROOT, PEER, peak_rss_mb, private_planetoid, run_jobs
 
 # The synthetic graph: 100,000 nodes, about 2,000,000 undirected edges (4,000,000 directed).
 SBM = "sbm:100000,8,40,0.7"
 MODES = [("lazy", 32), ("lazy", 8), ("eager", 32), ("eager", 8), ("local", 32)]
-# A peer measured on these machines (issue 5): FedGraph 0.2.5 running FedGCN on Cora, 10
-# trainers, public split, 100 rounds, its documented settings. Its bytes are computed by FedGraph,
-# not measured; ours are counted on the payloads.
-PEER = {
-    "dataset": "Cora",
-    "clients": 10,
-    "method": "fedgraph",
-    "mode": "FedGCN (FedGraph 0.2.5)",
-    "bits": 32,
-    "seeds": 1,
-    "test_mean": 0.788,
-    "test_std": 0.0,
-    "bytes_total": 379e6,
-    "bytes_boundary": None,
-    "bytes_model": None,
-    "bytes_to_target": None,
-    "seconds": 120.0,
-    "peak_mb": 5000.0,  # about 5 GB across its processes
-}
 
 
 def _job(args: tuple[dict, str]) -> dict:

@@ -44,7 +44,7 @@ def _plain(content: RecordDict) -> dict[str, dict]:
 def audit_messages(msg: Message, context: Context, call_next) -> Message:
     """With ``audit`` (or node config ``audit-dir``) set, record every reply this client sends."""
     reply = call_next(msg, context)
-    cfg = P.config_from_json(str(msg.content[P.CONFIG]["run"]))
+    cfg = _run_config(msg, context)
     folder = context.node_config.get("audit-dir") or cfg.audit
     if folder and not reply.has_error():
         from retexo_fl.secure.audit import AuditLog
@@ -111,11 +111,39 @@ def _cache_key(msg: Message, context: Context) -> tuple[int, str]:
     return _run_key(msg), str(context.node_config.get("partition-id", context.node_id))
 
 
+def _run_config(msg: Message, context: Context):
+    """The run config: in the message, or, for a train message that names it by digest, the one
+    the node kept from an earlier message of this run (in its work folder: a deployed ClientApp
+    is a new process per message)."""
+    config = msg.content[P.CONFIG]
+    path = _work_dir(context, *_cache_key(msg, context)) / "run-config.json"
+    if P.RUN in config:
+        text = str(config[P.RUN])
+        if not path.is_file() or path.read_text() != text:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.with_suffix(".tmp").write_text(text)
+            path.with_suffix(".tmp").replace(path)
+        return P.config_from_json(text)
+    digest = str(config.get(P.RUN_DIGEST, ""))
+    if not path.is_file():
+        raise ValueError(
+            f"a {msg.metadata.message_type} message names run config {digest!r}, "
+            f"but this node holds none for run key {_run_key(msg)} (it missed key setup and setup)"
+        )
+    text = path.read_text()
+    if P.config_digest(text) != digest:
+        raise ValueError(
+            f"a {msg.metadata.message_type} message names run config {digest!r}; "
+            f"this node holds {P.config_digest(text)!r} ({path})"
+        )
+    return P.config_from_json(text)
+
+
 def _client(msg: Message, context: Context):
     from retexo_fl.training.client import LazyClient
     from retexo_fl.training.eager import EagerClient
 
-    cfg = P.config_from_json(str(msg.content[P.CONFIG]["run"]))
+    cfg = _run_config(msg, context)
     key = _cache_key(msg, context)
     work = _work_dir(context, *key)
     client = _CACHE.get(key)

@@ -160,10 +160,19 @@ class StageMachine:
             "by_message": rows,
         }
 
-    def _content(self, state=None, payloads: ConfigRecord | None = None, model=None, **config) -> RecordDict:
+    def _content(
+        self,
+        state=None,
+        payloads: ConfigRecord | None = None,
+        model=None,
+        by_digest: bool = False,
+        **config,
+    ) -> RecordDict:
         """A message's records; ``model`` (a :class:`ModelBroadcast`) sends its prepared delta
-        frames instead of ``state`` when it has them."""
-        records = {P.CONFIG: ConfigRecord({"run": self.run_json, "run-key": self.run_key, **config})}
+        frames instead of ``state`` when it has them. ``by_digest`` names the run config by its
+        digest instead of carrying it (train messages: see :func:`retexo_fl.protocol.config_digest`)."""
+        run = {P.RUN_DIGEST: P.config_digest(self.run_json)} if by_digest else {P.RUN: self.run_json}
+        records = {P.CONFIG: ConfigRecord({**run, "run-key": self.run_key, **config})}
         if model is not None and model.frames is not None:
             records[P.MODEL] = ConfigRecord(model.frames)
         elif state is not None:
@@ -309,6 +318,7 @@ class StageMachine:
                     view,
                     deliveries.get(pid) if first else None,
                     model=broadcast,
+                    by_digest=True,
                     stage=stage,
                     round=r,
                     validate=r > 1,
@@ -565,6 +575,7 @@ class RoundMachine(StageMachine):
                     view,
                     deliveries.get(pid) if deliveries else None,
                     model=broadcast,
+                    by_digest=True,
                     stage=0,
                     round=r,
                     validate=r > 1,

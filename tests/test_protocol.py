@@ -74,5 +74,5 @@ def test_a_train_message_for_an_unknown_or_other_config_is_refused(machine, tmp_
     other = StageMachine(None, TrainConfig(hidden=32), RunRecorder(None, stream=None))
     other.run_key = machine.run_key  # the same run key, another config: a stale or forged message
     _run_config(_as_dicts(_message(other, P.SETUP)), ctx)
-    with pytest.raises(ValueError, match="names run config '[0-9a-f]{32}'; this node holds '[0-9a-f]{32}'"):
+    with pytest.raises(ValueError, match=r"names run config '[0-9a-f]{32}'; this node holds '[0-9a-f]{32}'"):
         _run_config(train, ctx)

@@ -169,13 +169,15 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="retexo-peer-"))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_suffix(".jsonl")  # each run as it finishes: a cut-off run keeps its seeds
+    partial.write_text("")
     rows = []
     try:
         for seed in [int(s) for s in args.seeds.split(",")]:
             for engine in args.engines.split(","):
                 row = run_one(engine, seed, root, work)
                 rows.append(row)
-                with open(out.with_suffix(".jsonl"), "a") as f:
+                with open(partial, "a") as f:
                     f.write(json.dumps(row) + "\n")
                 print(
                     f"{engine} seed {seed}: test {row['test_accuracy']:.4f}, "

@@ -44,13 +44,15 @@ def _plain(content: RecordDict) -> dict[str, dict]:
 def audit_messages(msg: Message, context: Context, call_next) -> Message:
     """With ``audit`` (or node config ``audit-dir``) set, record every reply this client sends."""
     reply = call_next(msg, context)
-    cfg = _run_config(msg, context)
+    if reply.has_error():
+        return reply
+    # The handler has just built or restored this client: look it up, do not restore it again.
+    client = _CACHE[_cache_key(msg, context)]
+    cfg = client.cfg
     folder = context.node_config.get("audit-dir") or cfg.audit
-    if folder and not reply.has_error():
+    if folder:
         from retexo_fl.secure.audit import AuditLog
 
-        # The handler has just built or restored this client: look it up, do not restore it again.
-        client = _CACHE[_cache_key(msg, context)]
         log = AuditLog(str(folder), client.id, str(_partition_dir(context, cfg)), cfg.encrypt)
         log.record(msg.metadata.message_type, _plain(reply.content))
     return reply

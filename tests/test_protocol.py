@@ -34,11 +34,9 @@ class _Context:
 
 
 def _message(machine: StageMachine, kind: str, **kw) -> _Message:
-    return _Message(dict(machine._content(**kw)), _Metadata(kind))
-
-
-def _as_dicts(msg: _Message) -> _Message:
-    return _Message({k: dict(v) for k, v in msg.content.items()}, msg.metadata)
+    """The message ``machine`` would send, its records as plain dicts."""
+    records = machine._content(**kw)
+    return _Message({k: dict(v) for k, v in records.items()}, _Metadata(kind))
 
 
 @pytest.fixture
@@ -58,8 +56,8 @@ def test_train_messages_carry_the_digest_not_the_config(machine):
 
 def test_a_node_keeps_the_config_setup_brought(machine, tmp_path):
     ctx = _Context({"work-dir": str(tmp_path), "partition-id": 2})
-    setup = _as_dicts(_message(machine, P.SETUP))
-    train = _as_dicts(_message(machine, P.TRAIN, by_digest=True, round=1))
+    setup = _message(machine, P.SETUP)
+    train = _message(machine, P.TRAIN, by_digest=True, round=1)
     assert _run_config(setup, ctx).to_dict() == machine.cfg.to_dict()
     got = _run_config(train, ctx)
     assert got.hidden == 16 and got.rounds == [60, 200]
@@ -68,11 +66,11 @@ def test_a_node_keeps_the_config_setup_brought(machine, tmp_path):
 
 def test_a_train_message_for_an_unknown_or_other_config_is_refused(machine, tmp_path):
     ctx = _Context({"work-dir": str(tmp_path), "partition-id": 2})
-    train = _as_dicts(_message(machine, P.TRAIN, by_digest=True, round=1))
+    train = _message(machine, P.TRAIN, by_digest=True, round=1)
     with pytest.raises(ValueError, match=r"holds none for run key .*missed key setup and setup"):
         _run_config(train, ctx)
     other = StageMachine(None, TrainConfig(hidden=32), RunRecorder(None, stream=None))
     other.run_key = machine.run_key  # the same run key, another config: a stale or forged message
-    _run_config(_as_dicts(_message(other, P.SETUP)), ctx)
+    _run_config(_message(other, P.SETUP), ctx)
     with pytest.raises(ValueError, match=r"names run config '[0-9a-f]{32}'; this node holds '[0-9a-f]{32}'"):
         _run_config(train, ctx)

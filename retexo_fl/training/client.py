@@ -309,8 +309,9 @@ class LazyClient:
     def loaded_model(self, state: StateDict) -> torch.nn.Module:
         """This stage's model holding ``state``.
 
-        Built once a stage and reused: every caller loads a whole state into it, and building
-        (a fresh random init of a 1433-wide encoder, say) cost a third of an in-process run.
+        Built once a stage and reused, also across :meth:`restore` (its shape is a function of the
+        stage): every caller loads a whole state into it, and building (a fresh random init of a
+        1433-wide encoder, say) cost a third of an in-process run.
         """
         if self._model is None or self._model[0] != self.stage:
             self._model = (self.stage, self.make_model())
@@ -539,7 +540,6 @@ class LazyClient:
         self.view = state.get("view")
         self._edges = None
         self._weights = None
-        self._model = None
         if state.get("identity"):
             self.identity = X25519PrivateKey.from_private_bytes(bytes.fromhex(state["identity"]))
         self.halo_round = int(state.get("halo_round", 0))

@@ -60,6 +60,7 @@ def grid(
     splits: list[str] | None = None,
     clients: list[int] | None = None,
     methods: list[str] | None = None,
+    centralized: bool = True,
 ) -> list[dict]:
     datasets = datasets or ["Cora", "CiteSeer"]
     splits = splits or ["public", RETEXO_SPLIT]
@@ -71,19 +72,20 @@ def grid(
     # Seeds outermost: a run cut off early still holds whole seeds of the grid.
     for seed, ds, split, st in itertools.product(seeds, datasets, splits, self_training):
         extra = {"self_training": st} if st else {}
-        jobs.append(
-            {
-                "mode": "centralized",
-                "model": "gcn",
-                "dataset": ds,
-                "split": split,
-                "seed": seed,
-                "hidden": 64,
-                "clients": 1,
-                "method": "-",
-                **extra,
-            }
-        )
+        if centralized:
+            jobs.append(
+                {
+                    "mode": "centralized",
+                    "model": "gcn",
+                    "dataset": ds,
+                    "split": split,
+                    "seed": seed,
+                    "hidden": 64,
+                    "clients": 1,
+                    "method": "-",
+                    **extra,
+                }
+            )
         for model, k, method in itertools.product(models, clients, methods):
             jobs.append(
                 {
@@ -161,7 +163,9 @@ def main() -> int:
     parser.add_argument("--out", default="bench/results/accuracy.json")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--from-jsonl", default="", help="only print the table of runs saved in this file")
+    parser.add_argument(
+        "--from-jsonl", default="", help="only print the table of runs saved in these files (comma list)"
+    )
     parser.add_argument("--seeds", default="0,1,2", help="comma list of seeds (default 0,1,2)")
     parser.add_argument("--models", default="gcn,sage", help="lazy stage convs (default gcn,sage)")
     parser.add_argument("--self-training", default="0", help="self-training passes to run, e.g. 0,1")
@@ -169,11 +173,17 @@ def main() -> int:
     parser.add_argument("--splits", default="", help=f"';'-separated subset of public;{RETEXO_SPLIT}")
     parser.add_argument("--clients", default="", help="subset, e.g. 4 (default 4,10)")
     parser.add_argument("--methods", default="", help="subset, e.g. metis (default metis,random)")
+    parser.add_argument(
+        "--no-centralized",
+        action="store_true",
+        help="skip the centralized rows (already measured; merge files with --from-jsonl for the gaps)",
+    )
     args = parser.parse_args()
 
     if args.from_jsonl:
+        files = [Path(f) for f in args.from_jsonl.split(",")]
         print_table(
-            summarize([json.loads(line) for line in Path(args.from_jsonl).read_text().splitlines() if line])
+            summarize([json.loads(line) for f in files for line in f.read_text().splitlines() if line])
         )
         return 0
     tmp = private_planetoid(args.root)
@@ -191,6 +201,7 @@ def main() -> int:
         args.splits.split(";") if args.splits else None,
         listed(args.clients, int),
         listed(args.methods),
+        centralized=not args.no_centralized,
     )
     out = Path(args.out)
     t0 = time.perf_counter()

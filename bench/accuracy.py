@@ -61,6 +61,7 @@ def grid(
     clients: list[int] | None = None,
     methods: list[str] | None = None,
     centralized: bool = True,
+    pseudo_per_class: int = 0,
 ) -> list[dict]:
     datasets = datasets or ["Cora", "CiteSeer"]
     splits = splits or ["public", RETEXO_SPLIT]
@@ -72,6 +73,8 @@ def grid(
     # Seeds outermost: a run cut off early still holds whole seeds of the grid.
     for seed, ds, split, st in itertools.product(seeds, datasets, splits, self_training):
         extra = {"self_training": st} if st else {}
+        if st and pseudo_per_class:
+            extra["pseudo_per_class"] = pseudo_per_class
         if centralized:
             jobs.append(
                 {
@@ -103,9 +106,9 @@ def grid(
 
 
 def mode_label(row: dict) -> str:
-    """``lazy``, or ``lazy+st1`` with one self-training pass."""
-    st = row.get("self_training", 0)
-    return f"{row['mode']}+st{st}" if st else row["mode"]
+    """``lazy``, ``lazy+st1`` with one self-training pass, ``lazy+st1/pc5`` with 5 labels per class."""
+    st, pc = row.get("self_training", 0), row.get("pseudo_per_class", 0)
+    return f"{row['mode']}+st{st}" + (f"/pc{pc}" if pc else "") if st else row["mode"]
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -174,6 +177,12 @@ def main() -> int:
     parser.add_argument("--clients", default="", help="subset, e.g. 4 (default 4,10)")
     parser.add_argument("--methods", default="", help="subset, e.g. metis (default metis,random)")
     parser.add_argument(
+        "--pseudo-per-class",
+        type=int,
+        default=0,
+        help="self-training labels per class and client (0: no cap)",
+    )
+    parser.add_argument(
         "--no-centralized",
         action="store_true",
         help="skip the centralized rows (already measured; merge files with --from-jsonl for the gaps)",
@@ -202,6 +211,7 @@ def main() -> int:
         listed(args.clients, int),
         listed(args.methods),
         centralized=not args.no_centralized,
+        pseudo_per_class=args.pseudo_per_class,
     )
     out = Path(args.out)
     t0 = time.perf_counter()

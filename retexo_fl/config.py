@@ -39,6 +39,7 @@ class TrainConfig:
     # whole stack is trained again on them, once per pass. The labels never leave the client.
     self_training: int = 0  # extra passes
     pseudo_threshold: float = 0.9
+    pseudo_per_class: int = 0
     rounds: int | list[int] = 200
     local_epochs: int | list[int] = 1
     # One local SGD step (lr 1) per round makes the averaged update the exact full-graph
@@ -132,8 +133,11 @@ class TrainConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.stages < 1:
             raise ValueError(f"stages must be >= 1, got {self.stages}")
-        if self.self_training < 0 or not 0 < self.pseudo_threshold <= 1:
-            raise ValueError("self-training must be >= 0 and pseudo-threshold in (0, 1]")
+        if self.self_training < 0 or not 0 < self.pseudo_threshold <= 1 or self.pseudo_per_class < 0:
+            raise ValueError(
+                "self-training and pseudo-per-class must be >= 0 and pseudo-threshold in (0, 1], got "
+                f"{self.self_training}, {self.pseudo_per_class} and {self.pseudo_threshold}"
+            )
         if self.self_training and self.mode not in ("lazy", "centralized"):
             raise ValueError(f"self-training applies to lazy and centralized mode, not {self.mode}")
         if self.pass_embedding not in ("hidden", "logits"):

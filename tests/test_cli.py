@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
+import pytest
 
 from retexo_fl.cli import main
+from retexo_fl.config import TrainConfig
 
 SUMMARY_KEYS = {
     "test_accuracy",
@@ -126,3 +129,15 @@ def test_compression_flags(tmp_path, capsys):
     assert second > first
     assert main(["train", "--dataset", "sbm:100,2", "--bits", "3", "--rounds", "1"]) == 2
     assert "bits and update-bits" in capsys.readouterr().err
+
+
+def test_the_apps_run_config_is_a_valid_train_config():
+    # Every key a user can override with `flwr run --run-config` must name a setting; a typo in
+    # pyproject.toml would otherwise surface only on a federation.
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    app_config = tomllib.loads(pyproject.read_text())["tool"]["flwr"]["app"]["config"]
+    cfg = TrainConfig.from_mapping(app_config)
+    assert {"self-training", "pseudo-threshold", "pseudo-per-class"} <= set(app_config)
+    assert cfg.pseudo_per_class == 0 and cfg.pseudo_threshold == 0.9

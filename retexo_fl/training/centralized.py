@@ -30,7 +30,8 @@ def run_centralized(part: Partition, cfg: TrainConfig, rec: RunRecorder | None =
     Uses the same GCN normalization as lazy mode and the settings of stage 1
     (``lr``, epochs = ``rounds * local_epochs``); the best-validation epoch's weights are tested.
     With ``self_training`` passes, each pass trains a fresh model on the given labels plus the
-    previous pass's predictions of at least ``pseudo_threshold`` confidence (as lazy mode does).
+    previous pass's predictions of at least ``pseudo_threshold`` confidence, at most
+    ``pseudo_per_class`` per class when set (as lazy mode does, per client).
     """
     rec = rec or RunRecorder(None, stream=None)
     device = resolve_device(cfg.device)
@@ -67,7 +68,7 @@ def run_centralized(part: Partition, cfg: TrainConfig, rec: RunRecorder | None =
     for pass_ in range(1 + cfg.self_training):
         if model is not None:  # self-training: the last pass's confident predictions become labels
             train_y, train_mask = pseudo_labels(
-                predict(model), y, masks["train"], masks["val"], cfg.pseudo_threshold
+                predict(model), y, masks["train"], masks["val"], cfg.pseudo_threshold, cfg.pseudo_per_class
             )
             rec.progress(f"self-training pass {pass_}: {int(train_mask.sum())} training nodes")
         torch.manual_seed(derive_seed(cfg.seed, 0xC3, pass_) if pass_ else derive_seed(cfg.seed, 0xC3))

@@ -437,7 +437,12 @@ class LazyClient:
         model.eval()
         _, logits = self._forward(model)
         self.train_y, self.masks["train"] = pseudo_labels(
-            logits, self.y, self.given_train, self.masks["val"], self.cfg.pseudo_threshold
+            logits,
+            self.y,
+            self.given_train,
+            self.masks["val"],
+            self.cfg.pseudo_threshold,
+            self.cfg.pseudo_per_class,
         )
         self.stage += 1
         self.owned, self.halo = self.raw_features(), None

@@ -7,12 +7,20 @@ from torch import Tensor
 
 
 def pseudo_labels(
-    logits: Tensor, y: Tensor, train_mask: Tensor, val_mask: Tensor, threshold: float
+    logits: Tensor,
+    y: Tensor,
+    train_mask: Tensor,
+    val_mask: Tensor,
+    threshold: float,
+    per_class: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """Labels and training mask extended by predictions made with at least ``threshold`` confidence.
 
     Validation nodes are never labeled, so that model selection stays honest; every other
     node outside the training set is a candidate (its true label, if any, is not read).
+    With ``per_class`` > 0 at most that many candidates are taken per predicted class, the
+    most confident first (Li et al., 2018): a class the model over-predicts then cannot
+    crowd the others out of the new training set.
 
     Args:
         logits: ``[n, C]`` predictions for the owned nodes.
@@ -20,6 +28,7 @@ def pseudo_labels(
         train_mask: ``[n]`` the given training nodes.
         val_mask: ``[n]`` validation nodes, never labeled.
         threshold: softmax probability a prediction needs, in ``(0, 1]``.
+        per_class: the most nodes labeled per predicted class; 0 (default) means no cap.
 
     Returns:
         ``(labels, mask)``: ``[n]`` labels (given ones on training nodes, predicted ones on the
@@ -27,5 +36,13 @@ def pseudo_labels(
     """
     conf, pred = torch.softmax(logits.float(), dim=1).max(dim=1)
     chosen = ~train_mask & ~val_mask & (conf >= threshold)
+    if per_class > 0:
+        capped = torch.zeros_like(chosen)
+        for c in pred[chosen].unique():
+            idx = torch.nonzero(chosen & (pred == c)).view(-1)
+            # Stable, so that ties go to the lower node index on every machine.
+            order = torch.argsort(conf[idx], descending=True, stable=True)
+            capped[idx[order[:per_class]]] = True
+        chosen = capped
     labels = torch.where(train_mask, y, pred.to(y.dtype))
     return labels, train_mask | chosen

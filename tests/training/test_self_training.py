@@ -27,11 +27,33 @@ def test_pseudo_labels_take_confident_predictions_and_never_validation_nodes():
     assert low.tolist() == [True, True, True, True, False]
 
 
+def test_pseudo_labels_per_class_cap_takes_the_most_confident_of_each_class():
+    # Class 0 is over-predicted (four confident nodes), class 1 has one confident node.
+    logits = torch.tensor(
+        [[0.0, 0.0], [6.0, 0.0], [4.0, 0.0], [9.0, 0.0], [5.0, 0.0], [0.0, 5.0], [0.0, 0.1], [0.0, 9.0]]
+    )
+    y = torch.tensor([1, -1, -1, -1, -1, -1, -1, -1])
+    train = torch.tensor([True] + [False] * 7)
+    val = torch.tensor([False] * 7 + [True])  # the most confident class-1 node is never taken
+    labels, mask = pseudo_labels(logits, y, train, val, threshold=0.9, per_class=2)
+    # The two most confident class-0 nodes (3: 9.0, 1: 6.0), the one confident class-1 node (5);
+    # node 6 is under the threshold, which still applies.
+    assert torch.nonzero(mask).view(-1).tolist() == [0, 1, 3, 5]
+    assert labels[mask].tolist() == [1, 0, 0, 1]
+    uncapped = pseudo_labels(logits, y, train, val, threshold=0.9)[1]
+    assert torch.nonzero(uncapped).view(-1).tolist() == [0, 1, 2, 3, 4, 5]
+    # Ties go to the lower index, whatever the order of the sort underneath.
+    tied = pseudo_labels(torch.tensor([[5.0, 0.0]] * 6), y[:6], train[:6], val[:6], 0.9, 3)[1]
+    assert torch.nonzero(tied).view(-1).tolist() == [0, 1, 2, 3]
+
+
 def test_config_refuses_self_training_where_it_does_not_apply():
     with pytest.raises(ValueError, match="self-training"):
         TrainConfig(mode="eager", self_training=1).validate()
     with pytest.raises(ValueError, match="pseudo-threshold"):
         TrainConfig(pseudo_threshold=0.0).validate()
+    with pytest.raises(ValueError, match="pseudo-per-class"):
+        TrainConfig(pseudo_per_class=-1).validate()
     cfg = TrainConfig(stages=3, self_training=2)
     assert cfg.total_stages == 9 and [cfg.layer(s) for s in (0, 2, 3, 8)] == [0, 2, 0, 2]
 
@@ -75,6 +97,25 @@ def test_relabel_is_local_and_survives_save_and_restore(sbm, tmp_path):
     assert fresh.restore(tmp_path)
     assert fresh.stage == 2 and fresh.num_train == client.num_train
     assert torch.equal(fresh.train_y[fresh.masks["train"]], client.train_y[client.masks["train"]])
+
+
+def test_relabel_caps_labels_per_class(sbm):
+    cfg = TrainConfig(stages=2, hidden=8, seed=0, self_training=1, pseudo_threshold=0.4)
+    part = partition_graph(sbm, 1, "metis", seed=0)[0]
+    counts = {}
+    for per_class in (0, 3):
+        client = LazyClient(part, TrainConfig(**{**cfg.to_dict(), "pseudo_per_class": per_class}))
+        client.stage = 1
+        client.halo_degree = torch.zeros(0)
+        client.owned = torch.randn(part.num_nodes, 8, generator=torch.Generator().manual_seed(0))
+        client.halo = torch.zeros(0, 8)
+        given = client.num_train
+        client.next_stage(client.make_model().state_dict())
+        new = client.masks["train"] & ~client.given_train
+        counts[per_class] = torch.bincount(client.train_y[new], minlength=part.num_classes)
+        assert client.num_train == given + int(new.sum())
+    assert counts[3].max() <= 3 < counts[0].max()
+    assert counts[3].sum() > 0
 
 
 def test_centralized_self_training_pass(sbm):

@@ -133,9 +133,9 @@ class TrainConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.stages < 1:
             raise ValueError(f"stages must be >= 1, got {self.stages}")
-        if self.self_training < 0 or not 0 < self.pseudo_threshold <= 1 or self.pseudo_per_class < 0:
+        if self.self_training < 0 or not 0 <= self.pseudo_threshold <= 1 or self.pseudo_per_class < 0:
             raise ValueError(
-                "self-training and pseudo-per-class must be >= 0 and pseudo-threshold in (0, 1], got "
+                "self-training and pseudo-per-class must be >= 0 and pseudo-threshold in [0, 1], got "
                 f"{self.self_training}, {self.pseudo_per_class} and {self.pseudo_threshold}"
             )
         if self.self_training and self.mode not in ("lazy", "centralized"):

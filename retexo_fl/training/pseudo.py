@@ -27,7 +27,8 @@ def pseudo_labels(
         y: ``[n]`` labels; only the training nodes' are kept.
         train_mask: ``[n]`` the given training nodes.
         val_mask: ``[n]`` validation nodes, never labeled.
-        threshold: softmax probability a prediction needs, in ``(0, 1]``.
+        threshold: softmax probability a prediction needs, in ``[0, 1]``; 0 with ``per_class``
+            takes the most confident ``per_class`` of each class, however confident.
         per_class: the most nodes labeled per predicted class; 0 (default) means no cap.
 
     Returns:

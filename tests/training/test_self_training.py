@@ -40,6 +40,8 @@ def test_pseudo_labels_per_class_cap_takes_the_most_confident_of_each_class():
     # node 6 is under the threshold, which still applies.
     assert torch.nonzero(mask).view(-1).tolist() == [0, 1, 3, 5]
     assert labels[mask].tolist() == [1, 0, 0, 1]
+    floorless = pseudo_labels(logits, y, train, val, threshold=0.0, per_class=2)[1]
+    assert torch.nonzero(floorless).view(-1).tolist() == [0, 1, 3, 5, 6]  # node 6 at p = 0.52
     uncapped = pseudo_labels(logits, y, train, val, threshold=0.9)[1]
     assert torch.nonzero(uncapped).view(-1).tolist() == [0, 1, 2, 3, 4, 5]
     # Ties go to the lower index, whatever the order of the sort underneath.
@@ -51,7 +53,7 @@ def test_config_refuses_self_training_where_it_does_not_apply():
     with pytest.raises(ValueError, match="self-training"):
         TrainConfig(mode="eager", self_training=1).validate()
     with pytest.raises(ValueError, match="pseudo-threshold"):
-        TrainConfig(pseudo_threshold=0.0).validate()
+        TrainConfig(pseudo_threshold=1.5).validate()
     with pytest.raises(ValueError, match="pseudo-per-class"):
         TrainConfig(pseudo_per_class=-1).validate()
     cfg = TrainConfig(stages=3, self_training=2)

@@ -62,6 +62,7 @@ def grid(
     methods: list[str] | None = None,
     centralized: bool = True,
     pseudo_per_class: int = 0,
+    pseudo_threshold: float | None = None,
 ) -> list[dict]:
     datasets = datasets or ["Cora", "CiteSeer"]
     splits = splits or ["public", RETEXO_SPLIT]
@@ -75,6 +76,8 @@ def grid(
         extra = {"self_training": st} if st else {}
         if st and pseudo_per_class:
             extra["pseudo_per_class"] = pseudo_per_class
+        if st and pseudo_threshold is not None:
+            extra["pseudo_threshold"] = pseudo_threshold
         if centralized:
             jobs.append(
                 {
@@ -106,9 +109,11 @@ def grid(
 
 
 def mode_label(row: dict) -> str:
-    """``lazy``, ``lazy+st1`` with one self-training pass, ``lazy+st1/pc5`` with 5 labels per class."""
-    st, pc = row.get("self_training", 0), row.get("pseudo_per_class", 0)
-    return f"{row['mode']}+st{st}" + (f"/pc{pc}" if pc else "") if st else row["mode"]
+    """``lazy``; ``lazy+st1``: one self-training pass; ``lazy+st1/pc5/t0``: 5 a class, threshold 0."""
+    st, pc, t = row.get("self_training", 0), row.get("pseudo_per_class", 0), row.get("pseudo_threshold")
+    if not st:
+        return row["mode"]
+    return f"{row['mode']}+st{st}" + (f"/pc{pc}" if pc else "") + (f"/t{t:g}" if t is not None else "")
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -183,6 +188,9 @@ def main() -> int:
         help="self-training labels per class and client (0: no cap)",
     )
     parser.add_argument(
+        "--pseudo-threshold", type=float, default=None, help="self-training confidence floor (default 0.9)"
+    )
+    parser.add_argument(
         "--no-centralized",
         action="store_true",
         help="skip the centralized rows (already measured; merge files with --from-jsonl for the gaps)",
@@ -212,6 +220,7 @@ def main() -> int:
         listed(args.methods),
         centralized=not args.no_centralized,
         pseudo_per_class=args.pseudo_per_class,
+        pseudo_threshold=args.pseudo_threshold,
     )
     out = Path(args.out)
     t0 = time.perf_counter()

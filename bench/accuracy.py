@@ -60,7 +60,7 @@ def grid(
     splits: list[str] | None = None,
     clients: list[int] | None = None,
     methods: list[str] | None = None,
-    centralized: bool = True,
+    modes: Sequence[str] = ("centralized", "lazy"),
     pseudo_per_class: int = 0,
     pseudo_threshold: float | None = None,
 ) -> list[dict]:
@@ -78,7 +78,7 @@ def grid(
             extra["pseudo_per_class"] = pseudo_per_class
         if st and pseudo_threshold is not None:
             extra["pseudo_threshold"] = pseudo_threshold
-        if centralized:
+        if "centralized" in modes:
             jobs.append(
                 {
                     "mode": "centralized",
@@ -92,7 +92,7 @@ def grid(
                     **extra,
                 }
             )
-        for model, k, method in itertools.product(models, clients, methods):
+        for model, k, method in itertools.product(models if "lazy" in modes else [], clients, methods):
             jobs.append(
                 {
                     "mode": "lazy",
@@ -191,9 +191,9 @@ def main() -> int:
         "--pseudo-threshold", type=float, default=None, help="self-training confidence floor (default 0.9)"
     )
     parser.add_argument(
-        "--no-centralized",
-        action="store_true",
-        help="skip the centralized rows (already measured; merge files with --from-jsonl for the gaps)",
+        "--modes",
+        default="centralized,lazy",
+        help="rows to run (default both; merge files with --from-jsonl for the gaps of lazy-only runs)",
     )
     args = parser.parse_args()
 
@@ -218,7 +218,7 @@ def main() -> int:
         args.splits.split(";") if args.splits else None,
         listed(args.clients, int),
         listed(args.methods),
-        centralized=not args.no_centralized,
+        modes=args.modes.split(","),
         pseudo_per_class=args.pseudo_per_class,
         pseudo_threshold=args.pseudo_threshold,
     )

@@ -39,7 +39,7 @@ class TrainConfig:
     # whole stack is trained again on them, once per pass. The labels never leave the client.
     self_training: int = 0  # extra passes
     pseudo_threshold: float = 0.9
-    pseudo_per_class: int = 0
+    pseudo_per_class: int = 0  # at most this many new labels per predicted class and client; 0: no cap
     rounds: int | list[int] = 200
     local_epochs: int | list[int] = 1
     # One local SGD step (lr 1) per round makes the averaged update the exact full-graph

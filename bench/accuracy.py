@@ -116,7 +116,19 @@ def mode_label(row: dict) -> str:
     return f"{row['mode']}+st{st}" + (f"/pc{pc}" if pc else "") + (f"/t{t:g}" if t is not None else "")
 
 
+RESULT_KEYS = ("test_accuracy", "val_accuracy", "bytes_boundary", "bytes_model", "wall_seconds")
+
+
+def latest_runs(rows: list[dict]) -> list[dict]:
+    """One row per run setting (seed included): the last, where merged files repeat a run."""
+    by_setting = {
+        json.dumps({k: v for k, v in r.items() if k not in RESULT_KEYS}, sort_keys=True): r for r in rows
+    }
+    return list(by_setting.values())
+
+
 def summarize(rows: list[dict]) -> list[dict]:
+    rows = latest_runs(rows)
     keyf = ("dataset", "split", "mode", "model", "clients", "method")
     groups: dict[tuple, list[dict]] = {}
     for r in rows:

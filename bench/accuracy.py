@@ -146,6 +146,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                 **dict(zip(keyf, key, strict=True)),
                 "seeds": len(rs),
                 "test_mean": statistics.mean(accs),
+                "val_mean": statistics.mean(r["val_accuracy"] for r in rs),
                 "test_std": statistics.pstdev(accs),
                 "gap_to_centralized": statistics.mean(accs) - statistics.mean(central) if central else None,
                 "bytes_boundary": statistics.mean(r["bytes_boundary"] for r in rs),
@@ -154,6 +155,28 @@ def summarize(rows: list[dict]) -> list[dict]:
             }
         )
     return table
+
+
+def pick_by_validation(table: list[dict]) -> list[dict]:
+    """Per lazy cell (dataset, split, model, clients, partitioner), the variant of best mean validation.
+
+    Variants are the modes measured (``lazy``, ``lazy+st1``, ``lazy+st2``, ...) over the cell's
+    largest number of seeds; test accuracy plays no part in the choice.
+    """
+    cells: dict[tuple, list[dict]] = {}
+    for r in table:
+        if r["mode"].startswith("lazy"):
+            cells.setdefault((r["dataset"], r["split"], r["model"], r["clients"], r["method"]), []).append(r)
+    picked = []
+    for rs in cells.values():
+        most = max(r["seeds"] for r in rs)
+        candidates = [r for r in rs if r["seeds"] == most]
+        best = max(candidates, key=lambda r: r["val_mean"])
+        others = [
+            f"{r['mode']} {r['val_mean']:.3f}/{r['test_mean']:.3f}" for r in candidates if r is not best
+        ]
+        picked.append({**best, "others": others})
+    return picked
 
 
 def print_table(table: list[dict]) -> None:
@@ -186,7 +209,11 @@ def main() -> int:
     parser.add_argument(
         "--from-jsonl", default="", help="only print the table of runs saved in these files (comma list)"
     )
-    parser.add_argument("--seeds", default="0,1,2", help="comma list of seeds (default 0,1,2)")
+    parser.add_argument(
+        "--seeds",
+        default="0,1,2",
+        help="comma list of seeds to run, or to count with --from-jsonl (default 0,1,2)",
+    )
     parser.add_argument("--models", default="gcn,sage", help="lazy stage convs (default gcn,sage)")
     parser.add_argument("--self-training", default="0", help="self-training passes to run, e.g. 0,1")
     parser.add_argument("--datasets", default="", help="subset, e.g. Cora (default Cora,CiteSeer)")
@@ -203,6 +230,12 @@ def main() -> int:
         "--pseudo-threshold", type=float, default=None, help="self-training confidence floor (default 0.9)"
     )
     parser.add_argument(
+        "--by-validation",
+        action="store_true",
+        help="with --from-jsonl: one row per lazy cell, the variant (lazy, +st1, +st2, ...) of best "
+        "mean validation accuracy over the cell's seeds",
+    )
+    parser.add_argument(
         "--modes",
         default="centralized,lazy",
         help="rows to run (default both; merge files with --from-jsonl for the gaps of lazy-only runs)",
@@ -211,9 +244,20 @@ def main() -> int:
 
     if args.from_jsonl:
         files = [Path(f) for f in args.from_jsonl.split(",")]
-        print_table(
-            summarize([json.loads(line) for f in files for line in f.read_text().splitlines() if line])
-        )
+        seeds = {int(v) for v in args.seeds.split(",")}
+        rows = [json.loads(line) for f in files for line in f.read_text().splitlines() if line]
+        table = summarize([r for r in rows if r["seed"] in seeds])
+        if args.by_validation:
+            table = [r for r in table if r["mode"].startswith("centralized")] + pick_by_validation(table)
+        print_table(table)
+        if args.by_validation:
+            print("\nchosen on validation (val/test of the others):")
+            for r in table:
+                if r.get("others"):
+                    print(
+                        f"  {r['dataset']} {r['split']} {r['model']} K={r['clients']} {r['method']}: "
+                        f"{r['mode']} (val {r['val_mean']:.3f}) over {', '.join(r['others'])}"
+                    )
         return 0
     tmp = private_planetoid(args.root)
 

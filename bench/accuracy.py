@@ -182,7 +182,7 @@ def pick_by_validation(table: list[dict]) -> list[dict]:
 def print_table(table: list[dict]) -> None:
     head = (
         f"{'dataset':9} {'split':22} {'mode':16} {'model':5} {'K':>3} {'part':7} {'test acc':>15} "
-        f"{'gap':>7} {'boundary B':>12} {'model B':>12} {'s':>6}"
+        f"{'gap':>7} {'n':>2} {'boundary B':>12} {'model B':>12} {'s':>6}"
     )
     print(head)
     print("-" * len(head))
@@ -195,7 +195,7 @@ def print_table(table: list[dict]) -> None:
         print(
             f"{r['dataset']:9} {r['split']:22} {r['mode']:16} {r['model']:5} {r['clients']:>3} "
             f"{r['method']:7} "
-            f"{r['test_mean']:.4f}±{r['test_std']:.4f} {gap:>7} {r['bytes_boundary']:>12.0f} "
+            f"{r['test_mean']:.4f}±{r['test_std']:.4f} {gap:>7} {r['seeds']:>2} {r['bytes_boundary']:>12.0f} "
             f"{r['bytes_model']:>12.0f} {r['seconds']:>6.1f}"
         )
 

@@ -107,18 +107,3 @@ class ModelBroadcast:
             return sum(t.numel() * t.element_size() for t in (self.view or {}).values())
         return UpdateCodec.nbytes(self.frames)
 
-
-def apply_updates(
-    state: StateDict, view: StateDict, states: list[StateDict], weights: list[float]
-) -> StateDict:
-    """``state`` plus the weighted mean of the clients' updates ``states[i] - view``.
-
-    When clients trained from the state itself (``view is state``) this is plain FedAvg.
-    """
-    from retexo_fl.training.aggregate import weighted_average
-
-    if view is state:
-        return weighted_average(states, weights)
-    deltas = [{k: s[k].float() - view[k].float() for k in view} for s in states]
-    mean = weighted_average(deltas, weights)
-    return {k: (state[k].float() + mean[k]).to(state[k].dtype) for k in state}

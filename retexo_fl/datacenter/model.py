@@ -6,7 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from retexo_fl.datacenter.spmm import DistributedSpMM, column_linear, gather_columns, spmm
-from retexo_fl.training.client import derive_seed
+from retexo_fl.seeding import derive_seed
 
 _M32 = 0xFFFFFFFF
 

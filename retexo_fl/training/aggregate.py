@@ -86,3 +86,17 @@ class ServerOptimizer:
                 p.grad = p.data - average[k].to(p.dtype)
             self.opt.step()
         return {k: p.detach().clone() for k, p in self.params.items()}
+
+
+def apply_updates(
+    state: StateDict, view: StateDict, states: list[StateDict], weights: list[float]
+) -> StateDict:
+    """``state`` plus the weighted mean of the clients' updates ``states[i] - view``.
+
+    When clients trained from the state itself (``view is state``) this is plain FedAvg.
+    """
+    if view is state:
+        return weighted_average(states, weights)
+    deltas = [{k: s[k].float() - view[k].float() for k in view} for s in states]
+    mean = weighted_average(deltas, weights)
+    return {k: (state[k].float() + mean[k]).to(state[k].dtype) for k in state}

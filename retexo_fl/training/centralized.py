@@ -13,7 +13,7 @@ from retexo_fl.data.partition import Partition
 from retexo_fl.metrics import RunRecorder
 from retexo_fl.models.gnn import GNN
 from retexo_fl.plan import BoundaryPlan, LocalGraph
-from retexo_fl.training.client import derive_seed, resolve_device
+from retexo_fl.seeding import derive_seed, resolve_device
 from retexo_fl.training.pseudo import pseudo_labels
 
 

@@ -15,6 +15,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from retexo_fl.seeding import derive_seed
+from retexo_fl.training.aggregate import apply_updates
+
 StateDict = dict[str, Tensor]
 
 
@@ -66,7 +69,6 @@ class UpdatePrivacy:
         )
         from flwr.supercore.privacy_accounting import GaussianPrivacyEvent
 
-        from retexo_fl.training.client import derive_seed
 
         keys = list(view)
         deltas = []
@@ -127,8 +129,6 @@ def aggregate_round(
     tag: tuple[int, ...],
 ) -> StateDict:
     """One round's aggregate before the server optimizer: FedAvg, or DP-FedAvg with ``privacy``."""
-    from retexo_fl.compress.updates import apply_updates
-
     if privacy is None:
         return apply_updates(state, view, states, weights)
     return privacy.aggregate(state, view, states, tag)

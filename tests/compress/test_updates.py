@@ -44,7 +44,8 @@ def test_sizes_shrink_and_bad_frames_fail():
 
 
 def test_broadcast_view_tracks_the_state():
-    from retexo_fl.compress.updates import ModelBroadcast, apply_updates
+    from retexo_fl.compress.updates import ModelBroadcast
+    from retexo_fl.training.aggregate import apply_updates
     from retexo_fl.training.aggregate import weighted_average
 
     gen = torch.Generator().manual_seed(2)

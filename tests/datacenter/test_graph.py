@@ -18,7 +18,7 @@ from retexo_fl.datacenter.model import ReferenceGCN, initial_weights
 from retexo_fl.models.gnn import GNN
 from retexo_fl.plan import BoundaryPlan, LocalGraph
 from retexo_fl.training.centralized import whole_graph_partition
-from retexo_fl.training.client import derive_seed
+from retexo_fl.seeding import derive_seed
 
 
 def _write(parts, root, bound: bool):

@@ -1,23 +1,260 @@
-"""Run configuration shared by the CLI, the in-process engines and the Flower apps."""
+"""Run configuration shared by the CLI, the in-process engines and the Flower apps.
+
+:class:`TrainConfig` is the one flat set of settings users see (kebab-case run-config / CLI
+keys). Its fields are grouped into typed, read-only sections, each validated by the package it
+belongs to:
+
+============================  ==========================================================
+``cfg.data``                  :class:`~retexo_fl.data.settings.DataSettings`
+``cfg.architecture``          :class:`ModelSettings` (``cfg.model`` is the GNN kind)
+``cfg.training``              :class:`TrainingSettings`
+``cfg.compression``           :class:`~retexo_fl.compress.settings.CompressionSettings`
+``cfg.security``              :class:`~retexo_fl.secure.settings.SecuritySettings`
+``cfg.failures``              :class:`FailureSettings`
+``cfg.datacenter``            :class:`~retexo_fl.datacenter.settings.DatacenterSettings`
+============================  ==========================================================
+
+The section modules import nothing from here, so no package that owns a section imports this
+module either.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+from retexo_fl.compress.settings import CompressionSettings
+from retexo_fl.data.settings import DataSettings
+from retexo_fl.datacenter.settings import DatacenterSettings
+from retexo_fl.secure.settings import SecuritySettings
 
 MODES = ("lazy", "eager", "local", "centralized", "datacenter")
-ALGORITHMS = ("1d", "1.5d", "2d", "3d")
-BIT_POLICIES = ("fixed", "adaptive-budget", "adaptive-bandwidth")
 PER_STAGE = ("rounds", "local_epochs", "lr", "server_lr", "dropout", "input_dropout")
+
+_Section = TypeVar("_Section")
+
+
+def stage_value(name: str, value: Any, stage: int) -> Any:
+    """The value of per-stage setting ``name`` for ``stage``: the last list entry repeats.
+
+    Args:
+        name (str): the setting's name (for the error message).
+        value (Any): one value for every stage, or a list with one value per stage.
+        stage (int): the stage.
+    """
+    if isinstance(value, list | tuple):
+        if not value:
+            raise ValueError(f"{name}: empty list")
+        return value[min(stage, len(value) - 1)]
+    return value
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    r"""The model stack: the GNN kind, its depth and widths, its regularization.
+
+    The ``architecture`` section of :class:`TrainConfig`.
+
+    Args:
+        model (str, optional): the conv of stages :math:`\geq 1`: ``"gcn"``, ``"sage"``,
+            ``"sage-max"`` or ``"gat"``. (default: :obj:`"gcn"`)
+        stages (int, optional): stages of a lazy run (stage 0 is the MLP; ``K`` stages are
+            ``K - 1`` GNN layers). (default: :obj:`5`)
+        central_layers (int, optional): layers of the centralized (end-to-end) reference GNN.
+            (default: :obj:`2`)
+        hidden (int, optional): hidden width. (default: :obj:`256`)
+        pass_embedding (str, optional): what the next stage receives, ``"hidden"`` or
+            ``"logits"``. (default: :obj:`"hidden"`)
+        norm (str, optional): the normalization after each layer. (default: :obj:`"layer"`)
+        heads (int, optional): attention heads of ``gat``. (default: :obj:`4`)
+        dropout (float or list[float], optional): dropout, one value or one per stage.
+            (default: :obj:`0.5`)
+        input_dropout (float or list[float], optional): dropout of each stage's input, one value
+            or one per stage. (default: :obj:`0.5`)
+    """
+
+    model: str = "gcn"
+    stages: int = 5
+    central_layers: int = 2
+    hidden: int = 256
+    pass_embedding: str = "hidden"
+    norm: str = "layer"
+    heads: int = 4
+    dropout: float | list[float] = 0.5
+    input_dropout: float | list[float] = 0.5
+
+    def validate(self) -> ModelSettings:
+        """Raise :class:`ValueError` naming the first bad setting; return ``self`` otherwise."""
+        if self.stages < 1:
+            raise ValueError(f"stages must be >= 1, got {self.stages}")
+        if self.pass_embedding not in ("hidden", "logits"):
+            raise ValueError(f"pass-embedding must be hidden or logits, got {self.pass_embedding!r}")
+        return self
+
+
+@dataclass(frozen=True)
+class TrainingSettings:
+    r"""How a run trains: the mode, the per-stage schedule, optimizers, self-training, resources.
+
+    The ``training`` section of :class:`TrainConfig`. ``rounds``, ``local_epochs``, ``lr`` and
+    ``server_lr`` take one value for every stage or a list with one value per stage.
+
+    Args:
+        mode (str, optional): ``"lazy"`` (RETEXO), ``"eager"``, ``"local"``, ``"centralized"`` or
+            ``"datacenter"``. (default: :obj:`"lazy"`)
+        seed (int, optional): the run's root seed; every other seed derives from it.
+            (default: :obj:`0`)
+        rounds (int or list[int], optional): rounds per stage. (default: :obj:`200`)
+        local_epochs (int or list[int], optional): local epochs per round. (default: :obj:`1`)
+        optimizer (str, optional): the clients' optimizer, ``"sgd"`` or ``"adam"``.
+            (default: :obj:`"sgd"`)
+        momentum (float, optional): the clients' SGD momentum. (default: :obj:`0.0`)
+        lr (float or list[float], optional): the clients' learning rate. (default: :obj:`1.0`)
+        server_optimizer (str, optional): ``"avg"`` (FedAvg) or ``"adam"`` (FedAdam on the
+            averaged update). (default: :obj:`"adam"`)
+        server_lr (float or list[float], optional): the server optimizer's learning rate.
+            (default: :obj:`0.01`)
+        weight_decay (float, optional): L2 weight decay. (default: :obj:`5e-4`)
+        patience (int, optional): rounds without a better validation accuracy before a stage
+            stops early; :obj:`0` never stops. (default: :obj:`0`)
+        self_training (int, optional): extra passes over all stages on each client's own confident
+            predictions (lazy, centralized). (default: :obj:`0`)
+        pseudo_threshold (float, optional): softmax confidence a prediction needs to become a
+            self-training label. (default: :obj:`0.9`)
+        pseudo_per_class (int, optional): the most self-training labels per predicted class and
+            client; :obj:`0` for no cap. (default: :obj:`0`)
+        profile (str, optional): ``"default"``, or ``"edge"`` for small clients (CPU, one thread,
+            chunked embeddings, 8-bit payloads where those are left at their defaults).
+            (default: :obj:`"default"`)
+        device (str, optional): ``"auto"``, ``"cpu"`` or ``"cuda[:i]"``. (default: :obj:`"auto"`)
+        threads (int, optional): torch threads per client; :obj:`0` for torch's default.
+            (default: :obj:`0`)
+        chunk_rows (int, optional): compute embeddings for this many target rows at a time;
+            :obj:`0` for all at once. (default: :obj:`0`)
+        round_seconds (float, optional): local mode's seconds of local training per round;
+            :obj:`0` uses ``local_epochs``. (default: :obj:`0.0`)
+        step_delay (str, optional): ``"P:seconds,..."`` slows client ``P`` down per step
+            (emulation). (default: :obj:`""`)
+        out_dir (str, optional): the run folder for ``config.json``, ``events.jsonl`` and
+            ``summary.json``; empty writes none. (default: :obj:`""`)
+    """
+
+    mode: str = "lazy"
+    seed: int = 0
+    rounds: int | list[int] = 200
+    local_epochs: int | list[int] = 1
+    optimizer: str = "sgd"
+    momentum: float = 0.0
+    lr: float | list[float] = 1.0
+    server_optimizer: str = "adam"
+    server_lr: float | list[float] = 0.01
+    weight_decay: float = 5e-4
+    patience: int = 0
+    self_training: int = 0
+    pseudo_threshold: float = 0.9
+    pseudo_per_class: int = 0
+    profile: str = "default"
+    device: str = "auto"
+    threads: int = 0
+    chunk_rows: int = 0
+    round_seconds: float = 0.0
+    step_delay: str = ""
+    out_dir: str = ""
+
+    def validate(self, stages: int = 1) -> TrainingSettings:
+        """Raise :class:`ValueError` naming the first bad setting; return ``self`` otherwise.
+
+        Args:
+            stages (int, optional): the run's stage count, over which the per-stage values are
+                checked. (default: :obj:`1`)
+        """
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.self_training < 0 or not 0 <= self.pseudo_threshold <= 1 or self.pseudo_per_class < 0:
+            raise ValueError(
+                "self-training and pseudo-per-class must be >= 0 and pseudo-threshold in [0, 1], got "
+                f"{self.self_training}, {self.pseudo_per_class} and {self.pseudo_threshold}"
+            )
+        if self.self_training and self.mode not in ("lazy", "centralized"):
+            raise ValueError(f"self-training applies to lazy and centralized mode, not {self.mode}")
+        if self.server_optimizer not in ("avg", "adam"):
+            raise ValueError(f"server-optimizer must be avg or adam, got {self.server_optimizer!r}")
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"optimizer must be adam or sgd, got {self.optimizer!r}")
+        if self.profile not in ("default", "edge"):
+            raise ValueError(f"profile must be default or edge, got {self.profile!r}")
+        if self.threads < 0 or self.chunk_rows < 0:
+            raise ValueError("threads and chunk-rows must be >= 0")
+        for name in ("rounds", "local_epochs"):
+            for s in range(stages):
+                if int(stage_value(name, getattr(self, name), s)) < 0:
+                    raise ValueError(f"{name} must be >= 0")
+        return self
+
+
+@dataclass(frozen=True)
+class FailureSettings:
+    r"""Client failures (Flower engines): how many clients a run needs and how it continues.
+
+    The ``failures`` section of :class:`TrainConfig`.
+
+    Args:
+        min_clients (int, optional): continue while at least this many clients remain;
+            :obj:`0` means every client, so a lost client ends the run. (default: :obj:`0`)
+        on_missing_halo (str, optional): what replaces a lost client's boundary rows, ``"fail"``,
+            ``"zero"`` or ``"reuse-last"``. (default: :obj:`"fail"`)
+        client_timeout (float, optional): seconds the server waits for each message's replies.
+            (default: :obj:`300.0`)
+        resume (str, optional): a lazy run's folder (``out-dir``) to continue from its last
+            checkpoint. (default: :obj:`""`)
+    """
+
+    min_clients: int = 0
+    on_missing_halo: str = "fail"
+    client_timeout: float = 300.0
+    resume: str = ""
+
+    def validate(self, clients: int) -> FailureSettings:
+        """Raise :class:`ValueError` naming the first bad setting; return ``self`` otherwise.
+
+        Args:
+            clients (int): the run's client count, the most ``min_clients`` may be.
+        """
+        if self.on_missing_halo not in ("fail", "zero", "reuse-last"):
+            raise ValueError(
+                f"on-missing-halo must be fail, zero or reuse-last, got {self.on_missing_halo!r}"
+            )
+        if not 0 <= self.min_clients <= clients:
+            raise ValueError(f"min-clients must be in [0, clients={clients}], got {self.min_clients}")
+        if self.client_timeout <= 0:
+            raise ValueError(f"client-timeout must be > 0 seconds, got {self.client_timeout}")
+        return self
+
+
+#: Section name (the :class:`TrainConfig` property) -> its dataclass; every field of
+#: :class:`TrainConfig` but ``extra`` belongs to exactly one.
+SECTIONS: dict[str, type] = {
+    "data": DataSettings,
+    "architecture": ModelSettings,
+    "training": TrainingSettings,
+    "compression": CompressionSettings,
+    "security": SecuritySettings,
+    "failures": FailureSettings,
+    "datacenter": DatacenterSettings,
+}
 
 
 @dataclass
 class TrainConfig:
     """Every setting of a training run; kebab-case names are the run-config / CLI keys.
 
-    Per-stage settings (``rounds``, ``local_epochs``, ``lr``) take one value for every stage or
-    a list with one value per stage.
+    The fields are flat (``cfg.bits``, ``cfg.hidden``) and grouped into read-only typed sections
+    (``cfg.data``, ``cfg.architecture``, ``cfg.training``, ``cfg.compression``, ``cfg.security``,
+    ``cfg.failures``, ``cfg.datacenter``; see :data:`SECTIONS`), whose classes document every
+    setting and validate their own values. Per-stage settings (``rounds``, ``local_epochs``,
+    ``lr``, ``server_lr``, ``dropout``, ``input_dropout``) take one value for every stage or a
+    list with one value per stage. ``extra`` holds free-form settings outside every section.
     """
 
     mode: str = "lazy"
@@ -106,6 +343,48 @@ class TrainConfig:
             self.update_bits = 8 if self.update_bits == 32 else self.update_bits
             self.broadcast_bits = 8 if self.broadcast_bits == 32 else self.broadcast_bits
 
+    def _section(self, cls: type[_Section]) -> _Section:
+        return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
+
+    @property
+    def data(self) -> DataSettings:
+        """The data section: dataset, split, clients and partitions."""
+        return self._section(DataSettings)
+
+    @property
+    def architecture(self) -> ModelSettings:
+        """The model section (``model`` itself is the GNN kind, one of its fields)."""
+        return self._section(ModelSettings)
+
+    @property
+    def training(self) -> TrainingSettings:
+        """The training section: mode, schedule, optimizers, self-training, resources."""
+        return self._section(TrainingSettings)
+
+    @property
+    def compression(self) -> CompressionSettings:
+        """The compression section, what :class:`~retexo_fl.compress.boundary.BoundaryEncoder` takes."""
+        return self._section(CompressionSettings)
+
+    @property
+    def security(self) -> SecuritySettings:
+        """The security section: encryption, keys, audit and differential privacy."""
+        return self._section(SecuritySettings)
+
+    @property
+    def failures(self) -> FailureSettings:
+        """The client-failure section of the Flower engines."""
+        return self._section(FailureSettings)
+
+    @property
+    def datacenter(self) -> DatacenterSettings:
+        """The data-center section."""
+        return self._section(DatacenterSettings)
+
+    def sections(self) -> dict[str, Any]:
+        """Every section by its name in :data:`SECTIONS`."""
+        return {name: self._section(cls) for name, cls in SECTIONS.items()}
+
     @property
     def total_stages(self) -> int:
         """Stages of a lazy run over all self-training passes."""
@@ -121,82 +400,26 @@ class TrainConfig:
 
     def per_stage(self, name: str, stage: int) -> Any:
         """The value of a per-stage setting for ``stage`` (the last list entry repeats)."""
-        value = getattr(self, name)
-        if isinstance(value, list | tuple):
-            if not value:
-                raise ValueError(f"{name}: empty list")
-            return value[min(stage, len(value) - 1)]
-        return value
+        return stage_value(name, getattr(self, name), stage)
 
     def validate(self) -> TrainConfig:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.stages < 1:
-            raise ValueError(f"stages must be >= 1, got {self.stages}")
-        if self.self_training < 0 or not 0 <= self.pseudo_threshold <= 1 or self.pseudo_per_class < 0:
-            raise ValueError(
-                "self-training and pseudo-per-class must be >= 0 and pseudo-threshold in [0, 1], got "
-                f"{self.self_training}, {self.pseudo_per_class} and {self.pseudo_threshold}"
-            )
-        if self.self_training and self.mode not in ("lazy", "centralized"):
-            raise ValueError(f"self-training applies to lazy and centralized mode, not {self.mode}")
-        if self.pass_embedding not in ("hidden", "logits"):
-            raise ValueError(f"pass-embedding must be hidden or logits, got {self.pass_embedding!r}")
-        if self.server_optimizer not in ("avg", "adam"):
-            raise ValueError(f"server-optimizer must be avg or adam, got {self.server_optimizer!r}")
-        if self.optimizer not in ("adam", "sgd"):
-            raise ValueError(f"optimizer must be adam or sgd, got {self.optimizer!r}")
-        if self.clients < 1:
-            raise ValueError(f"clients must be >= 1, got {self.clients}")
-        from retexo_fl.compress.quantize import ALL_BITS, RANGE_DTYPES
-        from retexo_fl.compress.schedule import RateSchedule
+        """Run every section's checks (and those across sections); return ``self``.
 
-        if self.broadcast_bits not in ALL_BITS:
-            raise ValueError(f"broadcast-bits must be one of {ALL_BITS}, got {self.broadcast_bits}")
-        if self.bits not in ALL_BITS or self.update_bits not in ALL_BITS:
-            raise ValueError(
-                f"bits and update-bits must be one of {ALL_BITS}, got {self.bits}, {self.update_bits}"
-            )
-        if self.bit_policy not in BIT_POLICIES:
-            raise ValueError(f"bit-policy must be one of {BIT_POLICIES}, got {self.bit_policy!r}")
-        if self.range_dtype not in RANGE_DTYPES:
-            raise ValueError(f"range-dtype must be fp16 or bf16, got {self.range_dtype!r}")
-        if self.bit_policy == "adaptive-budget" and not self.byte_budget and self.rate_schedule == "fixed":
-            raise ValueError(
-                "bit-policy adaptive-budget needs byte-budget (bytes, or e.g. 4b) or a rate-schedule"
-            )
-        if self.bit_policy == "adaptive-bandwidth" and not self.link_bandwidths:
-            raise ValueError("bit-policy adaptive-bandwidth needs link-bandwidths")
-        RateSchedule.parse(self.rate_schedule)
-        if self.dp_noise < 0 or self.dp_clip <= 0 or not 0 < self.dp_delta < 1:
-            raise ValueError("dp-noise must be >= 0, dp-clip > 0 and dp-delta in (0, 1)")
-        if self.on_missing_halo not in ("fail", "zero", "reuse-last"):
-            raise ValueError(
-                f"on-missing-halo must be fail, zero or reuse-last, got {self.on_missing_halo!r}"
-            )
-        if not 0 <= self.min_clients <= self.clients:
-            raise ValueError(f"min-clients must be in [0, clients={self.clients}], got {self.min_clients}")
-        if self.client_timeout <= 0:
-            raise ValueError(f"client-timeout must be > 0 seconds, got {self.client_timeout}")
-        if self.profile not in ("default", "edge"):
-            raise ValueError(f"profile must be default or edge, got {self.profile!r}")
-        if self.threads < 0 or self.chunk_rows < 0:
-            raise ValueError("threads and chunk-rows must be >= 0")
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
-        if self.procs < 1:
-            raise ValueError(f"procs must be >= 1, got {self.procs}")
-        if self.mode == "datacenter":
-            from retexo_fl.datacenter.volumes import check_procs
-
-            check_procs(self.algorithm, self.procs, self.replication)
-        for name in ("rounds", "local_epochs"):
-            for s in range(self.stages):
-                if int(self.per_stage(name, s)) < 0:
-                    raise ValueError(f"{name} must be >= 0")
+        Raises:
+            ValueError: naming the first bad setting by its kebab-case key.
+        """
+        self.training.validate(stages=self.stages)
+        self.architecture.validate()
+        self.data.validate()
+        self.compression.validate()
+        self.security.validate()
+        self.failures.validate(clients=self.clients)
+        # Only a data-center run needs procs to form the algorithm's process grid.
+        self.datacenter.validate(grid=self.mode == "datacenter")
         return self
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field by its snake-case name (``extra`` included): what ``config.json`` holds."""
         return dataclasses.asdict(self)
 
     @classmethod
@@ -209,6 +432,24 @@ class TrainConfig:
             if name not in names:
                 raise ValueError(f"unknown setting {key!r}")
             kwargs[name] = parse_list(value) if name in PER_STAGE else value
+        return cls(**kwargs).validate()
+
+    @classmethod
+    def from_sections(cls, extra: dict[str, Any] | None = None, **sections: Any) -> TrainConfig:
+        """Build from section objects by name (see :data:`SECTIONS`); an omitted one takes its defaults.
+
+        Args:
+            extra (dict, optional): free-form settings outside every section. (default: :obj:`None`)
+            **sections: e.g. ``data=DataSettings(dataset="CiteSeer")``.
+        """
+        kwargs: dict[str, Any] = {"extra": dict(extra or {})}
+        for name, section in sections.items():
+            want = SECTIONS.get(name)
+            if want is None:
+                raise ValueError(f"unknown section {name!r}; sections: {', '.join(SECTIONS)}")
+            if not isinstance(section, want):
+                raise TypeError(f"section {name!r} must be a {want.__name__}, got {type(section).__name__}")
+            kwargs.update(dataclasses.asdict(section))
         return cls(**kwargs).validate()
 
 

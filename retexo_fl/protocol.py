@@ -1,12 +1,18 @@
-"""The message vocabulary shared by the ServerApp and the ClientApp (message types, record keys, payloads).
+"""The wire vocabulary both Flower apps and the in-process engine speak.
 
-The library defines what travels; ``server/`` and ``clients/`` put it into Flower records.
+Every message type, record name, config key, metric name, node-config key and payload-key format
+is a constant or a function here, so that ``server/``, ``clients/`` and the library's stage
+machine never spell one twice. A message travels as :data:`Records`: record name -> a plain
+mapping (a state dict for :data:`ARRAYS`, scalars for :data:`CONFIG` and :data:`METRICS`, bytes
+for frames). ``server/`` and ``clients/`` turn that into Flower records and back; the in-process
+transport hands it to the client handlers as it is.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from typing import Any
 
 from retexo_fl.compress.payload import HEADER_BYTES, PayloadError, decode_rows, encode_rows
 from retexo_fl.config import TrainConfig
@@ -17,24 +23,65 @@ SETUP = "query.setup"  # load and validate the partition; report counts, plan di
 TRAIN = "train"  # validate the incoming state, then train on it; may carry halo deliveries
 EVALUATE = "evaluate"  # validation (or test) metrics of one state
 EMBED = "query.embed"  # compute the stage's embeddings with the kept state; return boundary rows
+MESSAGE_TYPES = (HELLO, SETUP, TRAIN, EVALUATE, EMBED)
 
-# Record keys.
-CONFIG = "config"  # ConfigRecord: run config (RUN or RUN_DIGEST), "run-key", stage, round, split
+# Record names.
+CONFIG = "config"  # run config (RUN or RUN_DIGEST), RUN_KEY, STAGE, ROUND, SPLIT, ... ; replies: identity
 RUN = "run"  # in CONFIG: the run config JSON, on every message type but train
 RUN_DIGEST = "run-digest"  # in CONFIG of train messages: config_digest() of the config sent before
-ARRAYS = "arrays"  # ArrayRecord: the stage model's state
-METRICS = "metrics"  # MetricRecord: counts, losses, accuracies
-PAYLOADS = "payloads"  # ConfigRecord: "to-<q>" (outgoing) or "from-<p>" (deliveries) -> bytes
+ARRAYS = "arrays"  # the stage model's state (a whole state dict)
+METRICS = "metrics"  # counts, losses, accuracies
+PAYLOADS = "payloads"  # outgoing_key(q) (replies) or delivery_key(kind, p) (requests) -> bytes
+STATS = "stats"  # a client's exchange figures (bytes before / after, widths) as JSON in STATS_JSON
+MODEL = "model"  # tensor name -> broadcast delta frame (broadcast-bits < 32)
+UPDATE = "update"  # tensor name -> compressed update frame (update-bits < 32)
 
-STATS = "stats"  # ConfigRecord: a client's exchange figures (bytes before / after, widths), JSON
-MODEL = "model"  # ConfigRecord: tensor name -> broadcast delta frame (broadcast-bits < 32)
-UPDATE = "update"  # ConfigRecord: tensor name -> compressed update frame (update-bits < 32)
+# Keys of the CONFIG record.
+RUN_KEY = "run-key"  # the server's key for this run; it outlives Flower's run id on resume
+STAGE = "stage"
+ROUND = "round"
+VALIDATE = "validate"  # train: validate the received state first (all but a stage's first round)
+SPLIT = "split"  # evaluate: "val" or "test"
+KEYS = "keys"  # setup: JSON {client id: public key hex}, the key directory
+PARTITION_ID = "partition-id"  # replies to hello and setup: which partition this client holds
+PUBLIC_KEY = "public-key"  # reply to hello: X25519 public key, hex
+NUM_CLASSES = "num-classes"
+NUM_FEATURES = "num-features"
+DIGESTS = "digests"  # reply to setup: JSON of the boundary plan's digests
+STATS_JSON = "json"  # the one key of the STATS record
+
+# Keys of the METRICS record.
+NUM_EXAMPLES = "num-examples"  # train: training nodes, the aggregation weight
+TRAIN_LOSS = "train-loss"
+VAL_CORRECT = "val-correct"
+VAL_COUNT = "val-count"
+VAL_LOSS = "val-loss"
+LOCAL_STEPS = "local-steps"  # train: steps taken (time-based rounds take as many as fit)
+CORRECT = "correct"  # evaluate
+COUNT = "count"
+LOSS = "loss"
+
+# Node config keys (a party's own settings, never the server's).
+NODE_PARTITION_ID = "partition-id"  # simulation: which partition this virtual node cuts and holds
+NODE_PARTITION_DIR = "partition-dir"  # deployed: the folder of this node's fixed partition
+NODE_WORK_DIR = "work-dir"  # node-local state between messages (default: the temp folder)
+NODE_IDENTITY_KEY = "identity-key"  # deployed: this party's long-term X25519 private key file
+NODE_AUDIT_DIR = "audit-dir"  # record every reply this node sends (retexo-fl audit)
+
+# Kinds of relayed frames (delivery keys and the envelopes' associated data).
+DEGREES = "deg"
+HALO = "halo"
+EAGER = "eager"
+
+Records = dict[str, dict[str, Any]]
+"""A message's content: record name -> mapping (see the record names above)."""
 
 # Boundary rows, degrees and compressed updates all travel as the frames of compress.payload.
-__all__ = ["HEADER_BYTES", "PayloadError", "decode_rows", "encode_rows"]
+__all__ = ["HEADER_BYTES", "PayloadError", "Records", "decode_rows", "encode_rows"]
 
 
 def config_to_json(cfg: TrainConfig) -> str:
+    """The run config as it travels in :data:`RUN`."""
     return json.dumps(cfg.to_dict())
 
 
@@ -45,19 +92,49 @@ def config_digest(run_json: str) -> str:
     with a small model (16 hidden units, 4-bit deltas) it was 64% of a conv stage's train
     payload. The client keeps the config the hello / setup messages brought and checks it
     against this.
+
+    Args:
+        run_json (str): :func:`config_to_json` of the run's config.
     """
     return hashlib.sha256(run_json.encode()).hexdigest()[:32]
 
 
 def config_from_json(text: str) -> TrainConfig:
+    """The :class:`TrainConfig` a :data:`RUN` value holds (validated)."""
     values = json.loads(text)
     values.pop("extra", None)
     return TrainConfig.from_mapping(values)
 
 
-def peer_key(prefix: str, peer: int) -> str:
-    return f"{prefix}-{peer}"
+def outgoing_key(dst: int) -> str:
+    """The :data:`PAYLOADS` key of a frame a client sends to peer ``dst``: ``"to-<dst>"``."""
+    return f"to-{int(dst)}"
 
 
-def parse_peer_key(key: str) -> int:
-    return int(key.rsplit("-", 1)[1])
+def parse_outgoing_key(key: str) -> int:
+    """The peer an :func:`outgoing_key` names.
+
+    Raises:
+        ValueError: ``key`` is not ``"to-<int>"``.
+    """
+    prefix, _, dst = key.partition("-")
+    if prefix != "to" or not dst.isdigit():
+        raise ValueError(f"payload key {key!r}: expected 'to-<client id>'")
+    return int(dst)
+
+
+def delivery_key(kind: str, src: int) -> str:
+    """The :data:`PAYLOADS` key of a frame the server relays from ``src``: ``"<kind>-from-<src>"``."""
+    return f"{kind}-from-{int(src)}"
+
+
+def parse_delivery_key(key: str) -> tuple[str, int]:
+    """``(kind, source client)`` of a :func:`delivery_key`.
+
+    Raises:
+        ValueError: ``key`` is not ``"<kind>-from-<int>"`` with a known kind.
+    """
+    kind, sep, src = key.partition("-from-")
+    if not sep or kind not in (DEGREES, HALO) or not src.isdigit():
+        raise ValueError(f"payload key {key!r}: expected '{DEGREES}|{HALO}-from-<client id>'")
+    return kind, int(src)

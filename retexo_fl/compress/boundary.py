@@ -22,8 +22,9 @@ from torch import Tensor
 
 from retexo_fl.compress.bits import plan_widths
 from retexo_fl.compress.payload import encode_rows, frame_size
-from retexo_fl.compress.schedule import RateSchedule, snap_bits
-from retexo_fl.config import TrainConfig
+from retexo_fl.compress.quantize import snap_bits
+from retexo_fl.compress.schedule import RateSchedule
+from retexo_fl.compress.settings import CompressionSettings
 
 
 def parse_bandwidths(spec: str) -> dict[str, float]:
@@ -96,25 +97,27 @@ class ExchangeStats:
 
 
 class BoundaryEncoder:
-    """Turns one client's boundary blocks into frames, as the run config says.
+    """Turns one client's boundary blocks into frames, as the compression settings say.
 
     Args:
-        cfg: the run configuration (``bits``, ``bit-policy``, ``byte-budget``, ``link-bandwidths``,
-            ``time-budget``, ``rate-schedule``, ``range-dtype``).
+        settings (CompressionSettings): the run's ``compression`` section (``bits``,
+            ``bit-policy``, ``byte-budget``, ``link-bandwidths``, ``time-budget``,
+            ``rate-schedule``, ``range-dtype``), e.g. ``cfg.compression``.
     """
 
-    def __init__(self, cfg: TrainConfig) -> None:
-        self.cfg = cfg
-        self.schedule = RateSchedule.parse(cfg.rate_schedule)
-        self.bandwidths = parse_bandwidths(cfg.link_bandwidths)
+    def __init__(self, settings: CompressionSettings) -> None:
+        self.settings = settings
+        self.schedule = RateSchedule.parse(settings.rate_schedule)
+        self.bandwidths = parse_bandwidths(settings.link_bandwidths)
 
     def rate(self, exchange: int, total: int) -> float:
-        return self.schedule.rate(exchange, total, self.cfg.bits)
+        """Bits per value of exchange ``exchange`` of ``total`` (``bits`` under a fixed schedule)."""
+        return self.schedule.rate(exchange, total, self.settings.bits)
 
     def _budget(self, rate: float, rows: dict[int, Tensor]) -> int:
         """This exchange's byte budget: ``byte-budget`` in bytes, or what ``r``-bit frames cost
         (``r`` from a ``<r>b`` byte-budget, else from the schedule's rate)."""
-        spec = str(self.cfg.byte_budget).strip()
+        spec = str(self.settings.byte_budget).strip()
         if spec and not spec.endswith("b"):
             return int(float(spec))
         if spec and self.schedule.kind == "fixed":
@@ -140,20 +143,20 @@ class BoundaryEncoder:
             generator: the stochastic rounding's random source.
         """
         where = f"client {client}, exchange {exchange}"
-        cfg = self.cfg
+        s = self.settings
         rate = self.rate(exchange, total)
         widths: dict[int, int | Tensor]
-        if cfg.bit_policy == "fixed":
+        if s.bit_policy == "fixed":
             widths = dict.fromkeys(rows, snap_bits(rate))
         elif weights is None:
-            raise ValueError(f"{where}: {cfg.bit_policy} needs aggregation weights")
-        elif cfg.bit_policy == "adaptive-budget":
+            raise ValueError(f"{where}: {s.bit_policy} needs aggregation weights")
+        elif s.bit_policy == "adaptive-budget":
             widths = dict(plan_widths(rows, weights, self._budget(rate, rows), where))
         else:
             total_budget = self._budget(rate, rows)
             bw = {q: link_bandwidth(self.bandwidths, client, q) for q in rows}
             finite = [b for b in bw.values() if b != float("inf")]
-            seconds = cfg.time_budget or (total_budget / sum(finite) if finite else float("inf"))
+            seconds = s.time_budget or (total_budget / sum(finite) if finite else float("inf"))
             budgets = {
                 q: (int(b * seconds) if b != float("inf") else _rate_bytes(*rows[q].shape, 8.0))
                 for q, b in bw.items()
@@ -163,7 +166,7 @@ class BoundaryEncoder:
         for q, block in rows.items():
             w = widths[q]
             frames[q] = encode_rows(
-                block, w, generator=generator, half=cfg.range_dtype, where=f"{where}, rows to client {q}"
+                block, w, generator=generator, half=s.range_dtype, where=f"{where}, rows to client {q}"
             )
             stats.bytes_raw += frame_size(block.shape[0], block.shape[1], 32)
             stats.bytes_sent += len(frames[q])

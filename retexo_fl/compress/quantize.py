@@ -20,10 +20,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-QUANT_BITS = (1, 2, 4, 8)
-PASS_BITS = (16, 32)
-ALL_BITS = QUANT_BITS + PASS_BITS
-RANGE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+from retexo_fl.compress.settings import ALL_BITS, PASS_BITS, QUANT_BITS, RANGE_DTYPE_NAMES
+
+RANGE_DTYPES = dict(zip(RANGE_DTYPE_NAMES, (torch.float16, torch.bfloat16), strict=True))
 # Rows encoded per block: intermediates of a block stay in cache, so encode reads the input once.
 _BLOCK_VALUES = 1 << 20
 
@@ -69,6 +68,15 @@ class QuantizedRows:
 def packed_size(count: int, bits: int) -> int:
     """Bytes that ``count`` values take at ``bits`` bits, packed densely."""
     return (count * bits + 7) // 8
+
+
+def snap_bits(rate: float) -> int:
+    """The widest codec width not above ``rate`` bits per value (at least 1 bit).
+
+    Args:
+        rate (float): bits per value, e.g. a :class:`~retexo_fl.compress.schedule.RateSchedule`'s.
+    """
+    return max([b for b in ALL_BITS if b <= rate + 1e-9] or [1])
 
 
 def _round_out(values: Tensor, dtype: torch.dtype, down: bool) -> Tensor:

@@ -3,13 +3,12 @@
 A schedule maps exchange ``t`` of ``T`` (stages in lazy mode, rounds in eager mode) to a rate in
 bits per value. The fixed policy snaps the rate down to a codec width; the adaptive policies take
 it as their byte budget (a rate of ``r`` pays what ``r``-bit frames would cost).
+:func:`~retexo_fl.compress.quantize.snap_bits` does the snapping.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from retexo_fl.compress.quantize import ALL_BITS
 
 
 @dataclass(frozen=True)
@@ -51,7 +50,3 @@ class RateSchedule:
         lo, hi = self.rates
         return lo if total <= 1 else lo + (hi - lo) * min(t, total - 1) / (total - 1)
 
-
-def snap_bits(rate: float) -> int:
-    """The widest codec width not above ``rate`` (at least 1 bit)."""
-    return max([b for b in ALL_BITS if b <= rate + 1e-9] or [1])

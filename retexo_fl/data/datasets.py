@@ -7,8 +7,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch_geometric.datasets as pygd
+from torch_geometric.data import Data
+from torch_geometric.utils import coalesce, remove_self_loops, to_undirected
 
-# PyG classes are imported lazily: `import torch_geometric.datasets` costs seconds.
 _FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     # class name -> names it serves (lower case)
     "Planetoid": ("Planetoid", ("cora", "citeseer", "pubmed")),
@@ -89,7 +91,7 @@ def _load_raw(name: str, root: Path, seed: int):
     if key.startswith("sbm:"):
         return synthetic_sbm_from_spec(key[4:], seed)
     if key.startswith("ogbn-"):
-        try:
+        try:  # ogb is an optional extra (retexo-fl[ogb]): only OGB datasets import it
             from ogb.nodeproppred import PygNodePropPredDataset
         except ImportError as exc:
             raise DatasetError(f"{name} needs the optional 'ogb' package: pip install ogb") from exc
@@ -102,8 +104,6 @@ def _load_raw(name: str, root: Path, seed: int):
             mask[idx[split]] = True
             data[field] = mask
         return data
-    import torch_geometric.datasets as pygd
-
     for cls_name, names in _FAMILIES.values():
         if key in names:
             cls: Callable = getattr(pygd, cls_name)
@@ -120,8 +120,6 @@ def _load_raw(name: str, root: Path, seed: int):
 
 
 def _load_user_graph(path: Path):
-    from torch_geometric.data import Data
-
     if not path.is_file():
         raise DatasetError(f"{path}: no such file")
     try:
@@ -224,9 +222,6 @@ def synthetic_sbm(
         num_features: feature dimension ``F``. feature_signal: class-mean scale.
         seed: generator seed; the graph is a pure function of the arguments.
     """
-    from torch_geometric.data import Data
-    from torch_geometric.utils import coalesce, remove_self_loops, to_undirected
-
     if num_nodes < num_classes or num_classes < 1:
         raise DatasetError("synthetic graph needs num_nodes >= num_classes >= 1")
     gen = torch.Generator().manual_seed(seed)

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from retexo_fl.datacenter.spmm import DistributedSpMM, column_linear, gather_columns, spmm
+from retexo_fl.models.gnn import GNN
 from retexo_fl.seeding import derive_seed
 
 _M32 = 0xFFFFFFFF
@@ -40,8 +41,6 @@ def initial_weights(
     in_dim: int, hidden: int, num_classes: int, layers: int, seed: int
 ) -> list[tuple[Tensor, Tensor]]:
     """``[(W [in, out], b [out])]`` per layer: exactly the centralized GCN's initial weights."""
-    from retexo_fl.models.gnn import GNN
-
     torch.manual_seed(derive_seed(seed, 0xC3))
     ref = GNN("gcn", in_dim, hidden, num_classes, layers=layers, dropout=0.0)
     return [(c.lin.weight.detach().T.contiguous(), c.bias.detach().clone()) for c in ref.convs]

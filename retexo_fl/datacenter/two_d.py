@@ -10,7 +10,7 @@ from torch import Tensor
 from retexo_fl.datacenter.blocks import SparseBlock, block, bounds, width
 from retexo_fl.datacenter.comm import Counted, Group, make_groups
 from retexo_fl.datacenter.spmm import DistributedSpMM
-from retexo_fl.datacenter.volumes import check_procs
+from retexo_fl.datacenter.settings import check_procs
 
 
 def block_nnz(matrix: sp.csr_matrix, row_cuts: np.ndarray, col_cuts: np.ndarray) -> np.ndarray:

@@ -8,18 +8,6 @@ from retexo_fl.datacenter.blocks import NNZ_BYTES
 WORD_BYTES = 4
 
 
-def check_procs(algorithm: str, procs: int, replication: int = 2) -> None:
-    """Raise a clear error where ``procs`` cannot form ``algorithm``'s process grid."""
-    if algorithm == "1.5d" and (replication < 1 or procs % replication):
-        raise ValueError(f"1.5d: the replication factor {replication} must divide the process count {procs}")
-    dims = {"2d": 2, "3d": 3}.get(algorithm)
-    if dims:
-        q = round(procs ** (1.0 / dims))
-        if q**dims != procs:
-            kind = "a square (4, 9, 16, ...)" if dims == 2 else "a cube (8, 27, ...)"
-            raise ValueError(f"{algorithm} needs a process count that is {kind}; got {procs}")
-
-
 def spmm_bytes(algorithm: str, n: int, nnz: int, width: int, procs: int, replication: int = 2) -> float:
     """Mean bytes a process receives in one distributed ``A @ H`` (``A`` ``[n, n]``, ``H`` ``[n, width]``).
 

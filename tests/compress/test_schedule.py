@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from retexo_fl.compress.schedule import RateSchedule, snap_bits
+from retexo_fl.compress.quantize import snap_bits
+from retexo_fl.compress.schedule import RateSchedule
 
 
 def test_rates():

@@ -1,0 +1,143 @@
+"""A node's side of the ClientApp: where its state lives, which partition it holds, its client.
+
+Ray actors serve several virtual nodes and keep Python state between messages; a deployed
+ClientApp is a new process per message and falls back to the node-local work folder. All paths
+and the client cache are node-local settings (node config, or the environment), never the
+server's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from flwr.app import Context, Message
+
+from retexo_fl import protocol as P
+from retexo_fl.config import TrainConfig
+from retexo_fl.data.loading import load_graph
+from retexo_fl.data.partition import Partition, load_partition, save_partition
+from retexo_fl.data.partitioners import partition_graph
+from retexo_fl.training.client import Client
+from retexo_fl.training.eager_client import EagerClient
+from retexo_fl.training.lazy_client import LazyClient
+
+#: Environment variable naming the default base of node work folders (else the temp folder):
+#: lets a test or a shared host keep one run's node state apart from every other's.
+WORK_DIR_ENV = "RETEXO_FL_WORK_DIR"
+
+_CACHE: dict[tuple[int, str], Client] = {}
+
+
+def work_base(context: Context) -> Path:
+    """The base of this node's work folders: node config ``work-dir``, ``$RETEXO_FL_WORK_DIR``,
+    or ``<temp>/retexo-fl``."""
+    base = context.node_config.get(P.NODE_WORK_DIR) or os.environ.get(WORK_DIR_ENV)
+    return Path(str(base)) if base else Path(tempfile.gettempdir()) / "retexo-fl"
+
+
+def work_dir(context: Context, run_key: int, slot: str) -> Path:
+    """This node's work folder in run ``run_key``."""
+    return work_base(context) / f"run-{run_key}" / f"node-{slot}"
+
+
+def who(context: Context) -> str:
+    """How errors name this node: its client id, or its partition folder."""
+    if P.NODE_PARTITION_ID in context.node_config:
+        return f"client {context.node_config[P.NODE_PARTITION_ID]}"
+    return f"client at {context.node_config.get(P.NODE_PARTITION_DIR, f'node {context.node_id}')}"
+
+
+def partition_dir(context: Context, cfg: TrainConfig) -> Path:
+    """Where this node's partition lives: given, written earlier, or this run's cached cut."""
+    if P.NODE_PARTITION_DIR in context.node_config:
+        return Path(str(context.node_config[P.NODE_PARTITION_DIR]))
+    pid = int(context.node_config[P.NODE_PARTITION_ID])
+    if cfg.partitions:  # simulation over partitions written earlier by `retexo-fl partition`
+        return Path(cfg.partitions) / f"part-{pid}"
+    key = json.dumps([cfg.dataset, cfg.split, cfg.split_index, cfg.method, cfg.clients, cfg.seed])
+    return work_base(context) / "partitions" / hashlib.sha256(key.encode()).hexdigest()[:16] / f"part-{pid}"
+
+
+def load_node_partition(context: Context, cfg: TrainConfig, work: Path) -> Partition:
+    """This node's partition: loaded and validated, or (simulation) cut from the dataset and kept."""
+    part_dir = partition_dir(context, cfg)
+    given = P.NODE_PARTITION_DIR in context.node_config or cfg.partitions
+    if given or (part_dir / "manifest.json").is_file():
+        return load_partition(part_dir, stamp=work / "partition-verified.json")
+    # Simulation: every virtual node cuts the same dataset deterministically and keeps its part.
+    pid = int(context.node_config[P.NODE_PARTITION_ID])
+    parts = partition_graph(load_graph(cfg), cfg.clients, cfg.method, seed=cfg.seed)
+    save_partition(parts[pid], part_dir)
+    return parts[pid]
+
+
+def run_key(msg: Message) -> int:
+    """The server's key for this run: it outlives Flower's run id when a run is resumed."""
+    return int(msg.content[P.CONFIG].get(P.RUN_KEY, msg.metadata.run_id))
+
+
+def cache_key(msg: Message, context: Context) -> tuple[int, str]:
+    """(run key, node) of this node's client in this run: its cache slot and work folder."""
+    return run_key(msg), str(context.node_config.get(P.NODE_PARTITION_ID, context.node_id))
+
+
+def run_config(msg: Message, context: Context) -> TrainConfig:
+    """The run config: in the message, or, for a train message that names it by digest, the one
+    the node kept from an earlier message of this run (in its work folder: a deployed ClientApp
+    is a new process per message).
+
+    Raises:
+        ValueError: a digest this node holds no config for, or another config's.
+    """
+    config = msg.content[P.CONFIG]
+    path = work_dir(context, *cache_key(msg, context)) / "run-config.json"
+    if P.RUN in config:
+        text = str(config[P.RUN])
+        if not path.is_file() or path.read_text() != text:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.with_suffix(".tmp").write_text(text)
+            path.with_suffix(".tmp").replace(path)
+        return P.config_from_json(text)
+    digest = str(config.get(P.RUN_DIGEST, ""))
+    if not path.is_file():
+        raise ValueError(
+            f"a {msg.metadata.message_type} message names run config {digest!r}, "
+            f"but this node holds none for run key {run_key(msg)} (it missed key setup and setup)"
+        )
+    text = path.read_text()
+    if P.config_digest(text) != digest:
+        raise ValueError(
+            f"a {msg.metadata.message_type} message names run config {digest!r}; "
+            f"this node holds {P.config_digest(text)!r} ({path})"
+        )
+    return P.config_from_json(text)
+
+
+def node_client(msg: Message, context: Context) -> tuple[Client, Path]:
+    """This node's client for the message's run, restored to its saved state, and its work folder."""
+    cfg = run_config(msg, context)
+    key = cache_key(msg, context)
+    work = work_dir(context, *key)
+    client = _CACHE.get(key)
+    if client is None:
+        part = load_node_partition(context, cfg, work)
+        if cfg.mode in ("eager", "local"):
+            client = EagerClient(part, cfg, local=cfg.mode == "local")
+        else:
+            client = LazyClient(part, cfg)
+        for old in [k for k in _CACHE if k[0] != key[0]]:  # drop earlier runs' tensors
+            del _CACHE[old]
+        _CACHE[key] = client
+    # Another Ray actor may have advanced this node since: the saved state is the truth (a cheap
+    # load; the partition and local graph stay cached).
+    client.restore(work)
+    return client, work
+
+
+def cached_client(msg: Message, context: Context) -> Client:
+    """The client :func:`node_client` built for this message (the audit mod reads it)."""
+    return _CACHE[cache_key(msg, context)]

@@ -1,0 +1,78 @@
+"""Model factories: the one place a run's stage models and eager models are built and seeded."""
+
+from __future__ import annotations
+
+import torch
+
+from retexo_fl.config import TrainConfig
+from retexo_fl.models.layered import LayeredGNN
+from retexo_fl.models.stage import StageModel
+from retexo_fl.seeding import derive_seed
+
+#: The seed tag of the eager / local model's initial weights.
+EAGER_INIT_TAG = 0xE0
+#: The seed tag of a lazy stage model's initial weights.
+STAGE_INIT_TAG = 0xA11
+
+
+def stage_input_dim(cfg: TrainConfig, stage: int, num_features: int, num_classes: int) -> int:
+    """Width of what lazy ``stage`` reads: raw features at layer 0, else the previous stage's output.
+
+    Args:
+        cfg (TrainConfig): the run configuration (``pass-embedding``, ``hidden``, ``stages``).
+        stage (int): the stage, counted over self-training passes.
+        num_features (int): raw feature width.
+        num_classes (int): number of classes (the logits' width).
+    """
+    if cfg.layer(stage) == 0:
+        return num_features
+    return cfg.hidden if cfg.pass_embedding == "hidden" else num_classes
+
+
+def build_stage_model(cfg: TrainConfig, stage: int, in_dim: int, num_classes: int) -> StageModel:
+    """The stage-``stage`` model of a lazy run; its weights are a pure function of the seed and stage.
+
+    A self-training pass repeats the stack: its layers are built as the first pass's are, from
+    fresh initial weights. Seeds torch's global generator (every engine does the same).
+
+    Args:
+        cfg (TrainConfig): the run configuration.
+        stage (int): the stage, counted over self-training passes.
+        in_dim (int): input width (:func:`stage_input_dim`).
+        num_classes (int): number of classes.
+    """
+    torch.manual_seed(derive_seed(cfg.seed, stage, STAGE_INIT_TAG))
+    layer = cfg.layer(stage)
+    return StageModel(
+        "mlp" if layer == 0 else cfg.model,
+        in_dim,
+        cfg.hidden,
+        num_classes,
+        dropout=float(cfg.per_stage("dropout", layer)),
+        input_dropout=float(cfg.per_stage("input_dropout", layer)),
+        norm=cfg.norm,
+        heads=cfg.heads,
+    )
+
+
+def build_layered_model(cfg: TrainConfig, num_features: int, num_classes: int) -> LayeredGNN:
+    """The eager / local baselines' ``stages``-layer GNN, with the run's initial weights.
+
+    Seeds torch's global generator, so the server and every client build the same weights.
+
+    Args:
+        cfg (TrainConfig): the run configuration.
+        num_features (int): raw feature width.
+        num_classes (int): number of classes.
+    """
+    torch.manual_seed(derive_seed(cfg.seed, EAGER_INIT_TAG))
+    return LayeredGNN(
+        cfg.model,
+        num_features,
+        cfg.hidden,
+        num_classes,
+        layers=cfg.stages,
+        dropout=float(cfg.per_stage("dropout", 1)),
+        norm=cfg.norm,
+        heads=cfg.heads,
+    )

@@ -1,0 +1,47 @@
+"""The security section of a run configuration: payload encryption, keys, audit, differential privacy.
+
+A leaf of the package graph (no :mod:`retexo_fl.config`): :class:`~retexo_fl.config.TrainConfig`
+imports it to build and validate its ``security`` section.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SecuritySettings:
+    r"""What protects a run's data in flight: end-to-end encryption, audit records, DP-FedAvg.
+
+    The ``security`` section of :class:`~retexo_fl.config.TrainConfig` (DESIGN section 6).
+
+    Args:
+        encrypt (bool, optional): seal boundary payloads end to end between clients (:obj:`False`
+            only for debugging). (default: :obj:`True`)
+        identity_keys (str, optional): a folder of ``client-<id>.key`` identity keys; empty for
+            one key pair per run. (default: :obj:`""`)
+        pinned_keys (str, optional): a JSON file ``{client id: public key hex}`` exchanged out of
+            band. (default: :obj:`""`)
+        audit (str, optional): a folder where each client records every message it sends (checked
+            by ``retexo-fl audit``). (default: :obj:`""`)
+        dp_noise (float, optional): DP-FedAvg noise multiplier of model updates; :obj:`0` turns
+            differential privacy off (else needs ``retexo-fl[dp]``). (default: :obj:`0.0`)
+        dp_clip (float, optional): L2 norm each client's round update is clipped to.
+            (default: :obj:`1.0`)
+        dp_delta (float, optional): the :math:`\delta` of the reported
+            :math:`(\varepsilon, \delta)` guarantee. (default: :obj:`1e-5`)
+    """
+
+    encrypt: bool = True
+    identity_keys: str = ""
+    pinned_keys: str = ""
+    audit: str = ""
+    dp_noise: float = 0.0
+    dp_clip: float = 1.0
+    dp_delta: float = 1e-5
+
+    def validate(self) -> SecuritySettings:
+        """Raise :class:`ValueError` naming the first bad setting; return ``self`` otherwise."""
+        if self.dp_noise < 0 or self.dp_clip <= 0 or not 0 < self.dp_delta < 1:
+            raise ValueError("dp-noise must be >= 0, dp-clip > 0 and dp-delta in (0, 1)")
+        return self

@@ -1,0 +1,106 @@
+"""A lazy run's checkpoint: typed, written after setup, every round and every exchange.
+
+The stage machine builds a :class:`Checkpoint` and hands it to a :class:`CheckpointStore`;
+``server/checkpoint.py`` keeps it in the run folder. In process there is nobody to come back,
+so no store is given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from retexo_fl.compress.boundary import ExchangeStats
+from retexo_fl.compress.updates import ModelBroadcast
+from retexo_fl.training.aggregate import ServerOptimizer
+from retexo_fl.training.privacy import UpdatePrivacy
+from retexo_fl.training.selection import StageTracker
+from retexo_fl.training.state import StateDict
+
+Frames = dict[str, bytes]
+
+
+@dataclass
+class RoundState:
+    """A stage's rounds so far: everything the round loop needs to go on after round ``round``.
+
+    Args:
+        round (int): the last round whose update was applied.
+        state (StateDict): the server's model after it.
+        view (StateDict): what the clients will train from next (the broadcast's view).
+        server (ServerOptimizer): the server optimizer, with its moments.
+        tracker (StageTracker): validation history and the best state so far.
+        broadcast (ModelBroadcast): the compressed broadcast's state.
+        train_loss (float): the last round's mean training loss.
+        model_raw (int): model bytes float32 would have taken so far.
+        seconds (float): the stage's wall time so far.
+    """
+
+    round: int
+    state: StateDict
+    view: StateDict
+    server: ServerOptimizer
+    tracker: StageTracker
+    broadcast: ModelBroadcast
+    train_loss: float = 0.0
+    model_raw: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class Checkpoint:
+    """Where a lazy run stands: enough to resume it with the same clients.
+
+    Args:
+        config (dict): the run configuration (``TrainConfig.to_dict``).
+        run_key (int): the key clients file their node-local state under.
+        pids (list[int]): the live clients.
+        keys (dict[str, str]): the key directory (client id -> public key hex).
+        counts (dict): what each client reported at setup.
+        lost (list[dict]): clients lost so far.
+        bytes_boundary (int): relayed bytes so far.
+        model_bytes_done (int): model bytes of finished stages.
+        stage (int): the stage to run (or go on with).
+        boundary_before (int): relayed bytes before that stage's exchange.
+        deliveries (dict, optional): frames to deliver with the stage's first round.
+        degrees (dict, optional): degree frames not yet delivered (GCN, before stage 1).
+        stages (list[dict]): finished stages' figures.
+        round_state (RoundState, optional): the stage's rounds so far.
+        exchange_stats (dict[int, ExchangeStats]): each exchange's compression figures.
+        privacy (UpdatePrivacy, optional): the DP accountant so far.
+        transport (Any): the transport's own accounting (:meth:`Transport.snapshot`).
+    """
+
+    config: dict[str, Any]
+    run_key: int
+    pids: list[int]
+    keys: dict[str, str]
+    counts: dict[int, Any]
+    lost: list[dict[str, Any]]
+    bytes_boundary: int
+    model_bytes_done: int
+    stage: int = 0
+    boundary_before: int = 0
+    deliveries: dict[int, Frames] | None = None
+    degrees: dict[int, Frames] | None = None
+    stages: list[dict[str, Any]] = field(default_factory=list)
+    round_state: RoundState | None = None
+    exchange_stats: dict[int, ExchangeStats] = field(default_factory=dict)
+    privacy: UpdatePrivacy | None = None
+    transport: Any = None
+
+
+class CheckpointStore(Protocol):
+    """Where checkpoints are kept (``server/checkpoint.py``: a file in the run folder)."""
+
+    def save(self, checkpoint: Checkpoint) -> None:
+        """Keep ``checkpoint``, replacing the last one atomically."""
+        ...
+
+    def load(self) -> Checkpoint:
+        """The last checkpoint kept.
+
+        Raises:
+            ValueError: there is none, naming where it was looked for.
+        """
+        ...

@@ -1,0 +1,302 @@
+"""The server's side of a federation, whatever the loop: who holds what, messaging, relaying, decoding.
+
+A :class:`Federation` wraps a :class:`~retexo_fl.training.transport.Transport`: it builds each
+message's records, applies the failure policy to clients that were lost, runs key setup and
+setup, relays sealed frames between clients (counting their bytes), decodes and checks model
+updates, and aggregates evaluations. The lazy stage machine and the eager / local round loop
+both hold one (composition), so none of this is written twice.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from retexo_fl import protocol as P
+from retexo_fl.compress.boundary import ExchangeStats
+from retexo_fl.compress.updates import ModelBroadcast, UpdateCodec
+from retexo_fl.config import TrainConfig
+from retexo_fl.metrics import RunRecorder
+from retexo_fl.plan import check_plans
+from retexo_fl.protocol import Records
+from retexo_fl.training.aggregate import check_state, state_nbytes
+from retexo_fl.training.client import EvalResult
+from retexo_fl.training.privacy import make_privacy
+from retexo_fl.training.selection import StageTracker
+from retexo_fl.training.state import StateDict
+from retexo_fl.training.transport import ClientFailure, Membership, Transport
+
+Frames = dict[str, bytes]
+"""Relayed frames of one client: delivery or outgoing key -> sealed bytes."""
+
+
+@dataclass
+class ClientCounts:
+    """What a client reported at setup.
+
+    Args:
+        num_classes (int): classes of the dataset.
+        num_features (int): raw feature width.
+        counts (dict[str, int]): its partition's node, edge and split counts.
+    """
+
+    num_classes: int
+    num_features: int
+    counts: dict[str, int]
+
+
+class Federation:
+    """The server's view of a run's clients over a transport.
+
+    Args:
+        transport (Transport): how clients are reached.
+        cfg (TrainConfig): the run configuration.
+        rec (RunRecorder): where events and progress go.
+    """
+
+    def __init__(self, transport: Transport, cfg: TrainConfig, rec: RunRecorder) -> None:
+        self.transport = transport
+        self.cfg = cfg
+        self.rec = rec
+        self.members = Membership(cfg, rec)
+        self.privacy = make_privacy(cfg, cfg.clients)
+        # Clients key their node-local state and their channel keys on this, not on Flower's
+        # run id, so a resumed run (a new Flower run) finds both again.
+        self.run_key = secrets.randbits(62)
+        self.run_json = P.config_to_json(cfg)
+        self.run_digest = P.config_digest(self.run_json)
+        self.keys: dict[str, str] = {}  # client id -> public key hex (the directory relayed)
+        self.counts: dict[int, ClientCounts] = {}
+        self.bytes_boundary = 0  # relayed frames (degrees and boundary rows), headers included
+
+    @property
+    def pids(self) -> list[int]:
+        """The live clients' partition ids, in order."""
+        return self.members.pids
+
+    # -- messages ---------------------------------------------------------------------------
+    def content(
+        self,
+        state: StateDict | None = None,
+        payloads: Frames | None = None,
+        model: ModelBroadcast | None = None,
+        by_digest: bool = False,
+        **config: Any,
+    ) -> Records:
+        """A message's records.
+
+        Args:
+            state (StateDict, optional): a model state sent whole. (default: :obj:`None`)
+            payloads (Frames, optional): relayed frames for the recipient. (default: :obj:`None`)
+            model (ModelBroadcast, optional): sends its prepared delta frames instead of
+                ``state`` when it has them. (default: :obj:`None`)
+            by_digest (bool, optional): name the run config by its digest instead of carrying it
+                (train messages: see :func:`~retexo_fl.protocol.config_digest`). (default: :obj:`False`)
+            **config: further :data:`~retexo_fl.protocol.CONFIG` entries (stage, round, split, ...).
+        """
+        run = {P.RUN_DIGEST: self.run_digest} if by_digest else {P.RUN: self.run_json}
+        records: Records = {P.CONFIG: {**run, P.RUN_KEY: self.run_key, **config}}
+        if model is not None and model.frames is not None:
+            records[P.MODEL] = model.frames
+        elif state is not None:
+            records[P.ARRAYS] = state
+        if payloads is not None:
+            records[P.PAYLOADS] = payloads
+        return records
+
+    def send_to(
+        self, kind: str, requests: dict[int, Records], phase: str, stage: int = -1
+    ) -> dict[int, Records]:
+        """Send ``requests`` by address; lose (or fail on) those that did not answer.
+
+        Returns:
+            dict[int, Records]: address -> reply, for the clients that answered.
+        """
+        batch = self.transport.send(kind, requests, phase, stage)
+        for address in requests:
+            if address in batch.failures:
+                pid = self.members.who(address)
+                self.members.lose(pid, phase, f"{self.members.name(address)} {batch.failures[address]}")
+        return {a: r for a, r in batch.replies.items() if a not in batch.failures}
+
+    def send(
+        self, kind: str, requests: dict[int, Records], phase: str, stage: int = -1
+    ) -> dict[int, Records]:
+        """Send ``requests`` by partition id to the live clients; replies by partition id."""
+        nodes = self.members.nodes
+        by_address = self.send_to(
+            kind, {nodes[p]: r for p, r in requests.items() if p in nodes}, phase, stage
+        )
+        return {p: by_address[a] for p, a in list(nodes.items()) if a in by_address}
+
+    def broadcast(self, kind: str, phase: str, stage: int = -1, **content: Any) -> dict[int, Records]:
+        """The same content (see :meth:`content`) to every live client; replies by partition id."""
+        return self.send(kind, {p: self.content(**content) for p in self.pids}, phase, stage)
+
+    # -- setup ------------------------------------------------------------------------------
+    def setup(self) -> dict[int, Frames]:
+        """Key setup and setup: claim partitions, relay the key directory, check the plans.
+
+        Returns:
+            dict[int, Frames]: the degree frames each client is to receive (GCN), to deliver
+            with the first conv stage.
+
+        Raises:
+            ClientFailure: a client is missing or claims a partition another one holds.
+            PlanMismatchError: two clients' boundary plans disagree.
+        """
+        addresses = self.transport.connect(self.cfg.clients)
+        if self.cfg.encrypt:
+            # Public keys first: the setup replies already carry sealed degree frames.
+            replies = self.send_to(P.HELLO, {a: self.content() for a in addresses}, "key setup")
+            for address, reply in replies.items():
+                info = reply[P.CONFIG]
+                pid = int(info[P.PARTITION_ID])
+                self.members.claim(pid, address)
+                self.keys[str(pid)] = str(info[P.PUBLIC_KEY])
+            self.rec.progress(f"keys: {len(self.keys)} public keys collected; relaying the directory")
+        keys = json.dumps(self.keys)
+        replies = self.send_to(P.SETUP, {a: self.content(**{P.KEYS: keys}) for a in addresses}, "setup")
+        digests, outgoing = {}, {}
+        for address, reply in replies.items():
+            info = reply[P.CONFIG]
+            pid = int(info[P.PARTITION_ID])
+            if not self.cfg.encrypt:
+                self.members.claim(pid, address)
+            elif self.members.nodes.get(pid) != address:
+                raise ClientFailure(
+                    f"node {address} claimed partition {pid} at setup, another one at key setup"
+                )
+            self.counts[pid] = ClientCounts(
+                int(info[P.NUM_CLASSES]),
+                int(info[P.NUM_FEATURES]),
+                {k: int(v) for k, v in reply[P.METRICS].items()},
+            )
+            digests[pid] = json.loads(str(info[P.DIGESTS]))
+            outgoing[pid] = reply.get(P.PAYLOADS, {})
+        check_plans(digests)
+        self.rec.progress(f"setup: {len(self.members.nodes)} clients, plans consistent")
+        return self.route(outgoing, P.DEGREES)
+
+    def reconnect(self, wanted: list[int]) -> None:
+        """Find the clients of a resumed run again: each must come back with its partition and key.
+
+        Raises:
+            ClientFailure: a client came back with another key (its saved state is gone) or did
+                not come back.
+        """
+        addresses = self.transport.connect(self.cfg.clients)
+        for address, reply in self.send_to(P.HELLO, {a: self.content() for a in addresses}, "resume").items():
+            info = reply[P.CONFIG]
+            pid = int(info[P.PARTITION_ID])
+            if pid not in wanted:
+                continue  # lost before the checkpoint: stays lost
+            if self.keys and self.keys.get(str(pid)) != str(info[P.PUBLIC_KEY]):
+                raise ClientFailure(f"client {pid} came back with another key: its saved state is gone")
+            self.members.claim(pid, address)
+        missing = sorted(set(wanted) - set(self.members.nodes))
+        if missing:
+            raise ClientFailure(f"clients {missing} did not come back to resume the run")
+
+    @property
+    def reference(self) -> ClientCounts:
+        """The lowest client's setup report: what the server builds models from."""
+        return self.counts[min(self.counts)]
+
+    # -- relaying ---------------------------------------------------------------------------
+    def route(self, outgoing: dict[int, Frames], kind: str) -> dict[int, Frames]:
+        """``{src: {to-q: blob}}`` -> ``{dst: {<kind>-from-src: blob}}`` for every live client,
+        counting the relayed bytes.
+
+        Raises:
+            ClientFailure: a client named a destination that is no client of this run.
+        """
+        incoming: dict[int, Frames] = {pid: {} for pid in self.members.nodes}
+        for src, frames in outgoing.items():
+            for key, blob in frames.items():
+                try:
+                    dst = P.parse_outgoing_key(key)
+                except ValueError as exc:
+                    raise ClientFailure(f"client {src}: {exc}") from None
+                if dst not in incoming:  # a client lost since: nothing to deliver to
+                    continue
+                incoming[dst][P.delivery_key(kind, src)] = bytes(blob)
+                self.bytes_boundary += len(blob)
+        return incoming
+
+    @staticmethod
+    def add_stats(stats: ExchangeStats, replies: list[Records]) -> None:
+        """Fold the exchange figures clients reported (:data:`~retexo_fl.protocol.STATS`) into ``stats``."""
+        for reply in replies:
+            if P.STATS in reply:
+                stats.add(ExchangeStats.from_dict(json.loads(str(reply[P.STATS][P.STATS_JSON]))))
+
+    # -- updates and evaluation -------------------------------------------------------------
+    def updates(
+        self, replies: list[Records], base: StateDict, codec: UpdateCodec, tracker: StageTracker, down: int
+    ) -> tuple[list[StateDict], int]:
+        """Clients' new states from their train replies (in :attr:`pids` order), counting model bytes.
+
+        Compressed updates are decoded against ``base``, what the clients trained from; ``down``
+        is the broadcast's bytes per client.
+
+        Returns:
+            tuple[list[StateDict], int]: the states, and the bytes float32 would have taken.
+
+        Raises:
+            ClientFailure: an update is malformed, naming its sender, before it touches the model.
+        """
+        states, raw = [], 0
+        for pid, reply in zip(self.pids, replies, strict=True):
+            try:
+                if P.UPDATE in reply:
+                    frames = {k: bytes(v) for k, v in reply[P.UPDATE].items()}
+                    new = codec.decode(frames, base, f"client {pid}")
+                    up = codec.nbytes(frames)
+                elif P.ARRAYS in reply:
+                    new = reply[P.ARRAYS]
+                    up = state_nbytes(new)
+                else:
+                    raise ValueError(f"update from client {pid}: the reply carries no model")
+                states.append(check_state(new, base, f"client {pid}"))
+            except ValueError as exc:  # PayloadError is a ValueError too
+                raise ClientFailure(str(exc)) from None
+            tracker.model_bytes += down + up
+            raw += 2 * state_nbytes(base)
+        return states, raw
+
+    def evaluate(
+        self, state: StateDict, split: str, stage: int, deliveries: dict[int, Frames] | None = None
+    ) -> dict[int, EvalResult]:
+        """Every live client's evaluation of ``state`` on ``split``, by partition id."""
+        requests = {
+            pid: self.content(
+                state, deliveries.get(pid) if deliveries else None, **{P.SPLIT: split, P.STAGE: stage}
+            )
+            for pid in self.pids
+        }
+        replies = self.send(P.EVALUATE, requests, f"{split} evaluation", stage)
+        return {
+            pid: EvalResult(int(m[P.CORRECT]), int(m[P.COUNT]), float(m[P.LOSS]))
+            for pid, m in ((p, r[P.METRICS]) for p, r in replies.items())
+        }
+
+    def summary(self) -> dict[str, Any]:
+        """The run summary's entries about the federation: lost clients, privacy, transport figures."""
+        names = {a: p for p, a in self.members.nodes.items()}
+        return {
+            "lost_clients": self.members.lost,
+            "privacy": self.privacy.spent() if self.privacy else None,
+            **self.transport.report(names),
+        }
+
+
+def total(results: dict[int, EvalResult]) -> EvalResult:
+    """The sum of per-client evaluations."""
+    return EvalResult(
+        sum(r.correct for r in results.values()),
+        sum(r.count for r in results.values()),
+        sum(r.loss_sum for r in results.values()),
+    )

@@ -1,0 +1,171 @@
+"""A client's side of the protocol: one handler per message type, over plain records.
+
+The Flower ClientApp (``clients/``) and the in-process transport both call :func:`handle`, so a
+message does the same thing whichever engine carries it. Handlers never touch Flower records, the
+file system or the network: the caller restores the client before and saves it after a reply
+whose :attr:`Reply.changed` is set.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from retexo_fl import protocol as P
+from retexo_fl.compress.boundary import ExchangeStats
+from retexo_fl.protocol import Records
+from retexo_fl.secure.keys import parse_public
+from retexo_fl.training.client import Client, EvalResult
+from retexo_fl.training.lazy_client import LazyClient
+
+
+@dataclass
+class Reply:
+    """A handler's answer.
+
+    Args:
+        records (Records): the reply's content.
+        changed (bool): the client's node-local state changed; save it before replying.
+    """
+
+    records: Records
+    changed: bool
+
+
+def _deliver(client: Client, request: Records) -> bool:
+    """Apply halo rows and degrees delivered with ``request``; ``True`` if any arrived."""
+    if P.PAYLOADS not in request:
+        return False
+    degrees, halo = {}, {}
+    for key, blob in request[P.PAYLOADS].items():
+        kind, src = P.parse_delivery_key(key)
+        (degrees if kind == P.DEGREES else halo)[src] = bytes(blob)
+    if degrees:
+        client.receive_degrees(client.decode_degrees(degrees))
+    client.receive_deliveries(halo)
+    return True
+
+
+def hello(client: Client, request: Records, identity_path: str = "") -> Reply:
+    """Key setup: report this client's partition and public key."""
+    public = client.public_key(identity_path)
+    info = {P.PARTITION_ID: client.id, P.PUBLIC_KEY: public.hex()}
+    return Reply({P.CONFIG: info}, changed=True)  # the private key stays node-local
+
+
+def setup(client: Client, request: Records, identity_path: str = "") -> Reply:
+    """Connect to the peers in the key directory; report counts, plan digests and degree frames."""
+    config = request[P.CONFIG]
+    if client.cfg.encrypt:
+        keys = json.loads(str(config[P.KEYS]))
+        directory = {int(q): parse_public(k, f"key directory, client {q}") for q, k in keys.items()}
+        client.public_key(identity_path)
+        client.connect(directory, int(config[P.RUN_KEY]))
+    frames = client.degree_frames() if client.needs_degrees() else {}
+    info = {
+        P.PARTITION_ID: client.id,
+        P.NUM_CLASSES: client.part.num_classes,
+        P.NUM_FEATURES: client.part.num_features,
+        P.DIGESTS: json.dumps(client.plan.digests()),
+    }
+    return Reply(
+        {
+            P.CONFIG: info,
+            P.METRICS: {k: int(v) for k, v in client.part.counts().items()},
+            P.PAYLOADS: {P.outgoing_key(q): f for q, f in frames.items()},
+        },
+        changed=True,
+    )
+
+
+def train(client: Client, request: Records, identity_path: str = "") -> Reply:
+    """Validate the received state (unless it is a stage's first), send this round's rows (eager),
+    train, and return the update."""
+    delivered = _deliver(client, request)
+    if P.MODEL in request:  # a compressed broadcast: a delta from the model held since
+        state = client.receive_model(None, {k: bytes(v) for k, v in request[P.MODEL].items()})
+    else:
+        state = client.receive_model(request[P.ARRAYS], None)
+    config = request[P.CONFIG]
+    validate = bool(config.get(P.VALIDATE, True))
+    val = client.evaluate(state, "val") if validate else EvalResult(0, 0, 0.0)
+    round_ = int(config[P.ROUND])
+    records: Records = {}
+    sent = client.round_payloads(state, round_)
+    if sent is not None:  # eager: this round's embeddings go to the peers' next round
+        frames, stats = sent
+        records[P.PAYLOADS] = {P.outgoing_key(q): f for q, f in frames.items()}
+        if stats:
+            records[P.STATS] = {P.STATS_JSON: json.dumps(stats)}
+    new_state, loss = client.train(state, round_)
+    update = client.encode_update(new_state, state, round_)
+    records[P.UPDATE if update is not None else P.ARRAYS] = update if update is not None else new_state
+    records[P.METRICS] = {
+        P.NUM_EXAMPLES: client.num_train,
+        P.TRAIN_LOSS: loss,
+        P.VAL_CORRECT: val.correct,
+        P.VAL_COUNT: val.count,
+        P.VAL_LOSS: val.loss_sum,
+        P.LOCAL_STEPS: client.last_steps,
+    }
+    # Halo rows, the update residual or the broadcast view changed: they must outlive the process.
+    changed = delivered or update is not None or client.cfg.broadcast_bits < 32
+    return Reply(records, changed)
+
+
+def evaluate(client: Client, request: Records, identity_path: str = "") -> Reply:
+    """Metrics of the received state on the requested split (eager: after the last halo rows)."""
+    delivered = _deliver(client, request)
+    result = client.evaluate(request[P.ARRAYS], str(request[P.CONFIG][P.SPLIT]))
+    metrics = {P.CORRECT: result.correct, P.COUNT: result.count, P.LOSS: result.loss_sum}
+    return Reply({P.METRICS: metrics}, changed=delivered)
+
+
+def embed(client: Client, request: Records, identity_path: str = "") -> Reply:
+    """Lazy: move on from the stage (embed, or relabel at a pass's end); return the sealed rows."""
+    if not isinstance(client, LazyClient):
+        raise ValueError(
+            f"client {client.id}: {P.EMBED} is a lazy-mode message, this run is {client.cfg.mode}"
+        )
+    stage = int(request[P.CONFIG][P.STAGE])
+    changed = False
+    if client.sent is not None and client.sent[0] == stage:  # asked again by a resumed server
+        frames, stats = client.sent[1], ExchangeStats.from_dict(client.sent[2])
+    else:
+        frames, stats = client.encode_boundary(client.next_stage(request[P.ARRAYS]))
+        client.sent = (stage, frames, stats.to_dict())
+        changed = True
+    records = {
+        P.PAYLOADS: {P.outgoing_key(q): f for q, f in frames.items()},
+        P.STATS: {P.STATS_JSON: json.dumps(stats.to_dict())},
+    }
+    return Reply(records, changed)
+
+
+HANDLERS: dict[str, Callable[[Client, Records, str], Reply]] = {
+    P.HELLO: hello,
+    P.SETUP: setup,
+    P.TRAIN: train,
+    P.EVALUATE: evaluate,
+    P.EMBED: embed,
+}
+
+
+def handle(client: Client, kind: str, request: Records, identity_path: str = "") -> Reply:
+    """Answer one message of type ``kind``.
+
+    Args:
+        client (Client): the node's client, restored to its saved state.
+        kind (str): the message type (one of :data:`~retexo_fl.protocol.MESSAGE_TYPES`).
+        request (Records): the message's content.
+        identity_path (str, optional): a deployed party's identity key file (node config
+            ``identity-key``); empty for the run config's keys. (default: ``""``)
+
+    Raises:
+        ValueError: an unknown message type.
+    """
+    handler = HANDLERS.get(kind)
+    if handler is None:
+        raise ValueError(f"client {client.id}: unknown message type {kind!r}")
+    return handler(client, request, identity_path)

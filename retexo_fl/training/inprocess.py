@@ -1,0 +1,45 @@
+"""The in-process transport: every client of a run in this process, called directly, no Flower."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from retexo_fl.protocol import Records
+from retexo_fl.training.client import Client
+from retexo_fl.training.handlers import handle
+from retexo_fl.training.transport import Batch, ClientFailure
+
+
+class InProcessTransport:
+    """A :class:`~retexo_fl.training.transport.Transport` over client objects in this process.
+
+    Addresses are indices into ``clients``. A request reaches :func:`~retexo_fl.training.handlers.handle`
+    as it is (no copies, no serialization); a client's error propagates with its traceback, since
+    there is nobody to lose.
+
+    Args:
+        clients (Sequence[Client]): the run's clients.
+    """
+
+    engine = "in-process"
+
+    def __init__(self, clients: Sequence[Client]) -> None:
+        self.clients = list(clients)
+
+    def connect(self, count: int) -> list[int]:
+        if len(self.clients) < count:
+            raise ClientFailure(f"only {len(self.clients)} of {count} clients exist in this process")
+        return list(range(count))
+
+    def send(self, kind: str, requests: dict[int, Records], phase: str, stage: int) -> Batch:
+        return Batch({a: handle(self.clients[a], kind, req).records for a, req in requests.items()})
+
+    def report(self, names: dict[int, int]) -> dict[str, Any]:
+        return {}
+
+    def snapshot(self) -> Any:
+        return None
+
+    def restore(self, snapshot: Any) -> None:
+        return None

@@ -1,0 +1,224 @@
+"""One party of lazy (RETEXO) training: one stage at a time over frozen inputs."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from retexo_fl.compress.boundary import ExchangeStats
+from retexo_fl.compress.payload import decode_rows
+from retexo_fl.config import TrainConfig
+from retexo_fl.data.partition import Partition
+from retexo_fl.models.factory import build_stage_model
+from retexo_fl.models.stage import StageModel
+from retexo_fl.protocol import HALO
+from retexo_fl.seeding import derive_seed
+from retexo_fl.training.client import Client
+from retexo_fl.training.pseudo import pseudo_labels
+from retexo_fl.training.state import ClientState, StateDict
+
+#: Seed tag of a client's boundary-row rounding.
+BOUNDARY_TAG = 0xB0
+
+
+class LazyClient(Client):
+    """A client of lazy (RETEXO) training, independent of any transport.
+
+    Per stage the engine has it train and validate for each round, then :meth:`next_stage`
+    computes the stage's embeddings (or, at the end of a self-training pass, relabels) and
+    :meth:`encode_boundary` seals the rows peers need; :meth:`receive_deliveries` takes what
+    peers sent. GCN also needs halo degrees once (:meth:`degree_frames` / :meth:`receive_degrees`).
+
+    Args:
+        part (Partition): this client's validated partition.
+        cfg (TrainConfig): the run configuration.
+    """
+
+    def __init__(self, part: Partition, cfg: TrainConfig) -> None:
+        super().__init__(part, cfg)
+        self.stage = 0
+        self.owned = self.raw_features()
+        self.halo: Tensor | None = None
+        # (stage, frames, stats) of the last boundary rows sent: a resumed server may ask again.
+        self.sent: tuple[int, dict[int, bytes], dict] | None = None
+
+    @property
+    def layer(self) -> int:
+        """The layer of the stack this stage trains (0: the MLP on raw features)."""
+        return self.cfg.layer(self.stage)
+
+    @property
+    def seed_stage(self) -> int:
+        return self.stage
+
+    def layer_index(self) -> int:
+        return self.layer
+
+    def seed_tags(self, round_: int) -> tuple[int, ...]:
+        return (self.stage, round_, self.id)
+
+    def raw_features(self) -> Tensor:
+        """The partition's features as float32 on the device, ``[n, F]``."""
+        return torch.from_numpy(np.array(self.part.x, dtype=np.float32)).to(self.device)
+
+    # -- stage inputs -----------------------------------------------------------------------
+    def stage_input(self) -> Tensor:
+        """What this stage's model reads: owned rows, and halo rows after them for a conv stage."""
+        if self.layer == 0:
+            return self.owned
+        if self.halo is None:
+            raise RuntimeError(f"client {self.id}: stage {self.stage} has no halo rows yet")
+        return torch.cat([self.owned, self.halo])
+
+    def edges(self) -> tuple[Tensor | None, Tensor | None]:
+        """The local graph's edges (and GCN weights) for a conv stage; ``(None, None)`` at layer 0."""
+        if self.layer == 0:
+            return None, None
+        return self.conv_edges()
+
+    def make_model(self) -> StageModel:
+        """This stage's model with its initial weights."""
+        in_dim = self.owned.shape[1]
+        return build_stage_model(self.cfg, self.stage, in_dim, self.part.num_classes).to(self.device)
+
+    def model_key(self) -> object:
+        return self.stage
+
+    def outputs(self, model: torch.nn.Module, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """``(hidden, logits)`` of the owned nodes, or only of boolean ``rows`` of them.
+
+        Stage 0 is row-wise, so it runs on the selected rows alone; a conv stage needs the whole
+        local graph and is sliced after.
+        """
+        if self.layer == 0:
+            hidden, logits = model(self.owned if rows is None else self.owned[rows])
+            return hidden, logits
+        ei, w = self.edges()
+        hidden, logits = model(self.stage_input(), ei, w, num_targets=self.graph.num_owned)
+        return (hidden, logits) if rows is None else (hidden[rows], logits[rows])
+
+    def forward(self, model: torch.nn.Module, rows: Tensor | None = None) -> Tensor:
+        return self.outputs(model, rows)[1]
+
+    # -- between stages ---------------------------------------------------------------------
+    @torch.no_grad()
+    def embeddings(self, state: StateDict) -> Tensor:
+        """This stage's output for every owned node, ``[n, d]``: what the next stage consumes."""
+        model = self.loaded_model(state)
+        model.eval()
+        hidden_out = self.cfg.pass_embedding == "hidden"
+        chunk = self.cfg.chunk_rows
+        n = self.graph.num_owned
+        if not chunk or chunk >= n:
+            hidden, logits = self.outputs(model)
+            return (hidden if hidden_out else logits).float().cpu()
+        # In row chunks: a conv stage's messages (one per edge into the chunk) are what dominates
+        # memory, and every target's incoming edges are all in its chunk, so the rows are exact.
+        out = []
+        if self.layer == 0:
+            for start in range(0, n, chunk):
+                h, z = model(self.owned[start : start + chunk])
+                out.append((h if hidden_out else z).float().cpu())
+            return torch.cat(out)
+        ei, w = self.edges()
+        assert ei is not None  # a conv stage
+        x, dst = self.stage_input(), ei[1]
+        for start in range(0, n, chunk):
+            stop = min(n, start + chunk)
+            sel = (dst >= start) & (dst < stop)
+            h, z = model(x, ei[:, sel], None if w is None else w[sel], num_targets=stop)
+            out.append((h if hidden_out else z)[start:stop].float().cpu())
+        return torch.cat(out)
+
+    def advance(self, embeddings: Tensor) -> dict[int, Tensor]:
+        """Make ``embeddings`` the owned input of the next stage; return the rows peers need."""
+        self.owned = embeddings.to(self.device)
+        self.stage += 1
+        self.halo = None
+        return self.plan.rows_for(embeddings)
+
+    def next_stage(self, state: StateDict) -> dict[int, Tensor]:
+        """Move on from this stage, trained to ``state``; return the boundary rows peers need.
+
+        Within a pass that is :meth:`advance` with this stage's embeddings. After a pass's last
+        stage it is :meth:`relabel`, and nothing crosses: the next stage reads raw features.
+        """
+        if self.cfg.ends_pass(self.stage):
+            self.relabel(state)
+            return {}
+        return self.advance(self.embeddings(state))
+
+    @torch.no_grad()
+    def relabel(self, state: StateDict) -> int:
+        """End a self-training pass: label confident predictions of ``state``, restart at layer 0.
+
+        Returns:
+            int: how many nodes the next pass trains on.
+        """
+        model = self.loaded_model(state)
+        model.eval()
+        logits = self.forward(model)
+        self.train_y, self.masks["train"] = pseudo_labels(
+            logits,
+            self.y,
+            self.given_train,
+            self.masks["val"],
+            self.cfg.pseudo_threshold,
+            self.cfg.pseudo_per_class,
+        )
+        self.stage += 1
+        self.owned, self.halo = self.raw_features(), None
+        return self.num_train
+
+    def receive_halo(self, incoming: dict[int, Tensor]) -> None:
+        """Assemble the next stage's halo rows from peers' blocks (``{peer: [k, d]}``)."""
+        dim = self.owned.shape[1]
+        self.halo = self.plan.assemble_halo(self.complete_halo(incoming, dim, self.halo), dim).to(self.device)
+
+    def encode_boundary(self, rows: dict[int, Tensor]) -> tuple[dict[int, bytes], ExchangeStats]:
+        """Sealed frames of the rows :meth:`advance` returned, compressed as the run config says."""
+        if not rows:
+            return {}, ExchangeStats()
+        exchange = self.layer - 1
+        weights = self.boundary_weights() if self.cfg.bit_policy != "fixed" else None
+        gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, self.stage, BOUNDARY_TAG, self.id))
+        frames, stats = self.encoder.encode(self.id, rows, weights, exchange, self.cfg.stages - 1, gen)
+        return self.channel.seal(frames, HALO, self.stage), stats
+
+    def decode_boundary(self, frames: dict[int, bytes]) -> dict[int, Tensor]:
+        """Peer frames -> row blocks, each checked against this client's boundary plan."""
+        frames, _ = self.channel.open(frames, HALO, self.stage)
+        dim = self.owned.shape[1]
+        return {p: decode_rows(blob, f"client {p}", self.expected_rows(p), dim) for p, blob in frames.items()}
+
+    def receive_deliveries(self, frames: dict[int, bytes]) -> None:
+        """The rows peers sent for this stage (delivered with its first round, also when empty)."""
+        self.receive_halo(self.decode_boundary(frames))
+
+    # -- node-local state -------------------------------------------------------------------
+    def snapshot(self) -> ClientState:
+        state = super().snapshot()
+        state.stage = self.stage
+        state.owned = self.owned.cpu()
+        state.halo = None if self.halo is None else self.halo.cpu()
+        state.sent = None if self.sent is None else [self.sent[0], self.sent[1], json.dumps(self.sent[2])]
+        if self.train_y is not self.y:  # self-training labels: node-local, kept for later messages
+            state.pseudo_labels, state.pseudo_mask = self.train_y.cpu(), self.masks["train"].cpu()
+        return state
+
+    def load_snapshot(self, state: ClientState) -> None:
+        super().load_snapshot(state)
+        self.stage = int(state.stage)
+        assert state.owned is not None  # a lazy client always saves its stage input
+        self.owned = state.owned.to(self.device)
+        self.halo = None if state.halo is None else state.halo.to(self.device)
+        sent = state.sent
+        self.sent = None if sent is None else (int(sent[0]), dict(sent[1]), json.loads(sent[2]))
+        if state.pseudo_labels is None or state.pseudo_mask is None:
+            self.train_y, self.masks["train"] = self.y, self.given_train
+        else:
+            self.train_y = state.pseudo_labels.to(self.device)
+            self.masks["train"] = state.pseudo_mask.to(self.device)

@@ -1,0 +1,262 @@
+"""The one round loop (shared by every mode) and the eager / local baselines' run.
+
+A round: the server sends the model (whole, or as compressed deltas) with any relayed frames;
+each client validates what it received (the previous round's result, so validation costs no
+extra message), trains, and replies with its update; the server decodes and checks the updates,
+aggregates them (FedAvg or DP-FedAvg) and takes its optimizer step. :class:`RoundLoop` is that
+body, written once: the lazy stage machine runs it once per stage, :class:`BaselineRun` once for
+a whole eager or local run, with the halo refreshed every round.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from retexo_fl import protocol as P
+from retexo_fl.compress.boundary import ExchangeStats
+from retexo_fl.compress.updates import ModelBroadcast, UpdateCodec
+from retexo_fl.config import TrainConfig
+from retexo_fl.metrics import RunRecorder, human_bytes
+from retexo_fl.models.factory import build_layered_model
+from retexo_fl.seeding import derive_seed
+from retexo_fl.training.aggregate import ServerOptimizer
+from retexo_fl.training.checkpoint import RoundState
+from retexo_fl.training.federation import Federation, Frames, total
+from retexo_fl.training.privacy import aggregate_round
+from retexo_fl.training.selection import StageTracker
+from retexo_fl.training.state import StateDict
+from retexo_fl.training.transport import Transport
+
+#: Seed tag of the server's compressed broadcast.
+BROADCAST_TAG = 0xBC
+
+
+def exchange_figures(stats: ExchangeStats) -> dict[str, Any]:
+    """A stage's boundary figures for the summary: bytes before / after compression, widths."""
+    d = stats.to_dict()
+    return {
+        "bytes_boundary_raw": d["bytes_raw"],
+        "bytes_boundary_sent": d["bytes_sent"],
+        "bit_histogram": d["bit_histogram"],
+    }
+
+
+def compression_totals(stages: list[dict[str, Any]]) -> dict[str, Any]:
+    """Run-level compression figures from the per-stage ones."""
+    hist: dict[str, int] = {}
+    for s in stages:
+        for b, n in s.get("bit_histogram", {}).items():
+            hist[b] = hist.get(b, 0) + n
+    return {
+        "bytes_boundary_raw": sum(s.get("bytes_boundary_raw", 0) for s in stages),
+        "bytes_model_raw": sum(s.get("bytes_model_raw", 0) for s in stages),
+        "bit_histogram": hist,
+    }
+
+
+@dataclass
+class StageResult:
+    """What :meth:`RoundLoop.run` leaves.
+
+    Args:
+        best_state (StateDict): the best-validation state.
+        figures (dict): the stage's figures (rounds run, best round, bytes, history, seconds).
+        local_steps (list[list[int]]): per round, each client's local steps (refreshing runs).
+        stats (ExchangeStats): the compression figures of frames sent during the rounds.
+    """
+
+    best_state: StateDict
+    figures: dict[str, Any]
+    local_steps: list[list[int]] = field(default_factory=list)
+    stats: ExchangeStats = field(default_factory=ExchangeStats)
+
+
+class RoundLoop:
+    """Federated rounds over a :class:`Federation`: the only implementation of a round.
+
+    Args:
+        fed (Federation): the clients, reached through a transport.
+        cfg (TrainConfig): the run configuration.
+        rec (RunRecorder): where events and progress go.
+    """
+
+    def __init__(self, fed: Federation, cfg: TrainConfig, rec: RunRecorder) -> None:
+        self.fed = fed
+        self.cfg = cfg
+        self.rec = rec
+
+    def start(self, state: StateDict, layer: int, tracker: StageTracker, broadcast_seed: int) -> RoundState:
+        """Round 0 of a stage that starts from ``state`` (layer ``layer``'s server learning rate)."""
+        cfg = self.cfg
+        server = ServerOptimizer(cfg.server_optimizer, state, float(cfg.per_stage("server_lr", layer)))
+        broadcast = ModelBroadcast(cfg.broadcast_bits, cfg.range_dtype, broadcast_seed)
+        view = broadcast.prepare(state, 1)  # what the clients hold and train from
+        return RoundState(0, state, view, server, tracker, broadcast)
+
+    def run(
+        self,
+        stage: int,
+        rounds: int,
+        rs: RoundState,
+        deliveries: dict[int, Frames] | None,
+        *,
+        refresh: bool,
+        label: str,
+        on_round: Callable[[RoundState], None] | None = None,
+    ) -> StageResult:
+        """Rounds ``rs.round + 1 .. rounds`` of ``stage``.
+
+        Args:
+            stage (int): the stage (eager / local: 0); tags the messages, DP noise and figures.
+            rounds (int): the stage's last round.
+            rs (RoundState): where the stage stands (:meth:`start`, or a checkpoint's).
+            deliveries (dict[int, Frames], optional): frames for the first round sent.
+            refresh (bool): clients send frames every round, relayed with the next round (eager);
+                else ``deliveries`` go with the first round only (lazy).
+            label (str): names the rounds in messages and progress (``"stage 2"``, ``"eager"``).
+            on_round (Callable[[RoundState], None], optional): called after each applied round
+                (checkpoints). (default: :obj:`None`)
+        """
+        fed, cfg = self.fed, self.cfg
+        t0 = time.perf_counter() - rs.seconds
+        codec = UpdateCodec(cfg.update_bits, cfg.range_dtype)
+        result = StageResult({}, {})
+        pending = deliveries
+        for r in range(rs.round + 1, rounds + 1):
+            config = {P.STAGE: stage, P.ROUND: r, P.VALIDATE: r > 1}
+            requests = {
+                pid: fed.content(
+                    rs.view,
+                    pending.get(pid) if pending else None,
+                    model=rs.broadcast,
+                    by_digest=True,
+                    **config,
+                )
+                for pid in fed.pids
+            }
+            pending = None
+            replies = fed.send(P.TRAIN, requests, f"{label} round {r}", stage)
+            pids = fed.pids  # without any client lost in this round
+            ordered = [replies[pid] for pid in pids]
+            metrics = [m[P.METRICS] for m in ordered]
+            if r > 1:  # each reply validated the state it received: the previous round's result
+                self._record(rs, r - 1, sum_val(metrics), refresh)
+                if rs.tracker.should_stop:
+                    self.rec.progress(f"{label}: no validation gain for {cfg.patience} rounds, stopping")
+                    break
+            if refresh:
+                result.local_steps.append([int(m[P.LOCAL_STEPS]) for m in metrics])
+                fed.add_stats(result.stats, ordered)
+                outgoing = {
+                    pid: m[P.PAYLOADS] for pid, m in zip(pids, ordered, strict=True) if P.PAYLOADS in m
+                }
+                pending = fed.route(outgoing, P.HALO) if outgoing else None
+            weights = [m[P.NUM_EXAMPLES] for m in metrics]
+            rs.train_loss = sum(m[P.TRAIN_LOSS] * w for m, w in zip(metrics, weights, strict=True)) / sum(
+                weights
+            )
+            states, raw = fed.updates(ordered, rs.view, codec, rs.tracker, rs.broadcast.nbytes())
+            rs.model_raw += raw
+            rs.state = rs.server.step(
+                aggregate_round(rs.state, rs.view, states, weights, fed.privacy, (stage, r))
+            )
+            rs.view = rs.broadcast.prepare(rs.state, r + 1)
+            rs.round, rs.seconds = r, time.perf_counter() - t0
+            if line := rs.tracker.progress_line(r, rounds):
+                where = f" boundary so far {human_bytes(fed.bytes_boundary)}" if refresh else ""
+                self.rec.progress(f"{label} {line}{where}" if refresh else line)
+            if on_round is not None:
+                on_round(rs)
+        else:  # the last state still needs its validation (eager: with the last round's halo rows)
+            val = total(fed.evaluate(rs.view, "val", stage, pending))
+            self._record(rs, rounds, (val.correct, val.count, val.loss_sum), refresh)
+        result.figures = rs.tracker.figures(time.perf_counter() - t0)
+        result.figures["bytes_model_raw"] = rs.model_raw
+        assert rs.tracker.best_state is not None  # every path above records a round
+        result.best_state = rs.tracker.best_state
+        return result
+
+    def _record(self, rs: RoundState, round_: int, val: tuple[int, int, float], refresh: bool) -> None:
+        if refresh:  # bytes so far include this run's relayed rows
+            rs.tracker.bytes_offset = self.fed.bytes_boundary
+        correct, count, loss = val
+        acc = correct / count if count else 0.0
+        val_loss = loss / count if count else 0.0
+        rs.tracker.record(round_, rs.view, acc, train_loss=rs.train_loss, val_loss=val_loss)
+        self.rec.event(
+            "round", stage=rs.tracker.stage, round=round_, train_loss=rs.train_loss, val_accuracy=acc
+        )
+
+
+def sum_val(metrics: list[dict[str, Any]]) -> tuple[int, int, float]:
+    """Validation (correct, count, summed loss) over train replies' metrics."""
+    return (
+        sum(int(m[P.VAL_CORRECT]) for m in metrics),
+        sum(int(m[P.VAL_COUNT]) for m in metrics),
+        sum(float(m[P.VAL_LOSS]) for m in metrics),
+    )
+
+
+class BaselineRun:
+    """Eager and local training over a transport: one ``train`` message per round.
+
+    Round ``r`` carries the global state and the boundary frames peers computed in round
+    ``r - 1``; each client validates the state, sends this round's frames and its update back in
+    one reply.
+
+    Args:
+        transport (Transport): how clients are reached.
+        cfg (TrainConfig): the run configuration (``mode`` eager or local).
+        rec (RunRecorder): where events and progress go.
+    """
+
+    def __init__(self, transport: Transport, cfg: TrainConfig, rec: RunRecorder) -> None:
+        if cfg.mode not in ("eager", "local"):
+            raise ValueError(f"BaselineRun runs eager or local mode, not {cfg.mode!r}")
+        self.cfg = cfg
+        self.rec = rec
+        self.fed = Federation(transport, cfg, rec)
+        self.loop = RoundLoop(self.fed, cfg, rec)
+
+    def run(self) -> dict[str, Any]:
+        """Set up, train, test; returns the run summary."""
+        cfg, fed = self.cfg, self.fed
+        t0 = time.perf_counter()
+        degrees = fed.setup()  # degrees (eager GCN) ride with round 1
+        ref = fed.reference
+        model = build_layered_model(cfg, ref.num_features, ref.num_classes)
+        state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        rs = self.loop.start(state, 1, StageTracker(0, cfg.patience), derive_seed(cfg.seed, BROADCAST_TAG))
+        rounds = int(cfg.per_stage("rounds", 1))
+        result = self.loop.run(0, rounds, rs, degrees, refresh=True, label=cfg.mode)
+        figures = result.figures
+        figures.update(bytes_boundary=fed.bytes_boundary, **exchange_figures(result.stats))
+        tests = fed.evaluate(result.best_state, "test", 0)
+        test = total(tests)
+        return {
+            **compression_totals([figures]),
+            "mode": cfg.mode,
+            "engine": fed.transport.engine,
+            "test_accuracy": test.accuracy,
+            "val_accuracy": figures["val_accuracy"],
+            "bytes_total": fed.bytes_boundary + figures["bytes_model"],
+            "bytes_boundary": fed.bytes_boundary,
+            "bytes_model": figures["bytes_model"],
+            "local_steps": result.local_steps,
+            "clients": per_client(fed, tests),
+            **fed.summary(),
+            "stages": [figures],
+            "wall_seconds": time.perf_counter() - t0,
+            "config": cfg.to_dict(),
+        }
+
+
+def per_client(fed: Federation, tests: dict[int, Any]) -> list[dict[str, Any]]:
+    """The summary's per-client rows: test accuracy and the counts reported at setup."""
+    return [
+        {"client": pid, "test_accuracy": r.accuracy, "test_count": r.count, **fed.counts[pid].counts}
+        for pid, r in sorted(tests.items())
+    ]

@@ -1,0 +1,201 @@
+"""The lazy (RETEXO) stage machine: setup, each stage's rounds, embed and relay, passes, test.
+
+One implementation for every engine: it reaches clients through a
+:class:`~retexo_fl.training.transport.Transport` (in process, or Flower's ``Grid``), runs each
+stage's rounds with the shared :class:`~retexo_fl.training.rounds.RoundLoop`, relays the sealed
+boundary rows it never opens, and, given a :class:`~retexo_fl.training.checkpoint.CheckpointStore`,
+checkpoints after setup, every round and every exchange so a run can be resumed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from retexo_fl import protocol as P
+from retexo_fl.compress.boundary import ExchangeStats
+from retexo_fl.config import TrainConfig
+from retexo_fl.metrics import RunRecorder, human_bytes
+from retexo_fl.models.factory import build_stage_model, stage_input_dim
+from retexo_fl.seeding import derive_seed
+from retexo_fl.training.checkpoint import Checkpoint, CheckpointStore, RoundState
+from retexo_fl.training.federation import Federation, Frames, total
+from retexo_fl.training.rounds import (
+    BROADCAST_TAG,
+    RoundLoop,
+    compression_totals,
+    exchange_figures,
+    per_client,
+)
+from retexo_fl.training.selection import StageTracker
+from retexo_fl.training.state import StateDict
+from retexo_fl.training.transport import Transport
+
+
+class LazyStageMachine:
+    """Drives one lazy run; the server routes payloads it never decodes.
+
+    Args:
+        transport (Transport): how clients are reached.
+        cfg (TrainConfig): the run configuration.
+        rec (RunRecorder): where events and progress go.
+        store (CheckpointStore, optional): where checkpoints go (none: no checkpoints). (default: :obj:`None`)
+        on_stage (Callable[[int, StateDict], None], optional): sees each stage's kept
+            (best-validation) weights. (default: :obj:`None`)
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        cfg: TrainConfig,
+        rec: RunRecorder,
+        store: CheckpointStore | None = None,
+        on_stage: Callable[[int, StateDict], None] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.rec = rec
+        self.store = store
+        self.on_stage = on_stage
+        self.fed = Federation(transport, cfg, rec)
+        self.loop = RoundLoop(self.fed, cfg, rec)
+        self.exchange_stats: dict[int, ExchangeStats] = {}
+        self.model_bytes_done = 0  # model bytes of finished stages
+
+    def run(self, resume: bool = False) -> dict[str, Any]:
+        """Run every stage (or, with ``resume``, go on from the store's checkpoint); returns the summary."""
+        cfg, fed = self.cfg, self.fed
+        t0 = time.perf_counter()
+        if resume:
+            ck = self._resume()
+        else:
+            degrees = fed.setup()
+            ck = Checkpoint(
+                cfg.to_dict(), fed.run_key, fed.pids, fed.keys, fed.counts, fed.members.lost, 0, 0
+            )
+            ck.boundary_before, ck.degrees = fed.bytes_boundary, degrees
+            self._save(ck)
+        last = cfg.total_stages - 1
+        state: StateDict = {}
+        for stage in range(ck.stage, last + 1):
+            state, figures = self._train_stage(stage, ck)
+            self.model_bytes_done += figures["bytes_model"]
+            deliveries = None
+            if stage < last:
+                # Clients embed, or after a pass's last stage label their own nodes (nothing to relay).
+                deliveries = self._embed(state, stage)
+                if cfg.ends_pass(stage):
+                    deliveries = None
+                    self.rec.progress(f"self-training pass {stage // cfg.stages + 1} begins")
+                if stage == 0 and deliveries is not None:  # degrees go with the first conv stage's rows
+                    for pid, frames in (ck.degrees or {}).items():
+                        if pid in deliveries:  # else lost since setup
+                            deliveries[pid].update(frames)
+                    ck.degrees = None
+            figures["bytes_boundary"] = fed.bytes_boundary - ck.boundary_before
+            if stage in self.exchange_stats:
+                figures.update(exchange_figures(self.exchange_stats[stage]))
+            ck.stages.append(figures)
+            self.rec.progress(
+                f"stage {stage} done: best val {figures['val_accuracy']:.4f} at round "
+                f"{figures['best_round']}, boundary so far {human_bytes(fed.bytes_boundary)}"
+            )
+            ck.stage, ck.boundary_before, ck.deliveries, ck.round_state = (
+                stage + 1,
+                fed.bytes_boundary,
+                deliveries,
+                None,
+            )
+            self._save(ck)
+        tests = fed.evaluate(state, "test", last)
+        stages = ck.stages
+        bytes_model = sum(s["bytes_model"] for s in stages)
+        return {
+            **compression_totals(stages),
+            "mode": "lazy",
+            "engine": fed.transport.engine,
+            "test_accuracy": total(tests).accuracy,
+            "val_accuracy": stages[-1]["val_accuracy"],
+            "bytes_total": fed.bytes_boundary + bytes_model,
+            "bytes_boundary": fed.bytes_boundary,
+            "bytes_model": bytes_model,
+            "clients": per_client(fed, tests),
+            **fed.summary(),
+            "stages": stages,
+            "wall_seconds": time.perf_counter() - t0,
+            "config": cfg.to_dict(),
+            "resumed": resume,
+        }
+
+    def _train_stage(self, stage: int, ck: Checkpoint) -> tuple[StateDict, dict[str, Any]]:
+        """The stage's rounds, from its initial weights or from the checkpoint's round."""
+        cfg, fed = self.cfg, self.fed
+        layer = cfg.layer(stage)
+        rs = ck.round_state
+        if rs is None:
+            ref = fed.reference
+            in_dim = stage_input_dim(cfg, stage, ref.num_features, ref.num_classes)
+            model = build_stage_model(cfg, stage, in_dim, ref.num_classes)
+            state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            tracker = StageTracker(stage, cfg.patience)
+            tracker.bytes_offset = fed.bytes_boundary + self.model_bytes_done
+            rs = self.loop.start(state, layer, tracker, derive_seed(cfg.seed, stage, BROADCAST_TAG))
+
+        def after_round(rs: RoundState) -> None:
+            ck.deliveries, ck.round_state = None, rs  # deliveries went with round 1
+            self._save(ck)
+
+        rounds = int(cfg.per_stage("rounds", layer))
+        result = self.loop.run(
+            stage, rounds, rs, ck.deliveries, refresh=False, label=f"stage {stage}", on_round=after_round
+        )
+        if self.on_stage is not None:
+            self.on_stage(stage, result.best_state)
+        return result.best_state, result.figures
+
+    def _embed(self, state: StateDict, stage: int) -> dict[int, Frames]:
+        """Clients move on from ``stage`` with ``state``; their sealed boundary rows, relayed."""
+        fed = self.fed
+        requests = {pid: fed.content(state, **{P.STAGE: stage}) for pid in fed.pids}
+        replies = fed.send(P.EMBED, requests, f"stage {stage} embed", stage)
+        stats = ExchangeStats()
+        fed.add_stats(stats, list(replies.values()))
+        self.exchange_stats[stage] = stats
+        before = fed.bytes_boundary
+        incoming = fed.route({pid: r.get(P.PAYLOADS, {}) for pid, r in replies.items()}, P.HALO)
+        self.rec.event("exchange", stage=stage, bytes=fed.bytes_boundary - before, **exchange_figures(stats))
+        return incoming
+
+    # -- checkpoint and resume --------------------------------------------------------------
+    def _save(self, ck: Checkpoint) -> None:
+        """Bring ``ck`` up to date with the federation and hand it to the store."""
+        if self.store is None:
+            return
+        fed = self.fed
+        ck.run_key, ck.pids, ck.keys, ck.counts = fed.run_key, fed.pids, fed.keys, fed.counts
+        ck.lost, ck.bytes_boundary, ck.model_bytes_done = (
+            fed.members.lost,
+            fed.bytes_boundary,
+            self.model_bytes_done,
+        )
+        ck.exchange_stats, ck.privacy, ck.transport = (
+            self.exchange_stats,
+            fed.privacy,
+            fed.transport.snapshot(),
+        )
+        self.store.save(ck)
+
+    def _resume(self) -> Checkpoint:
+        """Load the store's checkpoint and find the surviving clients again."""
+        if self.store is None:
+            raise ValueError("resume needs a checkpoint store (the run folder of a lazy run)")
+        ck = self.store.load()
+        fed = self.fed
+        fed.run_key, fed.keys, fed.counts = ck.run_key, ck.keys, ck.counts
+        fed.members.lost, fed.bytes_boundary, fed.privacy = ck.lost, ck.bytes_boundary, ck.privacy
+        self.model_bytes_done, self.exchange_stats = ck.model_bytes_done, ck.exchange_stats
+        fed.transport.restore(ck.transport)
+        fed.reconnect(ck.pids)
+        where = f"stage {ck.stage}" + (f" after round {ck.round_state.round}" if ck.round_state else "")
+        self.rec.progress(f"resumed at {where} with {len(fed.pids)} clients")
+        return ck

@@ -1,0 +1,92 @@
+"""What a client keeps between messages: one dataclass, one save path, one load path.
+
+A deployed ClientApp is a new process per message, and Ray may hand a simulated node's next
+message to another actor: everything a later message needs, besides the partition itself,
+is written to the node-local work folder after a message that changed it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+StateDict = dict[str, Tensor]
+
+#: The file a client's state lives in, inside its node-local work folder.
+STATE_FILE = "client-state.pt"
+
+
+@dataclass
+class ClientState:
+    """A client's node-local state between messages.
+
+    Args:
+        stage (int): the lazy stage the client is at (eager: always 0).
+        owned (Tensor, optional): the owned rows' stage input (lazy), ``[n, d]``.
+        halo (Tensor, optional): the halo rows' stage input (lazy), ``[h, d]``.
+        halo_layers (list[Tensor], optional): eager: each conv layer's halo rows, ``[h, hidden]``.
+        halo_degree (Tensor, optional): GCN: the halo nodes' global in-degrees, ``[h]``.
+        residual (StateDict, optional): error feedback of compressed updates, this stage.
+        view (StateDict, optional): the model as the compressed broadcast left it.
+        identity (str, optional): the X25519 private key, hex. It never leaves this folder.
+        directory (dict[int, str], optional): the key directory, public keys in hex.
+        run_id (int): the run key the channels are bound to.
+        halo_round (int): eager: the newest round whose halo rows were accepted.
+        sent (list, optional): ``[stage, frames, stats JSON]`` of the last boundary rows sent, for
+            a resumed server that asks again.
+        pseudo_labels (Tensor, optional): self-training labels, ``[n]`` (node-local, like labels).
+        pseudo_mask (Tensor, optional): the training mask with them, ``[n]``.
+    """
+
+    stage: int = 0
+    owned: Tensor | None = None
+    halo: Tensor | None = None
+    halo_layers: list[Tensor] | None = None
+    halo_degree: Tensor | None = None
+    residual: StateDict | None = None
+    view: StateDict | None = None
+    identity: str | None = None
+    directory: dict[int, str] | None = None
+    run_id: int = 0
+    halo_round: int = 0
+    sent: list[Any] | None = None
+    pseudo_labels: Tensor | None = None
+    pseudo_mask: Tensor | None = None
+
+    def save(self, folder: str | Path) -> Path:
+        """Write to ``folder``/:data:`STATE_FILE` atomically, readable by this user alone.
+
+        Returns:
+            Path: the file written.
+        """
+        path = Path(folder) / STATE_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(STATE_FILE + ".tmp")
+        # The file holds the identity key and, at stage 0, raw features: owner-only from birth.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            torch.save(dataclasses.asdict(self), f)
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, folder: str | Path) -> ClientState | None:
+        """The state saved in ``folder``, or ``None`` if there is none.
+
+        Raises:
+            ValueError: the file exists but is not a client state (naming the file).
+        """
+        path = Path(folder) / STATE_FILE
+        if not path.is_file():
+            return None
+        try:
+            values = torch.load(path, weights_only=True)
+            return cls(**values)
+        except Exception as exc:  # a truncated or foreign file: name it instead of a pickle traceback
+            raise ValueError(f"{path}: not a client state ({type(exc).__name__}: {exc})") from None

@@ -1,0 +1,66 @@
+"""Checkpoint files of lazy runs, and the configuration of a run to resume."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from retexo_fl.config import TrainConfig
+from retexo_fl.training.checkpoint import Checkpoint
+
+#: The checkpoint's file in a run folder.
+CHECKPOINT = "checkpoint.pt"
+
+
+class FileCheckpoints:
+    """A :class:`~retexo_fl.training.checkpoint.CheckpointStore` in a run folder.
+
+    Args:
+        folder (str): the run folder (``--out``).
+    """
+
+    def __init__(self, folder: str) -> None:
+        self.path = Path(folder) / CHECKPOINT
+
+    def save(self, checkpoint: Checkpoint) -> None:
+        """Write ``checkpoint`` atomically, readable by this user alone (it holds relayed frames)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            torch.save(checkpoint, f)
+        tmp.replace(self.path)
+
+    def load(self) -> Checkpoint:
+        """The checkpoint in the folder.
+
+        Raises:
+            ValueError: there is none, or the file is not a checkpoint.
+        """
+        if not self.path.is_file():
+            raise ValueError(f"{self.path}: no checkpoint to resume from (the run folder of a lazy run)")
+        # Our own file, written by save(): it holds optimizer and tracker objects, so not weights-only.
+        checkpoint = torch.load(self.path, weights_only=False)
+        if not isinstance(checkpoint, Checkpoint):
+            raise ValueError(f"{self.path}: not a checkpoint of this version ({type(checkpoint).__name__})")
+        return checkpoint
+
+
+def resumed_config(cfg: TrainConfig) -> TrainConfig:
+    """The configuration of the run in ``cfg.resume``, set to resume it in that folder.
+
+    Raises:
+        ValueError: ``cfg.resume`` is not a lazy run's folder.
+    """
+    path = Path(cfg.resume) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{path}: not a run folder (no config.json); resume needs the --out of a lazy run")
+    values = json.loads(path.read_text())
+    values.pop("extra", None)
+    resumed = TrainConfig.from_mapping({**values, "resume": str(cfg.resume), "out_dir": str(cfg.resume)})
+    if resumed.mode != "lazy":
+        raise ValueError(f"{cfg.resume}: resume continues lazy runs; this one is {resumed.mode}")
+    return resumed

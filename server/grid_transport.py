@@ -1,0 +1,73 @@
+"""The Flower transport: the library's stage machine and round loop, over a ``Grid``."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from flwr.app import Message
+from flwr.serverapp import Grid
+
+from clients.records import from_flower, to_flower
+from retexo_fl.protocol import Records
+from retexo_fl.training.transport import Batch, ClientFailure
+from server.messaging import Traffic, exchange
+
+
+class GridTransport:
+    """A :class:`~retexo_fl.training.transport.Transport` that sends Flower Messages over ``grid``.
+
+    Addresses are Flower node ids. A node that does not reply within ``timeout`` seconds, or
+    replies with an error, is reported as a failure; the stage machine's policy decides what
+    that means.
+
+    Args:
+        grid (Grid): the ServerApp's grid (simulation or deployment).
+        timeout (float): seconds to wait for each batch's replies (``client-timeout``).
+    """
+
+    engine = "flower"
+
+    def __init__(self, grid: Grid, timeout: float) -> None:
+        self.grid = grid
+        self.timeout = timeout
+        self.traffic = Traffic()
+
+    def connect(self, count: int) -> list[int]:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            nodes = sorted(self.grid.get_node_ids())
+            if len(nodes) >= count:
+                return nodes[:count]
+            if time.monotonic() > deadline:
+                raise ClientFailure(f"only {len(nodes)} of {count} clients connected")
+            time.sleep(0.5)
+
+    def send(self, kind: str, requests: dict[int, Records], phase: str, stage: int) -> Batch:
+        messages = [
+            Message(to_flower(r), dst_node_id=node, message_type=kind) for node, r in requests.items()
+        ]
+        sent = {m.metadata.dst_node_id: m for m in messages}
+        replies = exchange(self.grid, messages, self.timeout)
+        batch = Batch()
+        for node in requests:
+            reply = replies.get(node)
+            if reply is None:
+                batch.failures[node] = f"did not reply to {phase} within {self.timeout:.0f}s"
+            elif reply.has_error():
+                batch.failures[node] = f"failed during {phase}: {reply.error.reason}"
+            else:
+                self.traffic.count(stage, kind, node, "down", sent[node])
+                self.traffic.count(stage, kind, node, "up", reply)
+                batch.replies[node] = from_flower(reply.content)
+        return batch
+
+    def report(self, names: dict[int, int]) -> dict[str, Any]:
+        return {"traffic": self.traffic.summary(names)}
+
+    def snapshot(self) -> Any:
+        return self.traffic.rows
+
+    def restore(self, snapshot: Any) -> None:
+        if snapshot is not None:
+            self.traffic.rows = snapshot

@@ -14,6 +14,17 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 
 
+@pytest.fixture(autouse=True)
+def node_work_dir(tmp_path_factory, monkeypatch) -> Path:
+    """Every test's Flower nodes keep their state (and cached partitions) in a folder of its own,
+    never in the temp folder's ``retexo-fl/`` that every other run on the machine shares."""
+    from clients.node import WORK_DIR_ENV
+
+    folder = tmp_path_factory.mktemp("nodes")
+    monkeypatch.setenv(WORK_DIR_ENV, str(folder))
+    return folder
+
+
 @pytest.fixture(scope="session")
 def data_root(tmp_path_factory) -> Path:
     """A private copy of the shared Planetoid raw files (PyG writes processed/ beside raw/)."""

@@ -14,7 +14,7 @@ import pytest
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partition import save_partition
 
-#: The stated ceiling (README): a client with profile=edge computing a 64-wide GCN stage over a
+#: The stated ceiling (docs/deployment.md): a client with profile=edge computing a 64-wide GCN stage over a
 #: 40,000-node partition with about 2,000,000 edges stays under this peak RSS.
 EDGE_CEILING_MB = 900
 
@@ -23,12 +23,14 @@ _CHILD = textwrap.dedent(
     import json, sys, torch
     from retexo_fl.config import TrainConfig
     from retexo_fl.data.partition import load_partition
-    from retexo_fl.training.client import LazyClient
+    from retexo_fl.training.lazy_client import LazyClient
     part = load_partition(sys.argv[1])
     cfg = TrainConfig(**json.loads(sys.argv[2]))
     client = LazyClient(part, cfg)
-    client.stage, client.halo_degree, client.halo = 1, torch.zeros(0), torch.zeros(0, 64)
-    client.owned = torch.randn(part.num_nodes, 64, generator=torch.Generator().manual_seed(0))
+    # Stage 1 of a lone client (no halo rows), through the client's own interface.
+    client.advance(torch.randn(part.num_nodes, 64, generator=torch.Generator().manual_seed(0)))
+    client.receive_degrees({})
+    client.receive_halo({})
     state = client.make_model().state_dict()
     def high_water_mb():
         # VmHWM is this address space's own peak. ru_maxrss is not: exec keeps the peak of the

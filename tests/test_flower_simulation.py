@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -68,7 +67,7 @@ def test_failing_client_ends_the_run_with_its_name(tmp_path):
     import numpy as np
 
     from retexo_fl.cli import main
-    from server.app import ClientFailure
+    from retexo_fl.training.transport import ClientFailure
     from server.simulation import simulate
 
     parts = tmp_path / "parts"
@@ -100,19 +99,18 @@ def test_failing_client_ends_the_run_with_its_name(tmp_path):
 
 
 @pytest.mark.slow
-def test_client_failing_mid_stage_ends_the_run_with_its_name(tmp_path):
+def test_client_failing_mid_stage_ends_the_run_with_its_name(tmp_path, node_work_dir):
     """Client 2's saved stage inputs are corrupted once stage 1 has begun: its next message fails."""
-    import tempfile
     import threading
     import time
 
     import torch
 
-    from server.app import ClientFailure
+    from retexo_fl.training.transport import ClientFailure
     from server.simulation import simulate
 
     started = time.time()
-    base = Path(tempfile.gettempdir()) / "retexo-fl"
+    base = node_work_dir  # this test's own node folders: no other run's state is touched
     done = threading.Event()
 
     def corrupt_when_stage_1_starts() -> None:

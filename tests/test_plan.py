@@ -10,7 +10,15 @@ from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.models.stage import make_conv
 from retexo_fl.plan import BoundaryPlan, LocalGraph, PlanMismatchError, check_plans
 from retexo_fl.training.centralized import whole_graph_partition
-from retexo_fl.training.lazy import exchange
+
+
+def exchange(outgoing: dict[int, dict[int, torch.Tensor]]) -> tuple[dict[int, dict[int, torch.Tensor]], None]:
+    """Route ``{src: {dst: rows}}`` to ``{dst: {src: rows}}``: what the server's relay does, minus frames."""
+    incoming: dict[int, dict[int, torch.Tensor]] = {}
+    for src, per_dst in outgoing.items():
+        for dst, rows in per_dst.items():
+            incoming.setdefault(dst, {})[src] = rows
+    return incoming, None
 
 
 def _partitioned_outputs(data, parts, conv, feats):

@@ -130,16 +130,19 @@ def embed(client: Client, request: Records, identity_path: str = "") -> Reply:
         )
     stage = int(request[P.CONFIG][P.STAGE])
     changed = False
+    ends_pass = client.cfg.ends_pass(stage)
     if client.sent is not None and client.sent[0] == stage:  # asked again by a resumed server
         frames, stats = client.sent[1], ExchangeStats.from_dict(client.sent[2])
     else:
         frames, stats = client.encode_boundary(client.next_stage(request[P.ARRAYS]))
         client.sent = (stage, frames, stats.to_dict())
         changed = True
-    records = {
+    records: Records = {
         P.PAYLOADS: {P.outgoing_key(q): f for q, f in frames.items()},
         P.STATS: {P.STATS_JSON: json.dumps(stats.to_dict())},
     }
+    if ends_pass:  # relabelled: the next pass's training nodes (a count, as every round reports)
+        records[P.METRICS] = {P.NUM_EXAMPLES: client.num_train}
     return Reply(records, changed)
 
 

@@ -61,6 +61,7 @@ class LazyStageMachine:
         self.loop = RoundLoop(self.fed, cfg, rec)
         self.exchange_stats: dict[int, ExchangeStats] = {}
         self.model_bytes_done = 0  # model bytes of finished stages
+        self.relabeled = 0  # training nodes after the last relabelling (self-training)
 
     def run(self, resume: bool = False) -> dict[str, Any]:
         """Run every stage (or, with ``resume``, go on from the store's checkpoint); returns the summary."""
@@ -86,7 +87,9 @@ class LazyStageMachine:
                 deliveries = self._embed(state, stage)
                 if cfg.ends_pass(stage):
                     deliveries = None
-                    self.rec.progress(f"self-training pass {stage // cfg.stages + 1} begins")
+                    labeled = self.relabeled
+                    self.rec.event("relabel", stage=stage, train_nodes=labeled)
+                    self.rec.progress(f"self-training pass {stage // cfg.stages + 1}: {labeled} training nodes")
                 if stage == 0 and deliveries is not None:  # degrees go with the first conv stage's rows
                     for pid, frames in (ck.degrees or {}).items():
                         if pid in deliveries:  # else lost since setup
@@ -161,6 +164,7 @@ class LazyStageMachine:
         stats = ExchangeStats()
         fed.add_stats(stats, list(replies.values()))
         self.exchange_stats[stage] = stats
+        self.relabeled = sum(int(r[P.METRICS][P.NUM_EXAMPLES]) for r in replies.values() if P.METRICS in r)
         before = fed.bytes_boundary
         incoming = fed.route({pid: r.get(P.PAYLOADS, {}) for pid, r in replies.items()}, P.HALO)
         self.rec.event("exchange", stage=stage, bytes=fed.bytes_boundary - before, **exchange_figures(stats))

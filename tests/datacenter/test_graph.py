@@ -17,8 +17,8 @@ from retexo_fl.datacenter.graph import ResidencyError, check_residency, load_ful
 from retexo_fl.datacenter.model import ReferenceGCN, initial_weights
 from retexo_fl.models.gnn import GNN
 from retexo_fl.plan import BoundaryPlan, LocalGraph
-from retexo_fl.training.centralized import whole_graph_partition
 from retexo_fl.seeding import derive_seed
+from retexo_fl.training.centralized import whole_graph_partition
 
 
 def _write(parts, root, bound: bool):

@@ -11,10 +11,13 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from retexo_fl.cli import main
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partitioners import partition_graph
+from retexo_fl.metrics import RunRecorder
 from retexo_fl.secure.envelope import ENVELOPE_BYTES, NONCE_BYTES, EnvelopeError, Envelopes, Route
 from retexo_fl.secure.keys import KeyMaterialError, check_directory, load_pins, public_bytes
-from retexo_fl.training.client import LazyClient, connect_clients
+from retexo_fl.training.federation import Federation
+from retexo_fl.training.inprocess import InProcessTransport
 from retexo_fl.training.lazy import run_lazy
+from retexo_fl.training.lazy_client import LazyClient
 
 RUN = 123456789
 
@@ -97,9 +100,9 @@ def test_pins_catch_a_swapped_key(tmp_path):
 
 def test_clients_refuse_a_directory_that_disagrees_with_the_pins(sbm, tmp_path):
     main(["keys", "--clients", "3", "--out", str(tmp_path)])
-    cfg = TrainConfig(identity_keys=str(tmp_path), pinned_keys=str(tmp_path / "pins.json"))
+    cfg = TrainConfig(clients=3, identity_keys=str(tmp_path), pinned_keys=str(tmp_path / "pins.json"))
     clients = [LazyClient(p, cfg) for p in partition_graph(sbm, 3, "random", seed=0)]
-    connect_clients(clients)  # the honest directory matches the pins
+    Federation(InProcessTransport(clients), cfg, RunRecorder(None, stream=None)).setup()  # honest: pins match
     directory = {c.id: c.public_key() for c in clients}
     directory[1] = public_bytes(X25519PrivateKey.generate())  # a server that swapped client 1's key
     with pytest.raises(KeyMaterialError, match="client 0: the server's key for client 1"):

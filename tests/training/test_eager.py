@@ -11,8 +11,8 @@ from retexo_fl.config import TrainConfig
 from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.plan import BoundaryPlan
 from retexo_fl.secure.envelope import ENVELOPE_BYTES
-from retexo_fl.training.client import connect_clients
-from retexo_fl.training.eager import EagerClient, run_eager, step_delays
+from retexo_fl.training.eager import run_eager
+from retexo_fl.training.eager_client import EagerClient, step_delays
 
 
 def _cfg(**kw) -> TrainConfig:
@@ -74,23 +74,27 @@ def test_settled_halos_give_the_whole_graph_forward(sbm):
     then equal the whole-graph model's, so eager's only approximation is staleness."""
     import torch
 
+    from retexo_fl import protocol as P
+    from retexo_fl.metrics import RunRecorder
     from retexo_fl.training.centralized import whole_graph_partition
-    from retexo_fl.training.lazy import exchange
+    from retexo_fl.training.federation import Federation
+    from retexo_fl.training.handlers import handle
+    from retexo_fl.training.inprocess import InProcessTransport
 
-    cfg = _cfg(mode="eager", hidden=8)
+    cfg = _cfg(mode="eager", hidden=8, clients=3)
     clients = [EagerClient(p, cfg) for p in partition_graph(sbm, 3, "random", seed=0)]
-    connect_clients(clients)
-    incoming, _ = exchange({c.id: c.degree_frames() for c in clients})
-    for c in clients:
-        c.receive_degrees(c.decode_degrees(incoming.get(c.id, {})))
+    fed = Federation(InProcessTransport(clients), cfg, RunRecorder(None, stream=None))
+    degrees = fed.setup()  # key setup and the sealed GCN degrees, as a run does them
     state = {k: v.detach().clone() for k, v in clients[0].make_model().state_dict().items()}
+    for c in clients:  # the degrees ride with the first message a client gets
+        handle(c, P.EVALUATE, fed.content(state, degrees[c.id], **{P.SPLIT: "val"}))
 
     def logits(client):
         model = client.make_model()
         model.load_state_dict(state)
         model.eval()
         with torch.no_grad():
-            return client._forward(model)[1]
+            return client.forward(model)
 
     whole = logits(EagerClient(whole_graph_partition(sbm), cfg))
 
@@ -99,7 +103,10 @@ def test_settled_halos_give_the_whole_graph_forward(sbm):
 
     before = gap()  # zero halos
     for r in range(1, cfg.stages):
-        incoming, _ = exchange({c.id: c.encode_rows_for_round(c.boundary_rows(state), r)[0] for c in clients})
+        incoming: dict[int, dict[int, bytes]] = {c.id: {} for c in clients}
         for c in clients:
-            c.receive_boundary(incoming.get(c.id, {}))
+            for q, frame in c.encode_rows_for_round(c.boundary_rows(state), r)[0].items():
+                incoming[q][c.id] = frame
+        for c in clients:
+            c.receive_deliveries(incoming[c.id])
     assert before > 1e-2 and gap() < 1e-5

@@ -7,8 +7,8 @@ import torch
 
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partitioners import partition_graph
+from retexo_fl.models.factory import build_stage_model, stage_input_dim
 from retexo_fl.training.centralized import whole_graph_partition
-from retexo_fl.training.client import build_stage_model, stage_input_dim
 from retexo_fl.training.lazy import run_lazy
 
 
@@ -79,15 +79,15 @@ def test_invariance_detects_a_wrong_normalization(cora):
         seed=7,
     )
     one = _stage_states([whole_graph_partition(cora)], cfg)
-    original = client_mod.LazyClient.receive_degrees
+    original = client_mod.Client.receive_degrees
 
     def local_degrees_only(self, incoming):  # pretend halo nodes have degree 0
         original(self, {q: torch.zeros_like(v) for q, v in incoming.items()})
 
-    client_mod.LazyClient.receive_degrees = local_degrees_only
+    client_mod.Client.receive_degrees = local_degrees_only
     try:
         four = _stage_states(partition_graph(cora, 4, "metis", seed=0), cfg)
     finally:
-        client_mod.LazyClient.receive_degrees = original
+        client_mod.Client.receive_degrees = original
     diff = max((four[1][k] - one[1][k]).abs().max().item() for k in one[1])
     assert diff > 1e-3

@@ -8,8 +8,8 @@ import torch
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.training.centralized import run_centralized, whole_graph_partition
-from retexo_fl.training.client import LazyClient
 from retexo_fl.training.lazy import run_lazy
+from retexo_fl.training.lazy_client import LazyClient
 from retexo_fl.training.pseudo import pseudo_labels
 
 
@@ -84,10 +84,9 @@ def test_relabel_is_local_and_survives_save_and_restore(sbm, tmp_path):
     cfg = TrainConfig(stages=2, hidden=8, seed=0, self_training=1, pseudo_threshold=0.4)
     part = partition_graph(sbm, 1, "metis", seed=0)[0]
     client = LazyClient(part, cfg)
-    client.stage = 1
-    client.halo_degree = torch.zeros(0)
-    client.owned = torch.randn(part.num_nodes, 8)
-    client.halo = torch.zeros(0, 8)
+    client.advance(torch.randn(part.num_nodes, 8))  # stage 1: one client, so no halo rows
+    client.receive_degrees({})
+    client.receive_halo({})
     given = client.num_train
     assert client.next_stage(client.make_model().state_dict()) == {}  # nothing for the peers
     assert client.stage == 2 and client.layer == 0 and client.halo is None
@@ -107,10 +106,9 @@ def test_relabel_caps_labels_per_class(sbm):
     counts = {}
     for per_class in (0, 3):
         client = LazyClient(part, TrainConfig(**{**cfg.to_dict(), "pseudo_per_class": per_class}))
-        client.stage = 1
-        client.halo_degree = torch.zeros(0)
-        client.owned = torch.randn(part.num_nodes, 8, generator=torch.Generator().manual_seed(0))
-        client.halo = torch.zeros(0, 8)
+        client.advance(torch.randn(part.num_nodes, 8, generator=torch.Generator().manual_seed(0)))
+        client.receive_degrees({})
+        client.receive_halo({})
         given = client.num_train
         client.next_stage(client.make_model().state_dict())
         new = client.masks["train"] & ~client.given_train

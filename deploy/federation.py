@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from retexo_fl import protocol as P
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {
     "FLWR_TELEMETRY_ENABLED": "0",
@@ -162,7 +164,7 @@ class Federation:
         netns: str = "",
     ) -> subprocess.Popen:
         """Start party ``party``'s SuperNode on ``partition`` (in network namespace ``netns``)."""
-        node_config = f"partition-dir='{partition}' work-dir='{self.work / 'node-work'}'"
+        node_config = f"{P.NODE_PARTITION_DIR}='{partition}' {P.NODE_WORK_DIR}='{self.work / 'node-work'}'"
         security = ["--insecure"]
         if self.tls:
             key = self.tls / f"party-{party if key_party is None else key_party}"

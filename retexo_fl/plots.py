@@ -11,6 +11,7 @@ def write_plots(summary: dict, out_dir: str | Path) -> list[Path]:
     Cumulative bytes step by one round's model traffic per round and by the boundary exchange
     at the end of each stage (the GCN degree exchange is counted with stage 0's).
     """
+    # matplotlib only when plots are written: its import would cost every ClientApp process.
     import matplotlib
 
     matplotlib.use("Agg")

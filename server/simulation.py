@@ -5,7 +5,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from flwr.serverapp import ServerApp
+
+from clients.app import app as client_app
+from clients.node import WORK_DIR_ENV
 from retexo_fl.config import TrainConfig
+from server.app import run_server
+from server.checkpoint import resumed_config
 
 
 def simulate(cfg: TrainConfig, *, cpus_per_client: float = 1.0, work_dir: str | Path | None = None) -> dict:
@@ -25,13 +31,8 @@ def simulate(cfg: TrainConfig, *, cpus_per_client: float = 1.0, work_dir: str | 
     """
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
-    from flwr.serverapp import ServerApp
+    # Flower's simulation engine imports Ray: only when a simulation runs.
     from flwr.simulation import run_simulation
-
-    from clients.app import app as client_app
-    from clients.node import WORK_DIR_ENV
-    from server.app import run_server
-    from server.checkpoint import resumed_config
 
     if cfg.resume:  # the federation's size comes from the run being resumed
         cfg = resumed_config(cfg)

@@ -9,11 +9,11 @@ import sys
 import time
 
 import pytest
-import torch
 
 from retexo_fl.config import TrainConfig
 from retexo_fl.metrics import RunRecorder
 from retexo_fl.runner import train
+from server.checkpoint import FileCheckpoints
 
 SETTINGS = {
     "dataset": "sbm:500,3,8,0.85",
@@ -33,12 +33,12 @@ def _curve(summary: dict) -> list[float]:
     return [h[k] for s in summary["stages"] for h in s["history"] for k in ("val_accuracy", "train_loss")]
 
 
-def _checkpoint_position(path) -> tuple[int, int]:
+def _checkpoint_position(run) -> tuple[int, int]:
     try:
-        ck = torch.load(path, weights_only=False)
-    except Exception:  # not written yet
+        ck = FileCheckpoints(str(run)).load()
+    except Exception:  # not written yet, or being replaced right now
         return -1, -1
-    return ck["stage"], (ck["stage_state"] or {}).get("round", 0)
+    return ck.stage, ck.round_state.round if ck.round_state else 0
 
 
 @pytest.mark.slow
@@ -56,7 +56,7 @@ def test_killed_run_resumes_to_the_uninterrupted_accuracy(tmp_path, settings, ki
     deadline, killed_at = time.time() + 240, None
     try:
         while time.time() < deadline and proc.poll() is None:
-            stage, round_ = _checkpoint_position(run / "checkpoint.pt")
+            stage, round_ = _checkpoint_position(run)
             if (stage, round_) >= kill_at:
                 os.killpg(proc.pid, signal.SIGKILL)  # the whole simulation: server, clients, Ray
                 killed_at = (stage, round_)

@@ -87,6 +87,7 @@ def downlink_mbit(wan: EmulatedWan, nbytes: int) -> float:
     return float(rate)
 
 
+@pytest.mark.slow  # wall-clock: the rates are measured transfer times
 def test_each_direction_has_its_own_rate():
     with EmulatedWan(1, rate_mbit=8, uplink_mbit=2) as wan:
         up = uplink_mbit(wan, 500_000)  # 2 s at 2 Mbit/s

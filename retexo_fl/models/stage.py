@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch_geometric.nn import GATConv, GCNConv, SAGEConv
 
 CONV_KINDS = ("gcn", "sage", "sage-max", "gat")
 
@@ -15,8 +16,6 @@ def make_conv(kind: str, in_dim: int, out_dim: int, *, heads: int = 4) -> nn.Mod
     aggregation, ``sage-max`` max-pool aggregation over projected neighbours; ``gat`` averages
     ``heads`` attention heads.
     """
-    from torch_geometric.nn import GATConv, GCNConv, SAGEConv
-
     if kind == "gcn":
         return GCNConv(in_dim, out_dim, normalize=False, add_self_loops=False)
     if kind == "sage":

@@ -10,6 +10,7 @@ import torch
 
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partition import Partition
+from retexo_fl.data.partitioners import split_graph
 from retexo_fl.metrics import RunRecorder
 from retexo_fl.models.gnn import GNN
 from retexo_fl.plan import BoundaryPlan, LocalGraph
@@ -19,8 +20,6 @@ from retexo_fl.training.pseudo import pseudo_labels
 
 def whole_graph_partition(data) -> Partition:
     """The whole graph as one partition (no cross edges)."""
-    from retexo_fl.data.partitioners import split_graph
-
     return split_graph(data, np.zeros(data.num_nodes, dtype=np.int64), 1, method="whole")[0]
 
 

@@ -35,7 +35,7 @@ class UpdatePrivacy:
     def __init__(self, noise: float, clip: float, clients: int, delta: float, seed: int) -> None:
         if noise <= 0 or clip <= 0:
             raise ValueError(f"dp-noise and dp-clip must be > 0, got {noise} and {clip}")
-        try:
+        try:  # Flower's accountant needs the optional dp-accounting package (retexo-fl[dp])
             from flwr.supercore.privacy_accounting import NeighboringRelation, PrivacyConfig, SamplingMethod
             from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant
 
@@ -61,6 +61,7 @@ class UpdatePrivacy:
 
         ``tag`` (stage, round) seeds this release's noise.
         """
+        # Flower's DP functions: imported only when DP is on (they pull the optional accountant).
         from flwr.supercore.differential_privacy import (
             add_gaussian_noise_inplace,
             clip_inputs_inplace,

@@ -87,9 +87,9 @@ class LazyStageMachine:
                 deliveries = self._embed(state, stage)
                 if cfg.ends_pass(stage):
                     deliveries = None
-                    labeled = self.relabeled
-                    self.rec.event("relabel", stage=stage, train_nodes=labeled)
-                    self.rec.progress(f"self-training pass {stage // cfg.stages + 1}: {labeled} training nodes")
+                    self.rec.event("relabel", stage=stage, train_nodes=self.relabeled)
+                    pass_ = stage // cfg.stages + 1
+                    self.rec.progress(f"self-training pass {pass_}: {self.relabeled} training nodes")
                 if stage == 0 and deliveries is not None:  # degrees go with the first conv stage's rows
                     for pid, frames in (ck.degrees or {}).items():
                         if pid in deliveries:  # else lost since setup

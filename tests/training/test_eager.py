@@ -50,6 +50,7 @@ def test_compressed_eager_exchange(sbm):
     assert out["bytes_boundary"] < out["bytes_boundary_raw"] / 4
 
 
+@pytest.mark.slow  # wall-clock: a time-based round is measured in seconds
 def test_time_based_rounds_end_on_time_and_slow_clients_do_fewer_steps(sbm):
     parts = partition_graph(sbm, 3, "random", seed=0)
     cfg = _cfg(mode="local", round_seconds=0.3, step_delay="1:0.1")

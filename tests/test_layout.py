@@ -1,0 +1,49 @@
+"""The layout's rules, checked: one round body, a library that never reaches up into the apps,
+and (when ../shared is beside the checkout) no import cycles."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _sources(*folders: str) -> dict[Path, str]:
+    return {p: p.read_text() for f in folders for p in (ROOT / f).rglob("*.py")}
+
+
+def test_one_round_body():
+    calls = [
+        p
+        for p, text in _sources("retexo_fl", "server", "clients").items()
+        for _ in re.finditer(r"(?<!def )\baggregate_round\(", text)
+    ]
+    assert [p.relative_to(ROOT).as_posix() for p in calls] == ["retexo_fl/training/rounds.py"]
+
+
+def test_the_library_imports_nothing_from_the_apps():
+    reaching = [
+        p.relative_to(ROOT).as_posix()
+        for p, text in _sources("retexo_fl").items()
+        if re.search(r"^\s*(from (server|clients)\b|import (server|clients)\b)", text, re.M)
+    ]
+    assert reaching == []
+
+
+def test_the_library_imports_no_flower_transport():
+    # Flower's DP helpers are allowed (retexo_fl/training/privacy.py); its messaging is not.
+    pattern = r"^\s*from flwr\.(app|serverapp|clientapp|simulation|server|client)\b"
+    assert [p.name for p, text in _sources("retexo_fl").items() if re.search(pattern, text, re.M)] == []
+
+
+def test_no_import_cycles():
+    tool = ROOT.parent / "shared" / "tools" / "import_cycles.py"
+    if not tool.is_file():
+        pytest.skip(f"{tool} is not beside this checkout")
+    done = subprocess.run([sys.executable, str(tool), "retexo_fl"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout

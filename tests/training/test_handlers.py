@@ -1,0 +1,73 @@
+"""The client handlers both engines call: each message type does one thing, and says when the
+node must save."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from retexo_fl import protocol as P
+from retexo_fl.config import TrainConfig
+from retexo_fl.data.partitioners import partition_graph
+from retexo_fl.metrics import RunRecorder
+from retexo_fl.training.eager_client import EagerClient
+from retexo_fl.training.federation import Federation
+from retexo_fl.training.handlers import handle
+from retexo_fl.training.inprocess import InProcessTransport
+from retexo_fl.training.lazy_client import LazyClient
+
+
+def _lazy(sbm, **kw):
+    cfg = TrainConfig(clients=3, stages=2, hidden=8, **kw)
+    clients = [LazyClient(p, cfg) for p in partition_graph(sbm, 3, "random", seed=0)]
+    fed = Federation(InProcessTransport(clients), cfg, RunRecorder(None, stream=None))
+    return cfg, clients, fed
+
+
+def test_train_validates_trains_and_reports(sbm):
+    _, clients, fed = _lazy(sbm)
+    fed.setup()
+    state = clients[0].make_model().state_dict()
+    first = handle(clients[0], P.TRAIN, fed.content(state, **{P.ROUND: 1, P.VALIDATE: False}))
+    m = first.records[P.METRICS]
+    assert m[P.VAL_COUNT] == 0 and m[P.NUM_EXAMPLES] == clients[0].num_train and m[P.LOCAL_STEPS] == 1
+    assert set(first.records[P.ARRAYS]) == set(state) and not first.changed  # nothing node-local moved
+    second = handle(clients[0], P.TRAIN, fed.content(state, **{P.ROUND: 2, P.VALIDATE: True}))
+    assert second.records[P.METRICS][P.VAL_COUNT] == int(clients[0].masks["val"].sum()) > 0
+    # The same state, round and seed train to the same update: the handler is a pure step.
+    again = handle(clients[0], P.TRAIN, fed.content(state, **{P.ROUND: 2, P.VALIDATE: True}))
+    assert all(torch.equal(again.records[P.ARRAYS][k], second.records[P.ARRAYS][k]) for k in state)
+
+
+def test_deliveries_and_embeddings_change_what_the_node_keeps(sbm):
+    _, clients, fed = _lazy(sbm)
+    degrees = fed.setup()
+    state = clients[1].make_model().state_dict()
+    reply = handle(clients[1], P.EMBED, fed.content(state, **{P.STAGE: 0}))
+    assert reply.changed and clients[1].stage == 1
+    sent = reply.records[P.PAYLOADS]
+    assert sorted(P.parse_outgoing_key(k) for k in sent) == sorted(clients[1].plan.send)
+    # Asked again (a resumed server): the same sealed frames, nothing recomputed.
+    assert handle(clients[1], P.EMBED, fed.content(state, **{P.STAGE: 0})).records[P.PAYLOADS] == sent
+    # Stage 1's first message brings the peers' rows and the degrees: the node must keep them.
+    outgoing = {1: sent}
+    for c in clients[::2]:
+        outgoing[c.id] = handle(c, P.EMBED, fed.content(state, **{P.STAGE: 0})).records[P.PAYLOADS]
+    deliveries = fed.route(outgoing, P.HALO)
+    for pid, frames in degrees.items():
+        deliveries[pid].update(frames)
+    conv = clients[0].make_model().state_dict()
+    assert clients[0].halo is None
+    assert handle(clients[0], P.EVALUATE, fed.content(conv, deliveries[0], **{P.SPLIT: "val"})).changed
+    assert clients[0].halo.shape == (clients[0].plan.num_halo, 8)
+
+
+def test_bad_messages_are_refused_by_name(sbm):
+    _, clients, fed = _lazy(sbm)
+    with pytest.raises(ValueError, match=r"unknown message type 'query\.nope'"):
+        handle(clients[0], "query.nope", {})
+    eager = EagerClient(clients[0].part, TrainConfig(mode="eager", clients=3, stages=2, hidden=8))
+    with pytest.raises(ValueError, match=r"query\.embed is a lazy-mode message, this run is eager"):
+        handle(eager, P.EMBED, fed.content(clients[0].make_model().state_dict(), **{P.STAGE: 0}))
+    with pytest.raises(ValueError, match=r"expected 'deg\|halo-from-<client id>'"):
+        handle(clients[0], P.EVALUATE, {P.PAYLOADS: {"to-1": b"x"}, P.CONFIG: {P.SPLIT: "val"}})

@@ -1,0 +1,58 @@
+"""A client's node-local state: one save path, one load path, owner-only, bad files named."""
+
+from __future__ import annotations
+
+import stat
+
+import pytest
+import torch
+
+from retexo_fl.config import TrainConfig
+from retexo_fl.data.partitioners import partition_graph
+from retexo_fl.training.eager_client import EagerClient
+from retexo_fl.training.lazy_client import LazyClient
+from retexo_fl.training.state import STATE_FILE, ClientState
+
+
+def test_state_round_trips_and_is_owner_only(tmp_path):
+    state = ClientState(stage=3, owned=torch.arange(6.0).view(3, 2), run_id=9, sent=[1, {0: b"x"}, "{}"])
+    path = state.save(tmp_path)
+    assert path == tmp_path / STATE_FILE
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600  # it can hold a private key and raw features
+    back = ClientState.load(tmp_path)
+    assert back is not None and back.stage == 3 and back.run_id == 9 and back.sent == [1, {0: b"x"}, "{}"]
+    assert torch.equal(back.owned, state.owned)
+    assert ClientState.load(tmp_path / "nothing") is None
+
+
+def test_a_corrupt_state_file_is_named(tmp_path):
+    (tmp_path / STATE_FILE).write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match=rf"{STATE_FILE}: not a client state"):
+        ClientState.load(tmp_path)
+
+
+def test_a_lazy_client_comes_back_where_it_was(sbm, tmp_path):
+    cfg = TrainConfig(clients=3, stages=3, hidden=8, encrypt=False)
+    part = partition_graph(sbm, 3, "random", seed=0)[1]
+    client = LazyClient(part, cfg)
+    rows = client.advance(torch.randn(part.num_nodes, 8))
+    client.receive_halo({q: torch.ones(int(ids.size), 8) for q, ids in client.plan.recv.items()})
+    client.save(tmp_path)
+    fresh = LazyClient(part, cfg)
+    assert fresh.restore(tmp_path)
+    assert (
+        fresh.stage == 1 and torch.equal(fresh.owned, client.owned) and torch.equal(fresh.halo, client.halo)
+    )
+    assert sorted(rows) == sorted(client.plan.send)
+
+
+def test_an_eager_client_keeps_its_halo_layers(sbm, tmp_path):
+    cfg = TrainConfig(mode="eager", clients=3, stages=3, hidden=8, encrypt=False)
+    part = partition_graph(sbm, 3, "random", seed=0)[0]
+    client = EagerClient(part, cfg)
+    client.halo_layers = [torch.full_like(h, float(i + 1)) for i, h in enumerate(client.halo_layers)]
+    client.halo_round = 4
+    client.save(tmp_path)
+    fresh = EagerClient(part, cfg)
+    assert fresh.restore(tmp_path) and fresh.halo_round == 4
+    assert all(torch.equal(a, b) for a, b in zip(fresh.halo_layers, client.halo_layers, strict=True))

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from flwr.app import ArrayRecord, Context, Error, Message, RecordDict
+from flwr.app import Context, Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
 
 from clients.node import cached_client, partition_dir, who
+from clients.records import from_flower
 from retexo_fl import protocol as P
 from retexo_fl.secure.audit import AuditLog
 
@@ -24,14 +25,11 @@ def report_errors(msg: Message, context: Context, call_next: Next) -> Message:
 
 
 def _plain(content: RecordDict) -> dict[str, dict]:
-    """A reply's records as plain values for the audit: arrays as NumPy, frames as bytes."""
-    out: dict[str, dict] = {}
-    for name, record in content.items():
-        if isinstance(record, ArrayRecord):
-            out[name] = {k: v.numpy() for k, v in record.to_torch_state_dict().items()}
-        else:
-            out[name] = dict(record)
-    return out
+    """A reply's records as the audit reads them: arrays as NumPy, frames as bytes."""
+    records = from_flower(content)
+    if P.ARRAYS in records:
+        records[P.ARRAYS] = {k: v.numpy() for k, v in records[P.ARRAYS].items()}
+    return records
 
 
 def audit_messages(msg: Message, context: Context, call_next: Next) -> Message:

@@ -78,15 +78,14 @@ class RoundLoop:
     """Federated rounds over a :class:`Federation`: the only implementation of a round.
 
     Args:
-        fed (Federation): the clients, reached through a transport.
-        cfg (TrainConfig): the run configuration.
-        rec (RunRecorder): where events and progress go.
+        fed (Federation): the clients, reached through a transport (its config and recorder are
+            the loop's).
     """
 
-    def __init__(self, fed: Federation, cfg: TrainConfig, rec: RunRecorder) -> None:
+    def __init__(self, fed: Federation) -> None:
         self.fed = fed
-        self.cfg = cfg
-        self.rec = rec
+        self.cfg = fed.cfg
+        self.rec = fed.rec
 
     def start(self, state: StateDict, layer: int, tracker: StageTracker, broadcast_seed: int) -> RoundState:
         """Round 0 of a stage that starts from ``state`` (layer ``layer``'s server learning rate)."""
@@ -219,7 +218,7 @@ class BaselineRun:
         self.cfg = cfg
         self.rec = rec
         self.fed = Federation(transport, cfg, rec)
-        self.loop = RoundLoop(self.fed, cfg, rec)
+        self.loop = RoundLoop(self.fed)
 
     def run(self) -> dict[str, Any]:
         """Set up, train, test; returns the run summary."""

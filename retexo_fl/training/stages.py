@@ -58,7 +58,7 @@ class LazyStageMachine:
         self.store = store
         self.on_stage = on_stage
         self.fed = Federation(transport, cfg, rec)
-        self.loop = RoundLoop(self.fed, cfg, rec)
+        self.loop = RoundLoop(self.fed)
         self.exchange_stats: dict[int, ExchangeStats] = {}
         self.model_bytes_done = 0  # model bytes of finished stages
         self.relabeled = 0  # training nodes after the last relabelling (self-training)

@@ -6,6 +6,8 @@ import argparse
 import dataclasses
 import json
 import sys
+from collections.abc import Callable
+from importlib.metadata import entry_points
 from pathlib import Path
 
 from retexo_fl.config import PER_STAGE, TrainConfig
@@ -35,6 +37,34 @@ _HELP = {
     "replication": "1.5d's replication factor c (divides procs)",
     "trusted_cluster": "let data-center mode pool partitions marked residency-bound",
 }
+
+#: The entry-point group that names the engines ``train --engine`` offers besides ``in-process``
+#: (pyproject.toml registers Flower's simulation engine, ``server.simulation:simulate``, here).
+ENGINE_GROUP = "retexo_fl.engines"
+
+
+def engines() -> list[str]:
+    """The names of the installed engines of :data:`ENGINE_GROUP`, sorted."""
+    return sorted({ep.name for ep in entry_points(group=ENGINE_GROUP)})
+
+
+def load_engine(name: str) -> Callable[[TrainConfig], dict]:
+    """The engine registered as ``name``: a callable that trains a config and returns its summary.
+
+    Args:
+        name (str): an entry point of :data:`ENGINE_GROUP`, e.g. ``"simulation"``.
+
+    Raises:
+        ValueError: no installed package registers ``name`` (a checkout that was never
+            ``pip install``-ed registers none).
+    """
+    found = [ep for ep in entry_points(group=ENGINE_GROUP) if ep.name == name]
+    if not found:
+        raise ValueError(
+            f"engine {name!r}: no installed package registers it in the {ENGINE_GROUP!r} entry points "
+            f"(installed: {', '.join(engines()) or 'none'}); run `pip install -e .` in the checkout"
+        )
+    return found[0].load()
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -104,13 +134,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from retexo_fl.runner import train
 
     cfg = _config_from_args(args)
-    if args.engine == "simulation":
-        # The Flower adapters live outside the library; only this entry point reaches them.
-        from server.simulation import simulate
-
-        summary = simulate(cfg)
-    else:
-        summary = train(cfg)
+    summary = train(cfg) if args.engine == "in-process" else load_engine(args.engine)(cfg)
     print(
         json.dumps(
             {
@@ -196,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a model (federated, centralized or data-center)")
     t.add_argument(
         "--engine",
-        choices=["in-process", "simulation"],
+        choices=["in-process", *engines()],
         default="in-process",
         help="the in-process reference engine, or Flower's simulation engine (lazy, eager, local)",
     )

@@ -141,3 +141,13 @@ def test_the_apps_run_config_is_a_valid_train_config():
     cfg = TrainConfig.from_mapping(app_config)
     assert {"self-training", "pseudo-threshold", "pseudo-per-class"} <= set(app_config)
     assert cfg.pseudo_per_class == 0 and cfg.pseudo_threshold == 0.9
+
+
+def test_engines_come_from_entry_points_not_imports():
+    from retexo_fl.cli import ENGINE_GROUP, engines, load_engine
+
+    # pyproject.toml registers Flower's simulation engine; the library never imports server/.
+    assert "simulation" in engines()
+    assert load_engine("simulation").__module__ == "server.simulation"
+    with pytest.raises(ValueError, match=f"engine 'warp'.*{ENGINE_GROUP}"):
+        load_engine("warp")

@@ -10,8 +10,18 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
-from retexo_fl.config import TrainConfig
-from retexo_fl.data.partition import CROSS_IN, CROSS_OUT, Partition, PartitionError, read_manifest
+from retexo_fl.data.loading import load_graph
+from retexo_fl.data.partition import (
+    CROSS_IN,
+    CROSS_OUT,
+    Partition,
+    PartitionError,
+    load_partitions,
+    read_manifest,
+)
+from retexo_fl.datacenter.settings import DatacenterConfig
+from retexo_fl.plan import BoundaryPlan, LocalGraph
+from retexo_fl.training.centralized import whole_graph_partition
 
 
 class ResidencyError(ValueError):
@@ -41,7 +51,7 @@ class FullGraph:
         return int(self.x.shape[0])
 
 
-def check_residency(cfg: TrainConfig) -> None:
+def check_residency(cfg: DatacenterConfig) -> None:
     """Refuse partitions marked residency-bound unless the user says the cluster is trusted."""
     if not cfg.partitions:
         return
@@ -50,7 +60,7 @@ def check_residency(cfg: TrainConfig) -> None:
     if not dirs:
         raise PartitionError(root, "directory", "no part-* sub-directories")
     bound = [d.name for d in dirs if read_manifest(d).get("residency_bound", True)]
-    if bound and not cfg.trusted_cluster:
+    if bound and not cfg.datacenter.trusted_cluster:
         raise ResidencyError(
             f"{root}: partitions {', '.join(bound)} are residency-bound (manifest.json residency_bound); "
             "data-center mode moves every party's rows to other processes. Train them with a "
@@ -96,19 +106,12 @@ def pool_partitions(parts: list[Partition]) -> Partition:
     )
 
 
-def load_full_graph(cfg: TrainConfig) -> FullGraph:
+def load_full_graph(cfg: DatacenterConfig) -> FullGraph:
     """The whole graph of ``cfg`` with the centralized reference's GCN normalization."""
-    from retexo_fl.plan import BoundaryPlan, LocalGraph
-    from retexo_fl.training.centralized import whole_graph_partition
-
     if cfg.partitions:
-        from retexo_fl.data.partition import load_partitions
-
         check_residency(cfg)
         part = pool_partitions(load_partitions(cfg.partitions))
     else:
-        from retexo_fl.runner import load_graph
-
         part = whole_graph_partition(load_graph(cfg))
     graph = LocalGraph.build(part, BoundaryPlan.from_partition(part))
     ei, w = graph.gcn_weights(torch.zeros(0))

@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from retexo_fl.config import TrainConfig
-from retexo_fl.datacenter.graph import FullGraph
+from retexo_fl.datacenter.graph import FullGraph, check_residency, load_full_graph
+from retexo_fl.datacenter.settings import DatacenterConfig
+from retexo_fl.datacenter.trainer import train_process
 from retexo_fl.metrics import RunRecorder
 
 
@@ -24,7 +25,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _device(cfg: TrainConfig) -> tuple[torch.device, str]:
+def _device(cfg: DatacenterConfig) -> tuple[torch.device, str]:
     """This process's device and backend: one GPU per process with NCCL where there are GPUs."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     want_cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
@@ -37,7 +38,7 @@ def _device(cfg: TrainConfig) -> tuple[torch.device, str]:
 
 
 def run_process(
-    cfg: TrainConfig,
+    cfg: DatacenterConfig,
     summary_path: str | None,
     graph: FullGraph | None = None,
     weights_path: str | None = None,
@@ -48,9 +49,6 @@ def run_process(
     Rank 0 writes the summary to ``summary_path`` (if given) and returns it, and the final
     weights to ``weights_path`` (if given). ``graph`` skips loading ``cfg``'s dataset.
     """
-    from retexo_fl.datacenter.graph import load_full_graph
-    from retexo_fl.datacenter.trainer import train_process
-
     device, backend = _device(cfg)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     try:
@@ -76,46 +74,49 @@ def run_process(
 
 
 def _spawned(
-    rank: int, cfg_dict: dict, port: int, summary_path: str, graph: FullGraph | None, weights_path: str | None
+    rank: int,
+    cfg: DatacenterConfig,
+    port: int,
+    summary_path: str,
+    graph: FullGraph | None,
+    weights_path: str | None,
 ) -> None:
-    cfg = TrainConfig(**cfg_dict)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         RANK=str(rank),
-        WORLD_SIZE=str(cfg.procs),
+        WORLD_SIZE=str(cfg.datacenter.procs),
         LOCAL_RANK=str(rank),
     )
     # The host's cores are shared by all P processes: oversubscribing them costs more than it gives.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.procs))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.datacenter.procs))
     run_process(cfg, summary_path, graph, weights_path)
 
 
 def run_datacenter(
-    cfg: TrainConfig,
+    cfg: DatacenterConfig,
     rec: RunRecorder | None = None,
     graph: FullGraph | None = None,
     keep_weights: bool = False,
 ) -> dict:
-    """Run ``cfg`` (mode ``datacenter``) as ``cfg.procs`` processes on this host; returns rank 0's summary.
+    """Run ``cfg`` (mode ``datacenter``) as ``procs`` processes on this host; returns rank 0's summary.
 
     Args:
         graph: train on this in-memory graph instead of loading ``cfg``'s dataset in every process.
         keep_weights: put the final ``[(W, b)]`` per layer in the summary as ``final_weights``.
     """
-    from retexo_fl.datacenter.graph import check_residency
-
     if graph is None:
         check_residency(cfg)  # before anything is spawned or loaded
     rec = rec or RunRecorder(None, stream=None)
-    rec.progress(f"data-center {cfg.algorithm}: starting {cfg.procs} processes on 127.0.0.1")
+    dc = cfg.datacenter
+    rec.progress(f"data-center {dc.algorithm}: starting {dc.procs} processes on 127.0.0.1")
     with tempfile.TemporaryDirectory(prefix="retexo-dc-") as tmp:
         path, wpath = str(Path(tmp) / "summary.json"), str(Path(tmp) / "weights.pt")
         try:
             mp.start_processes(
                 _spawned,
-                args=(cfg.to_dict(), _free_port(), path, graph, wpath if keep_weights else None),
-                nprocs=cfg.procs,
+                args=(cfg, _free_port(), path, graph, wpath if keep_weights else None),
+                nprocs=cfg.datacenter.procs,
                 start_method="spawn",
             )
         except mp.ProcessRaisedException as exc:

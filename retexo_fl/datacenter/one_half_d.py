@@ -8,8 +8,8 @@ from torch import Tensor
 
 from retexo_fl.datacenter.blocks import SparseBlock, block, width
 from retexo_fl.datacenter.comm import Counted, Group, make_groups
-from retexo_fl.datacenter.spmm import DistributedSpMM
 from retexo_fl.datacenter.settings import check_procs
+from retexo_fl.datacenter.spmm import DistributedSpMM
 
 
 class OneHalfD(DistributedSpMM):

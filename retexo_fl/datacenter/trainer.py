@@ -8,31 +8,31 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from retexo_fl.config import TrainConfig
 from retexo_fl.datacenter.comm import CommLedger, Counted, Group
 from retexo_fl.datacenter.graph import FullGraph
 from retexo_fl.datacenter.model import DistributedGCN, initial_weights
+from retexo_fl.datacenter.one_d import OneD
+from retexo_fl.datacenter.one_half_d import OneHalfD
+from retexo_fl.datacenter.settings import DatacenterConfig
 from retexo_fl.datacenter.spmm import DistributedSpMM
+from retexo_fl.datacenter.three_d import ThreeD
+from retexo_fl.datacenter.two_d import TwoD
 from retexo_fl.datacenter.volumes import epoch_spmm_bytes
 from retexo_fl.metrics import RunRecorder, human_bytes
 
 
 def make_algorithm(
-    cfg: TrainConfig, graph: FullGraph, comm: Counted, world: tuple[int, int], device: torch.device
+    cfg: DatacenterConfig, graph: FullGraph, comm: Counted, world: tuple[int, int], device: torch.device
 ) -> DistributedSpMM:
-    """The ``cfg.algorithm`` product over ``graph``'s adjacency for this process."""
-    from retexo_fl.datacenter.one_d import OneD
-    from retexo_fl.datacenter.one_half_d import OneHalfD
-    from retexo_fl.datacenter.three_d import ThreeD
-    from retexo_fl.datacenter.two_d import TwoD
-
-    if cfg.algorithm == "1.5d":
-        return OneHalfD(graph.adjacency, comm, world, device, replication=cfg.replication)
-    kind = {"1d": OneD, "2d": TwoD, "3d": ThreeD}[cfg.algorithm]
+    """The ``cfg.datacenter.algorithm`` product over ``graph``'s adjacency for this process."""
+    dc = cfg.datacenter
+    if dc.algorithm == "1.5d":
+        return OneHalfD(graph.adjacency, comm, world, device, replication=dc.replication)
+    kind = {"1d": OneD, "2d": TwoD, "3d": ThreeD}[dc.algorithm]
     return kind(graph.adjacency, comm, world, device)
 
 
-def schedule(cfg: TrainConfig) -> tuple[int, float, float]:
+def schedule(cfg: DatacenterConfig) -> tuple[int, float, float]:
     """``(epochs, lr, dropout)``: the centralized reference's, so the two are comparable."""
     epochs = int(cfg.per_stage("rounds", 1)) * int(cfg.per_stage("local_epochs", 1))
     lr = float(cfg.per_stage("server_lr" if cfg.server_optimizer == "adam" else "lr", 1))
@@ -40,7 +40,7 @@ def schedule(cfg: TrainConfig) -> tuple[int, float, float]:
 
 
 def train_process(
-    cfg: TrainConfig, graph: FullGraph, device: torch.device, rec: RunRecorder | None = None
+    cfg: DatacenterConfig, graph: FullGraph, device: torch.device, rec: RunRecorder | None = None
 ) -> dict | None:
     """Train on this process's blocks; every process of the group calls it. Rank 0 returns the summary.
 
@@ -49,6 +49,7 @@ def train_process(
     steps Adam, and evaluates (another forward pass, counted as phase ``eval``).
     """
     rank, size = dist.get_rank(), dist.get_world_size()
+    dc = cfg.datacenter
     ledger = CommLedger()
     comm = Counted(ledger, rank)
     world = Group(tuple(range(size)))
@@ -106,7 +107,7 @@ def train_process(
             best_val, best_test, best_epoch = val, test, epoch
         if rec and rank == 0 and (epoch == 1 or epoch % max(1, epochs // 5) == 0):
             rec.progress(
-                f"{cfg.algorithm} P={size} epoch {epoch:4d}/{epochs}  loss {train_loss:.4f}  val {val:.4f}  "
+                f"{dc.algorithm} P={size} epoch {epoch:4d}/{epochs}  loss {train_loss:.4f}  val {val:.4f}  "
                 f"received {human_bytes(ledger.total())} here"
             )
     rows = [None] * size
@@ -122,6 +123,7 @@ def train_process(
 
 
 def _summary(cfg, graph, model, per_process, history, best_val, best_test, best_epoch, setup_seconds) -> dict:
+    dc = cfg.datacenter
     size, epochs = len(per_process), max(1, len(history))
 
     def total(category: str | None = None, phase: str | None = None, p: int | None = None) -> int:
@@ -135,7 +137,7 @@ def _summary(cfg, graph, model, per_process, history, best_val, best_test, best_
 
     widths = [w.shape[1] for w in model.params.weights]
     nnz = int(graph.adjacency.nnz)
-    predicted = epoch_spmm_bytes(cfg.algorithm, graph.num_nodes, nnz, widths, size, cfg.replication)
+    predicted = epoch_spmm_bytes(dc.algorithm, graph.num_nodes, nnz, widths, size, dc.replication)
     measured = total("spmm", "train") / size / epochs
     per_epoch_all = total() / epochs
     for h in history:
@@ -144,9 +146,9 @@ def _summary(cfg, graph, model, per_process, history, best_val, best_test, best_
     return {
         "mode": "datacenter",
         "engine": "torch.distributed",
-        "algorithm": cfg.algorithm,
+        "algorithm": dc.algorithm,
         "procs": size,
-        "replication": cfg.replication if cfg.algorithm == "1.5d" else 1,
+        "replication": dc.replication if dc.algorithm == "1.5d" else 1,
         "backend": dist.get_backend(),
         "test_accuracy": best_test,
         "val_accuracy": best_val,

@@ -9,8 +9,8 @@ from torch import Tensor
 
 from retexo_fl.datacenter.blocks import SparseBlock, block, bounds, width
 from retexo_fl.datacenter.comm import Counted, Group, make_groups
-from retexo_fl.datacenter.spmm import DistributedSpMM
 from retexo_fl.datacenter.settings import check_procs
+from retexo_fl.datacenter.spmm import DistributedSpMM
 
 
 def block_nnz(matrix: sp.csr_matrix, row_cuts: np.ndarray, col_cuts: np.ndarray) -> np.ndarray:

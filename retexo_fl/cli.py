@@ -105,6 +105,7 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def cmd_partition(args: argparse.Namespace) -> int:
+    # The subcommands import torch and PyG only when they run: `retexo-fl --help` stays instant.
     from retexo_fl.data.datasets import load_dataset
     from retexo_fl.data.partition import save_partition
     from retexo_fl.data.partitioners import partition_graph

@@ -6,22 +6,19 @@ import time
 from pathlib import Path
 
 from retexo_fl.config import TrainConfig
+from retexo_fl.data.loading import load_graph
 from retexo_fl.data.partition import Partition, load_partitions
+from retexo_fl.data.partitioners import partition_graph
+from retexo_fl.datacenter.launch import run_datacenter
 from retexo_fl.metrics import RunRecorder
-
-
-def load_graph(cfg: TrainConfig):
-    from retexo_fl.data.datasets import load_dataset
-
-    return load_dataset(
-        cfg.dataset, cfg.data_root, split=cfg.split, seed=cfg.seed, split_index=cfg.split_index
-    )
+from retexo_fl.plots import write_plots
+from retexo_fl.training.centralized import run_centralized, whole_graph_partition
+from retexo_fl.training.eager import run_eager
+from retexo_fl.training.lazy import run_lazy
 
 
 def make_partitions(cfg: TrainConfig, rec: RunRecorder | None = None) -> list[Partition]:
     """The run's partitions: read from ``cfg.partitions`` or cut from the dataset."""
-    from retexo_fl.data.partitioners import partition_graph
-
     if cfg.partitions:
         parts = load_partitions(cfg.partitions)
         if rec:
@@ -45,29 +42,19 @@ def train(cfg: TrainConfig, rec: RunRecorder | None = None) -> dict:
     rec.write_json("config.json", cfg.to_dict())
     t0 = time.perf_counter()
     if cfg.mode == "centralized":
-        from retexo_fl.training.centralized import run_centralized, whole_graph_partition
-
         if cfg.partitions:
             raise ValueError("centralized mode trains on the whole graph: give --dataset, not --partitions")
         summary = run_centralized(whole_graph_partition(load_graph(cfg)), cfg, rec)
     elif cfg.mode == "datacenter":
-        from retexo_fl.datacenter.launch import run_datacenter
-
         summary = run_datacenter(cfg, rec)
     elif cfg.mode in ("eager", "local"):
-        from retexo_fl.training.eager import run_eager
-
         summary = run_eager(make_partitions(cfg, rec), cfg, rec, local=cfg.mode == "local")
     else:
-        from retexo_fl.training.lazy import run_lazy
-
         summary = run_lazy(make_partitions(cfg, rec), cfg, rec)
     summary["wall_seconds"] = time.perf_counter() - t0
     summary["config"] = cfg.to_dict()
     rec.write_json("summary.json", summary)
     if cfg.out_dir:
-        from retexo_fl.plots import write_plots
-
         write_plots(summary, cfg.out_dir)
     rec.event("done", test_accuracy=summary["test_accuracy"])
     rec.progress(

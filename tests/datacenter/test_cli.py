@@ -67,7 +67,7 @@ def test_datacenter_on_partitions_matches_centralized(data_root, tmp_path, capsy
 
 @pytest.mark.slow
 def test_torchrun_entry_point(tmp_path):
-    """The multi-host line the README gives, on one host: torchrun starts the processes itself."""
+    """The multi-host line docs/datacenter.md gives, on one host: torchrun starts the processes itself."""
     torchrun = shutil.which("torchrun") or pytest.skip("torchrun not on PATH")
     summary = tmp_path / "summary.json"
     cmd = [

@@ -16,7 +16,17 @@ class PlanMismatchError(ValueError):
 
 
 def ids_digest(ids: np.ndarray) -> str:
-    """A short digest of an ordered id list; equal on both sides iff both derived the same plan."""
+    """A short digest of an ordered id list; equal on both sides iff both derived the same plan.
+
+    Args:
+        ids (np.ndarray): the global ids, in the order they travel.
+
+    Shapes:
+        - **input:** ``ids`` ``[k]``
+
+    Returns:
+        The first 32 hex digits of the SHA-256 of the ids as little-endian int64.
+    """
     return hashlib.sha256(np.ascontiguousarray(ids, dtype="<i8").tobytes()).hexdigest()[:32]
 
 
@@ -24,17 +34,20 @@ def ids_digest(ids: np.ndarray) -> str:
 class BoundaryPlan:
     """One client's side of every exchange, derived from its own cross edges only.
 
-    Both sides order rows by global id, so no ids travel during an exchange.
+    Both sides order rows by global id, so no ids travel during an exchange. Build one with
+    :meth:`from_partition`.
 
-    Attributes:
-        partition_id: the client this plan belongs to.
-        send: peer -> ``[k]`` local row indices (into the owned nodes) the peer needs, ordered by
-            global id.
-        send_ids: peer -> the same rows as global ids (for digests only).
-        recv: peer -> ``[k]`` global ids of the peer's nodes this client aggregates, sorted.
-        halo_ids: ``[H]`` all received ids, peers in increasing order, each peer's block sorted;
-            halo row ``i`` of a stage input is ``halo_ids[i]``.
-        halo_offsets: peer -> ``(start, stop)`` of its block in ``halo_ids``.
+    Args:
+        partition_id (int): the client this plan belongs to.
+        send (dict[int, np.ndarray]): peer -> ``[k]`` local row indices (into the owned nodes) the
+            peer needs, ordered by global id.
+        send_ids (dict[int, np.ndarray]): peer -> the same rows as global ids (for digests only).
+        recv (dict[int, np.ndarray]): peer -> ``[k]`` global ids of the peer's nodes this client
+            aggregates, sorted.
+        halo_ids (np.ndarray): ``[H]`` all received ids, peers in increasing order, each peer's
+            block sorted; halo row ``i`` of a stage input is ``halo_ids[i]``.
+        halo_offsets (dict[int, tuple[int, int]]): peer -> ``(start, stop)`` of its block in
+            ``halo_ids``.
     """
 
     partition_id: int
@@ -46,6 +59,11 @@ class BoundaryPlan:
 
     @classmethod
     def from_partition(cls, part: Partition) -> BoundaryPlan:
+        """The plan of ``part``'s client, read from its cross edges (``OUT`` rows sent, ``IN`` received).
+
+        Args:
+            part (Partition): the client's partition.
+        """
         c = part.cross_edges
         send, send_ids, recv = {}, {}, {}
         for q in sorted(np.unique(c[:, 2]).tolist()) if c.size else []:
@@ -66,21 +84,47 @@ class BoundaryPlan:
 
     @property
     def num_halo(self) -> int:
+        """``H``: the number of halo rows this client receives per exchange."""
         return int(self.halo_ids.size)
 
     def digests(self) -> dict[str, dict[int, str]]:
-        """Digests a client reports at setup: ``send`` and ``recv`` per peer."""
+        """Digests a client reports at setup: ``send`` and ``recv`` per peer.
+
+        Returns:
+            ``{"send": {peer: digest}, "recv": {peer: digest}}`` (see :func:`ids_digest`).
+        """
         return {
             "send": {q: ids_digest(v) for q, v in self.send_ids.items()},
             "recv": {q: ids_digest(v) for q, v in self.recv.items()},
         }
 
     def rows_for(self, embeddings: torch.Tensor) -> dict[int, torch.Tensor]:
-        """Split owned-node ``embeddings`` ``[n, d]`` into the row blocks each peer needs."""
+        """Split owned-node ``embeddings`` into the row blocks each peer needs.
+
+        Args:
+            embeddings (torch.Tensor): one row per owned node.
+
+        Shapes:
+            - **input:** ``embeddings`` ``[n, d]``
+            - **output:** ``{peer: [k_peer, d]}``
+        """
         return {q: embeddings[torch.from_numpy(idx)] for q, idx in self.send.items()}
 
     def assemble_halo(self, incoming: dict[int, torch.Tensor], dim: int) -> torch.Tensor:
-        """Stack received blocks ``{peer: [k, d]}`` into the ``[H, d]`` halo matrix, checking shapes."""
+        """Stack received blocks into the halo matrix, checking shapes.
+
+        Args:
+            incoming (dict[int, torch.Tensor]): peer -> the block it sent.
+            dim (int): the row width ``d``.
+
+        Shapes:
+            - **input:** ``incoming[peer]`` ``[k_peer, d]``
+            - **output:** ``[H, d]``, rows in :attr:`halo_ids` order (``[0, d]`` with no halo)
+
+        Raises:
+            PlanMismatchError: if a peer this client receives from sent nothing, or a block of another
+                shape than the plan's.
+        """
         missing = sorted(set(self.recv) - set(incoming))
         if missing:
             raise PlanMismatchError(f"client {self.partition_id}: no rows received from client(s) {missing}")
@@ -101,7 +145,8 @@ def check_plans(digests: dict[int, dict[str, dict[int, str]]]) -> None:
     """Check every pair's send and receive digests against each other.
 
     Args:
-        digests: client -> :meth:`BoundaryPlan.digests` (keys may be str after transport).
+        digests (dict[int, dict[str, dict[int, str]]]): client -> :meth:`BoundaryPlan.digests`
+            (keys may be str after transport).
 
     Raises:
         PlanMismatchError: naming both clients of the first pair that disagrees.
@@ -132,11 +177,14 @@ class LocalGraph:
     """A client's message-passing graph over owned rows ``[0, n)`` then halo rows ``[n, n + H)``.
 
     Every edge ends at an owned node, so owned outputs are exact and halo rows are constant inputs.
+    Build one with :meth:`build`.
 
-    Attributes:
-        num_owned: ``n``. num_halo: ``H``.
-        edge_index: ``[2, E]`` local (src, dst) indices, dst < n, no self loops.
-        in_degree: ``[n]`` global in-degree of each owned node (local plus cross in-edges).
+    Args:
+        num_owned (int): ``n``, the owned nodes.
+        num_halo (int): ``H``, the halo rows.
+        edge_index (torch.Tensor): ``[2, E]`` local (src, dst) indices, dst < n, no self loops.
+        in_degree (torch.Tensor): ``[n]`` global in-degree of each owned node (local plus cross
+            in-edges), float.
     """
 
     num_owned: int
@@ -146,6 +194,12 @@ class LocalGraph:
 
     @classmethod
     def build(cls, part: Partition, plan: BoundaryPlan) -> LocalGraph:
+        """The local graph of ``part``: its local edges, then its cross in-edges from halo rows.
+
+        Args:
+            part (Partition): the client's partition.
+            plan (BoundaryPlan): its boundary plan (fixes the halo rows' order).
+        """
         n = part.num_nodes
         ids = part.node_ids
         src = np.searchsorted(ids, part.edges[0])
@@ -167,11 +221,15 @@ class LocalGraph:
         """Edges with owned self loops and symmetric GCN weights from *global* degrees.
 
         Args:
-            halo_degree: ``[H]`` global in-degrees of the halo nodes, sent once by their owners.
+            halo_degree (torch.Tensor): global in-degrees of the halo nodes, sent once by their owners.
+
+        Shapes:
+            - **input:** ``halo_degree`` ``[H]``
+            - **output:** ``edge_index`` ``[2, E + n]``, ``edge_weight`` ``[E + n]``
 
         Returns:
-            ``edge_index`` ``[2, E + n]`` and ``edge_weight`` ``[E + n]``:
-            ``w(j -> i) = 1 / sqrt((deg_i + 1)(deg_j + 1))``, as PyG's ``gcn_norm`` on the whole graph.
+            ``(edge_index, edge_weight)`` with ``w(j -> i) = 1 / sqrt((deg_i + 1)(deg_j + 1))``, as
+            PyG's ``gcn_norm`` on the whole graph.
         """
         deg = torch.cat([self.in_degree, halo_degree.view(-1).float()]) + 1.0
         inv_sqrt = deg.pow(-0.5)

@@ -8,8 +8,17 @@ from pathlib import Path
 def write_plots(summary: dict, out_dir: str | Path) -> list[Path]:
     """Write ``val_accuracy.png`` and ``bytes.png`` into ``out_dir``; returns their paths.
 
-    Cumulative bytes step by one round's model traffic per round and by the boundary exchange
-    at the end of each stage (the GCN degree exchange is counted with stage 0's).
+    Cumulative bytes grow by an equal share of a stage's model traffic each round and by the
+    boundary exchange at the end of each stage (boundary bytes the stages do not account for, such
+    as the GCN degree exchange, are counted with the first stage's).
+
+    Args:
+        summary (dict): a run summary (``mode``, ``engine``, ``test_accuracy``,
+            ``bytes_boundary``, ``bytes_model`` and ``stages`` with their ``history``).
+        out_dir (str | Path): an existing folder.
+
+    Returns:
+        The two PNG paths, accuracy first.
     """
     # matplotlib only when plots are written: its import would cost every ClientApp process.
     import matplotlib

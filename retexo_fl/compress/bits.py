@@ -26,17 +26,36 @@ MAX_CUTS = 4096
 
 
 def variance_factor(bits: int) -> float:
-    """``1 / (2^b - 1)^2``: a row's quantization variance per unit of ``range^2``."""
+    """``1 / (2^b - 1)^2``: a row's quantization variance per unit of ``range^2``.
+
+    Args:
+        bits (int): the row's width ``b``.
+    """
     return 1.0 / float((1 << bits) - 1) ** 2
 
 
 def frame_overhead(rows: int) -> int:
-    """Bytes of a per-row-width frame that do not depend on the widths: header, widths, ranges."""
+    """Bytes of a per-row-width frame that do not depend on the widths: header, widths, ranges.
+
+    Args:
+        rows (int): the frame's rows.
+    """
     return HEADER_BYTES + 5 * rows
 
 
 def code_units(budget_bytes: int, rows: int, cols: int, frames: int = 1) -> int:
-    """The most ``sum_i b_i`` that ``budget_bytes`` pays for, after fixed costs and packing slack."""
+    """The most ``sum_i b_i`` that ``budget_bytes`` pays for, after fixed costs and packing slack.
+
+    Args:
+        budget_bytes (int): the byte budget.
+        rows (int): the rows sent, over all frames.
+        cols (int): values per row.
+        frames (int, optional): the frames the rows go in (each pays a header and packing slack).
+            (default: :obj:`1`)
+
+    Returns:
+        The bit-units per column, or ``-1`` when the budget does not cover the fixed costs.
+    """
     free = budget_bytes - frames * HEADER_BYTES - 5 * rows - frames * len(LEVELS)
     return max(-1, (8 * free) // max(cols, 1)) if free >= 0 else -1
 
@@ -45,12 +64,16 @@ def allocate_bits(weights: Tensor, units: int) -> Tensor:
     """Widths ``b_i`` in ``(1, 2, 4, 8)``: minimize ``sum_i w_i / (2^b_i - 1)^2`` s.t. ``sum_i b_i <= units``.
 
     Args:
-        weights: ``[n]`` non-negative row weights (aggregation weight times squared range).
-        units: the bit budget per column, ``sum_i b_i`` (see :func:`code_units`).
+        weights (Tensor): non-negative row weights (aggregation weight times squared range).
+        units (int): the bit budget per column, ``sum_i b_i`` (see :func:`code_units`).
+
+    Shapes:
+        - **input:** ``weights`` ``[n]``
+        - **output:** ``[n]`` uint8
 
     Returns:
-        ``[n]`` uint8 widths. Optimal for ``n <= MAX_CUTS``; above, rows are taken in sorted groups
-        of ``ceil(n / MAX_CUTS)`` and the result is optimal among group-wise assignments.
+        The widths. Optimal for ``n <= MAX_CUTS``; above, rows are taken in sorted groups of
+        ``ceil(n / MAX_CUTS)`` and the result is optimal among group-wise assignments.
 
     Raises:
         CodecError: if ``units < n`` (not even one bit per row fits).
@@ -103,7 +126,15 @@ def allocate_bits(weights: Tensor, units: int) -> Tensor:
 
 
 def objective(weights: Tensor, bits: Tensor) -> float:
-    """``sum_i w_i / (2^b_i - 1)^2``."""
+    """``sum_i w_i / (2^b_i - 1)^2``: the weighted quantization variance of an assignment.
+
+    Args:
+        weights (Tensor): row weights.
+        bits (Tensor): row widths.
+
+    Shapes:
+        - **input:** ``weights`` ``[n]``, ``bits`` ``[n]``
+    """
     factors = 1.0 / ((2.0 ** bits.double()) - 1.0) ** 2
     return float((weights.double() * factors).sum())
 
@@ -119,7 +150,19 @@ def aggregation_weights(
 
     Row ``i`` feeds node ``j`` of the peer with coefficient ``1 / sqrt((d_i + 1)(d_j + 1))`` (GCN)
     or ``1 / d_j`` (mean-style aggregators); ``d_j`` is the halo degree the peer sent when known
-    (GCN), else ``d_i`` stands in for it. Only this client's own cross edges are read.
+    (``j`` among this client's halo nodes), else ``d_i`` stands in for it. Only this client's own
+    cross edges are read.
+
+    Args:
+        part (Partition): the client's partition.
+        plan (BoundaryPlan): its boundary plan.
+        in_degree (Tensor): global in-degrees of the owned nodes.
+        halo_degree (Tensor | None): global in-degrees of the halo nodes, or ``None``.
+        model (str): the conv kind; ``"gcn"`` takes the GCN coefficient.
+
+    Shapes:
+        - **input:** ``in_degree`` ``[n]``, ``halo_degree`` ``[H]``
+        - **output:** ``{peer: [k_peer]}`` float64, in :attr:`BoundaryPlan.send` row order
     """
     c = part.cross_edges
     deg_owned = in_degree.double().numpy()
@@ -149,11 +192,15 @@ def plan_widths(
     """Per-row widths for each peer's block under a byte budget.
 
     Args:
-        rows: peer -> ``[k, d]`` block to send.
-        weights: peer -> ``[k]`` aggregation weights (:func:`aggregation_weights`).
-        budgets: one budget (bytes) shared by all peers' frames, solved jointly; or peer -> its
-            own budget (one problem per link, the bandwidth policy).
-        where: names the stage / client in errors.
+        rows (dict[int, Tensor]): peer -> block to send.
+        weights (dict[int, Tensor]): peer -> aggregation weights (:func:`aggregation_weights`).
+        budgets (dict[int, int] | int): one budget (bytes) shared by all peers' frames, solved
+            jointly; or peer -> its own budget (one problem per link, the bandwidth policy).
+        where (str): names the stage / client in errors.
+
+    Shapes:
+        - **input:** ``rows[peer]`` ``[k, d]``, ``weights[peer]`` ``[k]``
+        - **output:** ``{peer: [k]}`` uint8 (empty for a peer with no rows)
 
     Raises:
         CodecError: if a budget cannot pay one bit per value plus the frames' fixed bytes.

@@ -28,10 +28,20 @@ from retexo_fl.compress.settings import CompressionSettings
 
 
 def parse_bandwidths(spec: str) -> dict[str, float]:
-    """``link-bandwidths``: ``"P:bw,P-Q:bw,default:bw"`` in bytes/s, or a JSON file of the same keys.
+    """Parse ``link-bandwidths``: ``"P:bw,P-Q:bw,default:bw"`` in bytes/s, or a JSON file of the same keys.
 
     ``P`` gives client ``P``'s own link (a link ``P-Q`` runs at the slower of its two ends);
     ``P-Q`` a pair, in either order.
+
+    Args:
+        spec (str): the setting; empty for no table.
+
+    Returns:
+        ``{key: bytes per second}``.
+
+    Raises:
+        ValueError: on an unreadable file, a malformed entry, or a bandwidth that is not a
+            positive number.
     """
     spec = spec.strip()
     if not spec:
@@ -61,7 +71,15 @@ def parse_bandwidths(spec: str) -> dict[str, float]:
 
 
 def link_bandwidth(table: dict[str, float], p: int, q: int) -> float:
-    """Bandwidth of the link between clients ``p`` and ``q`` (inf when the table says nothing)."""
+    """Bandwidth of the link between clients ``p`` and ``q`` (inf when the table says nothing).
+
+    A ``P-Q`` entry wins; otherwise the slower end's own (or ``default``) bandwidth.
+
+    Args:
+        table (dict[str, float]): from :func:`parse_bandwidths`.
+        p (int): one end.
+        q (int): the other end.
+    """
     for key in (f"{p}-{q}", f"{q}-{p}"):
         if key in table:
             return table[key]
@@ -71,24 +89,40 @@ def link_bandwidth(table: dict[str, float], p: int, q: int) -> float:
 
 @dataclass
 class ExchangeStats:
-    """What one client's boundary exchange cost, before and after compression."""
+    """What one client's boundary exchange cost, before and after compression.
+
+    Args:
+        bytes_raw (int, optional): what the same rows cost as float32 frames. (default: :obj:`0`)
+        bytes_sent (int, optional): what was sent. (default: :obj:`0`)
+        bits (Counter, optional): width -> rows sent at it. (default: :obj:`Counter()`)
+    """
 
     bytes_raw: int = 0  # the same rows as float32 frames
     bytes_sent: int = 0
     bits: Counter = field(default_factory=Counter)  # width -> rows sent at it
 
     def add(self, other: ExchangeStats) -> None:
+        """Add ``other``'s bytes and width counts to these.
+
+        Args:
+            other (ExchangeStats): another exchange's figures.
+        """
         self.bytes_raw += other.bytes_raw
         self.bytes_sent += other.bytes_sent
         self.bits.update(other.bits)
 
     @classmethod
     def from_dict(cls, d: dict) -> ExchangeStats:
-        """The inverse of :meth:`to_dict` (what a client reports over the wire)."""
+        """The inverse of :meth:`to_dict` (what a client reports over the wire).
+
+        Args:
+            d (dict): ``bytes_raw``, ``bytes_sent`` and ``bit_histogram`` (width as str -> rows).
+        """
         bits = Counter({int(b): int(n) for b, n in d["bit_histogram"].items()})
         return cls(int(d["bytes_raw"]), int(d["bytes_sent"]), bits)
 
     def to_dict(self) -> dict:
+        """A JSON-ready dict: ``bytes_raw``, ``bytes_sent``, ``bit_histogram`` (width as str -> rows)."""
         return {
             "bytes_raw": self.bytes_raw,
             "bytes_sent": self.bytes_sent,
@@ -103,6 +137,9 @@ class BoundaryEncoder:
         settings (CompressionSettings): the run's ``compression`` section (``bits``,
             ``bit-policy``, ``byte-budget``, ``link-bandwidths``, ``time-budget``,
             ``rate-schedule``, ``range-dtype``), e.g. ``cfg.compression``.
+
+    Raises:
+        ValueError: on a bad ``rate-schedule`` or ``link-bandwidths``.
     """
 
     def __init__(self, settings: CompressionSettings) -> None:
@@ -111,7 +148,12 @@ class BoundaryEncoder:
         self.bandwidths = parse_bandwidths(settings.link_bandwidths)
 
     def rate(self, exchange: int, total: int) -> float:
-        """Bits per value of exchange ``exchange`` of ``total`` (``bits`` under a fixed schedule)."""
+        """Bits per value of exchange ``exchange`` of ``total`` (``bits`` under a fixed schedule).
+
+        Args:
+            exchange (int): the exchange's index, from 0.
+            total (int): the run's number of exchanges.
+        """
         return self.schedule.rate(exchange, total, self.settings.bits)
 
     def _budget(self, rate: float, rows: dict[int, Tensor]) -> int:
@@ -136,11 +178,23 @@ class BoundaryEncoder:
         """Frames for each peer, and the exchange's byte / width figures.
 
         Args:
-            client: the sending client's id.
-            rows: peer -> ``[k, d]`` block.
-            weights: peer -> ``[k]`` aggregation weights (adaptive policies only).
-            exchange, total: this exchange's index and the run's number of exchanges (schedule).
-            generator: the stochastic rounding's random source.
+            client (int): the sending client's id.
+            rows (dict[int, Tensor]): peer -> block.
+            weights (dict[int, Tensor] | None): peer -> aggregation weights (adaptive policies only).
+            exchange (int): this exchange's index (for the schedule).
+            total (int): the run's number of exchanges (for the schedule).
+            generator (torch.Generator | None, optional): the stochastic rounding's random source.
+                (default: :obj:`None`)
+
+        Shapes:
+            - **input:** ``rows[peer]`` ``[k, d]``, ``weights[peer]`` ``[k]``
+
+        Returns:
+            ``(frames, stats)``: ``{peer: frame bytes}`` and the :class:`ExchangeStats`.
+
+        Raises:
+            ValueError: if an adaptive policy gets no ``weights``.
+            CodecError: if a budget is too small, or the rows hold NaN / Inf.
         """
         where = f"client {client}, exchange {exchange}"
         s = self.settings

@@ -42,7 +42,14 @@ class PayloadError(ValueError):
 
 
 def frame_size(rows: int, cols: int, bits: int | Tensor) -> int:
-    """Exact bytes of a frame for a ``[rows, cols]`` block at ``bits`` (a width or ``[rows]`` widths)."""
+    """Exact bytes of a frame for a ``[rows, cols]`` block at ``bits`` (a width or per-row widths).
+
+    Args:
+        rows (int): the block's rows.
+        cols (int): its columns.
+        bits (int | Tensor): one width from ``(1, 2, 4, 8, 16, 32)``, or ``[rows]`` widths from
+            ``(1, 2, 4, 8)``.
+    """
     if isinstance(bits, int):
         if bits in (16, 32):
             return HEADER_BYTES + rows * cols * bits // 8
@@ -57,7 +64,11 @@ def _to_bytes(t: Tensor) -> bytes:
 
 
 def pack_frame(q: QuantizedRows) -> bytes:
-    """Serialize a :class:`QuantizedRows`."""
+    """Serialize a :class:`QuantizedRows` as a frame (see the module's layout).
+
+    Args:
+        q (QuantizedRows): the quantized block.
+    """
     k, d = q.shape
     width = q.uniform_bits
     head = _HEADER.pack(_MAGIC, 0 if width is None else width, _HALF_CODES[q.half], 0, k, d)
@@ -78,7 +89,23 @@ def encode_rows(
     half: str = "fp16",
     where: str = "rows",
 ) -> bytes:
-    """Quantize (or pass through) a ``[k, d]`` block and frame it; see :func:`quantize_rows`."""
+    """Quantize (or pass through) a block and frame it; see :func:`quantize_rows`.
+
+    Args:
+        rows (Tensor): the block.
+        bits (int | Tensor, optional): one width, or one per row. (default: :obj:`32`)
+        generator (torch.Generator | None, optional): the stochastic rounding's random source.
+            (default: :obj:`None`)
+        half (str, optional): dtype of the ranges and of 16-bit passthrough, ``fp16`` or
+            ``bf16``. (default: :obj:`"fp16"`)
+        where (str, optional): names the stage / client in errors. (default: :obj:`"rows"`)
+
+    Shapes:
+        - **input:** ``rows`` ``[k, d]``, ``bits`` ``[k]`` when per row
+
+    Raises:
+        CodecError: as :func:`quantize_rows` does.
+    """
     return pack_frame(quantize_rows(rows, bits, generator=generator, half=half, where=where))
 
 
@@ -88,9 +115,11 @@ def unpack_frame(
     """Parse a frame, checking magic, widths, dtype, exact size and the expected shape.
 
     Args:
-        data: the frame.
-        source: who sent it, for error messages (e.g. ``"client 3"``).
-        expect_rows, expect_cols: the shape the receiver's boundary plan expects.
+        data (bytes): the frame.
+        source (str): who sent it, for error messages (e.g. ``"client 3"``).
+        expect_rows (int | None, optional): the rows the receiver's boundary plan expects.
+            (default: :obj:`None`)
+        expect_cols (int | None, optional): the columns it expects. (default: :obj:`None`)
 
     Raises:
         PayloadError: naming ``source`` and what does not match.
@@ -147,5 +176,18 @@ def unpack_frame(
 def decode_rows(
     data: bytes, source: str, expect_rows: int | None = None, expect_cols: int | None = None
 ) -> Tensor:
-    """The float32 ``[k, d]`` block of a frame (see :func:`unpack_frame` for the checks)."""
+    """The float32 block of a frame (see :func:`unpack_frame` for the checks).
+
+    Args:
+        data (bytes): the frame.
+        source (str): who sent it, for error messages.
+        expect_rows (int | None, optional): the rows expected. (default: :obj:`None`)
+        expect_cols (int | None, optional): the columns expected. (default: :obj:`None`)
+
+    Shapes:
+        - **output:** ``[k, d]`` float32
+
+    Raises:
+        PayloadError: naming ``source`` and what does not match.
+    """
     return dequantize_rows(unpack_frame(data, source, expect_rows, expect_cols))

@@ -35,13 +35,14 @@ class CodecError(ValueError):
 class QuantizedRows:
     """A ``[k, d]`` row block in quantized form.
 
-    Attributes:
-        shape: ``(k, d)`` of the original block.
-        bits: ``[k]`` uint8 bit width per row (all equal for a fixed-width block).
-        lo: ``[k]`` lower end of each row's range (fp16 / bf16); empty for passthrough.
-        hi: ``[k]`` upper end of each row's range; empty for passthrough.
-        data: uint8 codes, packed densely per bit-width group; raw values for passthrough.
-        half: the 16-bit passthrough dtype name (``fp16`` or ``bf16``) or range dtype name.
+    Args:
+        shape (tuple[int, int]): ``(k, d)`` of the original block.
+        bits (Tensor): ``[k]`` uint8 bit width per row (all equal for a fixed-width block).
+        lo (Tensor): ``[k]`` lower end of each row's range (fp16 / bf16); empty for passthrough.
+        hi (Tensor): ``[k]`` upper end of each row's range; empty for passthrough.
+        data (Tensor): uint8 codes, packed densely per bit-width group; raw values for passthrough.
+        half (str, optional): the 16-bit passthrough dtype name (``fp16`` or ``bf16``) or range
+            dtype name. (default: :obj:`"fp16"`)
     """
 
     shape: tuple[int, int]
@@ -53,7 +54,7 @@ class QuantizedRows:
 
     @property
     def uniform_bits(self) -> int | None:
-        """The common bit width, or ``None`` when rows differ."""
+        """The common bit width, or ``None`` when rows differ (32 for a block of no rows)."""
         if self.bits.numel() == 0:
             return 32
         first = int(self.bits[0])
@@ -66,7 +67,12 @@ class QuantizedRows:
 
 
 def packed_size(count: int, bits: int) -> int:
-    """Bytes that ``count`` values take at ``bits`` bits, packed densely."""
+    """Bytes that ``count`` values take at ``bits`` bits, packed densely.
+
+    Args:
+        count (int): the number of values.
+        bits (int): bits per value.
+    """
     return (count * bits + 7) // 8
 
 
@@ -161,15 +167,22 @@ def quantize_rows(
     """Quantize a ``[k, d]`` float block, every row at ``bits`` or row ``i`` at ``bits[i]``.
 
     Args:
-        x: ``[k, d]`` values (any float dtype; computed in float32).
-        bits: one width from ``(1, 2, 4, 8, 16, 32)``, or a ``[k]`` tensor of widths from
-            ``(1, 2, 4, 8)``.
-        generator: the random source of the stochastic rounding (on ``x``'s device).
-        half: dtype of the per-row ranges and of 16-bit passthrough, ``fp16`` or ``bf16``.
-        where: names the stage / client in error messages.
+        x (Tensor): values (any float dtype; computed in float32).
+        bits (int | Tensor): one width from ``(1, 2, 4, 8, 16, 32)``, or a tensor of widths from
+            ``(1, 2, 4, 8)``, one per row.
+        generator (torch.Generator | None, optional): the random source of the stochastic rounding
+            (on ``x``'s device). (default: :obj:`None`)
+        half (str, optional): dtype of the per-row ranges and of 16-bit passthrough, ``fp16`` or
+            ``bf16``. (default: :obj:`"fp16"`)
+        where (str, optional): names the stage / client in error messages. (default: :obj:`"rows"`)
+
+    Shapes:
+        - **input:** ``x`` ``[k, d]``, ``bits`` ``[k]`` when per row
+        - **output:** a :class:`QuantizedRows` of shape ``(k, d)``
 
     Raises:
-        CodecError: on NaN / Inf, an unknown width, or a range ``half`` cannot represent.
+        CodecError: on a block that is not 2-D, an unknown ``half``, NaN / Inf, an unknown width,
+            a number of widths other than ``k``, or a range ``half`` cannot represent.
     """
     if x.dim() != 2:
         raise CodecError(f"{where}: rows must be 2-D, got shape {tuple(x.shape)}")
@@ -218,7 +231,14 @@ def quantize_rows(
 
 
 def dequantize_rows(q: QuantizedRows) -> Tensor:
-    """The float32 ``[k, d]`` block a :class:`QuantizedRows` stands for."""
+    """The float32 ``[k, d]`` block a :class:`QuantizedRows` stands for.
+
+    Args:
+        q (QuantizedRows): the quantized block.
+
+    Shapes:
+        - **output:** ``[k, d]`` float32, on ``q.data``'s device
+    """
     k, d = q.shape
     if k == 0 or d == 0:
         return torch.zeros(k, d, device=q.data.device)

@@ -15,9 +15,12 @@ from dataclasses import dataclass
 class RateSchedule:
     """``fixed``, ``linear:LO,HI`` or ``step:R0,R1,...`` (the last rate repeats).
 
-    Attributes:
-        kind: ``fixed``, ``linear`` or ``step``.
-        rates: the ``(LO, HI)`` pair, or the step rates; empty for ``fixed``.
+    Build one from the ``rate-schedule`` setting with :meth:`parse`.
+
+    Args:
+        kind (str, optional): ``fixed``, ``linear`` or ``step``. (default: :obj:`"fixed"`)
+        rates (tuple[float, ...], optional): the ``(LO, HI)`` pair, or the step rates; empty for
+            ``fixed``. (default: :obj:`()`)
     """
 
     kind: str = "fixed"
@@ -25,6 +28,14 @@ class RateSchedule:
 
     @classmethod
     def parse(cls, spec: str) -> RateSchedule:
+        """The schedule a ``rate-schedule`` setting names (empty means ``fixed``).
+
+        Args:
+            spec (str): ``fixed``, ``linear:LO,HI`` or ``step:R0,R1,...``, rates in bits per value.
+
+        Raises:
+            ValueError: on another form, or a rate outside ``[1, 32]``.
+        """
         spec = (spec or "fixed").strip()
         if spec == "fixed":
             return cls()
@@ -42,7 +53,15 @@ class RateSchedule:
         return cls(kind, rates)
 
     def rate(self, t: int, total: int, base: float) -> float:
-        """Bits per value for exchange ``t`` (0-based) of ``total``; ``base`` for ``fixed``."""
+        """Bits per value for exchange ``t`` (0-based) of ``total``; ``base`` for ``fixed``.
+
+        ``linear`` goes from ``LO`` at the first exchange to ``HI`` at the last.
+
+        Args:
+            t (int): the exchange's index.
+            total (int): the number of exchanges.
+            base (float): the fixed rate (the ``bits`` setting).
+        """
         if self.kind == "fixed":
             return float(base)
         if self.kind == "step":

@@ -25,8 +25,10 @@ class UpdateCodec:
     """Encodes a client's model update at ``bits`` (8 by default; 32 is lossless).
 
     Args:
-        bits: code width for the deltas, one of 1, 2, 4, 8, 16, 32.
-        half: dtype of the per-row ranges (``fp16`` or ``bf16``).
+        bits (int, optional): code width for the deltas, one of 1, 2, 4, 8, 16, 32.
+            (default: :obj:`8`)
+        half (str, optional): dtype of the per-row ranges (``fp16`` or ``bf16``).
+            (default: :obj:`"fp16"`)
     """
 
     def __init__(self, bits: int = 8, half: str = "fp16") -> None:
@@ -40,7 +42,28 @@ class UpdateCodec:
         generator: torch.Generator | None = None,
         where: str = "update",
     ) -> tuple[dict[str, bytes], StateDict]:
-        """Frames of ``new - base (+ residual)`` per tensor, and the residual to keep."""
+        """Frames of ``new - base (+ residual)`` per tensor, and the residual to keep.
+
+        Args:
+            new (StateDict): the trained state.
+            base (StateDict): the state training started from.
+            residual (StateDict | None): what earlier rounds' quantization left out (error
+                feedback), or ``None``.
+            generator (torch.Generator | None, optional): the stochastic rounding's random source.
+                (default: :obj:`None`)
+            where (str, optional): names the sender in errors. (default: :obj:`"update"`)
+
+        Shapes:
+            - **input:** ``new[key]``, ``base[key]``, ``residual[key]`` of one shape; matrices are
+              framed as ``[rows, numel / rows]``, vectors as ``[1, numel]``
+            - **output:** ``{key: frame}``, and ``residual[key]`` in ``new[key]``'s shape (float32)
+
+        Returns:
+            ``(frames, residual)``.
+
+        Raises:
+            CodecError: if a delta holds NaN / Inf.
+        """
         frames, kept = {}, {}
         for key, value in new.items():
             delta = value.detach().float().cpu() - base[key].detach().float().cpu()
@@ -53,7 +76,20 @@ class UpdateCodec:
         return frames, kept
 
     def decode(self, frames: dict[str, bytes], base: StateDict, source: str) -> StateDict:
-        """``base + deltas``, checking every tensor is present and of ``base``'s shape."""
+        """``base + deltas``, checking every tensor is present and of ``base``'s shape.
+
+        Args:
+            frames (dict[str, bytes]): ``{key: frame}`` from :meth:`encode`.
+            base (StateDict): the state the deltas apply to.
+            source (str): who sent the frames, for error messages.
+
+        Shapes:
+            - **output:** one tensor per key of ``base``, in its shape and dtype
+
+        Raises:
+            ValueError: if a tensor of ``base`` has no frame.
+            PayloadError: if a frame is malformed or of another shape.
+        """
         missing = sorted(set(base) - set(frames))
         if missing:
             raise ValueError(f"update from {source}: missing tensors {missing}")
@@ -66,6 +102,11 @@ class UpdateCodec:
 
     @staticmethod
     def nbytes(frames: dict[str, bytes]) -> int:
+        """Total bytes of ``frames``.
+
+        Args:
+            frames (dict[str, bytes]): ``{key: frame}``.
+        """
         return sum(len(f) for f in frames.values())
 
 
@@ -78,9 +119,11 @@ class ModelBroadcast:
     (error feedback). At 32 bits the view is the state itself.
 
     Args:
-        bits: width of the broadcast deltas (32: send the state whole every round).
-        half: dtype of the per-row ranges.
-        seed: seed of the stochastic rounding (rounds are mixed in).
+        bits (int, optional): width of the broadcast deltas (32: send the state whole every
+            round). (default: :obj:`32`)
+        half (str, optional): dtype of the per-row ranges. (default: :obj:`"fp16"`)
+        seed (int, optional): seed of the stochastic rounding (rounds are mixed in).
+            (default: :obj:`0`)
     """
 
     def __init__(self, bits: int = 32, half: str = "fp16", seed: int = 0) -> None:
@@ -90,7 +133,15 @@ class ModelBroadcast:
         self.frames: dict[str, bytes] | None = None
 
     def prepare(self, state: StateDict, round_: int) -> StateDict:
-        """The view clients will hold after round ``round_``'s broadcast of ``state``."""
+        """The view clients will hold after round ``round_``'s broadcast of ``state``.
+
+        Args:
+            state (StateDict): the new global state.
+            round_ (int): the round it is broadcast for; round 1 (a stage's first) sends it whole.
+
+        Shapes:
+            - **output:** the view, one tensor per key in ``state``'s shape and dtype
+        """
         if self.bits >= 32 or self.view is None or round_ <= 1:
             self.frames = None
             self.view = state  # states are never modified in place once made
@@ -102,7 +153,7 @@ class ModelBroadcast:
         return self.view
 
     def nbytes(self) -> int:
-        """Bytes of the prepared broadcast, per client."""
+        """Bytes of the prepared broadcast, per client (the whole state when it is sent whole)."""
         if self.frames is None:
             return sum(t.numel() * t.element_size() for t in (self.view or {}).values())
         return UpdateCodec.nbytes(self.frames)

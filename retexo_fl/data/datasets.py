@@ -33,6 +33,7 @@ class DatasetError(ValueError):
 
 
 def known_datasets() -> list[str]:
+    """The dataset names :func:`load_dataset` knows, sorted (besides saved ``Data`` files)."""
     names = [n for _, (_, ns) in _FAMILIES.items() for n in ns]
     return sorted([*names, *_SINGLE, "ogbn-arxiv", "ogbn-products", "sbm:N,C[,deg,homophily]"])
 
@@ -48,18 +49,28 @@ def load_dataset(
     """Load a graph as a ``torch_geometric.data.Data`` with ``train/val/test_mask`` set.
 
     Args:
-        name: a PyG dataset name (``Cora``, ``CiteSeer``, ``Computers``, ``CS``, ``WikiCS``,
+        name (str): a PyG dataset name (``Cora``, ``CiteSeer``, ``Computers``, ``CS``, ``WikiCS``,
             ``ogbn-arxiv`` ...), ``sbm:N,C[,avg_degree,homophily]`` for a synthetic graph, or the
             path of a ``torch.save``-d ``Data`` object (the user's own graph).
-        root: folder holding PyG's ``raw/`` files; PyG downloads into it where the network allows.
-        split: ``public`` (the dataset's own split), ``random:TRAIN,VAL,TEST`` fractions, or
-            ``per-class:K,VAL,TEST`` (K training nodes per class, VAL and TEST node counts).
-        seed: seed for random splits and synthetic graphs.
-        split_index: which column to use where a dataset ships several splits (``[N, S]`` masks).
+        root (str | Path, optional): folder holding PyG's ``raw/`` files; PyG downloads into it
+            where the network allows. (default: :obj:`"data"`)
+        split (str, optional): ``public`` (the dataset's own split), ``random:TRAIN,VAL,TEST``
+            fractions, or ``per-class:K,VAL,TEST`` (K training nodes per class, VAL and TEST node
+            counts). (default: :obj:`"public"`)
+        seed (int, optional): seed for random splits and synthetic graphs. (default: :obj:`0`)
+        split_index (int, optional): which column to use where a dataset ships several splits
+            (``[N, S]`` masks). (default: :obj:`0`)
+
+    Shapes:
+        - **output:** ``x`` ``[N, F]``, ``y`` ``[N]``, ``edge_index`` ``[2, E]``, masks ``[N]``
 
     Returns:
-        ``Data`` with ``x`` (float32), ``y`` (int64, ``-1`` for unlabeled), ``edge_index`` and
-        boolean ``train_mask``, ``val_mask``, ``test_mask`` of shape ``[N]``.
+        ``Data`` with ``x`` (float32), ``y`` (int64, ``-1`` for unlabeled), ``edge_index``,
+        boolean ``train_mask``, ``val_mask``, ``test_mask`` (labeled nodes only) and ``name``.
+
+    Raises:
+        DatasetError: on an unknown name, an unreadable file, a bad split, or ``public`` for a
+            graph without split masks.
     """
     data = _load_raw(name, Path(root), seed)
     data.x = data.x.float()
@@ -146,6 +157,19 @@ def apply_split(data, spec: str, seed: int) -> None:
 
     ``random:a,b,c``: fractions of the labeled nodes. ``per-class:k,v,t``: ``k`` training nodes
     per class, then ``v`` validation and ``t`` test nodes drawn from the rest.
+
+    Args:
+        data (Data): the graph; its ``y`` (``-1`` for unlabeled) is read, its masks replaced.
+        spec (str): ``random:TRAIN,VAL,TEST`` or ``per-class:K,VAL,TEST``.
+        seed (int): the shuffle's seed.
+
+    Shapes:
+        - **input:** ``data.y`` ``[N]``
+        - **output:** ``data.train_mask``, ``data.val_mask``, ``data.test_mask`` ``[N]`` bool
+
+    Raises:
+        DatasetError: on another form, not three numbers, or fractions that are negative or sum to
+            more than 1.
     """
     m = _SPLIT_RE.match(spec.replace(" ", ""))
     if not m:
@@ -182,7 +206,18 @@ def apply_split(data, spec: str, seed: int) -> None:
 
 
 def synthetic_sbm_from_spec(spec: str, seed: int):
-    """Parse ``N,C[,avg_degree,homophily]`` (e.g. ``sbm:100000,10,40,0.8``)."""
+    """A synthetic graph (:func:`synthetic_sbm`) from a spec, with a ``random:0.6,0.2,0.2`` split.
+
+    The spec is what follows ``sbm:`` in a dataset name such as ``sbm:100000,10,40,0.8``.
+
+    Args:
+        spec (str): ``N,C[,avg_degree,homophily]``; the average degree defaults to 10, the
+            homophily to 0.8.
+        seed (int): seed of the graph and its split.
+
+    Raises:
+        DatasetError: on a malformed spec.
+    """
     parts = [p for p in spec.split(",") if p]
     if not 2 <= len(parts) <= 4:
         raise DatasetError(f"bad synthetic spec {spec!r}: use sbm:N,C[,avg_degree,homophily]")
@@ -211,16 +246,30 @@ def synthetic_sbm(
 
     Edges are drawn vectorized: ``N * avg_degree / 2`` endpoint pairs, each joining a node to a
     uniform node of its own class with probability ``homophily`` and of any class otherwise; the
-    graph is made undirected and loop-free. Features are ``feature_signal * mu[y] + N(0, 1)`` with
-    one random mean vector per class, so structure and features both carry the label, neither
-    alone perfectly.
+    graph is made undirected and loop-free (duplicates merged). Features are
+    ``feature_signal * mu[y] + N(0, 1)`` with one random mean vector per class, so structure and
+    features both carry the label, neither alone perfectly.
 
     Args:
-        num_nodes: ``N``. num_classes: ``C``, blocks of near-equal size.
-        avg_degree: expected degree (each undirected edge counts at both ends).
-        homophily: probability that an edge stays inside a class.
-        num_features: feature dimension ``F``. feature_signal: class-mean scale.
-        seed: generator seed; the graph is a pure function of the arguments.
+        num_nodes (int): ``N``.
+        num_classes (int): ``C``, blocks of near-equal size.
+        avg_degree (float, optional): expected degree (each undirected edge counts at both ends).
+            (default: :obj:`10.0`)
+        homophily (float, optional): probability that an edge stays inside a class.
+            (default: :obj:`0.8`)
+        num_features (int, optional): feature dimension ``F``. (default: :obj:`64`)
+        feature_signal (float, optional): class-mean scale. (default: :obj:`0.5`)
+        seed (int, optional): generator seed; the graph is a pure function of the arguments.
+            (default: :obj:`0`)
+
+    Shapes:
+        - **output:** ``x`` ``[N, F]``, ``y`` ``[N]``, ``edge_index`` ``[2, E]``
+
+    Returns:
+        ``Data`` with ``x``, ``y``, ``edge_index`` and ``name`` (no split masks).
+
+    Raises:
+        DatasetError: unless ``num_nodes >= num_classes >= 1``.
     """
     if num_nodes < num_classes or num_classes < 1:
         raise DatasetError("synthetic graph needs num_nodes >= num_classes >= 1")

@@ -19,7 +19,7 @@ CROSS_IN = 1
 CROSS_OUT = 2
 CROSS_BOTH = CROSS_IN | CROSS_OUT
 
-# file name -> (manifest field it is checked against, dtype kind, ndim)
+# file name -> (dtype kind, ndim) the loader requires of it; the manifest records its sha256
 FILES: dict[str, tuple[str, int]] = {
     "node_ids.npy": ("i", 1),
     "x.npy": ("f", 2),
@@ -40,9 +40,9 @@ class PartitionError(ValueError):
     """A partition on disk is missing, corrupt or inconsistent.
 
     Args:
-        path: the file (or directory) that is wrong.
-        field: the field inside it that is wrong.
-        reason: what is wrong, in words.
+        path (str | os.PathLike[str]): the file (or directory) that is wrong.
+        field (str): the field inside it that is wrong.
+        reason (str): what is wrong, in words.
     """
 
     def __init__(self, path: str | os.PathLike[str], field: str, reason: str) -> None:
@@ -58,22 +58,31 @@ class Partition:
 
     Node rows are in the order of ``node_ids`` (strictly increasing global ids).
 
-    Attributes:
-        partition_id: this client's index in ``[0, num_partitions)``.
-        num_partitions: number of clients the graph is split over.
-        num_global_nodes: node count of the whole graph (bounds every global id).
-        num_classes: number of label classes of the whole graph.
-        node_ids: ``[n]`` int64 global ids of the owned nodes, strictly increasing.
-        x: ``[n, F]`` float32 raw features.
-        y: ``[n]`` int64 labels, ``-1`` for unlabeled nodes.
-        train_mask, val_mask, test_mask: ``[n]`` bool, pairwise disjoint, labeled nodes only.
-        edges: ``[2, E]`` int64 directed local edges ``(src, dst)`` in global ids, both owned.
-        cross_edges: ``[C, 4]`` int64 rows ``(owned id, remote id, remote owner, direction)``,
-            direction a bitmask of :data:`CROSS_IN` and :data:`CROSS_OUT`.
-        dataset: name of the dataset the partition came from.
-        directed: whether the whole graph is directed (else every edge appears both ways).
-        residency_bound: the owner's data may not leave it (the default); only the federated
+    Args:
+        partition_id (int): this client's index in ``[0, num_partitions)``.
+        num_partitions (int): number of clients the graph is split over.
+        num_global_nodes (int): node count of the whole graph (bounds every global id).
+        num_classes (int): number of label classes of the whole graph.
+        node_ids (np.ndarray): ``[n]`` int64 global ids of the owned nodes, strictly increasing.
+        x (np.ndarray): ``[n, F]`` float32 raw features.
+        y (np.ndarray): ``[n]`` int64 labels, ``-1`` for unlabeled nodes.
+        train_mask (np.ndarray): ``[n]`` bool training nodes (labeled only).
+        val_mask (np.ndarray): ``[n]`` bool validation nodes (labeled only).
+        test_mask (np.ndarray): ``[n]`` bool test nodes (labeled only); the three masks are
+            pairwise disjoint.
+        edges (np.ndarray): ``[2, E]`` int64 directed local edges ``(src, dst)`` in global ids,
+            both owned.
+        cross_edges (np.ndarray): ``[C, 4]`` int64 rows ``(owned id, remote id, remote owner,
+            direction)``, direction a bitmask of :data:`CROSS_IN` and :data:`CROSS_OUT`.
+        dataset (str, optional): name of the dataset the partition came from.
+            (default: :obj:`"unknown"`)
+        directed (bool, optional): whether the whole graph is directed (else every edge appears
+            both ways). (default: :obj:`False`)
+        residency_bound (bool, optional): the owner's data may not leave it; only the federated
             modes may train on it, and data-center mode only with ``--trusted-cluster``.
+            (default: :obj:`True`)
+        meta (dict, optional): free-form provenance written to the manifest (e.g. the partitioner
+            and its seed). (default: :obj:`{}`)
     """
 
     partition_id: int
@@ -95,14 +104,20 @@ class Partition:
 
     @property
     def num_nodes(self) -> int:
+        """``n``: the number of owned nodes."""
         return int(self.node_ids.shape[0])
 
     @property
     def num_features(self) -> int:
+        """``F``: the feature width."""
         return int(self.x.shape[1])
 
     def counts(self) -> dict[str, int]:
-        """Counts a client may reveal at setup (no ids, no values)."""
+        """Counts a client may reveal at setup (no ids, no values).
+
+        Returns:
+            ``nodes``, ``features``, ``train``, ``val``, ``test``, ``edges`` and ``cross_edges``.
+        """
         return {
             "nodes": self.num_nodes,
             "features": self.num_features,
@@ -127,6 +142,13 @@ def save_partition(part: Partition, directory: str | os.PathLike[str]) -> Path:
 
     The manifest is written last, through a temporary file, so a crash never leaves a directory
     that looks complete.
+
+    Args:
+        part (Partition): the partition.
+        directory (str | os.PathLike[str]): the partition directory.
+
+    Returns:
+        The directory.
     """
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
@@ -173,7 +195,18 @@ def _manifest_int(manifest: dict, key: str, path: Path, lo: int, hi: int = _MAX_
 
 
 def read_manifest(directory: str | os.PathLike[str]) -> dict:
-    """Read and type-check ``manifest.json`` of a partition directory."""
+    """Read and type-check ``manifest.json`` of a partition directory.
+
+    Args:
+        directory (str | os.PathLike[str]): the partition directory.
+
+    Returns:
+        The manifest, as a dict.
+
+    Raises:
+        PartitionError: if the directory or manifest is missing, the manifest is not a JSON
+            object of the supported format version, or a field has the wrong type or range.
+    """
     root = Path(directory)
     path = root / MANIFEST
     if not root.is_dir():
@@ -250,12 +283,18 @@ def load_partition(
     nothing in the partition directory is written.
 
     Args:
-        directory: the partition directory written by :func:`save_partition` or by hand.
-        verify_checksums: check every file's sha256 against the manifest (default ``True``).
-        stamp: a node-local file recording a past full verification. When the manifest and
-            every file's size and modification time still match it, the sha256 pass (reading
-            every byte) is skipped; all other checks still run. A deployed ClientApp starts a new
-            process per message: this keeps a large partition from being hashed every time.
+        directory (str | os.PathLike[str]): the partition directory written by
+            :func:`save_partition` or by hand.
+        verify_checksums (bool, optional): check every file's sha256 against the manifest.
+            (default: :obj:`True`)
+        stamp (str | os.PathLike[str] | None, optional): a node-local file recording a past full
+            verification. When the manifest and every file's size and modification time still
+            match it, the sha256 pass (reading every byte) is skipped; all other checks still run.
+            A deployed ClientApp starts a new process per message: this keeps a large partition
+            from being hashed every time. (default: :obj:`None`)
+
+    Raises:
+        PartitionError: naming the file and field of the first check that fails.
     """
     root = Path(directory)
     manifest = read_manifest(root)
@@ -377,7 +416,15 @@ def _load_validated(root: Path, manifest: dict, verify_checksums: bool) -> Parti
 
 
 def load_partitions(directory: str | os.PathLike[str]) -> list[Partition]:
-    """Load every ``part-*`` sub-directory of ``directory``, ordered by partition id."""
+    """Load every ``part-*`` sub-directory of ``directory``, ordered by partition id.
+
+    Args:
+        directory (str | os.PathLike[str]): the folder of ``part-<id>/`` directories.
+
+    Raises:
+        PartitionError: if there is none, the ids are not ``0 .. P - 1`` of ``P``, a partition
+            fails to load, or two partitions disagree on their cross edges.
+    """
     root = Path(directory)
     dirs = sorted(p for p in root.glob("part-*") if p.is_dir())
     if not dirs:
@@ -394,6 +441,9 @@ def load_partitions(directory: str | os.PathLike[str]) -> list[Partition]:
 
 def check_cross_consistency(parts: list[Partition]) -> None:
     """Check that every cross edge is mirrored by its remote owner.
+
+    Args:
+        parts (list[Partition]): every partition of one graph.
 
     Raises:
         PartitionError: naming both clients when p's view of its edges to q disagrees with q's.

@@ -43,13 +43,33 @@ def _metis(edge_index: torch.Tensor, num_nodes: int, nparts: int, seed: int) -> 
 
 @_register("metis")
 def metis(data, nparts: int, seed: int = 0, **_) -> np.ndarray:
-    """Min edge-cut balanced parts (METIS k-way)."""
+    """Min edge-cut balanced parts (METIS k-way).
+
+    Args:
+        data (Data): the graph (``edge_index``, ``num_nodes``).
+        nparts (int): the number of clients.
+        seed (int, optional): METIS's seed. (default: :obj:`0`)
+        **_ (optional): other partitioners' options, ignored.
+
+    Returns:
+        ``[N]`` int64 owner of each node.
+    """
     return _metis(data.edge_index, data.num_nodes, nparts, seed)
 
 
 @_register("random")
 def random(data, nparts: int, seed: int = 0, **_) -> np.ndarray:
-    """Uniform random assignment (RandomTMA)."""
+    """Uniform random assignment (RandomTMA).
+
+    Args:
+        data (Data): the graph (``num_nodes``).
+        nparts (int): the number of clients.
+        seed (int, optional): the generator's seed. (default: :obj:`0`)
+        **_ (optional): other partitioners' options, ignored.
+
+    Returns:
+        ``[N]`` int64 owner of each node.
+    """
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(nparts, (data.num_nodes,), generator=gen).numpy().astype(np.int64)
 
@@ -59,7 +79,15 @@ def supernode(data, nparts: int, seed: int = 0, clusters: int | None = None, **_
     """Many small METIS clusters dealt out to clients at random (SuperTMA).
 
     Args:
-        clusters: number of METIS clusters (default ``max(10 * nparts, N // 50)``, capped at N).
+        data (Data): the graph (``edge_index``, ``num_nodes``).
+        nparts (int): the number of clients.
+        seed (int, optional): seed of METIS and of the deal. (default: :obj:`0`)
+        clusters (int | None, optional): number of METIS clusters; ``None`` for
+            ``max(10 * nparts, N // 50)``, capped at N either way. (default: :obj:`None`)
+        **_ (optional): other partitioners' options, ignored.
+
+    Returns:
+        ``[N]`` int64 owner of each node.
     """
     n = data.num_nodes
     k = min(n, clusters or max(10 * nparts, n // 50))
@@ -78,6 +106,15 @@ def louvain(data, nparts: int, seed: int = 0, **_) -> np.ndarray:
     Communities larger than ``ceil(N / nparts)`` are cut into chunks of that size (so a graph with
     fewer communities than clients still fills every client), then chunks go largest first to the
     currently smallest part.
+
+    Args:
+        data (Data): the graph (``edge_index``, ``num_nodes``).
+        nparts (int): the number of clients.
+        seed (int, optional): the Louvain method's seed. (default: :obj:`0`)
+        **_ (optional): other partitioners' options, ignored.
+
+    Returns:
+        ``[N]`` int64 owner of each node.
     """
     import networkx as nx  # ~0.3 s to import, and only this partitioner needs it
 
@@ -103,8 +140,19 @@ def louvain(data, nparts: int, seed: int = 0, **_) -> np.ndarray:
 def label_skew(data, nparts: int, seed: int = 0, alpha: float = 0.5, **_) -> np.ndarray:
     """Label-skewed assignment: each class spread over clients by Dirichlet(``alpha``) shares.
 
-    Draws are repeated (up to 100 times, from the same seeded stream) until every client owns
-    at least one node, as is usual for Dirichlet splits.
+    Unlabeled nodes go to uniform clients. Draws are repeated (up to 100 times, from the same
+    seeded stream) until every client owns at least one node, as is usual for Dirichlet splits.
+
+    Args:
+        data (Data): the graph (``y``, ``-1`` for unlabeled).
+        nparts (int): the number of clients.
+        seed (int, optional): the generator's seed. (default: :obj:`0`)
+        alpha (float, optional): the Dirichlet concentration; smaller is more skewed.
+            (default: :obj:`0.5`)
+        **_ (optional): other partitioners' options, ignored.
+
+    Returns:
+        ``[N]`` int64 owner of each node (after 100 draws, possibly with an empty client).
     """
     rng = np.random.default_rng(seed)
     y = data.y.view(-1).numpy()
@@ -124,7 +172,20 @@ def label_skew(data, nparts: int, seed: int = 0, alpha: float = 0.5, **_) -> np.
 
 @_register("node")
 def one_node_per_client(data, nparts: int, seed: int = 0, **_) -> np.ndarray:
-    """Node-level decentralization: client i owns node i (``nparts`` must equal N)."""
+    """Node-level decentralization: client i owns node i (``nparts`` must equal N).
+
+    Args:
+        data (Data): the graph (``num_nodes``).
+        nparts (int): the number of clients, ``N``.
+        seed (int, optional): unused. (default: :obj:`0`)
+        **_ (optional): other partitioners' options, ignored.
+
+    Returns:
+        ``[N]`` int64, ``arange(N)``.
+
+    Raises:
+        ValueError: if ``nparts != N``.
+    """
     if nparts != data.num_nodes:
         raise ValueError(f"method 'node' needs clients == num_nodes ({data.num_nodes}), got {nparts}")
     return np.arange(data.num_nodes, dtype=np.int64)
@@ -133,8 +194,19 @@ def one_node_per_client(data, nparts: int, seed: int = 0, **_) -> np.ndarray:
 def assign_nodes(data, nparts: int, method: str = "metis", seed: int = 0, **options) -> np.ndarray:
     """Assign every node to one of ``nparts`` clients with a named partitioner.
 
+    Args:
+        data (Data): the graph.
+        nparts (int): the number of clients, at least 1.
+        method (str, optional): a key of :data:`PARTITIONERS` (``metis``, ``random``,
+            ``supernode``, ``louvain``, ``label-skew``, ``node``). (default: :obj:`"metis"`)
+        seed (int, optional): the partitioner's seed. (default: :obj:`0`)
+        **options (optional): the partitioner's own options (``clusters``, ``alpha``).
+
     Returns:
         ``[N]`` int64 owner of each node, every client owning at least one node.
+
+    Raises:
+        ValueError: on an unknown method, ``nparts < 1``, or a client left without nodes.
     """
     if method not in PARTITIONERS:
         raise ValueError(f"unknown partition method {method!r}; known: {', '.join(PARTITIONERS)}")
@@ -151,7 +223,24 @@ def assign_nodes(data, nparts: int, method: str = "metis", seed: int = 0, **opti
 
 
 def split_graph(data, owner: np.ndarray, nparts: int, *, method: str = "", seed: int = 0) -> list[Partition]:
-    """Cut ``data`` into one :class:`Partition` per client along the node assignment ``owner``."""
+    """Cut ``data`` into one :class:`Partition` per client along the node assignment ``owner``.
+
+    Self loops are dropped; a graph is directed unless every edge appears both ways.
+
+    Args:
+        data (Data): the graph, with ``train/val/test_mask`` set.
+        owner (np.ndarray): the client of each node.
+        nparts (int): the number of clients.
+        method (str, optional): the partitioner's name, recorded in each partition's ``meta``.
+            (default: :obj:`""`)
+        seed (int, optional): its seed, recorded likewise. (default: :obj:`0`)
+
+    Shapes:
+        - **input:** ``owner`` ``[N]`` int64
+
+    Raises:
+        ValueError: if the graph has no split masks or ``owner`` is not of shape ``[N]``.
+    """
     n = data.num_nodes
     missing = [k for k in ("train_mask", "val_mask", "test_mask") if getattr(data, k, None) is None]
     if missing:
@@ -213,6 +302,18 @@ def split_graph(data, owner: np.ndarray, nparts: int, *, method: str = "", seed:
 
 
 def partition_graph(data, nparts: int, method: str = "metis", seed: int = 0, **options) -> list[Partition]:
-    """Assign nodes with ``method`` and split ``data`` into ``nparts`` partitions."""
+    """Assign nodes with ``method`` and split ``data`` into ``nparts`` partitions.
+
+    Args:
+        data (Data): the graph, with ``train/val/test_mask`` set.
+        nparts (int): the number of clients.
+        method (str, optional): the partitioner (see :func:`assign_nodes`).
+            (default: :obj:`"metis"`)
+        seed (int, optional): the partitioner's seed. (default: :obj:`0`)
+        **options (optional): the partitioner's own options.
+
+    Raises:
+        ValueError: as :func:`assign_nodes` and :func:`split_graph` do.
+    """
     owner = assign_nodes(data, nparts, method, seed, **options)
     return split_graph(data, owner, nparts, method=method, seed=seed)

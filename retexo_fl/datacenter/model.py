@@ -24,10 +24,22 @@ def _fmix32(h: Tensor) -> Tensor:
 
 
 def dropout_keep(rows: slice, cols: slice, p: float, seed: int, epoch: int, layer: int, device) -> Tensor:
-    """``[rows, cols]`` float mask (0 or ``1 / (1 - p)``) of dropout on one block of a matrix.
+    """Float mask (0 or ``1 / (1 - p)``) of dropout on one block of a matrix.
 
     A pure function of the element's global row and column, so every process cuts its block
     from the same mask the single-process reference draws for the whole matrix.
+
+    Args:
+        rows (slice): the block's global rows.
+        cols (slice): the block's global columns.
+        p (float): the dropout rate, in ``[0, 1)``.
+        seed (int): the run's dropout seed.
+        epoch (int): the epoch (a fresh mask each).
+        layer (int): the layer (a fresh mask each).
+        device (torch.device): where the mask is made.
+
+    Shapes:
+        - **output:** ``[width(rows), width(cols)]`` float32
     """
     s = derive_seed(seed, epoch, layer, 0xD0) & _M32
     r = torch.arange(rows.start, rows.stop, dtype=torch.int64, device=device)
@@ -40,14 +52,30 @@ def dropout_keep(rows: slice, cols: slice, p: float, seed: int, epoch: int, laye
 def initial_weights(
     in_dim: int, hidden: int, num_classes: int, layers: int, seed: int
 ) -> list[tuple[Tensor, Tensor]]:
-    """``[(W [in, out], b [out])]`` per layer: exactly the centralized GCN's initial weights."""
+    """``[(W [in, out], b [out])]`` per layer: exactly the centralized GCN's initial weights.
+
+    Args:
+        in_dim (int): input features.
+        hidden (int): hidden width.
+        num_classes (int): output classes.
+        layers (int): the number of GCN layers.
+        seed (int): the run seed (the centralized reference's model seed derives from it).
+
+    Shapes:
+        - **output:** ``W`` ``[in, out]`` and ``b`` ``[out]`` per layer (``W`` transposed from PyG's
+          ``lin.weight``, so ``H @ W``)
+    """
     torch.manual_seed(derive_seed(seed, 0xC3))
     ref = GNN("gcn", in_dim, hidden, num_classes, layers=layers, dropout=0.0)
     return [(c.lin.weight.detach().T.contiguous(), c.bias.detach().clone()) for c in ref.convs]
 
 
 class GCNWeights(nn.Module):
-    """The replicated weights of a ``layers``-layer GCN (every process holds all of them)."""
+    """The replicated weights of a ``layers``-layer GCN (every process holds all of them).
+
+    Args:
+        init (list[tuple[Tensor, Tensor]]): initial ``(W [in, out], b [out])`` per layer; copied.
+    """
 
     def __init__(self, init: list[tuple[Tensor, Tensor]]) -> None:
         super().__init__()
@@ -56,6 +84,7 @@ class GCNWeights(nn.Module):
 
     @property
     def layers(self) -> int:
+        """The number of layers."""
         return len(self.weights)
 
 
@@ -63,12 +92,16 @@ class DistributedGCN(nn.Module):
     """``H_{l+1} = relu(A (drop(H_l) W_l) + b_l)``, the last layer without relu, over ``algo``.
 
     Args:
-        init: initial ``(W, b)`` per layer (see :func:`initial_weights`).
-        algo: the distributed product; inputs and outputs are this process's blocks.
-        dropout: dropout rate before every layer. seed: the dropout masks' seed.
+        init (list[tuple[Tensor, Tensor]]): initial ``(W, b)`` per layer (see
+            :func:`initial_weights`).
+        algo (DistributedSpMM): the distributed product; inputs and outputs are this process's
+            blocks.
+        dropout (float, optional): dropout rate before every layer. (default: :obj:`0.0`)
+        seed (int, optional): the dropout masks' seed. (default: :obj:`0`)
 
     Shapes:
-        ``forward(x [rows(0), cols(F)], epoch)`` -> ``[rows(L), num_classes]`` (whole rows).
+        - **input:** ``x`` ``[rows(0), cols(F)]`` (this process's block of the features)
+        - **output:** ``[rows(L), num_classes]`` (whole rows)
     """
 
     def __init__(
@@ -79,6 +112,16 @@ class DistributedGCN(nn.Module):
         self.algo, self.p, self.seed = algo, float(dropout), seed
 
     def forward(self, x: Tensor, epoch: int = 0) -> Tensor:
+        """This process's rows of the logits; every process of the world must call it.
+
+        Args:
+            x (Tensor): this process's block of the input features.
+            epoch (int, optional): the epoch, which picks the dropout masks. (default: :obj:`0`)
+
+        Shapes:
+            - **input:** ``x`` ``[rows(0), cols(F)]``
+            - **output:** ``[rows(L), num_classes]``
+        """
         h, algo = x, self.algo
         last = self.params.layers - 1
         for layer, (w, b) in enumerate(zip(self.params.weights, self.params.biases, strict=True)):
@@ -92,7 +135,19 @@ class DistributedGCN(nn.Module):
 
 
 class ReferenceGCN(nn.Module):
-    """The same GCN in one process on the whole ``[n, n]`` sparse adjacency: the exactness reference."""
+    """The same GCN in one process on the whole ``[n, n]`` sparse adjacency: the exactness reference.
+
+    Args:
+        init (list[tuple[Tensor, Tensor]]): initial ``(W, b)`` per layer (see
+            :func:`initial_weights`).
+        adjacency (Tensor): the normalized adjacency, a sparse ``[n, n]`` tensor.
+        dropout (float, optional): dropout rate before every layer. (default: :obj:`0.0`)
+        seed (int, optional): the dropout masks' seed. (default: :obj:`0`)
+
+    Shapes:
+        - **input:** ``x`` ``[n, F]``
+        - **output:** ``[n, num_classes]``
+    """
 
     def __init__(
         self, init: list[tuple[Tensor, Tensor]], adjacency: Tensor, dropout: float = 0.0, seed: int = 0
@@ -102,6 +157,16 @@ class ReferenceGCN(nn.Module):
         self.adjacency, self.p, self.seed = adjacency, float(dropout), seed
 
     def forward(self, x: Tensor, epoch: int = 0) -> Tensor:
+        """The logits of every node.
+
+        Args:
+            x (Tensor): the input features.
+            epoch (int, optional): the epoch, which picks the dropout masks. (default: :obj:`0`)
+
+        Shapes:
+            - **input:** ``x`` ``[n, F]``
+            - **output:** ``[n, num_classes]``
+        """
         h, n = x, x.shape[0]
         last = self.params.layers - 1
         for layer, (w, b) in enumerate(zip(self.params.weights, self.params.biases, strict=True)):

@@ -16,6 +16,14 @@ class OneD(DistributedSpMM):
 
     ``(A H)_p = sum_q A_pq H_q``: P broadcasts per product, each process receiving
     ``(P - 1) / P * n * F`` words.
+
+    Args:
+        adjacency (sp.csr_matrix): ``[n, n]`` normalized adjacency; only this process's blocks are
+            kept.
+        comm (Counted): this process's counted collectives.
+        world (tuple[int, int]): global rank and world size as ``(rank, size)``.
+        device (torch.device | None, optional): where blocks and products live; ``None`` for CPU.
+            (default: :obj:`None`)
     """
 
     name = "1d"
@@ -36,13 +44,35 @@ class OneD(DistributedSpMM):
         self.at = [SparseBlock.cut(transpose, self.row, c, self.device) for c in cols]
 
     def rows(self, layer: int) -> slice:
+        """Global rows this process holds at the input of ``layer``.
+
+        Its row block ``R_p``, the same at every layer.
+
+        Args:
+            layer (int): the layer.
+        """
         return self.row
 
     @property
     def gradient_group(self) -> Group:
+        """Every process: each holds distinct rows, so all of them sum to the weight gradient."""
         return self.world
 
     def spmm(self, h: Tensor, layer: int, transposed: bool = False) -> Tensor:
+        """``A @ h`` (or ``A.T @ h``) in this process's blocks; every process of the world calls it.
+
+        Process ``q`` broadcasts ``H_q`` to all; each adds ``A_pq H_q``.
+
+        Args:
+            h (Tensor): this process's block of the dense matrix.
+            layer (int): the layer.
+            transposed (bool, optional): compute ``A.T @ h`` (the backward pass).
+                (default: :obj:`False`)
+
+        Shapes:
+            - **input:** ``h`` ``[width(rows(layer)), f]``
+            - **output:** ``[width(rows(layer + 1)), f]`` (the other way round when ``transposed``)
+        """
         blocks = self.at if transposed else self.a
         out = h.new_zeros(h.shape[0], h.shape[1])
         for q in range(self.size):

@@ -15,13 +15,23 @@ from retexo_fl.datacenter.spmm import DistributedSpMM
 class OneHalfD(DistributedSpMM):
     """P processes in ``P / c`` teams of ``c``; team ``t`` holds row block ``R_t`` of A and H.
 
-    Replica ``r`` of team ``t`` computes ``sum_{q = r mod c} A_tq H_q``, receiving ``H_q`` by
-    broadcast among the replicas ``r`` of all teams; the team then all-reduces its ``c``
-    partial sums. Per product a process receives about ``n F / c`` words by broadcast plus
-    ``2 (c - 1) / c * n F c / P`` in the all-reduce: ``c`` trades memory for bandwidth.
+    Process ``t c + r`` is replica ``r`` of team ``t``. Replica ``r`` of team ``t`` computes
+    ``sum_{q = r mod c} A_tq H_q``, receiving ``H_q`` by broadcast among the replicas ``r`` of all
+    teams; the team then all-reduces its ``c`` partial sums. Per product a process receives about
+    ``n F / c`` words by broadcast plus ``2 (c - 1) / c * n F c / P`` in the all-reduce: ``c``
+    trades memory for bandwidth.
 
     Args:
-        replication: ``c``, which must divide P.
+        adjacency (sp.csr_matrix): ``[n, n]`` normalized adjacency; only this process's blocks are
+            kept.
+        comm (Counted): this process's counted collectives.
+        world (tuple[int, int]): global rank and world size as ``(rank, size)``.
+        device (torch.device | None, optional): where blocks and products live; ``None`` for CPU.
+            (default: :obj:`None`)
+        replication (int, optional): ``c``, which must divide P. (default: :obj:`2`)
+
+    Raises:
+        ValueError: if ``replication`` does not divide P.
     """
 
     name = "1.5d"
@@ -53,18 +63,41 @@ class OneHalfD(DistributedSpMM):
         self.at = {q: SparseBlock.cut(transpose, self.row, cols[q], self.device) for q in self.stages}
 
     def rows(self, layer: int) -> slice:
+        """Global rows this process holds at the input of ``layer``.
+
+        Its team's row block ``R_t``, the same at every layer.
+
+        Args:
+            layer (int): the layer.
+        """
         return self.row
 
     @property
     def gradient_group(self) -> Group:
+        """Replica ``r`` of every team: the replicas of a team hold the same rows, so one per team sums."""
         # Every replica of a team holds the same rows: one replica per team makes the sum.
         return self.replica_group
 
     @property
     def counts_rows(self) -> bool:
+        """Only replica 0 of each team counts its rows in metrics."""
         return self.replica == 0
 
     def spmm(self, h: Tensor, layer: int, transposed: bool = False) -> Tensor:
+        """``A @ h`` (or ``A.T @ h``) in this process's blocks; every process of the world calls it.
+
+        Sums ``A_tq H_q`` over this replica's share of ``q``, then all-reduces within the team.
+
+        Args:
+            h (Tensor): this process's block of the dense matrix.
+            layer (int): the layer.
+            transposed (bool, optional): compute ``A.T @ h`` (the backward pass).
+                (default: :obj:`False`)
+
+        Shapes:
+            - **input:** ``h`` ``[width(rows(layer)), f]``
+            - **output:** ``[width(rows(layer + 1)), f]`` (the other way round when ``transposed``)
+        """
         blocks = self.at if transposed else self.a
         out = h.new_zeros(h.shape[0], h.shape[1])
         for q in self.stages:

@@ -22,10 +22,12 @@ class DistributedSpMM(ABC):
     with ``transposed=True`` it computes ``A.T @ G`` the other way, for the backward pass.
 
     Args:
-        adjacency: ``[n, n]`` normalized adjacency; only this process's blocks are kept.
-        comm: this process's counted collectives.
-        world: global rank and world size as ``(rank, size)``.
-        device: where blocks and products live (default CPU).
+        adjacency (sp.csr_matrix): ``[n, n]`` normalized adjacency; only this process's blocks are
+            kept.
+        comm (Counted): this process's counted collectives.
+        world (tuple[int, int]): global rank and world size as ``(rank, size)``.
+        device (torch.device | None, optional): where blocks and products live; ``None`` for CPU.
+            (default: :obj:`None`)
     """
 
     name: str = ""
@@ -45,7 +47,11 @@ class DistributedSpMM(ABC):
 
     @abstractmethod
     def rows(self, layer: int) -> slice:
-        """Global rows of the dense blocks this process holds at the input of ``layer``."""
+        """Global rows of the dense blocks this process holds at the input of ``layer``.
+
+        Args:
+            layer (int): the layer (``L`` for the output of an ``L``-layer model).
+        """
 
     @property
     def column_group(self) -> Group | None:
@@ -64,7 +70,13 @@ class DistributedSpMM(ABC):
         return g is None or g.index(self.rank) == 0
 
     def cols(self, width: int, member: int | None = None) -> slice:
-        """Columns of a ``width``-wide dense matrix held by column-group ``member`` (default: us)."""
+        """Columns of a ``width``-wide dense matrix held by column-group ``member`` (default: us).
+
+        Args:
+            width (int): the matrix's number of columns.
+            member (int | None, optional): a member index of :attr:`column_group`; ``None`` for this
+                process. (default: :obj:`None`)
+        """
         g = self.column_group
         if g is None:
             return slice(0, width)
@@ -72,10 +84,27 @@ class DistributedSpMM(ABC):
 
     @abstractmethod
     def spmm(self, h: Tensor, layer: int, transposed: bool = False) -> Tensor:
-        """``A @ h`` (or ``A.T @ h``) in this process's blocks; every member of the world calls it."""
+        """``A @ h`` (or ``A.T @ h``) in this process's blocks; every member of the world calls it.
+
+        Args:
+            h (Tensor): this process's block of the dense matrix, in ``layer``'s input layout (in
+                ``layer + 1``'s when ``transposed``).
+            layer (int): the layer.
+            transposed (bool, optional): compute ``A.T @ h``, mapping ``layer + 1``'s layout back to
+                ``layer``'s (the backward pass). (default: :obj:`False`)
+
+        Shapes:
+            - **input:** ``h`` ``[width(rows(layer)), f]``
+            - **output:** ``[width(rows(layer + 1)), f]`` (the other way round when ``transposed``)
+        """
 
     @contextmanager
     def counting(self, category: str):
+        """A context in which this process's collectives are counted under ``category``.
+
+        Args:
+            category (str): the ledger category (``spmm``, ``dense``, ``weights``, ``metrics``).
+        """
         ledger = self.comm.ledger
         before, ledger.category = ledger.category, category
         try:
@@ -135,15 +164,34 @@ class _GatherColumns(torch.autograd.Function):
 
 
 def spmm(h: Tensor, algo: DistributedSpMM, layer: int) -> Tensor:
-    """``A @ h`` with autograd (the backward pass is the transposed product, same algorithm)."""
+    """``A @ h`` with autograd (the backward pass is the transposed product, same algorithm).
+
+    Args:
+        h (Tensor): this process's block, in ``layer``'s input layout.
+        algo (DistributedSpMM): the distributed product.
+        layer (int): the layer.
+
+    Shapes:
+        - **input:** ``h`` ``[width(rows(layer)), f]``
+        - **output:** ``[width(rows(layer + 1)), f]``
+    """
     return _SpMM.apply(h, algo, layer)
 
 
 def column_linear(h: Tensor, weight: Tensor, algo: DistributedSpMM) -> Tensor:
-    """``H @ W`` for ``H`` in this process's blocks and ``W`` (``[F_in, F_out]``) replicated.
+    """``H @ W`` for ``H`` in this process's blocks and ``W`` replicated.
 
     Where columns are split, each process multiplies its columns by its rows of ``W`` and the
     partial products are reduce-scattered back into column blocks of the output.
+
+    Args:
+        h (Tensor): this process's block of ``H``.
+        weight (Tensor): the whole weight matrix.
+        algo (DistributedSpMM): the distributed product (its column group and column blocks).
+
+    Shapes:
+        - **input:** ``h`` ``[rows, cols(F_in)]``, ``weight`` ``[F_in, F_out]``
+        - **output:** ``[rows, cols(F_out)]``
     """
     g = algo.column_group
     if g is None or g.size == 1:
@@ -152,7 +200,17 @@ def column_linear(h: Tensor, weight: Tensor, algo: DistributedSpMM) -> Tensor:
 
 
 def gather_columns(h: Tensor, algo: DistributedSpMM, width: int) -> Tensor:
-    """Whole rows (``[rows, width]``) from this process's column block."""
+    """Whole rows from this process's column block (all-gathered over the column group).
+
+    Args:
+        h (Tensor): this process's block.
+        algo (DistributedSpMM): the distributed product.
+        width (int): the whole matrix's number of columns.
+
+    Shapes:
+        - **input:** ``h`` ``[rows, cols(width)]``
+        - **output:** ``[rows, width]``
+    """
     g = algo.column_group
     if g is None or g.size == 1:
         return h

@@ -24,6 +24,17 @@ class ThreeD(DistributedSpMM):
     next without moving it, and the transposed product of orientation o is orientation ``1 - o``
     with ``A.T``. Per product a process receives about ``nnz / P^(2/3)`` nonzeros and
     ``2 n F / P^(2/3)`` words.
+
+    Args:
+        adjacency (sp.csr_matrix): ``[n, n]`` normalized adjacency; only this process's blocks are
+            kept.
+        comm (Counted): this process's counted collectives.
+        world (tuple[int, int]): global rank and world size as ``(rank, size)``.
+        device (torch.device | None, optional): where blocks and products live; ``None`` for CPU.
+            (default: :obj:`None`)
+
+    Raises:
+        ValueError: if P is not a cube.
     """
 
     name = "3d"
@@ -72,6 +83,14 @@ class ThreeD(DistributedSpMM):
                 self.pieces[(t, o)] = (cut[self.j], [p.nnz for p in cut])
 
     def rows(self, layer: int) -> slice:
+        """Global rows this process holds at the input of ``layer``.
+
+        Piece ``i`` of row block ``k`` at even layers (the input of an orientation-0 product),
+        piece ``k`` of row block ``i`` at odd layers.
+
+        Args:
+            layer (int): the layer.
+        """
         # Input of an orientation-0 product: block k, piece i; orientation 1: block i, piece k.
         if layer % 2 == 0:
             return sub_block(self.n, self.q, self.k, self.q, self.i)
@@ -79,13 +98,29 @@ class ThreeD(DistributedSpMM):
 
     @property
     def column_group(self) -> Group:
+        """The fibre ``(i, *, k)``: its ``q`` processes split the columns of one row piece."""
         return self.fibre[1]
 
     @property
     def gradient_group(self) -> Group:
+        """Every process: each holds a distinct block of rows and columns."""
         return self.world
 
     def spmm(self, h: Tensor, layer: int, transposed: bool = False) -> Tensor:
+        """``A @ h`` (or ``A.T @ h``) in this process's blocks; every process of the world calls it.
+
+        Orientation ``(layer + transposed) mod 2``: all-gather ``A`` and ``H``, multiply, reduce-scatter.
+
+        Args:
+            h (Tensor): this process's block of the dense matrix.
+            layer (int): the layer.
+            transposed (bool, optional): compute ``A.T @ h`` (the backward pass).
+                (default: :obj:`False`)
+
+        Shapes:
+            - **input:** ``h`` ``[width(rows(layer)), f]``
+            - **output:** ``[width(rows(layer + 1)), f]`` (the other way round when ``transposed``)
+        """
         q, n = self.q, self.n
         o = (layer + int(transposed)) % 2
         a_idx, b_idx = (self.i, self.k) if o == 0 else (self.k, self.i)

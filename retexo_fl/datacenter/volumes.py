@@ -21,6 +21,17 @@ def spmm_bytes(algorithm: str, n: int, nnz: int, width: int, procs: int, replica
       H, reduce-scatter of the partial sums).
 
     A nonzero costs :data:`~retexo_fl.datacenter.blocks.NNZ_BYTES`, a word :data:`WORD_BYTES`.
+
+    Args:
+        algorithm (str): ``"1d"``, ``"1.5d"``, ``"2d"`` or ``"3d"``.
+        n (int): the number of nodes.
+        nnz (int): the adjacency's nonzeros.
+        width (int): ``F``, the dense matrix's columns.
+        procs (int): ``P``, the process count.
+        replication (int, optional): 1.5D's ``c``. (default: :obj:`2`)
+
+    Raises:
+        ValueError: on an unknown ``algorithm``.
     """
     p, nf = procs, n * width
     if algorithm == "1d":
@@ -43,5 +54,17 @@ def spmm_bytes(algorithm: str, n: int, nnz: int, width: int, procs: int, replica
 def epoch_spmm_bytes(
     algorithm: str, n: int, nnz: int, widths: list[int], procs: int, replication: int = 2
 ) -> float:
-    """Mean bytes a process receives in the products of one training epoch (forward + backward)."""
+    """Mean bytes a process receives in the products of one training epoch (forward + backward).
+
+    Args:
+        algorithm (str): ``"1d"``, ``"1.5d"``, ``"2d"`` or ``"3d"``.
+        n (int): the number of nodes.
+        nnz (int): the adjacency's nonzeros.
+        widths (list[int]): the width of each layer's product.
+        procs (int): ``P``, the process count.
+        replication (int, optional): 1.5D's ``c``. (default: :obj:`2`)
+
+    Raises:
+        ValueError: on an unknown ``algorithm``.
+    """
     return sum(2 * spmm_bytes(algorithm, n, nnz, w, procs, replication) for w in widths)

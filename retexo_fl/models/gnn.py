@@ -14,13 +14,20 @@ class GNN(nn.Module):
     """``layers`` conv layers (GCN / SAGE / GAT), the last one producing class logits.
 
     Args:
-        kind: conv kind, see :func:`retexo_fl.models.stage.make_conv`.
-        in_dim: input features. hidden: hidden width. num_classes: output classes.
-        layers: number of conv layers (default 2). dropout: dropout before every layer.
-        norm: norm after each hidden layer (``none`` by default, as in the GCN paper).
+        kind (str): conv kind, see :func:`retexo_fl.models.stage.make_conv`.
+        in_dim (int): input features.
+        hidden (int): hidden width.
+        num_classes (int): output classes.
+        layers (int, optional): number of conv layers. (default: :obj:`2`)
+        dropout (float, optional): dropout before every layer. (default: :obj:`0.5`)
+        norm (str, optional): norm after each hidden layer, ``"none"`` as in the GCN paper, or
+            ``"layer"``. (default: :obj:`"none"`)
+        heads (int, optional): attention heads for ``gat``. (default: :obj:`4`)
 
     Shapes:
-        ``forward(x [N, in_dim], edge_index [2, E], edge_weight [E]?)`` -> ``[N, num_classes]``.
+        - **input:** ``x`` ``[N, in_dim]``, ``edge_index`` ``[2, E]``, ``edge_weight`` ``[E]``
+          (optional)
+        - **output:** logits ``[N, num_classes]``
     """
 
     def __init__(
@@ -43,6 +50,18 @@ class GNN(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: Tensor, edge_index: Tensor, edge_weight: Tensor | None = None) -> Tensor:
+        """Class logits for every node.
+
+        Args:
+            x (Tensor): node features.
+            edge_index (Tensor): edges ``(src, dst)``.
+            edge_weight (Tensor | None, optional): GCN edge weights (read by ``gcn`` only).
+                (default: :obj:`None`)
+
+        Shapes:
+            - **input:** ``x`` ``[N, in_dim]``, ``edge_index`` ``[2, E]``, ``edge_weight`` ``[E]``
+            - **output:** ``[N, num_classes]``
+        """
         for i, conv in enumerate(self.convs):
             x = self.dropout(x)
             x = conv(x, edge_index, edge_weight) if self.kind == "gcn" else conv(x, edge_index)

@@ -17,15 +17,24 @@ class LayeredGNN(nn.Module):
     here, so no gradient crosses clients).
 
     Args:
-        kind: conv kind (``gcn``, ``sage``, ``sage-max``, ``gat``).
-        in_dim: raw feature width. hidden: hidden width. num_classes: output classes.
-        layers: encoder plus convs (default 2). dropout: before every layer and the head.
-        norm: ``layer`` or ``none`` after every hidden layer. heads: attention heads (``gat``).
+        kind (str): conv kind (``gcn``, ``sage``, ``sage-max``, ``gat``).
+        in_dim (int): raw feature width.
+        hidden (int): hidden width.
+        num_classes (int): output classes.
+        layers (int, optional): encoder plus convs, at least 1. (default: :obj:`2`)
+        dropout (float, optional): dropout before every layer and the head. (default: :obj:`0.5`)
+        norm (str, optional): ``layer`` or ``none`` after every hidden layer.
+            (default: :obj:`"layer"`)
+        heads (int, optional): attention heads (``gat``). (default: :obj:`4`)
 
     Shapes:
-        ``forward(x [n, in_dim], edge_index [2, E], edge_weight [E]?, halo [[H, hidden]] * (layers - 1))``
-        returns ``(logits [n, num_classes], inputs)`` where ``inputs[l]`` ``[n, hidden]`` is what
-        conv layer ``l + 1`` read for the owned rows: the rows peers need.
+        - **input:** ``x`` ``[n, in_dim]``, ``edge_index`` ``[2, E]``, ``edge_weight`` ``[E]``,
+          ``halo`` ``layers - 1`` tensors ``[H, hidden]``
+        - **output:** ``(logits [n, num_classes], inputs)`` where ``inputs[l]`` ``[n, hidden]`` is
+          what conv layer ``l + 1`` read for the owned rows: the rows peers need
+
+    Raises:
+        ValueError: if ``layers < 1``.
     """
 
     def __init__(
@@ -52,6 +61,7 @@ class LayeredGNN(nn.Module):
 
     @property
     def num_convs(self) -> int:
+        """The number of conv layers, ``layers - 1``."""
         return len(self.convs)
 
     def forward(
@@ -61,6 +71,22 @@ class LayeredGNN(nn.Module):
         edge_weight: Tensor | None,
         halo: list[Tensor],
     ) -> tuple[Tensor, list[Tensor]]:
+        """Logits of the owned rows, and the owned rows' input to every conv layer.
+
+        Args:
+            x (Tensor): the owned nodes' raw features.
+            edge_index (Tensor | None): local edges over owned then halo rows (``None`` with no conv).
+            edge_weight (Tensor | None): GCN edge weights (read by ``gcn`` only).
+            halo (list[Tensor]): per conv layer, the halo rows' input (empty tensors without halo).
+
+        Shapes:
+            - **input:** ``x`` ``[n, in_dim]``, ``edge_index`` ``[2, E]``, ``edge_weight`` ``[E]``,
+              ``halo[l]`` ``[H, hidden]``
+            - **output:** ``logits`` ``[n, num_classes]``, ``inputs[l]`` ``[n, hidden]``
+
+        Returns:
+            ``(logits, inputs)``, ``inputs`` one entry per conv layer.
+        """
         n = x.shape[0]
         h = torch.relu(self.norms[0](self.encoder(self.dropout(x))))
         inputs = []

@@ -12,9 +12,18 @@ CONV_KINDS = ("gcn", "sage", "sage-max", "gat")
 def make_conv(kind: str, in_dim: int, out_dim: int, *, heads: int = 4) -> nn.Module:
     """One PyG conv layer.
 
-    ``gcn`` takes precomputed global-degree edge weights (``normalize=False``); ``sage`` is mean
-    aggregation, ``sage-max`` max-pool aggregation over projected neighbours; ``gat`` averages
-    ``heads`` attention heads.
+    ``gcn`` takes precomputed global-degree edge weights (``normalize=False``, no added self
+    loops); ``sage`` is mean aggregation, ``sage-max`` max-pool aggregation over projected
+    neighbours; ``gat`` averages ``heads`` attention heads.
+
+    Args:
+        kind (str): one of :data:`CONV_KINDS`.
+        in_dim (int): input width.
+        out_dim (int): output width.
+        heads (int, optional): attention heads for ``gat``. (default: :obj:`4`)
+
+    Raises:
+        ValueError: on an unknown ``kind``.
     """
     if kind == "gcn":
         return GCNConv(in_dim, out_dim, normalize=False, add_self_loops=False)
@@ -28,6 +37,15 @@ def make_conv(kind: str, in_dim: int, out_dim: int, *, heads: int = 4) -> nn.Mod
 
 
 def make_norm(kind: str, dim: int) -> nn.Module:
+    """The normalization after a hidden layer: ``layer`` (:class:`~torch.nn.LayerNorm`) or ``none``.
+
+    Args:
+        kind (str): ``"layer"`` or ``"none"``.
+        dim (int): the normalized width.
+
+    Raises:
+        ValueError: on an unknown ``kind``.
+    """
     if kind == "layer":
         return nn.LayerNorm(dim)
     if kind == "none":
@@ -39,19 +57,21 @@ class StageModel(nn.Module):
     """One stage: ``body`` (Linear for stage 0, a conv layer after), norm, ReLU, dropout, head.
 
     Args:
-        kind: ``mlp`` for stage 0, else one of :data:`CONV_KINDS`.
-        in_dim: input width (raw features at stage 0, the previous stage's output after).
-        hidden: width of the hidden representation.
-        num_classes: output classes of the stage head.
-        dropout: dropout on the hidden representation (default 0.5).
-        input_dropout: dropout on the stage input (default 0.0).
-        norm: ``layer`` (LayerNorm, per-row so partition-independent) or ``none``.
-        heads: attention heads for ``gat``.
+        kind (str): ``mlp`` for stage 0, else one of :data:`CONV_KINDS`.
+        in_dim (int): input width (raw features at stage 0, the previous stage's output after).
+        hidden (int): width of the hidden representation.
+        num_classes (int): output classes of the stage head.
+        dropout (float, optional): dropout on the hidden representation. (default: :obj:`0.5`)
+        input_dropout (float, optional): dropout on the stage input. (default: :obj:`0.0`)
+        norm (str, optional): ``layer`` (LayerNorm, per-row so partition-independent) or
+            ``none``. (default: :obj:`"layer"`)
+        heads (int, optional): attention heads for ``gat``. (default: :obj:`4`)
 
     Shapes:
-        ``forward(x [N_in, in_dim], edge_index [2, E]?, edge_weight [E]?)`` returns
-        ``(hidden [n, hidden], logits [n, num_classes])`` for the first ``n = num_targets``
-        rows (all rows when ``num_targets`` is None).
+        - **input:** ``x`` ``[N_in, in_dim]``, ``edge_index`` ``[2, E]`` (conv stages only),
+          ``edge_weight`` ``[E]`` (``gcn`` only)
+        - **output:** ``(hidden [n, hidden], logits [n, num_classes])`` for the first
+          ``n = num_targets`` rows (all rows when ``num_targets`` is None)
     """
 
     def __init__(
@@ -83,6 +103,25 @@ class StageModel(nn.Module):
         edge_weight: Tensor | None = None,
         num_targets: int | None = None,
     ) -> tuple[Tensor, Tensor]:
+        """The stage's hidden representation and logits for the target rows.
+
+        Args:
+            x (Tensor): the stage input: owned rows first, then halo rows.
+            edge_index (Tensor | None, optional): local edges (conv stages only).
+                (default: :obj:`None`)
+            edge_weight (Tensor | None, optional): GCN edge weights (``gcn`` only).
+                (default: :obj:`None`)
+            num_targets (int | None, optional): compute outputs for the first ``num_targets`` rows
+                only (the owned nodes); ``None`` for all rows. (default: :obj:`None`)
+
+        Shapes:
+            - **input:** ``x`` ``[N_in, in_dim]``, ``edge_index`` ``[2, E]``, ``edge_weight`` ``[E]``
+            - **output:** ``hidden`` ``[n, hidden]`` (after ReLU, before dropout), ``logits``
+              ``[n, num_classes]``
+
+        Raises:
+            ValueError: if a conv stage gets no ``edge_index``.
+        """
         x = self.input_dropout(x)
         if self.kind == "mlp":
             h = self.body(x if num_targets is None else x[:num_targets])

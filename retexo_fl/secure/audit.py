@@ -28,9 +28,11 @@ class AuditLog:
     """Append-only record of the messages one client sends.
 
     Args:
-        root: the audit folder; this client writes ``root/client-<id>/``.
-        client_id: the client. partition: the partition folder the checker compares against.
-        encrypted: whether the run sealed its payloads (then a plaintext payload is a finding).
+        root (str | Path): the audit folder; this client writes ``root/client-<id>/``.
+        client_id (int): the client.
+        partition (str): the partition folder the checker compares against.
+        encrypted (bool): whether the run sealed its payloads (then a plaintext payload is a
+            finding).
     """
 
     def __init__(self, root: str | Path, client_id: int, partition: str, encrypted: bool) -> None:
@@ -41,7 +43,17 @@ class AuditLog:
             info.write_text(json.dumps({"client": client_id, "partition": partition, "encrypted": encrypted}))
 
     def record(self, message_type: str, records: dict[str, dict[str, Any]]) -> Path:
-        """Write one outgoing message: ``{record name: {key: array | bytes | value}}``."""
+        """Write one outgoing message: ``{record name: {key: array | bytes | value}}``.
+
+        Arrays and byte strings go into ``<seq>-<type>.npz``, everything else into the JSON beside it.
+
+        Args:
+            message_type (str): the message type (e.g. ``"train"``).
+            records (dict[str, dict[str, Any]]): the message's records.
+
+        Returns:
+            The message's path without suffix (``.json`` and ``.npz`` hold it).
+        """
         seq = len(list(self.dir.glob("*.json"))) - 1
         stem = self.dir / f"{seq:05d}-{message_type.replace('.', '-')}"
         arrays, values = {}, {}
@@ -64,7 +76,14 @@ class AuditLog:
 
 @dataclass(frozen=True)
 class Finding:
-    """One thing a client sent that it must not have."""
+    """One thing a client sent that it must not have.
+
+    Args:
+        client (int): the client.
+        message (str): the message's file stem (sequence number and type).
+        field (str): the field, as ``record::key``.
+        what (str): what it held, in words.
+    """
 
     client: int
     message: str
@@ -140,9 +159,16 @@ def check_audit(
     """Check every client folder under ``root``; returns per-client figures and every finding.
 
     Args:
-        root: the audit folder (``client-<id>/`` sub-folders).
-        partitions: a folder of ``part-<id>/`` to compare against, instead of the partition each
-            client recorded.
+        root (str | Path): the audit folder (``client-<id>/`` sub-folders).
+        partitions (str | Path | None, optional): a folder of ``part-<id>/`` to compare against,
+            instead of the partition each client recorded. (default: :obj:`None`)
+
+    Returns:
+        ``(figures, findings)``: ``{client: {"messages", "arrays", "payloads", "partition"}}`` and
+        the list of :class:`Finding`.
+
+    Raises:
+        FileNotFoundError: if ``root`` holds no ``client-*`` folder.
     """
     root = Path(root)
     folders = sorted(root.glob("client-*"))

@@ -28,7 +28,15 @@ class EnvelopeError(ValueError):
 
 @dataclass(frozen=True)
 class Route:
-    """Where a payload belongs: what it is, when it was sent, who sent it to whom."""
+    """Where a payload belongs: what it is, when it was sent, who sent it to whom.
+
+    Args:
+        kind (str): one of :data:`KINDS` (``"deg"``, ``"halo"``, ``"eager"``).
+        stage (int): the stage it was sent in.
+        round (int): the round it was sent in.
+        src (int): the sending client.
+        dst (int): the receiving client.
+    """
 
     kind: str
     stage: int
@@ -37,6 +45,7 @@ class Route:
     dst: int
 
     def header(self) -> bytes:
+        """The clear, authenticated header: magic, kind, stage, round, source, destination."""
         return _HEAD.pack(MAGIC, KINDS[self.kind], self.stage, self.round, self.src, self.dst)
 
 
@@ -60,8 +69,10 @@ class Envelopes:
     destination, at any other stage or round, or altered in any byte, fails authentication.
 
     Args:
-        own_id: this client. key: its X25519 private key. run_id: the run, known to every party.
-        directory: every party's public key (``{client id: 32 bytes}``).
+        own_id (int): this client.
+        key (X25519PrivateKey): its X25519 private key.
+        run_id (int): the run, known to every party.
+        directory (dict[int, bytes]): every party's public key (``{client id: 32 bytes}``).
     """
 
     def __init__(self, own_id: int, key: X25519PrivateKey, run_id: int, directory: dict[int, bytes]) -> None:
@@ -75,6 +86,18 @@ class Envelopes:
         }
 
     def seal(self, frame: bytes, route: Route) -> bytes:
+        """Encrypt ``frame`` for ``route``'s destination.
+
+        Args:
+            frame (bytes): the plaintext payload.
+            route (Route): where it goes; its source must be this client.
+
+        Returns:
+            ``header | nonce | ciphertext and tag``, :data:`ENVELOPE_BYTES` longer than ``frame``.
+
+        Raises:
+            EnvelopeError: if the route's source is not this client or its destination has no channel.
+        """
         if route.src != self.own_id or route.dst not in self._send:
             raise EnvelopeError(f"client {self.own_id}: no channel for {route}")
         head = route.header()
@@ -83,6 +106,16 @@ class Envelopes:
 
     def open(self, blob: bytes, kind: str, stage: int, src: int, min_round: int = 0) -> tuple[bytes, int]:
         """The frame in ``blob`` from client ``src``, and the round it was sent in.
+
+        Args:
+            blob (bytes): the sealed payload.
+            kind (str): the kind it must have been sealed as (a key of :data:`KINDS`).
+            stage (int): the stage it must have been sealed in.
+            src (int): the client it must come from.
+            min_round (int, optional): the oldest round accepted. (default: :obj:`0`)
+
+        Returns:
+            ``(frame, round)``.
 
         Raises:
             EnvelopeError: naming ``src`` when the payload is cut, was sealed for another

@@ -17,16 +17,34 @@ class KeyMaterialError(ValueError):
 
 
 def private_bytes(key: X25519PrivateKey) -> bytes:
+    """The raw 32 bytes of an X25519 private key.
+
+    Args:
+        key (X25519PrivateKey): the key.
+    """
     return key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
 
 
 def public_bytes(key: X25519PrivateKey | X25519PublicKey) -> bytes:
+    """The raw 32 bytes of an X25519 public key (a private key's public half).
+
+    Args:
+        key (X25519PrivateKey | X25519PublicKey): the key or key pair.
+    """
     pub = key.public_key() if isinstance(key, X25519PrivateKey) else key
     return pub.public_bytes(Encoding.Raw, PublicFormat.Raw)
 
 
 def save_private_key(key: X25519PrivateKey, path: str | os.PathLike[str]) -> Path:
-    """Write the raw 32-byte private key, readable by its owner only."""
+    """Write the raw 32-byte private key, readable by its owner only.
+
+    Args:
+        key (X25519PrivateKey): the key.
+        path (str | os.PathLike[str]): the file; its folder is created.
+
+    Returns:
+        The file's path.
+    """
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -36,6 +54,14 @@ def save_private_key(key: X25519PrivateKey, path: str | os.PathLike[str]) -> Pat
 
 
 def load_private_key(path: str | os.PathLike[str]) -> X25519PrivateKey:
+    """Read a raw 32-byte X25519 private key written by :func:`save_private_key`.
+
+    Args:
+        path (str | os.PathLike[str]): the identity key file.
+
+    Raises:
+        KeyMaterialError: if the file is missing or not 32 bytes.
+    """
     p = Path(path)
     if not p.is_file():
         raise KeyMaterialError(f"{p}: identity key file not found")
@@ -46,7 +72,15 @@ def load_private_key(path: str | os.PathLike[str]) -> X25519PrivateKey:
 
 
 def parse_public(value: str | bytes, where: str) -> bytes:
-    """A 32-byte public key from raw bytes or hex, or an error naming ``where``."""
+    """A 32-byte public key from raw bytes or hex, or an error naming ``where``.
+
+    Args:
+        value (str | bytes): hex text or raw bytes.
+        where (str): names the key in errors.
+
+    Raises:
+        KeyMaterialError: if ``value`` is not hex or not 32 bytes.
+    """
     try:
         raw = bytes.fromhex(value) if isinstance(value, str) else bytes(value)
     except ValueError:
@@ -57,7 +91,17 @@ def parse_public(value: str | bytes, where: str) -> bytes:
 
 
 def load_pins(path: str | os.PathLike[str]) -> dict[int, bytes]:
-    """``{"<client id>": "<public key hex>", ...}``, exchanged by the parties out of band."""
+    """Read pinned keys: ``{"<client id>": "<public key hex>", ...}``, exchanged by the parties out of band.
+
+    Args:
+        path (str | os.PathLike[str]): the JSON file.
+
+    Returns:
+        ``{client id: 32-byte public key}``.
+
+    Raises:
+        KeyMaterialError: if the file is unreadable, not a JSON object, or holds a bad id or key.
+    """
     p = Path(path)
     try:
         data = json.loads(p.read_text())
@@ -76,7 +120,16 @@ def load_pins(path: str | os.PathLike[str]) -> dict[int, bytes]:
 
 
 def check_directory(directory: dict[int, bytes], pins: dict[int, bytes] | None, where: str) -> None:
-    """Refuse a key directory that disagrees with the pins (a server that swapped a key)."""
+    """Refuse a key directory that disagrees with the pins (a server that swapped a key).
+
+    Args:
+        directory (dict[int, bytes]): the server's key directory, ``{client id: public key}``.
+        pins (dict[int, bytes] | None): the pinned keys; empty or ``None`` accepts any directory.
+        where (str): names the checking party in errors.
+
+    Raises:
+        KeyMaterialError: if a client in the directory has no pinned key or another key.
+    """
     if not pins:
         return
     for pid, key in sorted(directory.items()):
@@ -91,7 +144,15 @@ def check_directory(directory: dict[int, bytes], pins: dict[int, bytes] | None, 
 
 
 def write_identities(clients: int, out: str | os.PathLike[str]) -> Path:
-    """One identity key per client (``client-<id>.key``) and ``pins.json`` with every public key."""
+    """One identity key per client (``client-<id>.key``) and ``pins.json`` with every public key.
+
+    Args:
+        clients (int): the number of clients.
+        out (str | os.PathLike[str]): the folder to write into (created).
+
+    Returns:
+        The folder.
+    """
     root = Path(out)
     pins = {}
     for pid in range(clients):

@@ -13,8 +13,21 @@ StateDict = dict[str, Tensor]
 def weighted_average(states: Sequence[StateDict], weights: Sequence[float]) -> StateDict:
     """FedAvg: ``sum_i w_i * state_i / sum_i w_i``, key by key (float64 accumulation).
 
+    Args:
+        states (Sequence[StateDict]): the client states; every one must hold the first one's tensors,
+            in the same shapes (tensors only later states hold are ignored).
+        weights (Sequence[float]): one weight per state, e.g. its training-node count.
+
+    Shapes:
+        - **input:** every ``states[i][key]`` the shape of ``states[0][key]``
+        - **output:** one tensor per key of ``states[0]``, in its shape and dtype
+
+    Returns:
+        The weighted mean, each tensor cast back to the first state's dtype.
+
     Raises:
-        ValueError: on no states, mismatched keys or shapes, or a zero total weight.
+        ValueError: on no states, a state missing one of the first state's tensors or holding it in
+            another shape, or weights that sum to zero or less.
     """
     if not states:
         raise ValueError("nothing to aggregate")
@@ -35,6 +48,18 @@ def weighted_average(states: Sequence[StateDict], weights: Sequence[float]) -> S
 
 def check_state(new: StateDict, reference: StateDict, source: str) -> StateDict:
     """``new`` if it has ``reference``'s tensors, shapes and a float dtype, all finite.
+
+    Args:
+        new (StateDict): the state a client sent.
+        reference (StateDict): the state it must match (the one the client trained from).
+        source (str): who sent ``new``, for error messages (e.g. ``"client 3"``).
+
+    Shapes:
+        - **input:** every ``new[key]`` the shape of ``reference[key]``
+        - **output:** ``new``, unchanged
+
+    Returns:
+        ``new`` itself.
 
     Raises:
         ValueError: naming ``source`` and the first tensor that is missing, extra, misshapen,
@@ -57,7 +82,11 @@ def check_state(new: StateDict, reference: StateDict, source: str) -> StateDict:
 
 
 def state_nbytes(state: StateDict) -> int:
-    """Exact payload bytes of a state's tensors."""
+    """Exact payload bytes of a state's tensors (``numel * element_size``, summed).
+
+    Args:
+        state (StateDict): the state.
+    """
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
@@ -66,8 +95,17 @@ class ServerOptimizer:
 
     ``avg`` takes the average as the new state (FedAvg). ``adam`` treats
     ``global - average`` as a gradient for :class:`torch.optim.Adam` with ``lr`` (FedAdam). With
-    one local SGD step per round, that pseudo-gradient is the client-count-weighted full-graph
-    gradient, so federated training follows centralized Adam exactly.
+    one local SGD step per round, that pseudo-gradient is the clients' learning rate times the
+    full-graph gradient (the clients' gradients weighted by the aggregation weights); Adam does
+    not see that scale (up to its ``eps``), so federated training follows centralized Adam.
+
+    Args:
+        kind (str): ``"avg"`` or ``"adam"``.
+        state (StateDict): the initial global state; it is copied (as float32), never modified.
+        lr (float): Adam's learning rate (unused by ``avg``).
+
+    Raises:
+        ValueError: on an unknown ``kind``.
     """
 
     def __init__(self, kind: str, state: StateDict, lr: float) -> None:
@@ -78,6 +116,19 @@ class ServerOptimizer:
         self.opt = torch.optim.Adam(self.params.values(), lr=lr) if kind == "adam" else None
 
     def step(self, average: StateDict) -> StateDict:
+        """The next global state from this round's aggregate.
+
+        Args:
+            average (StateDict): the round's aggregate (e.g. from :func:`apply_updates`), with the
+                initial state's keys and shapes.
+
+        Shapes:
+            - **input:** every ``average[key]`` the shape of the global state's ``key``
+            - **output:** the new global state, same keys and shapes
+
+        Returns:
+            Fresh float32 tensors (never modified afterwards, so callers may keep them).
+        """
         if self.opt is None:
             for k, v in average.items():
                 self.params[k].data.copy_(v)
@@ -94,6 +145,20 @@ def apply_updates(
     """``state`` plus the weighted mean of the clients' updates ``states[i] - view``.
 
     When clients trained from the state itself (``view is state``) this is plain FedAvg.
+
+    Args:
+        state (StateDict): the server's global state.
+        view (StateDict): the state the clients trained from (a compressed broadcast's view, or
+            ``state`` itself).
+        states (list[StateDict]): the clients' trained states.
+        weights (list[float]): one aggregation weight per client.
+
+    Shapes:
+        - **input:** every tensor of ``view`` and ``states[i]`` the shape of ``state``'s
+        - **output:** one tensor per key of ``state``, in its shape and dtype
+
+    Raises:
+        ValueError: as :func:`weighted_average` does.
     """
     if view is state:
         return weighted_average(states, weights)

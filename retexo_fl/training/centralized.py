@@ -19,18 +19,33 @@ from retexo_fl.training.pseudo import pseudo_labels
 
 
 def whole_graph_partition(data) -> Partition:
-    """The whole graph as one partition (no cross edges)."""
+    """The whole graph as one partition (no cross edges).
+
+    Args:
+        data (Data): the graph, with ``train/val/test_mask`` set.
+    """
     return split_graph(data, np.zeros(data.num_nodes, dtype=np.int64), 1, method="whole")[0]
 
 
 def run_centralized(part: Partition, cfg: TrainConfig, rec: RunRecorder | None = None) -> dict:
     """Standard full-batch training of a ``cfg.central_layers``-layer GNN (default 2) on one graph.
 
-    Uses the same GCN normalization as lazy mode and the settings of stage 1
-    (``lr``, epochs = ``rounds * local_epochs``); the best-validation epoch's weights are tested.
-    With ``self_training`` passes, each pass trains a fresh model on the given labels plus the
-    previous pass's predictions of at least ``pseudo_threshold`` confidence, at most
-    ``pseudo_per_class`` per class when set (as lazy mode does, per client).
+    Uses the same GCN normalization as lazy mode and the settings of stage 1: epochs =
+    ``rounds * local_epochs``, and the learning rate ``server_lr`` when ``server-optimizer`` is
+    ``adam`` (the rate that drives federated training then), else ``lr``; the best-validation
+    epoch's weights are tested. With ``self_training`` passes, each pass trains a fresh model on
+    the given labels plus the previous pass's predictions of at least ``pseudo_threshold``
+    confidence, at most ``pseudo_per_class`` per class when set (as lazy mode does, per client).
+
+    Args:
+        part (Partition): the graph as one partition (see :func:`whole_graph_partition`).
+        cfg (TrainConfig): the run configuration.
+        rec (RunRecorder | None, optional): where progress lines and epoch events go; ``None``
+            records nothing. (default: :obj:`None`)
+
+    Returns:
+        The run summary: ``test_accuracy`` of the last pass's best model, its ``val_accuracy``,
+        zero byte counts, and one ``stages`` entry per pass.
     """
     rec = rec or RunRecorder(None, stream=None)
     device = resolve_device(cfg.device)

@@ -25,11 +25,15 @@ class UpdatePrivacy:
     """Clip, average and noise one round's updates, and account for the privacy spent.
 
     Args:
-        noise: the noise multiplier (noise standard deviation over the clipping norm), > 0.
-        clip: the L2 clipping norm of one client's whole update, > 0.
-        clients: the number of clients (every one takes part in every round).
-        delta: the delta at which epsilon is reported.
-        seed: seeds the noise, so a run is reproducible.
+        noise (float): the noise multiplier (noise standard deviation over the clipping norm), > 0.
+        clip (float): the L2 clipping norm of one client's whole update, > 0.
+        clients (int): the number of clients (every one takes part in every round).
+        delta (float): the delta at which epsilon is reported.
+        seed (int): seeds the noise, so a run is reproducible.
+
+    Raises:
+        ValueError: if ``noise`` or ``clip`` is not positive.
+        RuntimeError: if Flower's privacy accountant (``retexo-fl[dp]``) is not installed.
     """
 
     def __init__(self, noise: float, clip: float, clients: int, delta: float, seed: int) -> None:
@@ -59,7 +63,18 @@ class UpdatePrivacy:
     ) -> StateDict:
         """``state`` plus the noisy mean of the clipped updates ``states[i] - view``.
 
-        ``tag`` (stage, round) seeds this release's noise.
+        The updates are averaged with equal weights, and every call is one Gaussian release composed
+        into the accountant.
+
+        Args:
+            state (StateDict): the server's global state.
+            view (StateDict): the state the clients trained from.
+            states (list[StateDict]): the clients' trained states.
+            tag (tuple[int, ...]): ``(stage, round)``; seeds this release's noise.
+
+        Shapes:
+            - **input:** every tensor of ``view`` and ``states[i]`` the shape of ``state``'s
+            - **output:** one tensor per key of ``view``, in ``state``'s shape and dtype
         """
         # Flower's DP functions: imported only when DP is on (they pull the optional accountant).
         from flwr.supercore.differential_privacy import (
@@ -102,7 +117,12 @@ class UpdatePrivacy:
         self.accountant.load_state_dict(saved)
 
     def spent(self) -> dict:
-        """The (epsilon, delta) spent so far, with the releases composed and the clipping rate."""
+        """The (epsilon, delta) spent so far, with the releases composed and the clipping rate.
+
+        Returns:
+            ``epsilon``, ``delta``, ``releases``, ``noise_multiplier``, ``clip`` and
+            ``updates_clipped`` (updates whose norm exceeded ``clip``).
+        """
         s = self.accountant.get_privacy_spent(self.delta)
         return {
             "epsilon": s.epsilon,
@@ -115,7 +135,13 @@ class UpdatePrivacy:
 
 
 def make_privacy(cfg, clients: int) -> UpdatePrivacy | None:
-    """The run's :class:`UpdatePrivacy`, or ``None`` when ``dp-noise`` is 0."""
+    """The run's :class:`UpdatePrivacy`, or ``None`` when ``dp-noise`` is 0.
+
+    Args:
+        cfg (TrainConfig): the run configuration (``dp_noise``, ``dp_clip``, ``dp_delta``,
+            ``seed``).
+        clients (int): the number of clients.
+    """
     if cfg.dp_noise <= 0:
         return None
     return UpdatePrivacy(cfg.dp_noise, cfg.dp_clip, clients, cfg.dp_delta, cfg.seed)
@@ -129,7 +155,20 @@ def aggregate_round(
     privacy: UpdatePrivacy | None,
     tag: tuple[int, ...],
 ) -> StateDict:
-    """One round's aggregate before the server optimizer: FedAvg, or DP-FedAvg with ``privacy``."""
+    """One round's aggregate before the server optimizer: FedAvg, or DP-FedAvg with ``privacy``.
+
+    Args:
+        state (StateDict): the server's global state.
+        view (StateDict): the state the clients trained from.
+        states (list[StateDict]): the clients' trained states.
+        weights (list[float]): the FedAvg weights (DP-FedAvg weighs every client equally).
+        privacy (UpdatePrivacy | None): the run's DP, or ``None`` for plain FedAvg.
+        tag (tuple[int, ...]): ``(stage, round)``; seeds DP's noise.
+
+    Shapes:
+        - **input:** every tensor of ``view`` and ``states[i]`` the shape of ``state``'s
+        - **output:** one tensor per key of ``state``, in its shape and dtype
+    """
     if privacy is None:
         return apply_updates(state, view, states, weights)
     return privacy.aggregate(state, view, states, tag)

@@ -23,17 +23,23 @@ def pseudo_labels(
     crowd the others out of the new training set.
 
     Args:
-        logits: ``[n, C]`` predictions for the owned nodes.
-        y: ``[n]`` labels; only the training nodes' are kept.
-        train_mask: ``[n]`` the given training nodes.
-        val_mask: ``[n]`` validation nodes, never labeled.
-        threshold: softmax probability a prediction needs, in ``[0, 1]``; 0 with ``per_class``
-            takes the most confident ``per_class`` of each class, however confident.
-        per_class: the most nodes labeled per predicted class; 0 (default) means no cap.
+        logits (Tensor): predictions for the owned nodes.
+        y (Tensor): labels; only the training nodes' are kept.
+        train_mask (Tensor): the given training nodes.
+        val_mask (Tensor): validation nodes, never labeled.
+        threshold (float): softmax probability a prediction needs, in ``[0, 1]``; 0 with
+            ``per_class`` takes the most confident ``per_class`` of each class, however confident.
+        per_class (int, optional): the most nodes labeled per predicted class; :obj:`0` means no
+            cap. (default: :obj:`0`)
+
+    Shapes:
+        - **input:** ``logits`` ``[n, C]``; ``y``, ``train_mask``, ``val_mask`` ``[n]``
+        - **output:** ``labels`` ``[n]`` (``y``'s dtype), ``mask`` ``[n]`` (bool)
 
     Returns:
-        ``(labels, mask)``: ``[n]`` labels (given ones on training nodes, predicted ones on the
-        selected nodes) and ``[n]`` the new training mask.
+        ``(labels, mask)``: the given labels on training nodes and the predicted class on every
+        other node (only the new mask's nodes are meant to be read), and the new training mask
+        (the given one plus the selected nodes).
     """
     conf, pred = torch.softmax(logits.float(), dim=1).max(dim=1)
     chosen = ~train_mask & ~val_mask & (conf >= threshold)

@@ -10,12 +10,13 @@ from retexo_fl.training.aggregate import StateDict
 class StageTracker:
     """Records each round's validation accuracy and keeps the best state of the stage.
 
-    Args:
-        stage: the stage index (for the figures).
-        patience: stop after this many rounds without a validation gain (0: never).
-
     The states passed in must not be modified afterwards (the server optimizer returns fresh
     tensors every round), so no copy is made.
+
+    Args:
+        stage (int): the stage index (for the figures).
+        patience (int, optional): stop after this many rounds without a validation gain; :obj:`0`
+            never stops. (default: :obj:`0`)
     """
 
     def __init__(self, stage: int, patience: int = 0) -> None:
@@ -30,7 +31,14 @@ class StageTracker:
         self.bytes_offset = 0  # bytes sent before this round's model traffic: earlier stages, boundary
 
     def record(self, round_: int, state: StateDict, val_accuracy: float, **extra: float) -> None:
-        """Keep ``state`` if it is the best so far; history rows carry the run's bytes so far."""
+        """Keep ``state`` if it is the best so far; history rows carry the run's bytes so far.
+
+        Args:
+            round_ (int): the round the accuracy belongs to.
+            state (StateDict): the global state that was validated.
+            val_accuracy (float): its validation accuracy.
+            **extra (float, optional): more figures for the history row (e.g. ``train_loss``).
+        """
         row = {"round": round_, "val_accuracy": val_accuracy, **extra}
         row["bytes_total"] = self.bytes_offset + self.model_bytes
         self.history.append(row)
@@ -41,10 +49,21 @@ class StageTracker:
 
     @property
     def should_stop(self) -> bool:
+        """Whether ``patience`` rounds have passed without a validation gain (never when it is 0)."""
         return bool(self.patience) and self.stale >= self.patience
 
     def progress_line(self, round_: int, rounds: int) -> str | None:
-        """A progress line for about five rounds a stage (first, every fifth, last)."""
+        """A progress line for about five rounds a stage, ``None`` for the others.
+
+        The rounds with a line are the first, the last and every ``rounds // 5``-th.
+
+        Args:
+            round_ (int): the round just recorded.
+            rounds (int): the stage's number of rounds.
+
+        Returns:
+            The line (stage, round, last train loss and validation accuracy, best so far), or ``None``.
+        """
         if round_ == 1 or round_ == rounds or round_ % max(1, rounds // 5) == 0:
             last = self.history[-1] if self.history else {}
             loss = f"loss {last['train_loss']:.4f}  " if "train_loss" in last else ""
@@ -54,6 +73,11 @@ class StageTracker:
         return None
 
     def figures(self, seconds: float) -> dict[str, Any]:
+        """The stage's figures for the run summary: best round and accuracy, model bytes, history.
+
+        Args:
+            seconds (float): the stage's wall-clock time.
+        """
         return {
             "stage": self.stage,
             "rounds_run": len(self.history),

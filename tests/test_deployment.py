@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "deploy"))
@@ -26,6 +25,7 @@ from make_certs import main as make_certs  # noqa: E402
 
 from retexo_fl.cli import main as cli  # noqa: E402
 from retexo_fl.config import TrainConfig  # noqa: E402
+from server.checkpoint import FileCheckpoints  # noqa: E402
 
 pytestmark = pytest.mark.slow
 RUN = "stages=2 rounds='3' hidden=16 seed=1"
@@ -92,8 +92,8 @@ def test_supernode_killed_mid_stage_ends_as_the_policy_says(federation):
     deadline = time.monotonic() + 200
     while time.monotonic() < deadline:  # wait for stage 1, then kill client 2's SuperNode
         try:
-            ck = torch.load(out / "checkpoint.pt", weights_only=False)
-            if ck["stage"] == 1 and ck["stage_state"]:
+            ck = FileCheckpoints(str(out)).load()
+            if ck.stage == 1 and ck.round_state is not None and ck.round_state.round > 0:
                 break
         except Exception:  # not written yet, or being replaced
             pass

@@ -18,9 +18,7 @@ from flwr.app import Context, Message
 
 from retexo_fl import protocol as P
 from retexo_fl.config import TrainConfig
-from retexo_fl.data.loading import load_graph
 from retexo_fl.data.partition import Partition, load_partition, save_partition
-from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.training.client import Client
 from retexo_fl.training.eager_client import EagerClient
 from retexo_fl.training.lazy_client import LazyClient
@@ -69,6 +67,11 @@ def load_node_partition(context: Context, cfg: TrainConfig, work: Path) -> Parti
     if given or (part_dir / "manifest.json").is_file():
         return load_partition(part_dir, stamp=work / "partition-verified.json")
     # Simulation: every virtual node cuts the same dataset deterministically and keeps its part.
+    # Imported here: PyG's dataset and utility modules cost seconds, and a deployed ClientApp
+    # (a new process per message) never cuts a dataset.
+    from retexo_fl.data.loading import load_graph
+    from retexo_fl.data.partitioners import partition_graph
+
     pid = int(context.node_config[P.NODE_PARTITION_ID])
     parts = partition_graph(load_graph(cfg), cfg.clients, cfg.method, seed=cfg.seed)
     save_partition(parts[pid], part_dir)

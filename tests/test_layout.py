@@ -47,3 +47,11 @@ def test_no_import_cycles():
         pytest.skip(f"{tool} is not beside this checkout")
     done = subprocess.run([sys.executable, str(tool), "retexo_fl"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout
+
+
+def test_the_clientapp_does_not_import_pyg():
+    # A deployed ClientApp is a new process per message: PyG's ~2 s import would be paid by
+    # every message (it doubled a deployed round). Only conv stages and dataset cutting need it.
+    code = "import sys, clients.app; print('torch_geometric' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from torch_geometric.nn import GATConv, GCNConv, SAGEConv
 
 CONV_KINDS = ("gcn", "sage", "sage-max", "gat")
 
@@ -25,6 +24,10 @@ def make_conv(kind: str, in_dim: int, out_dim: int, *, heads: int = 4) -> nn.Mod
     Raises:
         ValueError: on an unknown ``kind``.
     """
+    # Imported here: torch_geometric costs about 2 s to import, which a stage-0 (MLP) client in
+    # a per-message ClientApp process would otherwise pay on every message.
+    from torch_geometric.nn import GATConv, GCNConv, SAGEConv
+
     if kind == "gcn":
         return GCNConv(in_dim, out_dim, normalize=False, add_self_loops=False)
     if kind == "sage":

@@ -30,6 +30,8 @@ _HELP = {
     "pseudo_threshold": "softmax confidence a prediction needs to become a self-training label",
     "pseudo_per_class": "the most self-training labels a client takes per predicted class, most "
     "confident first (0: no cap)",
+    "patience": "early stopping: rounds without a validation gain before a stage stops (0: never)",
+    "min_rounds": "rounds a stage runs before early stopping may end it",
     "server_optimizer": "avg (FedAvg) or adam (FedAdam on the averaged update)",
     "out_dir": "run folder for config.json, events.jsonl and summary.json",
     "algorithm": "data-center product: 1d, 1.5d, 2d (P a square) or 3d (P a cube)",

@@ -118,6 +118,8 @@ class TrainingSettings:
         weight_decay (float, optional): L2 weight decay. (default: :obj:`5e-4`)
         patience (int, optional): rounds without a better validation accuracy before a stage
             stops early; :obj:`0` never stops. (default: :obj:`0`)
+        min_rounds (int, optional): rounds a stage runs before early stopping may end it.
+            (default: :obj:`0`)
         self_training (int, optional): extra passes over all stages on each client's own confident
             predictions (lazy, centralized). (default: :obj:`0`)
         pseudo_threshold (float, optional): softmax confidence a prediction needs to become a
@@ -151,6 +153,7 @@ class TrainingSettings:
     server_lr: float | list[float] = 0.01
     weight_decay: float = 5e-4
     patience: int = 0
+    min_rounds: int = 0
     self_training: int = 0
     pseudo_threshold: float = 0.9
     pseudo_per_class: int = 0
@@ -186,10 +189,21 @@ class TrainingSettings:
             raise ValueError(f"profile must be default or edge, got {self.profile!r}")
         if self.threads < 0 or self.chunk_rows < 0:
             raise ValueError("threads and chunk-rows must be >= 0")
-        for name in ("rounds", "local_epochs"):
-            for s in range(stages):
-                if int(stage_value(name, getattr(self, name), s)) < 0:
-                    raise ValueError(f"{name} must be >= 0")
+        if self.patience < 0 or self.min_rounds < 0:
+            raise ValueError(
+                f"patience and min-rounds must be >= 0, got {self.patience} and {self.min_rounds}"
+            )
+        for s in range(stages):
+            rounds = int(stage_value("rounds", self.rounds, s))
+            epochs = int(stage_value("local_epochs", self.local_epochs, s))
+            if rounds < 0:
+                raise ValueError(f"rounds must be >= 0, got {rounds} for stage {s}")
+            if epochs < 0 or (epochs == 0 and not self.round_seconds):
+                raise ValueError(
+                    f"local-epochs must be >= 1 (or 0 with round-seconds), got {epochs} for stage {s}"
+                )
+            if self.patience and rounds == 0:
+                raise ValueError(f"patience {self.patience} needs rounds >= 1; stage {s} has 0 rounds")
         return self
 
 
@@ -291,7 +305,8 @@ class TrainConfig:
     input_dropout: float | list[float] = 0.5
     norm: str = "layer"
     heads: int = 4
-    patience: int = 0
+    patience: int = 0  # early stopping: rounds without a validation gain (0: never stop)
+    min_rounds: int = 0  # rounds a stage runs before early stopping may end it
     device: str = "auto"
     # Local mode's time-based aggregation: seconds of local training per round (0: local-epochs).
     round_seconds: float = 0.0

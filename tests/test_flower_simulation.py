@@ -48,6 +48,7 @@ def test_simulation_matches_in_process(tmp_path):
     assert [s["best_round"] for s in sim["stages"]] == [s["best_round"] for s in ref["stages"]]
     # Early stopping (patience 2) cuts the same rounds in both engines.
     assert [s["rounds_run"] for s in sim["stages"]] == [s["rounds_run"] for s in ref["stages"]]
+    assert [s["rounds_sent"] for s in sim["stages"]] == [s["rounds_sent"] for s in ref["stages"]]
     assert sim["bit_histogram"] == ref["bit_histogram"] and len(sim["bit_histogram"]) > 1
     assert _bytes_curve(sim) == _bytes_curve(ref) and _bytes_curve(sim)[-1] == sim["bytes_total"]
     assert sim["bytes_boundary_raw"] == ref["bytes_boundary_raw"] > 2 * sim["bytes_boundary"]

@@ -124,7 +124,9 @@ class RoundLoop:
         codec = UpdateCodec(cfg.update_bits, cfg.range_dtype)
         result = StageResult({}, {})
         pending = deliveries
+        sent = rs.round
         for r in range(rs.round + 1, rounds + 1):
+            sent = r
             config = {P.STAGE: stage, P.ROUND: r, P.VALIDATE: r > 1}
             requests = {
                 pid: fed.content(
@@ -141,6 +143,9 @@ class RoundLoop:
             pids = fed.pids  # without any client lost in this round
             ordered = [replies[pid] for pid in pids]
             metrics = [m[P.METRICS] for m in ordered]
+            # Counted before the stop check: a round whose replies end the stage was still sent.
+            states, raw = fed.updates(ordered, rs.view, codec, rs.tracker, rs.broadcast.nbytes())
+            rs.model_raw += raw
             if r > 1:  # each reply validated the state it received: the previous round's result
                 self._record(rs, r - 1, sum_val(metrics), refresh)
                 if rs.tracker.should_stop:
@@ -157,8 +162,6 @@ class RoundLoop:
             rs.train_loss = sum(m[P.TRAIN_LOSS] * w for m, w in zip(metrics, weights, strict=True)) / sum(
                 weights
             )
-            states, raw = fed.updates(ordered, rs.view, codec, rs.tracker, rs.broadcast.nbytes())
-            rs.model_raw += raw
             rs.state = rs.server.step(
                 aggregate_round(rs.state, rs.view, states, weights, fed.privacy, (stage, r))
             )
@@ -174,6 +177,9 @@ class RoundLoop:
             self._record(rs, rounds, (val.correct, val.count, val.loss_sum), refresh)
         result.figures = rs.tracker.figures(time.perf_counter() - t0)
         result.figures["bytes_model_raw"] = rs.model_raw
+        # Rounds whose messages went out: one more than rounds_run where early stopping ended the
+        # stage (that round's replies carried the validation that stopped it).
+        result.figures["rounds_sent"] = sent
         assert rs.tracker.best_state is not None  # every path above records a round
         result.best_state = rs.tracker.best_state
         return result
@@ -228,7 +234,8 @@ class BaselineRun:
         ref = fed.reference
         model = build_layered_model(cfg, ref.num_features, ref.num_classes)
         state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-        rs = self.loop.start(state, 1, StageTracker(0, cfg.patience), derive_seed(cfg.seed, BROADCAST_TAG))
+        tracker = StageTracker(0, cfg.patience, cfg.min_rounds)
+        rs = self.loop.start(state, 1, tracker, derive_seed(cfg.seed, BROADCAST_TAG))
         rounds = int(cfg.per_stage("rounds", 1))
         result = self.loop.run(0, rounds, rs, degrees, refresh=True, label=cfg.mode)
         figures = result.figures

@@ -17,11 +17,14 @@ class StageTracker:
         stage (int): the stage index (for the figures).
         patience (int, optional): stop after this many rounds without a validation gain; :obj:`0`
             never stops. (default: :obj:`0`)
+        min_rounds (int, optional): rounds recorded before early stopping may end the stage.
+            (default: :obj:`0`)
     """
 
-    def __init__(self, stage: int, patience: int = 0) -> None:
+    def __init__(self, stage: int, patience: int = 0, min_rounds: int = 0) -> None:
         self.stage = stage
         self.patience = patience
+        self.min_rounds = min_rounds
         self.history: list[dict[str, Any]] = []
         self.best_state: StateDict | None = None
         self.best_val = -1.0
@@ -49,8 +52,9 @@ class StageTracker:
 
     @property
     def should_stop(self) -> bool:
-        """Whether ``patience`` rounds have passed without a validation gain (never when it is 0)."""
-        return bool(self.patience) and self.stale >= self.patience
+        """Whether ``patience`` rounds have passed without a validation gain, and at least
+        ``min_rounds`` rounds were recorded (never when ``patience`` is 0)."""
+        return bool(self.patience) and self.stale >= self.patience and len(self.history) >= self.min_rounds
 
     def progress_line(self, round_: int, rounds: int) -> str | None:
         """A progress line for about five rounds a stage, ``None`` for the others.

@@ -18,7 +18,7 @@ def to_flower(records: Records) -> RecordDict:
     """``records`` as a Flower ``RecordDict``."""
     out = {}
     for name, values in records.items():
-        if name == P.ARRAYS:
+        if name in P.ARRAY_RECORDS:
             out[name] = ArrayRecord(values)
         elif name == P.METRICS:
             out[name] = MetricRecord(values)

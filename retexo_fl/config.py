@@ -30,6 +30,8 @@ from retexo_fl.datacenter.settings import DatacenterSettings
 from retexo_fl.secure.settings import SecuritySettings
 
 MODES = ("lazy", "eager", "local", "centralized", "datacenter")
+#: ``drift-correction``: none, or SCAFFOLD's control variates (:mod:`retexo_fl.training.drift`).
+DRIFT_CORRECTIONS = ("none", "scaffold")
 PER_STAGE = ("rounds", "local_epochs", "lr", "server_lr", "dropout", "input_dropout")
 
 _Section = TypeVar("_Section")
@@ -120,6 +122,9 @@ class TrainingSettings:
             stops early; :obj:`0` never stops. (default: :obj:`0`)
         min_rounds (int, optional): rounds a stage runs before early stopping may end it.
             (default: :obj:`0`)
+        drift_correction (str, optional): ``"none"``, or ``"scaffold"`` to correct each local
+            step by SCAFFOLD's control variates (one more state sent down a round).
+            (default: :obj:`"none"`)
         self_training (int, optional): extra passes over all stages on each client's own confident
             predictions (lazy, centralized). (default: :obj:`0`)
         pseudo_threshold (float, optional): softmax confidence a prediction needs to become a
@@ -154,6 +159,7 @@ class TrainingSettings:
     weight_decay: float = 5e-4
     patience: int = 0
     min_rounds: int = 0
+    drift_correction: str = "none"
     self_training: int = 0
     pseudo_threshold: float = 0.9
     pseudo_per_class: int = 0
@@ -189,6 +195,10 @@ class TrainingSettings:
             raise ValueError(f"profile must be default or edge, got {self.profile!r}")
         if self.threads < 0 or self.chunk_rows < 0:
             raise ValueError("threads and chunk-rows must be >= 0")
+        if self.drift_correction not in DRIFT_CORRECTIONS:
+            raise ValueError(
+                f"drift-correction must be one of {DRIFT_CORRECTIONS}, got {self.drift_correction!r}"
+            )
         if self.patience < 0 or self.min_rounds < 0:
             raise ValueError(
                 f"patience and min-rounds must be >= 0, got {self.patience} and {self.min_rounds}"
@@ -307,6 +317,8 @@ class TrainConfig:
     heads: int = 4
     patience: int = 0  # early stopping: rounds without a validation gain (0: never stop)
     min_rounds: int = 0  # rounds a stage runs before early stopping may end it
+    # Many local steps a round: "scaffold" corrects client drift with control variates.
+    drift_correction: str = "none"
     device: str = "auto"
     # Local mode's time-based aggregation: seconds of local training per round (0: local-epochs).
     round_seconds: float = 0.0
@@ -429,6 +441,12 @@ class TrainConfig:
         self.compression.validate()
         self.security.validate()
         self.failures.validate(clients=self.clients)
+        federated = self.mode in ("lazy", "eager", "local")
+        if self.drift_correction != "none" and (self.dp_noise > 0 or not federated):
+            raise ValueError(
+                "drift-correction scaffold trains federated modes (lazy, eager, local) without "
+                "dp-noise: control variates derived from clipped, noised updates are not supported"
+            )
         # Only a data-center run needs procs to form the algorithm's process grid.
         self.datacenter.validate(grid=self.mode == "datacenter")
         return self

@@ -35,6 +35,9 @@ PAYLOADS = "payloads"  # outgoing_key(q) (replies) or delivery_key(kind, p) (req
 STATS = "stats"  # a client's exchange figures (bytes before / after, widths) as JSON in STATS_JSON
 MODEL = "model"  # tensor name -> broadcast delta frame (broadcast-bits < 32)
 UPDATE = "update"  # tensor name -> compressed update frame (update-bits < 32)
+CONTROL = "control"  # train, drift-correction scaffold: the server's control variate (a state dict)
+#: Records whose values are tensors (Flower: ``ArrayRecord``); every other record holds scalars or bytes.
+ARRAY_RECORDS = (ARRAYS, CONTROL)
 
 # Keys of the CONFIG record.
 RUN_KEY = "run-key"  # the server's key for this run; it outlives Flower's run id on resume

@@ -23,7 +23,7 @@ USER_KEYS = {
     "seed", "model", "stages", "central-layers", "hidden", "pass-embedding", "self-training",
     "pseudo-threshold", "pseudo-per-class", "rounds", "local-epochs", "optimizer", "momentum",
     "lr", "server-optimizer", "server-lr", "weight-decay", "dropout", "input-dropout", "norm",
-    "heads", "patience", "min-rounds", "device", "round-seconds", "step-delay", "profile", "threads",
+    "heads", "patience", "min-rounds", "drift-correction", "device", "round-seconds", "step-delay", "profile", "threads",
     "chunk-rows", "bits", "bit-policy", "byte-budget", "link-bandwidths", "time-budget",
     "rate-schedule", "update-bits", "broadcast-bits", "range-dtype", "encrypt", "identity-keys",
     "pinned-keys", "dp-noise", "dp-clip", "dp-delta", "min-clients", "on-missing-halo",

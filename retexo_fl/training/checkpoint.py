@@ -13,6 +13,7 @@ from typing import Any, Protocol
 from retexo_fl.compress.boundary import ExchangeStats
 from retexo_fl.compress.updates import ModelBroadcast
 from retexo_fl.training.aggregate import ServerOptimizer
+from retexo_fl.training.drift import ServerControl
 from retexo_fl.training.privacy import UpdatePrivacy
 from retexo_fl.training.selection import StageTracker
 from retexo_fl.training.state import StateDict
@@ -34,6 +35,7 @@ class RoundState:
         train_loss (float): the last round's mean training loss.
         model_raw (int): model bytes float32 would have taken so far.
         seconds (float): the stage's wall time so far.
+        control (ServerControl, optional): drift correction's control variates.
     """
 
     round: int
@@ -45,6 +47,7 @@ class RoundState:
     train_loss: float = 0.0
     model_raw: int = 0
     seconds: float = 0.0
+    control: ServerControl | None = None
 
 
 @dataclass

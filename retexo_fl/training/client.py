@@ -28,6 +28,7 @@ from retexo_fl.plan import BoundaryPlan, LocalGraph
 from retexo_fl.protocol import DEGREES
 from retexo_fl.secure.channel import PeerChannel
 from retexo_fl.seeding import derive_seed, resolve_device, seed_dropout
+from retexo_fl.training.drift import next_client_control, zeros_like_state
 from retexo_fl.training.state import ClientState, StateDict
 
 #: Seed tag of a client's compressed-update rounding.
@@ -89,6 +90,7 @@ class Client(ABC):
         self.encoder = BoundaryEncoder(cfg.compression)
         self.update_codec = UpdateCodec(cfg.update_bits, cfg.range_dtype) if cfg.update_bits < 32 else None
         self.residual: StateDict | None = None  # error feedback of compressed updates, this stage
+        self.control: StateDict | None = None  # drift correction: this client's c_i, this stage
         self.view: StateDict | None = None  # the model as the compressed broadcast left it
         self.channel = PeerChannel(part.partition_id, cfg.encrypt, cfg.identity_keys, cfg.pinned_keys)
         self.delay = 0.0  # emulated seconds per local step (eager / local: step-delay)
@@ -268,14 +270,26 @@ class Client(ABC):
             model.parameters(), lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
         )
 
-    def train(self, state: StateDict, round_: int) -> tuple[StateDict, float]:
+    def train(
+        self, state: StateDict, round_: int, control: StateDict | None = None
+    ) -> tuple[StateDict, float]:
         """Local steps from ``state``: ``local-epochs`` of them, or as many as fit in a deadline.
 
+        Args:
+            state (StateDict): the round's model.
+            round_ (int): the round (seeds dropout; round 1 starts a stage).
+            control (StateDict, optional): the server's control variate :math:`c`
+                (``drift-correction scaffold``): every step's gradient is corrected by
+                :math:`c - c_i`. (default: :obj:`None`)
+
         Returns:
-            tuple[StateDict, float]: the new state (CPU copies) and the mean training loss.
+            tuple[StateDict, float]: the new state (CPU copies) and the training loss of
+            ``state`` itself (the first step's, before any update), so that the
+            training-node-weighted sum over clients is the whole graph's loss at ``state``.
         """
         model = self.loaded_model(state)
         opt = self.optimizer(model)
+        correction = self._correction(control, round_)
         seed_dropout(derive_seed(self.cfg.seed, *self.seed_tags(round_)), self.device)
         mask = self.masks["train"]
         model.train()
@@ -286,6 +300,10 @@ class Client(ABC):
             logits = self.forward(model, mask)
             loss = torch.nn.functional.cross_entropy(logits, self.train_y[mask])
             loss.backward()
+            if correction:
+                for name, p in model.named_parameters():
+                    if p.grad is not None and name in correction:
+                        p.grad.add_(correction[name])
             opt.step()
             losses.append(loss.item())
             if self.delay:
@@ -295,7 +313,27 @@ class Client(ABC):
         self.last_steps = len(losses)
         # A copy: the module is reused next round and would overwrite these tensors in place.
         new = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-        return new, float(np.mean(losses)) if losses else 0.0
+        return new, losses[0] if losses else 0.0
+
+    def _correction(self, control: StateDict | None, round_: int) -> dict[str, Tensor] | None:
+        """:math:`c - c_i` on this client's device, or ``None`` without drift correction."""
+        if control is None:
+            return None
+        if round_ == 1 or self.control is None:  # a new stage trains a new model
+            self.control = zeros_like_state(control)
+        return {k: (control[k] - self.control[k]).to(self.device) for k in control}
+
+    def update_control(self, base: StateDict, trained: StateDict, control: StateDict) -> None:
+        """Advance this client's control variate from the update as the server will decode it.
+
+        Args:
+            base (StateDict): the round's model, :math:`x`.
+            trained (StateDict): the local result as the server decodes it, :math:`y_i`.
+            control (StateDict): the server's control variate this round, :math:`c`.
+        """
+        assert self.control is not None  # train() set it this round
+        lr = float(self.cfg.per_stage("lr", self.layer_index()))
+        self.control = next_client_control(self.control, control, base, trained, self.last_steps, lr)
 
     @torch.no_grad()
     def evaluate(self, state: StateDict, split: str) -> EvalResult:
@@ -337,6 +375,16 @@ class Client(ABC):
         )
         return frames
 
+    def decode_own_update(self, frames: dict[str, bytes], base: StateDict) -> StateDict:
+        """This client's compressed update as the server decodes it (``base`` plus the deltas).
+
+        Args:
+            frames (dict[str, bytes]): what :meth:`encode_update` returned.
+            base (StateDict): the state the update was taken from.
+        """
+        assert self.update_codec is not None  # frames exist only with a codec
+        return self.update_codec.decode(frames, base, f"client {self.id}")
+
     # -- node-local state -------------------------------------------------------------------
     def snapshot(self) -> ClientState:
         """Everything a later message needs besides the partition."""
@@ -344,6 +392,7 @@ class Client(ABC):
         return ClientState(
             halo_degree=self.halo_degree,
             residual=self.residual,
+            control=self.control,
             view=self.view if self.cfg.broadcast_bits < 32 else None,
             identity=identity,
             directory=directory,
@@ -354,6 +403,7 @@ class Client(ABC):
         """Adopt a :meth:`snapshot`."""
         self.halo_degree = state.halo_degree
         self.residual = state.residual
+        self.control = state.control
         self.view = state.view
         self._edges = None
         self._weights = None

@@ -98,8 +98,12 @@ def train(client: Client, request: Records, identity_path: str = "") -> Reply:
         records[P.PAYLOADS] = {P.outgoing_key(q): f for q, f in frames.items()}
         if stats:
             records[P.STATS] = {P.STATS_JSON: json.dumps(stats)}
-    new_state, loss = client.train(state, round_)
+    control = request.get(P.CONTROL)  # drift-correction scaffold: the server's c
+    new_state, loss = client.train(state, round_, control)
     update = client.encode_update(new_state, state, round_)
+    if control is not None:  # c_i from the update as the server decodes it, so both hold the same
+        seen = new_state if update is None else client.decode_own_update(update, state)
+        client.update_control(state, seen, control)
     records[P.UPDATE if update is not None else P.ARRAYS] = update if update is not None else new_state
     records[P.METRICS] = {
         P.NUM_EXAMPLES: client.num_train,
@@ -109,8 +113,9 @@ def train(client: Client, request: Records, identity_path: str = "") -> Reply:
         P.VAL_LOSS: val.loss_sum,
         P.LOCAL_STEPS: client.last_steps,
     }
-    # Halo rows, the update residual or the broadcast view changed: they must outlive the process.
-    changed = delivered or update is not None or client.cfg.broadcast_bits < 32
+    # Halo rows, the update residual, the control variate or the broadcast view changed: they
+    # must outlive the process.
+    changed = delivered or update is not None or control is not None or client.cfg.broadcast_bits < 32
     return Reply(records, changed)
 
 

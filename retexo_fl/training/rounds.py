@@ -24,6 +24,7 @@ from retexo_fl.models.factory import build_layered_model
 from retexo_fl.seeding import derive_seed
 from retexo_fl.training.aggregate import ServerOptimizer
 from retexo_fl.training.checkpoint import RoundState
+from retexo_fl.training.drift import ServerControl
 from retexo_fl.training.federation import Federation, Frames, total
 from retexo_fl.training.privacy import aggregate_round
 from retexo_fl.training.selection import StageTracker
@@ -93,7 +94,10 @@ class RoundLoop:
         server = ServerOptimizer(cfg.server_optimizer, state, float(cfg.per_stage("server_lr", layer)))
         broadcast = ModelBroadcast(cfg.broadcast_bits, cfg.range_dtype, broadcast_seed)
         view = broadcast.prepare(state, 1)  # what the clients hold and train from
-        return RoundState(0, state, view, server, tracker, broadcast)
+        control = None
+        if cfg.drift_correction == "scaffold":
+            control = ServerControl(state, float(cfg.per_stage("lr", layer)))
+        return RoundState(0, state, view, server, tracker, broadcast, control=control)
 
     def run(
         self,
@@ -139,13 +143,19 @@ class RoundLoop:
                 for pid in fed.pids
             }
             pending = None
+            extra_down = 0
+            if rs.control is not None:  # SCAFFOLD: c goes down whole with every train message
+                for request in requests.values():
+                    request[P.CONTROL] = rs.control.control
+                extra_down = rs.control.nbytes()
             replies = fed.send(P.TRAIN, requests, f"{label} round {r}", stage)
             pids = fed.pids  # without any client lost in this round
             ordered = [replies[pid] for pid in pids]
             metrics = [m[P.METRICS] for m in ordered]
             # Counted before the stop check: a round whose replies end the stage was still sent.
-            states, raw = fed.updates(ordered, rs.view, codec, rs.tracker, rs.broadcast.nbytes())
-            rs.model_raw += raw
+            down = rs.broadcast.nbytes() + extra_down
+            states, raw = fed.updates(ordered, rs.view, codec, rs.tracker, down)
+            rs.model_raw += raw + extra_down * len(ordered)
             if r > 1:  # each reply validated the state it received: the previous round's result
                 self._record(rs, r - 1, sum_val(metrics), refresh)
                 if rs.tracker.should_stop:
@@ -162,6 +172,9 @@ class RoundLoop:
             rs.train_loss = sum(m[P.TRAIN_LOSS] * w for m, w in zip(metrics, weights, strict=True)) / sum(
                 weights
             )
+            if rs.control is not None:
+                steps = [int(m[P.LOCAL_STEPS]) for m in metrics]
+                rs.control.step(pids, rs.view, states, steps, weights)
             rs.state = rs.server.step(
                 aggregate_round(rs.state, rs.view, states, weights, fed.privacy, (stage, r))
             )

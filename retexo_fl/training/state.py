@@ -42,6 +42,7 @@ class ClientState:
             a resumed server that asks again.
         pseudo_labels (Tensor, optional): self-training labels, ``[n]`` (node-local, like labels).
         pseudo_mask (Tensor, optional): the training mask with them, ``[n]``.
+        control (StateDict, optional): drift correction: this client's control variate, this stage.
     """
 
     stage: int = 0
@@ -58,6 +59,7 @@ class ClientState:
     sent: list[Any] | None = None
     pseudo_labels: Tensor | None = None
     pseudo_mask: Tensor | None = None
+    control: StateDict | None = None
 
     def save(self, folder: str | Path) -> Path:
         """Write to ``folder``/:data:`STATE_FILE` atomically, readable by this user alone.

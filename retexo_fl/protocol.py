@@ -36,6 +36,7 @@ STATS = "stats"  # a client's exchange figures (bytes before / after, widths) as
 MODEL = "model"  # tensor name -> broadcast delta frame (broadcast-bits < 32)
 UPDATE = "update"  # tensor name -> compressed update frame (update-bits < 32)
 CONTROL = "control"  # train, drift-correction scaffold: the server's control variate (a state dict)
+CONTROL_FRAMES = "control-frames"  # ... or its change since the last round as delta frames (broadcast-bits)
 #: Records whose values are tensors (Flower: ``ArrayRecord``); every other record holds scalars or bytes.
 ARRAY_RECORDS = (ARRAYS, CONTROL)
 

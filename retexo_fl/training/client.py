@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from retexo_fl import protocol as P
 from retexo_fl.compress.bits import aggregation_weights
 from retexo_fl.compress.boundary import BoundaryEncoder
 from retexo_fl.compress.payload import decode_rows, encode_rows
@@ -25,7 +26,7 @@ from retexo_fl.compress.updates import UpdateCodec
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partition import Partition
 from retexo_fl.plan import BoundaryPlan, LocalGraph
-from retexo_fl.protocol import DEGREES
+from retexo_fl.protocol import DEGREES, Records
 from retexo_fl.secure.channel import PeerChannel
 from retexo_fl.seeding import derive_seed, resolve_device, seed_dropout
 from retexo_fl.training.drift import next_client_control, zeros_like_state
@@ -91,6 +92,7 @@ class Client(ABC):
         self.update_codec = UpdateCodec(cfg.update_bits, cfg.range_dtype) if cfg.update_bits < 32 else None
         self.residual: StateDict | None = None  # error feedback of compressed updates, this stage
         self.control: StateDict | None = None  # drift correction: this client's c_i, this stage
+        self.control_view: StateDict | None = None  # ... and the server's c as broadcast
         self.view: StateDict | None = None  # the model as the compressed broadcast left it
         self.channel = PeerChannel(part.partition_id, cfg.encrypt, cfg.identity_keys, cfg.pinned_keys)
         self.delay = 0.0  # emulated seconds per local step (eager / local: step-delay)
@@ -375,6 +377,30 @@ class Client(ABC):
         )
         return frames
 
+    def receive_control(self, request: Records, state: StateDict, round_: int) -> StateDict | None:
+        """The server's control variate for this round (``drift-correction scaffold``), else ``None``.
+
+        A stage's first round carries none (it is zero); later rounds carry it whole
+        (:data:`~retexo_fl.protocol.CONTROL`) or as deltas from the one held
+        (:data:`~retexo_fl.protocol.CONTROL_FRAMES`).
+
+        Args:
+            request (Records): the train message.
+            state (StateDict): the round's model (for keys and shapes at a stage's start).
+            round_ (int): the round.
+        """
+        if self.cfg.drift_correction != "scaffold":
+            return None
+        if round_ == 1 or self.control_view is None:
+            self.control_view = zeros_like_state(state)
+        if P.CONTROL in request:
+            self.control_view = dict(request[P.CONTROL])
+        elif P.CONTROL_FRAMES in request:
+            frames = {k: bytes(v) for k, v in request[P.CONTROL_FRAMES].items()}
+            codec = UpdateCodec(self.cfg.broadcast_bits, self.cfg.range_dtype)
+            self.control_view = codec.decode(frames, self.control_view, "server control variate")
+        return self.control_view
+
     def decode_own_update(self, frames: dict[str, bytes], base: StateDict) -> StateDict:
         """This client's compressed update as the server decodes it (``base`` plus the deltas).
 
@@ -393,6 +419,7 @@ class Client(ABC):
             halo_degree=self.halo_degree,
             residual=self.residual,
             control=self.control,
+            control_view=self.control_view,
             view=self.view if self.cfg.broadcast_bits < 32 else None,
             identity=identity,
             directory=directory,
@@ -404,6 +431,7 @@ class Client(ABC):
         self.halo_degree = state.halo_degree
         self.residual = state.residual
         self.control = state.control
+        self.control_view = state.control_view
         self.view = state.view
         self._edges = None
         self._weights = None

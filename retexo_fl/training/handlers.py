@@ -98,7 +98,7 @@ def train(client: Client, request: Records, identity_path: str = "") -> Reply:
         records[P.PAYLOADS] = {P.outgoing_key(q): f for q, f in frames.items()}
         if stats:
             records[P.STATS] = {P.STATS_JSON: json.dumps(stats)}
-    control = request.get(P.CONTROL)  # drift-correction scaffold: the server's c
+    control = client.receive_control(request, state, round_)  # drift-correction scaffold: c
     new_state, loss = client.train(state, round_, control)
     update = client.encode_update(new_state, state, round_)
     if control is not None:  # c_i from the update as the server decodes it, so both hold the same

@@ -33,6 +33,8 @@ from retexo_fl.training.transport import Transport
 
 #: Seed tag of the server's compressed broadcast.
 BROADCAST_TAG = 0xBC
+#: Seed tag of the control variate's compressed broadcast (drift correction).
+CONTROL_TAG = 0xC7
 
 
 def exchange_figures(stats: ExchangeStats) -> dict[str, Any]:
@@ -96,7 +98,9 @@ class RoundLoop:
         view = broadcast.prepare(state, 1)  # what the clients hold and train from
         control = None
         if cfg.drift_correction == "scaffold":
-            control = ServerControl(state, float(cfg.per_stage("lr", layer)))
+            lr = float(cfg.per_stage("lr", layer))
+            seed = derive_seed(broadcast_seed, CONTROL_TAG)
+            control = ServerControl(state, lr, cfg.broadcast_bits, cfg.range_dtype, seed)
         return RoundState(0, state, view, server, tracker, broadcast, control=control)
 
     def run(
@@ -143,11 +147,11 @@ class RoundLoop:
                 for pid in fed.pids
             }
             pending = None
-            extra_down = 0
-            if rs.control is not None:  # SCAFFOLD: c goes down whole with every train message
+            extra_down = extra_raw = 0
+            if rs.control is not None:  # SCAFFOLD: c goes down with the model
                 for request in requests.values():
-                    request[P.CONTROL] = rs.control.control
-                extra_down = rs.control.nbytes()
+                    request.update(rs.control.records())
+                extra_down, extra_raw = rs.control.nbytes(), rs.control.raw_nbytes()
             replies = fed.send(P.TRAIN, requests, f"{label} round {r}", stage)
             pids = fed.pids  # without any client lost in this round
             ordered = [replies[pid] for pid in pids]
@@ -155,7 +159,7 @@ class RoundLoop:
             # Counted before the stop check: a round whose replies end the stage was still sent.
             down = rs.broadcast.nbytes() + extra_down
             states, raw = fed.updates(ordered, rs.view, codec, rs.tracker, down)
-            rs.model_raw += raw + extra_down * len(ordered)
+            rs.model_raw += raw + extra_raw * len(ordered)
             if r > 1:  # each reply validated the state it received: the previous round's result
                 self._record(rs, r - 1, sum_val(metrics), refresh)
                 if rs.tracker.should_stop:

@@ -43,6 +43,8 @@ class ClientState:
         pseudo_labels (Tensor, optional): self-training labels, ``[n]`` (node-local, like labels).
         pseudo_mask (Tensor, optional): the training mask with them, ``[n]``.
         control (StateDict, optional): drift correction: this client's control variate, this stage.
+        control_view (StateDict, optional): drift correction: the server's control variate as
+            its broadcast left it.
     """
 
     stage: int = 0
@@ -60,6 +62,7 @@ class ClientState:
     pseudo_labels: Tensor | None = None
     pseudo_mask: Tensor | None = None
     control: StateDict | None = None
+    control_view: StateDict | None = None
 
     def save(self, folder: str | Path) -> Path:
         """Write to ``folder``/:data:`STATE_FILE` atomically, readable by this user alone.

@@ -32,6 +32,9 @@ def test_simulation_matches_in_process(tmp_path):
         rounds=[6, 4],
         patience=2,
         seed=0,
+        # Two local steps corrected by control variates (sent as 8-bit deltas from round 2 on).
+        local_epochs=2,
+        drift_correction="scaffold",
         # Compressed everywhere: adaptive-width boundary rows, 8-bit updates with error feedback,
         # and the model broadcast as 8-bit deltas.
         bit_policy="adaptive-budget",

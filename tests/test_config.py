@@ -131,3 +131,11 @@ def test_the_apps_run_config_is_a_valid_train_config():
     app = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     cfg = TrainConfig.from_mapping({k: v for k, v in app.items() if k.replace("-", "_") in _flat_names()})
     assert cfg.mode in ("lazy", "eager", "local")
+
+
+def test_section_defaults_are_the_flat_defaults():
+    # Each key's default is written twice (the flat field users see, the section that validates
+    # it): a default changed in one place only must fail here.
+    flat = TrainConfig()
+    for name, cls in SECTIONS.items():
+        assert getattr(flat, name) == cls(), name

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -14,15 +17,9 @@ from retexo_fl.models.stage import StageModel
 
 FEATURES, CLASSES = 11, 4
 
-# A triangle 0-1-2, a pendant 3 on 2, node 4 isolated.
-UNDIRECTED = [(0, 1), (1, 2), (2, 0), (2, 3)]
-N = 5
-
-
-def _edges() -> torch.Tensor:
-    src = [a for a, b in UNDIRECTED] + [b for a, b in UNDIRECTED]
-    dst = [b for a, b in UNDIRECTED] + [a for a, b in UNDIRECTED]
-    return torch.tensor([src, dst], dtype=torch.long)
+sys.path.insert(0, str(Path(__file__).parent))
+from dense import N  # noqa: E402
+from dense import edges as _edges  # noqa: E402
 
 
 def _cfg(**values) -> TrainConfig:

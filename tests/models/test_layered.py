@@ -7,6 +7,9 @@ partitioned forward must reproduce the full-graph forward on the owned rows.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -14,9 +17,11 @@ from torch import nn
 from retexo_fl.models.layered import LayeredGNN
 from retexo_fl.models.stage import CONV_KINDS, StageModel
 
-# A triangle 0-1-2, a pendant 3 on 2 (node 4 isolated), as in test_stage.py.
-UNDIRECTED = [(0, 1), (1, 2), (2, 0), (2, 3)]
-N = 5
+sys.path.insert(0, str(Path(__file__).parent))
+from dense import N
+from dense import adjacency as _adjacency
+from dense import edges as _edges
+from dense import gcn_edges as _gcn_edges
 
 # A graph to partition: client A owns 0, 1, 2; 3 and 4 are its halo (one hop away) and 5 is two
 # hops away, so with two conv layers A's logits depend on node 5 only through the halo rows.
@@ -24,25 +29,7 @@ PART_EDGES = [(0, 1), (1, 2), (2, 0), (2, 3), (3, 4), (1, 4), (4, 5)]
 PART_N, OWNED, HALO = 6, 3, 2
 
 
-def _edges(pairs=UNDIRECTED) -> torch.Tensor:
-    src = [a for a, b in pairs] + [b for a, b in pairs]
-    dst = [b for a, b in pairs] + [a for a, b in pairs]
-    return torch.tensor([src, dst], dtype=torch.long)
 
-
-def _adjacency(edge_index: torch.Tensor, n: int) -> torch.Tensor:
-    """Dense ``A[i, j] = 1`` for every edge ``j -> i`` (row = target)."""
-    a = torch.zeros(n, n)
-    a[edge_index[1], edge_index[0]] = 1.0
-    return a
-
-
-def _gcn_edges(edge_index: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Edges plus self loops, ``w(j -> i) = 1 / sqrt((d_i + 1)(d_j + 1))`` (global degrees)."""
-    deg = torch.bincount(edge_index[1], minlength=n).float() + 1.0
-    loops = torch.arange(n).repeat(2, 1)
-    ei = torch.cat([edge_index, loops], dim=1)
-    return ei, deg[ei[0]].rsqrt() * deg[ei[1]].rsqrt()
 
 
 def _conv_edges(kind: str, edge_index: torch.Tensor, n: int):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -9,31 +12,11 @@ from torch_geometric.nn import GATConv, GCNConv, SAGEConv
 
 from retexo_fl.models.stage import CONV_KINDS, StageModel, make_conv, make_norm
 
-# A tiny undirected graph (both directions listed): a triangle 0-1-2, a pendant 3 on 2, node 4 isolated.
-UNDIRECTED = [(0, 1), (1, 2), (2, 0), (2, 3)]
-N = 5
-
-
-def _edges(pairs=UNDIRECTED) -> torch.Tensor:
-    src = [a for a, b in pairs] + [b for a, b in pairs]
-    dst = [b for a, b in pairs] + [a for a, b in pairs]
-    return torch.tensor([src, dst], dtype=torch.long)
-
-
-def _adjacency(edge_index: torch.Tensor, n: int) -> torch.Tensor:
-    """Dense ``A[i, j] = 1`` for every edge ``j -> i`` (row = target)."""
-    a = torch.zeros(n, n)
-    a[edge_index[1], edge_index[0]] = 1.0
-    return a
-
-
-def _gcn_edges(edge_index: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the lazy engine passes: edges plus self loops, ``w(j -> i) = 1 / sqrt((d_i + 1)(d_j + 1))``."""
-    deg = torch.bincount(edge_index[1], minlength=n).float() + 1.0
-    loops = torch.arange(n).repeat(2, 1)
-    ei = torch.cat([edge_index, loops], dim=1)
-    return ei, deg[ei[0]].rsqrt() * deg[ei[1]].rsqrt()
-
+sys.path.insert(0, str(Path(__file__).parent))
+from dense import N
+from dense import adjacency as _adjacency
+from dense import edges as _edges
+from dense import gcn_edges as _gcn_edges
 
 # ---- make_conv / make_norm ----
 

@@ -32,6 +32,8 @@ _HELP = {
     "confident first (0: no cap)",
     "patience": "early stopping: rounds without a validation gain before a stage stops (0: never)",
     "min_rounds": "rounds a stage runs before early stopping may end it",
+    "precompute": "gcn and sage stages aggregate their frozen inputs once a stage, so a round is "
+    "a dense step (exact without input dropout)",
     "drift_correction": "none, or scaffold: correct each local step by control variates so many "
     "local steps a round do not drift on skewed partitions (one more state sent down a round)",
     "server_optimizer": "avg (FedAvg) or adam (FedAdam on the averaged update)",

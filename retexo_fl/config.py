@@ -122,6 +122,9 @@ class TrainingSettings:
             stops early; :obj:`0` never stops. (default: :obj:`0`)
         min_rounds (int, optional): rounds a stage runs before early stopping may end it.
             (default: :obj:`0`)
+        precompute (bool, optional): GCN and SAGE stages aggregate their frozen inputs once per
+            stage, so every round is a dense step (exact without input dropout; with it, the
+            dropout hits aggregated rows). (default: :obj:`False`)
         drift_correction (str, optional): ``"none"``, or ``"scaffold"`` to correct each local
             step by SCAFFOLD's control variates (one more state sent down a round).
             (default: :obj:`"none"`)
@@ -159,6 +162,7 @@ class TrainingSettings:
     weight_decay: float = 5e-4
     patience: int = 0
     min_rounds: int = 0
+    precompute: bool = False
     drift_correction: str = "none"
     self_training: int = 0
     pseudo_threshold: float = 0.9
@@ -317,6 +321,8 @@ class TrainConfig:
     heads: int = 4
     patience: int = 0  # early stopping: rounds without a validation gain (0: never stop)
     min_rounds: int = 0  # rounds a stage runs before early stopping may end it
+    # GCN / SAGE stages: aggregate the frozen stage input once, then every round is dense.
+    precompute: bool = False
     # Many local steps a round: "scaffold" corrects client drift with control variates.
     drift_correction: str = "none"
     device: str = "auto"

@@ -136,3 +136,38 @@ class StageModel(nn.Module):
                 h = h[:num_targets]
         h = torch.relu(self.norm(h))
         return h, self.head(self.dropout(h))
+
+    @property
+    def aggregates_linearly(self) -> bool:
+        """Whether the body is a fixed aggregation followed by linear maps (``gcn``, ``sage``):
+        then :meth:`forward_aggregated` computes it from inputs aggregated once."""
+        return self.kind in ("gcn", "sage")
+
+    def forward_aggregated(self, aggregated: Tensor, root: Tensor) -> tuple[Tensor, Tensor]:
+        r"""The stage on inputs aggregated in advance: ``gcn`` and ``sage`` stages only.
+
+        A GCN layer is :math:`\hat{A} X W + b` and a mean-SAGE layer
+        :math:`\mathrm{mean}_{j \to i}(x_j) W_l + b + x_i W_r`: with the inputs frozen for a
+        stage, :math:`\hat{A} X` (or the neighbour mean) is computed once and every round is a
+        dense step. Equal to :meth:`forward` (to float rounding) without input dropout; with it,
+        the dropout hits the aggregated rows instead of each neighbour's, an approximation.
+
+        Args:
+            aggregated (Tensor): the aggregated inputs of the target rows.
+            root (Tensor): the target rows' own inputs (read by ``sage``'s root weight).
+
+        Shapes:
+            - **input:** ``aggregated`` ``[n, in_dim]``, ``root`` ``[n, in_dim]``
+            - **output:** ``hidden`` ``[n, hidden]``, ``logits`` ``[n, num_classes]``
+
+        Raises:
+            ValueError: for a stage whose body does not aggregate linearly.
+        """
+        if self.kind == "gcn":
+            h = self.body.lin(self.input_dropout(aggregated)) + self.body.bias
+        elif self.kind == "sage":
+            h = self.body.lin_l(self.input_dropout(aggregated)) + self.body.lin_r(self.input_dropout(root))
+        else:
+            raise ValueError(f"a {self.kind} stage cannot run on aggregated inputs")
+        h = torch.relu(self.norm(h))
+        return h, self.head(self.dropout(h))

@@ -42,6 +42,7 @@ class LazyClient(Client):
         self.stage = 0
         self.owned = self.raw_features()
         self.halo: Tensor | None = None
+        self._aggregated: tuple[Tensor | None, Tensor | None, Tensor] | None = None
         # (stage, frames, stats) of the last boundary rows sent: a resumed server may ask again.
         self.sent: tuple[int, dict[int, bytes], dict] | None = None
 
@@ -96,9 +97,41 @@ class LazyClient(Client):
         if self.layer == 0:
             hidden, logits = model(self.owned if rows is None else self.owned[rows])
             return hidden, logits
+        if self.cfg.precompute and isinstance(model, StageModel) and model.aggregates_linearly:
+            # All owned rows, then sliced, like message passing: the same dropout masks.
+            hidden, logits = model.forward_aggregated(self.aggregated_input(), self.owned)
+            return (hidden, logits) if rows is None else (hidden[rows], logits[rows])
         ei, w = self.edges()
         hidden, logits = model(self.stage_input(), ei, w, num_targets=self.graph.num_owned)
         return (hidden, logits) if rows is None else (hidden[rows], logits[rows])
+
+    def aggregated_input(self) -> Tensor:
+        r"""The stage input aggregated over each owned node's in-edges, once per stage input.
+
+        GCN: :math:`\hat{A} X` with the global-degree weights (self loops included); SAGE: the
+        mean of the in-neighbours' rows (zero without any). Owned and halo rows are frozen for
+        the stage, so this is computed once and every round is a dense step.
+
+        Shapes:
+            - **output:** ``[num_owned, d]``
+        """
+        cached = self._aggregated
+        if cached is not None and cached[0] is self.owned and cached[1] is self.halo:
+            return cached[2]
+        x = self.stage_input()
+        ei, w = self.edges()
+        assert ei is not None  # a conv stage
+        n = self.graph.num_owned
+        keep = ei[1] < n  # messages into owned rows
+        src, dst = ei[0][keep], ei[1][keep]
+        messages = x[src] if w is None else x[src] * w[keep].unsqueeze(1)
+        total = x.new_zeros(n, x.shape[1]).index_add_(0, dst, messages)
+        if w is None:  # mean aggregation
+            count = torch.bincount(dst, minlength=n).clamp(min=1).to(x.dtype)
+            total = total / count.unsqueeze(1)
+        # The tensors it was computed from are kept with it: a new stage input is a new tensor.
+        self._aggregated = (self.owned, self.halo, total)
+        return total
 
     def forward(self, model: torch.nn.Module, rows: Tensor | None = None) -> Tensor:
         return self.outputs(model, rows)[1]

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -104,3 +105,43 @@ def run_jobs(
                 flush=True,
             )
     return rows
+
+
+def tree_pss_mb(pid: int) -> float:
+    """Summed PSS (RSS where PSS is unreadable) of ``pid`` and its descendants, in MB."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0
+    for p in procs:
+        try:
+            mem = p.memory_full_info()
+            total += getattr(mem, "pss", mem.rss)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return total / 2**20
+
+
+def run_measured(cmd: list[str], log: Path) -> tuple[float, float, int]:
+    """Run ``cmd``; returns (wall seconds, peak tree memory MB, exit code)."""
+    peak = 0.0
+    t0 = time.perf_counter()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        done = threading.Event()
+
+        def sample() -> None:
+            nonlocal peak
+            while not done.wait(0.2):
+                peak = max(peak, tree_pss_mb(proc.pid))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        rc = proc.wait()
+        done.set()
+        sampler.join()
+    return time.perf_counter() - t0, peak, rc

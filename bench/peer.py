@@ -23,15 +23,12 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DEFAULT_ROOT, PEER, private_planetoid
+from common import DEFAULT_ROOT, PEER, private_planetoid, run_measured
 
 # Chosen on seed 0's validation accuracy from a small sweep (bench/README.md,
 # bench/results/peer-sweep-2026-11-22.jsonl): a hidden size of 16 makes the 1433-wide encoder,
@@ -52,46 +49,6 @@ LEAN = [
     "--self-training", "1",
 ]  # fmt: skip
 BUDGET = PEER["bytes_total"] / 10
-
-
-def tree_pss_mb(pid: int) -> float:
-    """Summed PSS (RSS where PSS is unreadable) of ``pid`` and its descendants, in MB."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0.0
-    total = 0
-    for p in procs:
-        try:
-            mem = p.memory_full_info()
-            total += getattr(mem, "pss", mem.rss)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return total / 2**20
-
-
-def run_measured(cmd: list[str], log: Path) -> tuple[float, float, int]:
-    """Run ``cmd``; returns (wall seconds, peak tree memory MB, exit code)."""
-    peak = 0.0
-    t0 = time.perf_counter()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-        done = threading.Event()
-
-        def sample() -> None:
-            nonlocal peak
-            while not done.wait(0.2):
-                peak = max(peak, tree_pss_mb(proc.pid))
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        rc = proc.wait()
-        done.set()
-        sampler.join()
-    return time.perf_counter() - t0, peak, rc
 
 
 def run_one(engine: str, seed: int, root: Path, work: Path) -> dict:

@@ -2,12 +2,13 @@
 
 One sitting: lazy GCN on Cora, 3 clients, one stage of R rounds (each round one ``train``
 message that also validates the incoming state), in Flower's simulation engine and deployed
-twice: with Flower's defaults, and with the SuperExec polling every 0.1 s
-(``FLWR_SUPEREXEC_TASK_POLL_INTERVAL``). A round's latency is the time between consecutive
-``round`` events of the run. The causes are measured apart: a fresh interpreter importing the
-ClientApp module (what every deployed message pays), the round's work (the simulated round),
-the SuperExec poll (the difference the 0.1 s setting makes); the remainder is Flower's fixed
-3 s SuperNode idle poll and the message plumbing. Writes JSON. Example::
+twice: on Flower's plain ``flower-supernode`` (a ``flwr-clientapp`` process per message that
+imports torch and reloads the partition), and on ``retexo-fl supernode`` (a node worker holding
+them, shortened SuperNode sleeps, a 20 ms SuperExec poll). A round's latency is the time
+between consecutive ``round`` events of the run. Also measured: what a fresh interpreter pays to
+import the ClientApp module (with torch, as ``flower-supernode`` runs it, and as the shim a
+worker's node runs), the node workers' peak resident memory, and with ``--whole-run`` a whole
+default Cora run deployed on ``retexo-fl supernode``. Prints a table, writes JSON. Example::
 
     python bench/deploy_latency.py --out bench/results/deploy_latency.json
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -49,17 +51,36 @@ def import_seconds(module: str, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-def deployed(parts: Path, work: Path, rounds: int, env: dict[str, str] | None) -> list[float]:
+def worker_peak_mb(work: Path, parties: int) -> list[float]:
+    """Peak resident memory (VmHWM) of each party's current node worker, from its SuperNode log."""
+    peaks = []
+    for i in range(parties):
+        found = re.findall(r"node worker (\d+) listening", (work / f"supernode-{i}.log").read_text())
+        status = Path(f"/proc/{found[-1]}/status").read_text() if found else ""
+        hwm = re.search(r"VmHWM:\s+(\d+) kB", status)
+        peaks.append(int(hwm.group(1)) / 1024 if hwm else float("nan"))
+    return peaks
+
+
+def deployed(
+    parts: Path, work: Path, run_config: str, worker: bool, timeout: float = 1800
+) -> tuple[list[float], float, list[float]]:
+    """Round latencies, wall seconds of the whole run (submit to finish) and worker peaks (MB)."""
     fed = Federation(work)
     out = work / "run"
+    parties = sorted(parts.glob("part-*"))
+    peaks: list[float] = []
     try:
-        parties = sorted(parts.glob("part-*"))
-        record = fed.run_parties(parties, out, f"stages=1 rounds='{rounds}' hidden=64", 1200, env=env)
+        t0 = time.monotonic()
+        record = fed.run_parties(parties, out, run_config, timeout, worker=worker)
+        wall = time.monotonic() - t0
         if record.get("status") != "finished:completed":
             raise RuntimeError(f"deployed run ended {record.get('status')}; see {work}")
+        if worker:
+            peaks = worker_peak_mb(fed.work, len(parties))
     finally:
         fed.stop_all()
-    return round_latencies(out)
+    return round_latencies(out), wall, peaks
 
 
 def main() -> int:
@@ -69,6 +90,9 @@ def main() -> int:
     parser.add_argument("--root", default=str(DEFAULT_ROOT))
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--out", default="bench/results/deploy_latency.json")
+    parser.add_argument(
+        "--whole-run", action="store_true", help="also run a whole default Cora run deployed (minutes)"
+    )
     args = parser.parse_args()
 
     from retexo_fl.cli import main as cli
@@ -86,40 +110,53 @@ def main() -> int:
     )
     simulate(cfg)
     sim = round_latencies(sim_dir)
-    default = deployed(parts, tmp / "deployed-default", args.rounds, None)
-    fast = deployed(parts, tmp / "deployed-poll", args.rounds, {"FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1"})
-    clientapp_import = import_seconds("clients.app")
-    flwr_import = import_seconds("flwr.clientapp")
-
+    run_config = f"stages=1 rounds='{args.rounds}' hidden=64"
+    plain, plain_wall, _ = deployed(parts, tmp / "flower-supernode", run_config, worker=False)
+    ours, ours_wall, peaks = deployed(parts, tmp / "retexo-supernode", run_config, worker=True)
+    imports = {
+        "flwr.clientapp": import_seconds("flwr.clientapp"),
+        "ClientApp shim (clients.app, no torch)": import_seconds("clients.app"),
+        "ClientApp answering itself (clients.node_client, torch)": import_seconds("clients.node_client"),
+    }
     med = {
-        k: statistics.median(v)
-        for k, v in (("simulation", sim), ("deployed", default), ("deployed_poll", fast))
+        "simulation": statistics.median(sim),
+        "flower-supernode": statistics.median(plain),
+        "retexo-fl supernode": statistics.median(ours),
     }
-    causes = {
-        "round work (simulated round)": med["simulation"],
-        "ClientApp process: python + flwr imports": flwr_import,
-        "ClientApp process: our module (torch, retexo_fl)": max(0.0, clientapp_import - flwr_import),
-        "SuperExec poll (default 1 s)": max(0.0, med["deployed"] - med["deployed_poll"]),
-    }
-    causes["SuperNode 3 s idle poll and message plumbing (rest)"] = max(
-        0.0, med["deployed"] - sum(causes.values())
-    )
+    whole = None
+    if args.whole_run:
+        lat, wall, _ = deployed(parts, tmp / "whole-run", "", worker=True, timeout=3600)
+        whole = {"rounds": len(lat) + 1, "wall_seconds": wall, "median_round": statistics.median(lat)}
+
     print(f"\nmedian round latency, 3 clients, Cora, {args.rounds} rounds")
-    print(f"  simulation                      {med['simulation']:6.2f} s")
-    print(f"  deployed, Flower defaults       {med['deployed']:6.2f} s")
-    print(f"  deployed, SuperExec poll 0.1 s  {med['deployed_poll']:6.2f} s")
-    print("\nwhere a deployed round goes (defaults)")
-    for name, sec in causes.items():
-        print(f"  {name:<55} {sec:5.2f} s  {100 * sec / med['deployed']:4.0f}%")
+    for name, sec in med.items():
+        ratio = sec / med["simulation"]
+        print(f"  {name:<22} {sec:6.2f} s   {ratio:6.1f}x simulation")
+    print(
+        f"  whole {args.rounds}-round run, submit to finish: flower-supernode {plain_wall:.1f} s, "
+        f"retexo-fl supernode {ours_wall:.1f} s"
+    )
+    print(f"  node worker peak RSS: {', '.join(f'{p:.0f} MB' for p in peaks)}")
+    print("\nfresh interpreter importing (what each per-message ClientApp process pays)")
+    for name, sec in imports.items():
+        print(f"  {name:<58} {sec:5.2f} s")
+    if whole:
+        print(
+            f"\nwhole default Cora run on retexo-fl supernode: {whole['wall_seconds']:.0f} s, "
+            f"{whole['rounds']} rounds, median round {whole['median_round']:.2f} s"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
         json.dumps(
             {
                 "rounds": args.rounds,
-                "latencies": {"simulation": sim, "deployed": default, "deployed_poll": fast},
+                "latencies": {"simulation": sim, "flower-supernode": plain, "retexo-fl supernode": ours},
                 "median": med,
-                "causes": causes,
+                "run_wall_seconds": {"flower-supernode": plain_wall, "retexo-fl supernode": ours_wall},
+                "worker_peak_mb": peaks,
+                "import_seconds": imports,
+                "whole_default_run": whole,
             },
             indent=2,
         )

@@ -9,9 +9,11 @@ earlier stages and the boundary exchanges. Writes JSON and prints a table. Examp
 
     sudo python bench/wan_compare.py --rates 100,5 --out bench/results/wan_compare.json
 
-The default settings are chosen so that both modes reach the target within a few deployed rounds
-(local Adam, 10 local epochs a round, plain averaging): a deployed round costs seconds of Flower
-plumbing, and the comparison is about what the link adds on top.
+SuperNodes are ``retexo-fl supernode`` (a node worker each); ``--flower-supernode`` measures
+Flower's plain SuperNode instead. The default settings are chosen so that both modes reach the
+target within a few deployed rounds (local Adam, 10 local epochs a round, plain averaging): a
+deployed round on Flower's plain SuperNode costs seconds of plumbing, and the comparison is
+about what the link adds on top.
 """
 
 from __future__ import annotations
@@ -59,13 +61,15 @@ def median_round_seconds(rounds: list[dict]) -> float:
     return statistics.median(gaps) if gaps else float("nan")
 
 
-def deployed_run(parts: list[Path], work: Path, rate: float, run_config: str, timeout: float) -> Path:
+def deployed_run(
+    parts: list[Path], work: Path, rate: float, run_config: str, timeout: float, worker: bool = True
+) -> Path:
     out = work / "run"
     with EmulatedWan(len(parts), rate) as wan:
         fed = Federation(work, host=wan.host_address)
         try:
             netns = [wan.netns(i) for i in range(len(parts))]
-            record = fed.run_parties(parts, out, run_config, timeout, netns)
+            record = fed.run_parties(parts, out, run_config, timeout, netns, worker=worker)
         finally:
             fed.stop_all()
     if record.get("status") != "finished:completed":
@@ -85,6 +89,11 @@ def main() -> int:
     parser.add_argument("--run-config", default="", help="added to every run's config")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take")
     parser.add_argument("--out", default="bench/results/wan_compare.json")
+    parser.add_argument(
+        "--flower-supernode",
+        action="store_true",
+        help="SuperNodes on Flower's plain flower-supernode instead of `retexo-fl supernode`",
+    )
     args = parser.parse_args()
     if reason := wan_unavailable():
         print(f"cannot emulate WAN links here: {reason}", file=sys.stderr)
@@ -104,7 +113,8 @@ def main() -> int:
             config = f"{MODES[mode]} {COMMON} {args.run_config}".strip()
             print(f"\n== {mode} at {rate:g} Mbit/s: {config}", flush=True)
             t0 = time.perf_counter()
-            run = deployed_run(parts, tmp / f"{mode}-{rate:g}", rate, config, args.timeout)
+            worker = not args.flower_supernode
+            run = deployed_run(parts, tmp / f"{mode}-{rate:g}", rate, config, args.timeout, worker)
             wall = time.perf_counter() - t0
             summary = json.loads((run / "summary.json").read_text())
             events = round_events(run)
@@ -114,6 +124,7 @@ def main() -> int:
                 {
                     "rate_mbit": rate,
                     "mode": mode,
+                    "supernode": "retexo-fl supernode" if worker else "flower-supernode",
                     "config": config,
                     "target": args.target,
                     "seconds_to_target": seconds,
@@ -132,7 +143,8 @@ def main() -> int:
             )
             print(json.dumps(rows[-1]), flush=True)
 
-    print(f"\nCora, {args.clients} METIS clients, target validation accuracy {args.target}")
+    kind = "flower-supernode" if args.flower_supernode else "retexo-fl supernode"
+    print(f"\nCora, {args.clients} METIS clients on {kind}, target validation accuracy {args.target}")
     print(f"{'Mbit/s':>7} {'mode':6} {'to target':>10} {'rounds':>6} {'s/round':>7} {'run s':>7} "
           f"{'link s':>7} {'test':>6} {'MB total':>9} {'MB boundary':>11}")  # fmt: skip
     for r in rows:

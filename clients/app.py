@@ -1,8 +1,10 @@
 """Flower ClientApp: each message type is a thin adapter over the library's client handlers.
 
-A handler restores this node's client (:mod:`clients.node`), turns the message's records into
-plain ones (:mod:`clients.records`), lets :func:`retexo_fl.training.handlers.handle` answer,
-saves the client's node-local state when the answer changed it, and replies.
+With a node worker (node config ``worker``, set by ``retexo-fl supernode``) a handler forwards
+the message to it (:mod:`clients.shim`) and this process never imports torch. Without one, the
+process answers itself (:func:`clients.node_client.answer`): it restores this node's client,
+lets :func:`retexo_fl.training.handlers.handle` answer, saves the client's node-local state when
+the answer changed it, and replies. Either way the mods (error reporting, audit) run here.
 """
 
 from __future__ import annotations
@@ -10,22 +12,21 @@ from __future__ import annotations
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
+from clients import shim
 from clients.mods import audit_messages, report_errors
-from clients.node import node_client
-from clients.records import from_flower, to_flower
 from retexo_fl import protocol as P
-from retexo_fl.training.handlers import handle
 
 app = ClientApp(mods=[report_errors, audit_messages])
 
 
 def _answer(msg: Message, context: Context) -> Message:
-    client, work = node_client(msg, context)
-    identity = str(context.node_config.get(P.NODE_IDENTITY_KEY, ""))
-    reply = handle(client, msg.metadata.message_type, from_flower(msg.content), identity)
-    if reply.changed:
-        client.save(work)  # node-local: the private key and stage inputs stay in this folder
-    return Message(to_flower(reply.records), reply_to=msg)
+    if P.NODE_WORKER in context.node_config:
+        return Message(shim.forward(msg, context), reply_to=msg)
+    # Imported here: torch, PyG's partition loader and the client cost a worker-less process
+    # seconds a message; a shim never pays them.
+    from clients.node_client import answer
+
+    return Message(answer(msg, context), reply_to=msg)
 
 
 @app.query("hello")

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from flwr.app import Context, Error, Message, RecordDict
+from flwr.app import ArrayRecord, Context, Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
 
-from clients.node import cached_client, partition_dir, who
-from clients.records import from_flower
+from clients import shim
+from clients.node import who
+from clients.worker_link import WorkerError
 from retexo_fl import protocol as P
 from retexo_fl.secure.audit import AuditLog
 
@@ -19,29 +20,37 @@ def report_errors(msg: Message, context: Context, call_next: Next) -> Message:
     """Reply to any failure with a one-line reason that names this client, not a traceback."""
     try:
         return call_next(msg, context)
+    except WorkerError as exc:  # already one line: what the worker raised, or why it is unreachable
+        reason = f"{who(context)}: {exc}"
     except Exception as exc:  # every failure must reach the server as a reply
         reason = f"{who(context)}: {type(exc).__name__}: {exc}"
-        return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg)
+    return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg)
 
 
 def _plain(content: RecordDict) -> dict[str, dict]:
-    """A reply's records as the audit reads them: arrays as NumPy, frames as bytes."""
-    records = from_flower(content)
-    if P.ARRAYS in records:
-        records[P.ARRAYS] = {k: v.numpy() for k, v in records[P.ARRAYS].items()}
-    return records
+    """A reply's records as the audit reads them: arrays as NumPy, frames as bytes (no torch)."""
+    return {
+        name: {k: a.numpy() for k, a in record.items()} if isinstance(record, ArrayRecord) else dict(record)
+        for name, record in content.items()
+    }
 
 
 def audit_messages(msg: Message, context: Context, call_next: Next) -> Message:
-    """With ``audit`` (or node config ``audit-dir``) set, record every reply this client sends."""
+    """With ``audit`` (or node config ``audit-dir``) set, record every reply this client sends.
+
+    With a node worker the worker says where and as whom (its reply header); without one, the
+    client this process just answered with does.
+    """
     reply = call_next(msg, context)
     if reply.has_error():
         return reply
-    # The handler has just built or restored this client: look it up, do not restore it again.
-    client = cached_client(msg, context)
-    cfg = client.cfg
-    folder = context.node_config.get(P.NODE_AUDIT_DIR) or cfg.audit
-    if folder:
-        log = AuditLog(str(folder), client.id, str(partition_dir(context, cfg)), cfg.encrypt)
+    if P.NODE_WORKER in context.node_config:
+        target = shim.audit_target(msg)
+    else:
+        from clients.node_client import audit_target  # torch: only a process that answers itself
+
+        target = audit_target(msg, context)
+    if target:
+        log = AuditLog(target["folder"], target["client"], target["partition"], target["encrypted"])
         log.record(msg.metadata.message_type, _plain(reply.content))
     return reply

@@ -1,9 +1,8 @@
-"""A node's side of the ClientApp: where its state lives, which partition it holds, its client.
+"""Where a node keeps things: its work folders, its partition, the run config it was sent.
 
-Ray actors serve several virtual nodes and keep Python state between messages; a deployed
-ClientApp is a new process per message and falls back to the node-local work folder. All paths
-and the client cache are node-local settings (node config, or the environment), never the
-server's.
+All of these are node-local settings (node config, or the environment), never the server's.
+Nothing here imports torch: a ClientApp shim that forwards to a node worker uses it too. The
+node's client itself is :mod:`clients.node_client`.
 """
 
 from __future__ import annotations
@@ -18,16 +17,10 @@ from flwr.app import Context, Message
 
 from retexo_fl import protocol as P
 from retexo_fl.config import TrainConfig
-from retexo_fl.data.partition import Partition, load_partition, save_partition
-from retexo_fl.training.client import Client
-from retexo_fl.training.eager_client import EagerClient
-from retexo_fl.training.lazy_client import LazyClient
 
 #: Environment variable naming the default base of node work folders (else the temp folder):
 #: lets a test or a shared host keep one run's node state apart from every other's.
 WORK_DIR_ENV = "RETEXO_FL_WORK_DIR"
-
-_CACHE: dict[tuple[int, str], Client] = {}
 
 
 def work_base(context: Context) -> Path:
@@ -58,24 +51,6 @@ def partition_dir(context: Context, cfg: TrainConfig) -> Path:
         return Path(cfg.partitions) / f"part-{pid}"
     key = json.dumps([cfg.dataset, cfg.split, cfg.split_index, cfg.method, cfg.clients, cfg.seed])
     return work_base(context) / "partitions" / hashlib.sha256(key.encode()).hexdigest()[:16] / f"part-{pid}"
-
-
-def load_node_partition(context: Context, cfg: TrainConfig, work: Path) -> Partition:
-    """This node's partition: loaded and validated, or (simulation) cut from the dataset and kept."""
-    part_dir = partition_dir(context, cfg)
-    given = P.NODE_PARTITION_DIR in context.node_config or cfg.partitions
-    if given or (part_dir / "manifest.json").is_file():
-        return load_partition(part_dir, stamp=work / "partition-verified.json")
-    # Simulation: every virtual node cuts the same dataset deterministically and keeps its part.
-    # Imported here: PyG's dataset and utility modules cost seconds, and a deployed ClientApp
-    # (a new process per message) never cuts a dataset.
-    from retexo_fl.data.loading import load_graph
-    from retexo_fl.data.partitioners import partition_graph
-
-    pid = int(context.node_config[P.NODE_PARTITION_ID])
-    parts = partition_graph(load_graph(cfg), cfg.clients, cfg.method, seed=cfg.seed)
-    save_partition(parts[pid], part_dir)
-    return parts[pid]
 
 
 def run_key(msg: Message) -> int:
@@ -118,29 +93,3 @@ def run_config(msg: Message, context: Context) -> TrainConfig:
             f"this node holds {P.config_digest(text)!r} ({path})"
         )
     return P.config_from_json(text)
-
-
-def node_client(msg: Message, context: Context) -> tuple[Client, Path]:
-    """This node's client for the message's run, restored to its saved state, and its work folder."""
-    cfg = run_config(msg, context)
-    key = cache_key(msg, context)
-    work = work_dir(context, *key)
-    client = _CACHE.get(key)
-    if client is None:
-        part = load_node_partition(context, cfg, work)
-        if cfg.mode in ("eager", "local"):
-            client = EagerClient(part, cfg, local=cfg.mode == "local")
-        else:
-            client = LazyClient(part, cfg)
-        for old in [k for k in _CACHE if k[0] != key[0]]:  # drop earlier runs' tensors
-            del _CACHE[old]
-        _CACHE[key] = client
-    # Another Ray actor may have advanced this node since: the saved state is the truth (a cheap
-    # load; the partition and local graph stay cached).
-    client.restore(work)
-    return client, work
-
-
-def cached_client(msg: Message, context: Context) -> Client:
-    """The client :func:`node_client` built for this message (the audit mod reads it)."""
-    return _CACHE[cache_key(msg, context)]

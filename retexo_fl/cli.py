@@ -1,4 +1,4 @@
-"""The ``retexo-fl`` command line: ``partition`` a dataset, ``train`` a model."""
+"""The ``retexo-fl`` command line: ``partition`` a dataset, ``train`` a model, run a ``supernode``."""
 
 from __future__ import annotations
 
@@ -71,6 +71,17 @@ def load_engine(name: str) -> Callable[[TrainConfig], dict]:
             f"(installed: {', '.join(engines()) or 'none'}); run `pip install -e .` in the checkout"
         )
     return found[0].load()
+
+
+#: The entry-point group of commands that live outside the library (pyproject.toml registers
+#: ``supernode = clients.supernode:main``, Flower's SuperNode with a node worker, there). Each takes
+#: its own argv and returns an exit code.
+COMMAND_GROUP = "retexo_fl.commands"
+
+
+def commands() -> dict[str, str]:
+    """The installed commands of :data:`COMMAND_GROUP`: name -> the first line of its doc."""
+    return {ep.name: ep.value for ep in entry_points(group=COMMAND_GROUP)}
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -234,10 +245,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--root", dest="data_root", default=None, help="alias of --data-root")
     _add_config_flags(t)
     t.set_defaults(func=cmd_train)
+
+    for name in sorted(commands()):  # listed for --help; main() hands them their argv whole
+        sub.add_parser(name, help=f"{name} (see `retexo-fl {name} --help`)", add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in commands():  # e.g. `supernode`: every flag after it is Flower's
+        found = [ep for ep in entry_points(group=COMMAND_GROUP) if ep.name == argv[0]]
+        return int(found[0].load()(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

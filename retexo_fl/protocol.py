@@ -14,7 +14,6 @@ import hashlib
 import json
 from typing import Any
 
-from retexo_fl.compress.payload import HEADER_BYTES, PayloadError, decode_rows, encode_rows
 from retexo_fl.config import TrainConfig
 
 # Message types (Flower requires train / evaluate / query, optionally with .<name>).
@@ -71,6 +70,7 @@ NODE_PARTITION_DIR = "partition-dir"  # deployed: the folder of this node's fixe
 NODE_WORK_DIR = "work-dir"  # node-local state between messages (default: the temp folder)
 NODE_IDENTITY_KEY = "identity-key"  # deployed: this party's long-term X25519 private key file
 NODE_AUDIT_DIR = "audit-dir"  # record every reply this node sends (retexo-fl audit)
+NODE_WORKER = "worker"  # set by `retexo-fl supernode`: the node worker's folder (socket, secret)
 
 # Kinds of relayed frames (delivery keys and the envelopes' associated data).
 DEGREES = "deg"
@@ -79,9 +79,6 @@ EAGER = "eager"
 
 Records = dict[str, dict[str, Any]]
 """A message's content: record name -> mapping (see the record names above)."""
-
-# Boundary rows, degrees and compressed updates all travel as the frames of compress.payload.
-__all__ = ["HEADER_BYTES", "PayloadError", "Records", "decode_rows", "encode_rows"]
 
 
 def config_to_json(cfg: TrainConfig) -> str:

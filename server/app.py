@@ -7,6 +7,7 @@ from typing import Any
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from clients.flower_patch import shorten_object_pulls
 from retexo_fl.config import TrainConfig
 from retexo_fl.metrics import RunRecorder, human_bytes
 from retexo_fl.plots import write_plots
@@ -55,4 +56,5 @@ def run_server(grid: Grid, cfg: TrainConfig) -> dict[str, Any]:
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """The ServerApp's entry point: the run config is the federation's ``[tool.flwr.app.config]``."""
+    shorten_object_pulls()  # replies' objects: retry after 20 ms, not Flower's 1 s
     run_server(grid, TrainConfig.from_mapping(dict(context.run_config)))

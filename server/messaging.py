@@ -50,7 +50,7 @@ def exchange(grid: Grid, messages: list[Message], timeout: float) -> dict[int, M
         if not pending or time.monotonic() >= deadline:
             break
         time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
-        pause = min(0.5, pause * 1.5)
+        pause = min(0.1, pause * 1.5)
     return replies
 
 

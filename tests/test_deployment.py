@@ -1,16 +1,18 @@
 """A real federation on 127.0.0.1: SuperLink with TLS and SuperNode authentication, 3 SuperNodes.
 
 Started with ``deploy/federation.py`` (the launcher users run), each process stopped by process
-id at the end. One federation serves both tests: it is the slow part (about 1.5 s to start, then
-about 8 s per deployed round, dominated by Flower's fixed polls and per-message ClientApp
-processes).
+id at the end. The SuperNodes are ``retexo-fl supernode``s (a node worker each); one more test
+runs a federation where one SuperNode is Flower's plain ``flower-supernode`` (a ClientApp
+process per message, about 8 s a round), which must keep working beside them.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -23,6 +25,7 @@ sys.path.insert(0, str(ROOT / "deploy"))
 from federation import Federation  # noqa: E402
 from make_certs import main as make_certs  # noqa: E402
 
+from clients.worker_link import SOCKET_NAME, proof, read_secret, recv_frame, send_frame  # noqa: E402
 from retexo_fl.cli import main as cli  # noqa: E402
 from retexo_fl.config import TrainConfig  # noqa: E402
 from server.checkpoint import FileCheckpoints  # noqa: E402
@@ -59,9 +62,52 @@ def test_unregistered_supernode_is_refused(federation):
     assert "Exit Code: 305" in (fed.work / "supernode-9.log").read_text()
 
 
-def test_deployed_run_matches_simulation(federation):
+def _simulated(parts: Path, clients: int = 3) -> dict:
     from server.simulation import simulate
 
+    settings = {
+        "partitions": str(parts),
+        "clients": clients,
+        "stages": 2,
+        "rounds": 3,
+        "hidden": 16,
+        "seed": 1,
+    }
+    return simulate(TrainConfig(**settings))
+
+
+def _run_and_wait_for_stage_1(fed, out: Path, extra: str = "") -> int:
+    """Submit RUN (and ``extra``) into ``out``; return its run id once stage 1 has run a round."""
+    config = f"clients=3 out-dir='{out}' {RUN} {extra}".strip()
+    done = fed.flwr("run", ".", "local-fed", "--format", "json", "--run-config", config)
+    run_id = json.loads(done.stdout)["run-id"]
+    deadline = time.monotonic() + 200
+    while time.monotonic() < deadline:
+        try:
+            ck = FileCheckpoints(str(out)).load()
+            if ck.stage == 1 and ck.round_state is not None and ck.round_state.round > 0:
+                return run_id
+        except Exception:  # not written yet, or being replaced
+            pass
+        time.sleep(0.2)
+    pytest.fail("the run did not reach stage 1")
+
+
+def _wait_until_finished(fed, run_id: int, out: Path, timeout: float = 240) -> str:
+    return str(fed.wait(run_id, timeout, out)["status"])
+
+
+def _worker(fed, party: int) -> tuple[int, Path]:
+    """The process id and folder of party ``party``'s current node worker (from its SuperNode's log)."""
+    found = re.findall(
+        r"node worker (\d+) listening on (\S+)", (fed.work / f"supernode-{party}.log").read_text()
+    )
+    assert found, f"supernode-{party} started no node worker"
+    pid, sock = found[-1]
+    return int(pid), Path(sock).parent
+
+
+def test_deployed_run_matches_simulation(federation):
     fed, parts, tmp = federation
     out = tmp / "deployed"
     t0 = time.time()
@@ -69,45 +115,68 @@ def test_deployed_run_matches_simulation(federation):
     assert record["status"] == "finished:completed"
     deployed = json.loads((out / "summary.json").read_text())
     assert deployed["engine"] == "flower" and time.time() - t0 < 240
-    settings = {"partitions": str(parts), "clients": 3, "stages": 2, "rounds": 3, "hidden": 16, "seed": 1}
-    simulated = simulate(TrainConfig(**settings))
+    simulated = _simulated(parts)
     assert deployed["test_accuracy"] == pytest.approx(simulated["test_accuracy"], abs=0.005)
     assert deployed["bytes_boundary"] == simulated["bytes_boundary"]
+    for party in range(3):  # every message went to the node worker, none answered by itself
+        assert _worker(fed, party)[0] > 0
+
+
+def test_a_node_worker_killed_mid_stage_restarts_and_the_run_ends_the_same(federation):
+    fed, _, tmp = federation
+    out = tmp / "worker-killed"
+    run_id = _run_and_wait_for_stage_1(fed, out)
+    pid, folder = _worker(fed, 1)
+    # Hold the worker between two messages (it answers one caller at a time, so once this
+    # handshake completes it is idle), then kill it there: the next message must find a new one.
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as hold:
+        hold.connect(str(folder / SOCKET_NAME))
+        send_frame(hold, proof(read_secret(folder), recv_frame(hold)))
+        assert json.loads(recv_frame(hold))["ok"]
+        os.kill(pid, signal.SIGKILL)
+    assert _wait_until_finished(fed, run_id, out) == "finished:completed"
+    assert _worker(fed, 1)[0] != pid  # a new worker answered the rest
+    got = json.loads((out / "summary.json").read_text())
+    expected = json.loads((tmp / "deployed" / "summary.json").read_text())  # the uninterrupted run
+    assert got["lost_clients"] == []
+    for key in ("test_accuracy", "val_accuracy", "bytes_boundary", "bytes_model"):
+        assert got[key] == expected[key], key
 
 
 def test_supernode_killed_mid_stage_ends_as_the_policy_says(federation):
     fed, _, tmp = federation
     out = tmp / "killed"
     policy = "min-clients=2 on-missing-halo='zero' client-timeout=120.0"
-    done = fed.flwr(
-        "run",
-        ".",
-        "local-fed",
-        "--format",
-        "json",
-        "--run-config",
-        f"clients=3 out-dir='{out}' {RUN} {policy}",
-    )
-    run_id = json.loads(done.stdout)["run-id"]
-    deadline = time.monotonic() + 200
-    while time.monotonic() < deadline:  # wait for stage 1, then kill client 2's SuperNode
-        try:
-            ck = FileCheckpoints(str(out)).load()
-            if ck.stage == 1 and ck.round_state is not None and ck.round_state.round > 0:
-                break
-        except Exception:  # not written yet, or being replaced
-            pass
-        time.sleep(0.5)
-    else:
-        pytest.fail("the run did not reach stage 1")
-    os.killpg(fed.procs["supernode-2"].pid, signal.SIGKILL)
+    run_id = _run_and_wait_for_stage_1(fed, out, policy)
+    os.killpg(fed.procs["supernode-2"].pid, signal.SIGKILL)  # the SuperNode and its worker
     killed = time.monotonic()
-    while time.monotonic() < killed + 240:
-        ls = fed.flwr("ls", "local-fed", "--run-id", str(run_id), "--format", "json")
-        if json.loads(ls.stdout)["runs"][0]["status"].startswith("finished"):
-            break
-        time.sleep(2)
+    _wait_until_finished(fed, run_id, out)
     summary = json.loads((out / "summary.json").read_text())
     assert [c["client"] for c in summary["lost_clients"]] == [2]
     assert summary["lost_clients"][0]["phase"].startswith("stage 1")
     assert time.monotonic() - killed < 240  # the policy's time-out, not a hang
+
+
+def test_plain_flower_supernode_still_works_beside_retexo_supernodes(data_root, tmp_path):
+    """One node on Flower's own SuperNode (a ClientApp process per message, no worker), two on
+    `retexo-fl supernode`: the run equals the simulation's."""
+    parts = tmp_path / "parts"
+    argv = ["partition", "--dataset", "Cora", "--root", str(data_root), "--clients", "3", "--out", str(parts)]
+    assert cli(argv) == 0
+    fed = Federation(tmp_path / "work")
+    out = tmp_path / "run"
+    try:
+        fed.start_superlink()
+        for i in range(3):
+            fed.start_supernode(i, parts / f"part-{i}", worker=i != 2)
+        record = fed.run(f"clients=3 out-dir='{out}' {RUN}", timeout=300)
+    finally:
+        fed.stop_all()
+    assert record["status"] == "finished:completed"
+    deployed = json.loads((out / "summary.json").read_text())
+    simulated = _simulated(parts)
+    assert deployed["test_accuracy"] == pytest.approx(simulated["test_accuracy"], abs=0.005)
+    assert deployed["bytes_boundary"] == simulated["bytes_boundary"]
+    assert "node worker" not in (fed.work / "supernode-2.log").read_text()
+    for proc in fed.procs.values():
+        assert proc.poll() is not None, "a federation process outlived the test"

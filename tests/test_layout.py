@@ -3,6 +3,7 @@ and (when ../shared is beside the checkout) no import cycles."""
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -49,9 +50,21 @@ def test_no_import_cycles():
     assert done.returncode == 0, done.stdout
 
 
-def test_the_clientapp_does_not_import_pyg():
-    # A deployed ClientApp is a new process per message: PyG's ~2 s import would be paid by
-    # every message (it doubled a deployed round). Only conv stages and dataset cutting need it.
-    code = "import sys, clients.app; print('torch_geometric' in sys.modules)"
+def _imports(module: str, *names: str) -> list[bool]:
+    code = f"import sys, {module}; print([n in sys.modules for n in {list(names)!r}])"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    return ast.literal_eval(out.stdout)
+
+
+def test_the_clientapp_does_not_import_pyg():
+    # A deployed ClientApp without a node worker is a new process per message: PyG's ~2 s
+    # import would be paid by every message (it doubled a deployed round). Only conv stages and
+    # dataset cutting need it.
+    assert _imports("clients.node_client", "torch_geometric") == [False]
+
+
+def test_the_clientapp_shim_imports_no_torch():
+    # With a node worker, each message's ClientApp process only forwards; torch (about 2 s) is
+    # the worker's. The module that answers without a worker is imported only when it is used.
+    assert _imports("clients.app", "torch", "torch_geometric", "clients.node_client") == [False, False, False]
+    assert _imports("clients.mods", "torch") == [False]

@@ -1,0 +1,176 @@
+"""``retexo-fl supernode``: Flower's own SuperNode, with a node worker and without its long sleeps.
+
+    retexo-fl supernode [--worker-base DIR] <any flower-supernode flags>
+
+Every ``flower-supernode`` flag (``--superlink``, TLS, ``--auth-supernode-private-key``,
+``--node-config``, ``--isolation``, ...) passes through unchanged to the pinned Flower's
+SuperNode, which runs in this process. Before it starts, this command:
+
+1. makes a worker folder (0700, with a new 32-byte secret; :mod:`clients.worker_link`) and
+   starts the node worker (:mod:`clients.worker`) on it, restarting the worker whenever it dies;
+2. adds ``worker='<folder>'`` to ``--node-config``, so this node's ClientApp forwards every
+   message to the worker (:mod:`clients.shim`) instead of importing torch and loading the
+   partition again;
+3. shortens the SuperNode's fixed sleeps and has it start Flower's SuperExec with warm ClientApp
+   launches (:mod:`clients.flower_patch`, :mod:`clients.warm_superexec`: each message's process
+   is forked from one that already imported Flower), polling for tasks every 50 ms.
+
+``flower-supernode`` on its own still works: its ClientApps find no ``worker`` in the node
+config and answer themselves, one process per message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from clients.flower_patch import (
+    SUPEREXEC_POLL_ENV,
+    shorten_object_pulls,
+    shorten_supernode_sleeps,
+    use_warm_superexec,
+)
+from clients.worker_link import make_worker_dir
+from retexo_fl import protocol as P
+
+#: A worker that dies this many times within :data:`RESTART_WINDOW` seconds is not restarted
+#: again: something is wrong with the node, not with one message.
+MAX_RESTARTS, RESTART_WINDOW = 5, 60.0
+
+
+class WorkerSupervisor:
+    """Runs the node worker on ``folder`` and starts a new one whenever it exits.
+
+    Args:
+        folder (Path): the worker folder.
+        command (list[str], optional): the worker's command line (default:
+            ``python -m clients.worker FOLDER --parent-pid <this process>``).
+    """
+
+    def __init__(self, folder: Path, command: list[str] | None = None) -> None:
+        self.folder = folder
+        self.command = command or [
+            sys.executable, "-m", "clients.worker", str(folder), "--parent-pid", str(os.getpid()),
+        ]  # fmt: skip
+        self.proc: subprocess.Popen | None = None
+        self.starts: list[float] = []
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="retexo-fl-node-worker", daemon=True)
+
+    def start(self) -> WorkerSupervisor:
+        """Start the worker and the thread that restarts it."""
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            now = time.monotonic()
+            self.starts = [t for t in self.starts if now - t < RESTART_WINDOW] + [now]
+            if len(self.starts) > MAX_RESTARTS:
+                print(
+                    f"retexo-fl supernode: the node worker died {MAX_RESTARTS} times in "
+                    f"{RESTART_WINDOW:.0f}s; not restarting it (messages to this node now fail)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return
+            self.proc = subprocess.Popen(self.command)
+            code = self.proc.wait()
+            if not self._stopping.is_set():
+                print(
+                    f"retexo-fl supernode: node worker {self.proc.pid} exited ({code}); starting a new "
+                    "one from node-local state",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+    def stop(self) -> None:
+        """Stop the worker and do not restart it."""
+        self._stopping.set()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def with_node_config(argv: list[str], key: str, value: str) -> list[str]:
+    """``argv`` with ``key='value'`` added to its ``--node-config`` (or a new one).
+
+    Raises:
+        ValueError: ``argv``'s node config already sets ``key``.
+    """
+    item = f"{key}='{value}'"
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg == "--node-config" and i + 1 < len(out):
+            current, at = out[i + 1], i + 1
+        elif arg.startswith("--node-config="):
+            current, at = arg.split("=", 1)[1], i
+        else:
+            continue
+        if any(part.split("=", 1)[0].strip() == key for part in current.split()):
+            raise ValueError(f"--node-config sets {key!r}: `retexo-fl supernode` sets it itself")
+        merged = f"{current} {item}".strip()
+        out[at] = merged if at == i + 1 else f"--node-config={merged}"
+        return out
+    return [*out, "--node-config", item]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="retexo-fl supernode",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        add_help=False,
+    )
+    parser.add_argument(
+        "--worker-base",
+        default=None,
+        help="where the worker folder is made (default: the temp folder; a Unix socket path must "
+        "stay under about 100 bytes)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the SuperNode with a node worker; returns its exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ours, flower_argv = _parser().parse_known_args(argv)
+    if "-h" in flower_argv or "--help" in flower_argv:
+        print(_parser().format_help())
+        print("flower-supernode's flags, passed through:\n")
+    from flwr.supercore.exit import add_exit_handler
+    from flwr.supernode.cli import flower_supernode  # Flower's own SuperNode, this process
+
+    folder = make_worker_dir(ours.worker_base)
+    try:
+        flower_argv = with_node_config(flower_argv, P.NODE_WORKER, str(folder))
+    except ValueError as exc:
+        shutil.rmtree(folder, ignore_errors=True)
+        print(f"retexo-fl supernode: error: {exc}", file=sys.stderr)
+        return 2
+    shorten_supernode_sleeps()
+    shorten_object_pulls()
+    use_warm_superexec()
+    os.environ.setdefault(*SUPEREXEC_POLL_ENV)  # inherited by the SuperExec Flower starts
+    supervisor = WorkerSupervisor(folder)
+    if not ("-h" in flower_argv or "--help" in flower_argv):
+        supervisor.start()
+    add_exit_handler(supervisor.stop, run_before_force_exit=True)
+    sys.argv = ["flower-supernode", *flower_argv]
+    try:
+        flower_supernode()
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 1
+    finally:
+        supervisor.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+    return 0

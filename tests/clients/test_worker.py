@@ -1,0 +1,224 @@
+"""The node worker and its channel, driven by the library's own stage machine (no SuperLink).
+
+Every request of a whole lazy run goes through Flower records, the node-local channel and a real
+worker process per client, exactly as a ClientApp shim sends it; the result must equal the
+in-process engine's. Then a worker is SIGKILLed mid-stage, and two runs share the workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import stat
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from clients.records import from_flower, to_flower
+from clients.supernode import WorkerSupervisor, with_node_config
+from clients.worker_link import (
+    SECRET_NAME,
+    SOCKET_NAME,
+    WorkerError,
+    call,
+    check_worker_dir,
+    make_worker_dir,
+    read_secret,
+    recv_frame,
+    send_frame,
+)
+from retexo_fl import protocol as P
+from retexo_fl.config import TrainConfig
+from retexo_fl.data.loading import load_graph
+from retexo_fl.data.partition import save_partition
+from retexo_fl.data.partitioners import partition_graph
+from retexo_fl.metrics import RunRecorder
+from retexo_fl.protocol import Records
+from retexo_fl.training.lazy import run_lazy
+from retexo_fl.training.stages import LazyStageMachine
+from retexo_fl.training.transport import Batch
+
+pytestmark = pytest.mark.slow  # each worker is a process that imports torch (about 3 s)
+
+CFG = {"dataset": "sbm:400,4", "clients": 2, "method": "random", "stages": 3, "rounds": 4, "hidden": 16}
+
+
+class WorkerTransport:
+    """The stage machine's transport over node workers: what a shim would send, as it sends it."""
+
+    engine = "worker-test"
+
+    def __init__(self, folders: list[Path], parts: list[Path], work: Path) -> None:
+        self.folders, self.parts, self.work = folders, parts, work
+        self.sent = 0
+        self.before_send: Any = None
+
+    def connect(self, count: int) -> list[int]:
+        return list(range(count))
+
+    def send(self, kind: str, requests: dict[int, Records], phase: str, stage: int) -> Batch:
+        if self.before_send is not None:
+            self.before_send(self.sent)
+        replies = {}
+        for a, req in requests.items():
+            header = {
+                "type": kind,
+                "run_id": 7,
+                "message_id": f"{self.sent}-{a}",
+                "node_id": a + 1,
+                "node_config": {P.NODE_PARTITION_DIR: str(self.parts[a]), P.NODE_WORK_DIR: str(self.work)},
+            }
+            _, content = call(self.folders[a], header, to_flower(req), wait=60)
+            replies[a] = from_flower(content)
+        self.sent += 1
+        return Batch(replies)
+
+    def report(self, names: dict[int, int]) -> dict[str, Any]:
+        return {}
+
+    def snapshot(self) -> Any:
+        return None
+
+    def restore(self, snapshot: Any) -> None:
+        return None
+
+
+def _worker_pid(folder: Path, old: int | None = None, timeout: float = 60) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            pid = int((folder / "worker.pid").read_text())
+            if pid != old and (folder / SOCKET_NAME).exists():
+                return pid
+        except (FileNotFoundError, ValueError):
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"no worker listening in {folder}")
+
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("workers")
+    cfg = TrainConfig(**CFG)
+    parts = partition_graph(load_graph(cfg), cfg.clients, cfg.method, seed=cfg.seed)
+    dirs = [save_partition(p, tmp / f"part-{i}") for i, p in enumerate(parts)]
+    folders = [make_worker_dir(tmp) for _ in parts]
+    supervisors = [WorkerSupervisor(f).start() for f in folders]
+    try:
+        for f in folders:
+            _worker_pid(f)
+        yield cfg, parts, dirs, folders, tmp
+    finally:
+        for s in supervisors:
+            s.stop()
+            assert s.proc is not None and s.proc.poll() is not None
+
+
+def _summary(run: dict) -> tuple:
+    stages = [(s["best_round"], s["val_accuracy"], s["rounds_sent"]) for s in run["stages"]]
+    return run["test_accuracy"], run["val_accuracy"], run["bytes_boundary"], run["bytes_model"], stages
+
+
+def test_worker_folder_is_the_users_alone(tmp_path):
+    folder = make_worker_dir(tmp_path)
+    assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(folder / SECRET_NAME).st_mode) == 0o600
+    assert len(read_secret(folder)) == 32 and read_secret(folder) != read_secret(make_worker_dir(tmp_path))
+    check_worker_dir(folder)
+    os.chmod(folder, 0o755)
+    with pytest.raises(WorkerError, match="mode 755, must be 700"):
+        check_worker_dir(folder)
+    os.chmod(folder, 0o700)
+    os.chmod(folder / SECRET_NAME, 0o644)
+    with pytest.raises(WorkerError, match="must be 600"):
+        read_secret(folder)
+
+
+def test_node_config_gets_the_worker_key():
+    assert with_node_config(["--insecure"], "worker", "/w") == ["--insecure", "--node-config", "worker='/w'"]
+    argv = ["--node-config", "partition-dir='/p'", "--insecure"]
+    merged = ["--node-config", "partition-dir='/p' worker='/w'", "--insecure"]
+    assert with_node_config(argv, "worker", "/w") == merged
+    assert with_node_config(["--node-config=a=1"], "worker", "/w") == ["--node-config=a=1 worker='/w'"]
+    with pytest.raises(ValueError, match="sets 'worker'"):
+        with_node_config(["--node-config", "worker='/x'"], "worker", "/w")
+
+
+def test_no_worker_is_one_line_naming_the_socket(tmp_path):
+    folder = make_worker_dir(tmp_path)
+    with pytest.raises(WorkerError, match=r"no node worker at .*worker.sock after 0s") as err:
+        call(folder, {}, to_flower({}), wait=0.2)
+    assert "\n" not in str(err.value)
+
+
+def test_the_channel_refuses_a_caller_without_the_secret(federation):
+    *_, folders, _ = federation
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(str(folders[0] / SOCKET_NAME))
+        nonce = recv_frame(sock)
+        send_frame(sock, bytes(32))  # not HMAC(secret, nonce)
+        verdict = json.loads(recv_frame(sock))
+    assert len(nonce) == 32
+    assert verdict == {"ok": False, "error": "the node worker refused this caller: wrong node secret"}
+    # a caller that copies the socket but reads a secret of its own making is refused the same way
+    fake = make_worker_dir(folders[0].parent)
+    os.symlink(folders[0] / SOCKET_NAME, fake / SOCKET_NAME)
+    with pytest.raises(WorkerError, match="wrong node secret"):
+        call(fake, {}, to_flower({}), wait=5)
+
+
+def test_worker_errors_come_back_as_one_line(federation):
+    _, _, dirs, folders, _ = federation
+    header = {"type": P.TRAIN, "run_id": 1, "node_id": 1, "node_config": {P.NODE_PARTITION_DIR: str(dirs[0])}}
+    request = to_flower({P.CONFIG: {P.RUN_DIGEST: "0" * 32, P.RUN_KEY: 99}})
+    with pytest.raises(WorkerError, match=r"^ValueError: a train message names run config '0+'"):
+        call(folders[0], header, request)
+
+
+def test_a_run_through_workers_equals_the_in_process_run(federation):
+    cfg, parts, dirs, folders, tmp = federation
+    expected = run_lazy(parts, cfg)
+    transport = WorkerTransport(folders, dirs, tmp / "work-a")
+    got = LazyStageMachine(transport, cfg, RunRecorder(None, stream=None)).run()
+    assert _summary(got) == _summary(expected)
+
+
+def test_a_worker_killed_mid_stage_restarts_from_node_state(federation):
+    cfg, parts, dirs, folders, tmp = federation
+    expected = run_lazy(parts, cfg)
+    transport = WorkerTransport(folders, dirs, tmp / "work-b")
+    killed: list[int] = []
+
+    def kill_once(sent: int) -> None:  # after stage 0 and a round of stage 1 (message 12 or so)
+        if sent == 12 and not killed:
+            pid = _worker_pid(folders[1])
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    transport.before_send = kill_once
+    got = LazyStageMachine(transport, cfg, RunRecorder(None, stream=None)).run()
+    assert killed and _worker_pid(folders[1], old=killed[0]) != killed[0]  # a new worker answered
+    assert _summary(got) == _summary(expected)
+
+
+def test_two_runs_on_one_node_do_not_share_state(federation):
+    cfg, parts, dirs, folders, tmp = federation
+    other = TrainConfig(**{**CFG, "seed": 3, "hidden": 8})
+    runs: dict[str, dict] = {}
+
+    def run(name: str, c: TrainConfig) -> None:
+        transport = WorkerTransport(folders, dirs, tmp / "work-shared")  # one node, one work base
+        runs[name] = LazyStageMachine(transport, c, RunRecorder(None, stream=None)).run()
+
+    threads = [threading.Thread(target=run, args=(n, c)) for n, c in (("x", cfg), ("y", other))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert _summary(runs["x"]) == _summary(run_lazy(parts, cfg))
+    assert _summary(runs["y"]) == _summary(run_lazy(parts, other))

@@ -7,8 +7,10 @@ imports torch and reloads the partition), and on ``retexo-fl supernode`` (a node
 them, shortened SuperNode sleeps, a 20 ms SuperExec poll). A round's latency is the time
 between consecutive ``round`` events of the run. Also measured: what a fresh interpreter pays to
 import the ClientApp module (with torch, as ``flower-supernode`` runs it, and as the shim a
-worker's node runs), the node workers' peak resident memory, and with ``--whole-run`` a whole
-default Cora run deployed on ``retexo-fl supernode``. Prints a table, writes JSON. Example::
+worker's node runs), the node workers' peak resident memory, a third deployed run whose
+SuperLink keeps its state in memory instead of its SQLite file (the file costs the SuperLink most
+of its CPU on a 2-core machine), and with ``--whole-run`` a whole run of ``--whole-config``
+deployed on ``retexo-fl supernode``. Prints a table, writes JSON. Example::
 
     python bench/deploy_latency.py --out bench/results/deploy_latency.json
 """
@@ -63,10 +65,10 @@ def worker_peak_mb(work: Path, parties: int) -> list[float]:
 
 
 def deployed(
-    parts: Path, work: Path, run_config: str, worker: bool, timeout: float = 1800
+    parts: Path, work: Path, run_config: str, worker: bool, timeout: float = 1800, database: bool = True
 ) -> tuple[list[float], float, list[float]]:
     """Round latencies, wall seconds of the whole run (submit to finish) and worker peaks (MB)."""
-    fed = Federation(work)
+    fed = Federation(work, database=database)
     out = work / "run"
     parties = sorted(parts.glob("part-*"))
     peaks: list[float] = []
@@ -91,8 +93,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--out", default="bench/results/deploy_latency.json")
     parser.add_argument(
-        "--whole-run", action="store_true", help="also run a whole default Cora run deployed (minutes)"
+        "--whole-run", action="store_true", help="also run a whole Cora run deployed (minutes)"
     )
+    parser.add_argument("--whole-config", default="", help="the whole run's run config (default: defaults)")
     args = parser.parse_args()
 
     from retexo_fl.cli import main as cli
@@ -113,6 +116,7 @@ def main() -> int:
     run_config = f"stages=1 rounds='{args.rounds}' hidden=64"
     plain, plain_wall, _ = deployed(parts, tmp / "flower-supernode", run_config, worker=False)
     ours, ours_wall, peaks = deployed(parts, tmp / "retexo-supernode", run_config, worker=True)
+    memory, memory_wall, _ = deployed(parts, tmp / "in-memory", run_config, worker=True, database=False)
     imports = {
         "flwr.clientapp": import_seconds("flwr.clientapp"),
         "ClientApp shim (clients.app, no torch)": import_seconds("clients.app"),
@@ -122,16 +126,17 @@ def main() -> int:
         "simulation": statistics.median(sim),
         "flower-supernode": statistics.median(plain),
         "retexo-fl supernode": statistics.median(ours),
+        "retexo-fl supernode, SuperLink state in memory": statistics.median(memory),
     }
     whole = None
     if args.whole_run:
-        lat, wall, _ = deployed(parts, tmp / "whole-run", "", worker=True, timeout=3600)
+        lat, wall, _ = deployed(parts, tmp / "whole-run", args.whole_config, worker=True, timeout=3600)
         whole = {"rounds": len(lat) + 1, "wall_seconds": wall, "median_round": statistics.median(lat)}
 
     print(f"\nmedian round latency, 3 clients, Cora, {args.rounds} rounds")
     for name, sec in med.items():
         ratio = sec / med["simulation"]
-        print(f"  {name:<22} {sec:6.2f} s   {ratio:6.1f}x simulation")
+        print(f"  {name:<48} {sec:6.2f} s   {ratio:6.1f}x simulation")
     print(
         f"  whole {args.rounds}-round run, submit to finish: flower-supernode {plain_wall:.1f} s, "
         f"retexo-fl supernode {ours_wall:.1f} s"
@@ -142,8 +147,9 @@ def main() -> int:
         print(f"  {name:<58} {sec:5.2f} s")
     if whole:
         print(
-            f"\nwhole default Cora run on retexo-fl supernode: {whole['wall_seconds']:.0f} s, "
-            f"{whole['rounds']} rounds, median round {whole['median_round']:.2f} s"
+            f"\nwhole Cora run ({args.whole_config or 'defaults'}) on retexo-fl supernode: "
+            f"{whole['wall_seconds']:.0f} s, {whole['rounds']} rounds, "
+            f"median round {whole['median_round']:.2f} s"
         )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -151,12 +157,21 @@ def main() -> int:
         json.dumps(
             {
                 "rounds": args.rounds,
-                "latencies": {"simulation": sim, "flower-supernode": plain, "retexo-fl supernode": ours},
+                "latencies": {
+                    "simulation": sim,
+                    "flower-supernode": plain,
+                    "retexo-fl supernode": ours,
+                    "retexo-fl supernode, SuperLink state in memory": memory,
+                },
                 "median": med,
-                "run_wall_seconds": {"flower-supernode": plain_wall, "retexo-fl supernode": ours_wall},
+                "run_wall_seconds": {
+                    "flower-supernode": plain_wall,
+                    "retexo-fl supernode": ours_wall,
+                    "retexo-fl supernode, SuperLink state in memory": memory_wall,
+                },
                 "worker_peak_mb": peaks,
                 "import_seconds": imports,
-                "whole_default_run": whole,
+                "whole_run": {"config": args.whole_config or "defaults", **whole} if whole else None,
             },
             indent=2,
         )

@@ -118,8 +118,8 @@ def serve(folder: str | Path, parent_pid: int | None = None) -> None:
         with conn:
             try:
                 serve_connection(conn, secret)
-            except (ConnectionError, OSError) as exc:  # the caller went away; the next one may not
-                print(f"node worker: a caller's connection failed: {exc}", file=sys.stderr, flush=True)
+            except Exception as exc:  # a caller that went away or sent garbage ends its call only
+                print(f"node worker: a call failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

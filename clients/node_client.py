@@ -7,7 +7,6 @@ worker is a new process per message and falls back to the node-local work folder
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from flwr.app import Context, Message, RecordDict
@@ -21,20 +20,14 @@ from retexo_fl.training.client import Client
 from retexo_fl.training.eager_client import EagerClient
 from retexo_fl.training.handlers import handle
 from retexo_fl.training.lazy_client import LazyClient
-from retexo_fl.training.state import STATE_FILE
 
 _CACHE: dict[tuple[int, str], Client] = {}
-#: (run key, node) -> the state file's (mtime, size) when this process last wrote or read it: a
-#: client whose file is unchanged since is current and is not loaded again.
-_STAMPS: dict[tuple[int, str], tuple[int, int] | None] = {}
-
-
-def _stamp(work: Path) -> tuple[int, int] | None:
-    try:
-        st = os.stat(work / STATE_FILE)
-    except FileNotFoundError:
-        return None
-    return st.st_mtime_ns, st.st_size
+#: Set by the node worker: no other process writes this node's state, so a cached client that
+#: this process loaded or answered with is current and is not loaded again before each message.
+#: Ray actors (several serve one node) always load it: file times are too coarse to tell two
+#: writes in a row apart.
+SOLE_WRITER = False
+_CURRENT: set[tuple[int, str]] = set()
 
 
 def load_node_partition(context: Context, cfg: TrainConfig, work: Path) -> Partition:
@@ -69,14 +62,13 @@ def node_client(msg: Message, context: Context) -> tuple[Client, Path]:
             client = LazyClient(part, cfg)
         for old in [k for k in _CACHE if k[0] != key[0]]:  # drop earlier runs' tensors
             del _CACHE[old]
-            _STAMPS.pop(old, None)
+            _CURRENT.discard(old)
         _CACHE[key] = client
     # Another Ray actor may have advanced this node since, or this is a restarted worker: the
-    # saved state is the truth whenever it changed after this process last saw it.
-    stamp = _stamp(work)
-    if stamp is None or _STAMPS.get(key) != stamp:
+    # saved state is the truth, unless this process is its only writer and already holds it.
+    if not (SOLE_WRITER and key in _CURRENT):
         client.restore(work)
-        _STAMPS[key] = stamp
+        _CURRENT.add(key)
     return client, work
 
 
@@ -90,10 +82,13 @@ def answer(msg: Message, context: Context) -> RecordDict:
     answer, and save the node-local state when the answer changed it."""
     client, work = node_client(msg, context)
     identity = str(context.node_config.get(P.NODE_IDENTITY_KEY, ""))
-    reply = handle(client, msg.metadata.message_type, from_flower(msg.content), identity)
+    try:
+        reply = handle(client, msg.metadata.message_type, from_flower(msg.content), identity)
+    except Exception:
+        _CURRENT.discard(cache_key(msg, context))  # a half-applied message: reload the saved state
+        raise
     if reply.changed:
         client.save(work)  # node-local: the private key and stage inputs stay in this folder
-        _STAMPS[cache_key(msg, context)] = _stamp(work)
     return to_flower(reply.records)
 
 

@@ -7,9 +7,10 @@ a Python start, an ``import torch`` and a partition load.
 
 It keeps nothing that the node's work folder does not also hold: every answer that changes the
 client is saved there before the reply goes out (as without a worker), so a new worker resumes
-where a killed one stopped. Clients are cached per (run key, node), so two runs on one node
-never share one; and any change to a client's saved state made by another process (a resumed
-run, a worker-less ClientApp) is loaded before the next answer.
+where a killed one stopped. It is the only process that writes its node's state
+(:data:`clients.node_client.SOLE_WRITER`), so a cached client is not reloaded before each
+message; after a message that raised, it is. Clients are cached per (run key, node), so two runs
+on one node never share one.
 
 Messages are answered one at a time, in arrival order: a SuperNode hands out one message at a
 time, and torch state is not shared across threads here.
@@ -27,6 +28,7 @@ from pathlib import Path
 
 from flwr.app import Context, Message, Metadata, RecordDict
 
+from clients import node_client
 from clients.node_client import answer, audit_target
 from clients.worker_link import (
     PID_NAME,
@@ -98,6 +100,7 @@ def serve(folder: str | Path, parent_pid: int | None = None) -> None:
         WorkerError: the folder is not the user's own 0700 folder, or has no secret.
     """
     folder = Path(folder)
+    node_client.SOLE_WRITER = True  # this process alone answers, and saves, for its node
     check_worker_dir(folder)
     secret = read_secret(folder)
     path = folder / SOCKET_NAME

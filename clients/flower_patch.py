@@ -8,11 +8,11 @@ offers no setting for them:
 - line 483, ``time.sleep(0.5)``: while it waits for the ClientApp's reply;
 - line 519, ``time.sleep(0.5)``: while it waits for a reply's objects in its store.
 
-Those three account for 3-4 s of every deployed round. :func:`shorten_supernode_sleeps` swaps the
-module's ``time`` for a proxy whose ``sleep`` maps each of those durations to tens of
-milliseconds; every other use of ``time`` in the module is untouched. The SuperExec's own
-1 s task poll *is* a setting (``FLWR_SUPEREXEC_TASK_POLL_INTERVAL``), set by
-:data:`SUPEREXEC_POLL_ENV`.
+A message can wait up to 3 s + 2 x 0.5 s on them, and the 3 s one is hit once a round.
+:func:`shorten_supernode_sleeps` swaps the module's ``time`` for a proxy whose ``sleep`` maps
+each of those durations to tens of milliseconds; every other use of ``time`` in the module is
+untouched. The SuperExec's own 1 s task poll *is* a setting
+(``FLWR_SUPEREXEC_TASK_POLL_INTERVAL``), set by :data:`SUPEREXEC_POLL_ENV`.
 
 The same module starts the SuperExec (lines 221-234: ``command = ["flower-superexec"]``, then
 ``subprocess.Popen(command)``). :func:`use_warm_superexec` swaps the module's ``subprocess`` for a

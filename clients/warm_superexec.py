@@ -3,8 +3,8 @@
     python -m clients.warm_superexec <flower-superexec flags>
 
 Flower's SuperExec starts ``flwr-clientapp`` as a new interpreter for every message: about 1.5 s
-of CPU for Python and Flower's imports before the app runs, 3-5 s of wall time when a round's
-three start at once on two cores (measured). Here the SuperExec is Flower's own
+of CPU for Python and Flower's imports before the app runs (measured on these machines), paid by
+every node in every round. Here the SuperExec is Flower's own
 (``flower-superexec``'s code, flags and loop), with one change: a ClientApp task is launched by
 a ``multiprocessing`` fork server that imported Flower's ClientApp runtime once
 (:data:`PRELOAD`). Each message still gets its own process running Flower's

@@ -39,6 +39,7 @@ from retexo_fl.data.partition import save_partition
 from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.metrics import RunRecorder
 from retexo_fl.protocol import Records
+from retexo_fl.training.inprocess import InProcessTransport
 from retexo_fl.training.lazy import run_lazy
 from retexo_fl.training.stages import LazyStageMachine
 from retexo_fl.training.transport import Batch
@@ -48,18 +49,20 @@ pytestmark = pytest.mark.slow  # each worker is a process that imports torch (ab
 CFG = {"dataset": "sbm:400,4", "clients": 2, "method": "random", "stages": 3, "rounds": 4, "hidden": 16}
 
 
-class WorkerTransport:
-    """The stage machine's transport over node workers: what a shim would send, as it sends it."""
+class WorkerTransport(InProcessTransport):
+    """The stage machine's transport over node workers: what a shim would send, as it sends it.
+
+    Addresses index ``folders`` (one worker each); the rest is the in-process transport's.
+    """
 
     engine = "worker-test"
 
     def __init__(self, folders: list[Path], parts: list[Path], work: Path) -> None:
+        super().__init__([])
+        self.clients = list(folders)  # what connect() counts
         self.folders, self.parts, self.work = folders, parts, work
         self.sent = 0
         self.before_send: Any = None
-
-    def connect(self, count: int) -> list[int]:
-        return list(range(count))
 
     def send(self, kind: str, requests: dict[int, Records], phase: str, stage: int) -> Batch:
         if self.before_send is not None:
@@ -77,15 +80,6 @@ class WorkerTransport:
             replies[a] = from_flower(content)
         self.sent += 1
         return Batch(replies)
-
-    def report(self, names: dict[int, int]) -> dict[str, Any]:
-        return {}
-
-    def snapshot(self) -> Any:
-        return None
-
-    def restore(self, snapshot: Any) -> None:
-        return None
 
 
 def _worker_pid(folder: Path, old: int | None = None, timeout: float = 60) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 # A tiny undirected graph: a triangle 0-1-2, a pendant 3 on 2, node 4 isolated.
 UNDIRECTED = [(0, 1), (1, 2), (2, 0), (2, 3)]
@@ -30,3 +31,22 @@ def gcn_edges(edge_index: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Ten
     loops = torch.arange(n).repeat(2, 1)
     ei = torch.cat([edge_index, loops], dim=1)
     return ei, deg[ei[0]].rsqrt() * deg[ei[1]].rsqrt()
+
+
+def layer_norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
+    """``norm(x)`` by hand: biased variance over the last dimension, then scale and shift."""
+    mean = x.mean(-1, keepdim=True)
+    var = x.var(-1, unbiased=False, keepdim=True)
+    return (x - mean) / torch.sqrt(var + norm.eps) * norm.weight + norm.bias
+
+
+class Recorder(nn.Module):
+    """Stands in for the dropout module: records every tensor it is applied to, changes nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.detach().clone())
+        return x

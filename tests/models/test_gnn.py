@@ -14,22 +14,17 @@ from retexo_fl.models.gnn import GNN
 from retexo_fl.models.stage import CONV_KINDS
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dense import N
+from dense import N, Recorder
 from dense import adjacency as _adjacency
 from dense import edges as _edges
 from dense import gcn_edges as _gcn_edges
+from dense import layer_norm as _layer_norm
 
 
 def _a_hat(edge_index: torch.Tensor, n: int) -> torch.Tensor:
     a = _adjacency(edge_index, n) + torch.eye(n)
     d = a.sum(1).rsqrt()
     return d[:, None] * a * d[None, :]
-
-
-def _layer_norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
-    mean = x.mean(-1, keepdim=True)
-    var = x.var(-1, unbiased=False, keepdim=True)
-    return (x - mean) / torch.sqrt(var + norm.eps) * norm.weight + norm.bias
 
 
 # ---- construction ----
@@ -200,24 +195,12 @@ def test_dropout_one_zeroes_the_last_layer_input(kind):
     torch.testing.assert_close(out, want)
 
 
-class _Recorder(nn.Module):
-    """Stands in for the dropout module: records every tensor it is applied to, changes nothing."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[torch.Tensor] = []
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.seen.append(x.detach().clone())
-        return x
-
-
 def test_dropout_before_every_conv():
     torch.manual_seed(0)
     model = GNN("sage", 4, 6, 3, layers=3).eval()
     x = torch.randn(N, 4)
     want = model(x, _edges())
-    model.dropout = _Recorder()
+    model.dropout = Recorder()
     torch.testing.assert_close(model(x, _edges()), want)
     seen = model.dropout.seen
     assert [tuple(t.shape) for t in seen] == [(N, 4), (N, 6), (N, 6)]

@@ -18,18 +18,16 @@ from retexo_fl.models.layered import LayeredGNN
 from retexo_fl.models.stage import CONV_KINDS, StageModel
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dense import N
+from dense import N, Recorder
 from dense import adjacency as _adjacency
 from dense import edges as _edges
 from dense import gcn_edges as _gcn_edges
+from dense import layer_norm as _layer_norm
 
 # A graph to partition: client A owns 0, 1, 2; 3 and 4 are its halo (one hop away) and 5 is two
 # hops away, so with two conv layers A's logits depend on node 5 only through the halo rows.
 PART_EDGES = [(0, 1), (1, 2), (2, 0), (2, 3), (3, 4), (1, 4), (4, 5)]
 PART_N, OWNED, HALO = 6, 3, 2
-
-
-
 
 
 def _conv_edges(kind: str, edge_index: torch.Tensor, n: int):
@@ -38,12 +36,6 @@ def _conv_edges(kind: str, edge_index: torch.Tensor, n: int):
 
 def _no_halo(model: LayeredGNN, hidden: int) -> list[torch.Tensor]:
     return [torch.zeros(0, hidden)] * model.num_convs
-
-
-def _layer_norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
-    mean = x.mean(-1, keepdim=True)
-    var = x.var(-1, unbiased=False, keepdim=True)
-    return (x - mean) / torch.sqrt(var + norm.eps) * norm.weight + norm.bias
 
 
 # ---- construction ----
@@ -273,18 +265,6 @@ def test_dropout_one_leaves_only_the_head_bias_in_training():
     assert not torch.allclose(model(x, _edges(), None, _no_halo(model, 8))[0], logits)
 
 
-class _Recorder(nn.Module):
-    """Stands in for the dropout module: records every tensor it is applied to, changes nothing."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[torch.Tensor] = []
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.seen.append(x.detach().clone())
-        return x
-
-
 def test_dropout_before_every_layer_and_the_head_halo_rows_included():
     """Dropout sees the raw features, each conv's whole input (owned then halo rows), the head input."""
     torch.manual_seed(0)
@@ -294,7 +274,7 @@ def test_dropout_before_every_layer_and_the_head_halo_rows_included():
     local = full_ei[:, full_ei[1] < OWNED]
     halo = [torch.randn(HALO, 5), torch.randn(HALO, 5)]
     want_logits, inputs = model(x, local, None, halo)
-    model.dropout = _Recorder()
+    model.dropout = Recorder()
     logits, _ = model(x, local, None, halo)
     torch.testing.assert_close(logits, want_logits)
     seen = model.dropout.seen

@@ -146,9 +146,7 @@ def test_sage_stages_by_hand():
     mx = StageModel("sage-max", 4, 6, 3, norm="none").eval()
     b = mx.body
     proj = torch.relu(x @ b.lin.weight.T + b.lin.bias)  # neighbours are projected, then max-pooled
-    pooled = torch.stack(
-        [proj[a[i] > 0].max(0).values if a[i].any() else torch.zeros(4) for i in range(N)]
-    )
+    pooled = torch.stack([proj[a[i] > 0].max(0).values if a[i].any() else torch.zeros(4) for i in range(N)])
     want = torch.relu(pooled @ b.lin_l.weight.T + b.lin_l.bias + x @ b.lin_r.weight.T)
     torch.testing.assert_close(mx(x, ei)[0], want)
 

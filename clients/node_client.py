@@ -11,11 +11,12 @@ from pathlib import Path
 
 from flwr.app import Context, Message, RecordDict
 
-from clients.node import cache_key, partition_dir, run_config, work_dir
+from clients.node import cache_key, partition_dir, run_config, who, work_dir
 from clients.records import from_flower, to_flower
 from retexo_fl import protocol as P
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partition import Partition, load_partition, save_partition
+from retexo_fl.secure.policy import PartyPolicy
 from retexo_fl.training.client import Client
 from retexo_fl.training.eager_client import EagerClient
 from retexo_fl.training.handlers import handle
@@ -48,18 +49,30 @@ def load_node_partition(context: Context, cfg: TrainConfig, work: Path) -> Parti
     return parts[pid]
 
 
+def node_policy(context: Context) -> PartyPolicy:
+    """This party's security policy: its node config (or, in simulation, the command line's)."""
+    return PartyPolicy.from_node_config(context.node_config, who(context))
+
+
 def node_client(msg: Message, context: Context) -> tuple[Client, Path]:
-    """This node's client for the message's run, restored to its saved state, and its work folder."""
+    """This node's client for the message's run, restored to its saved state, and its work folder.
+
+    Raises:
+        PolicyError: the message's run config is weaker than this party's policy.
+    """
     cfg = run_config(msg, context)
+    policy = node_policy(context)
+    # Every message: a server may send a weaker config to a client it already set up.
+    policy.check(cfg, who(context))
     key = cache_key(msg, context)
     work = work_dir(context, *key)
     client = _CACHE.get(key)
     if client is None:
         part = load_node_partition(context, cfg, work)
         if cfg.mode in ("eager", "local"):
-            client = EagerClient(part, cfg, local=cfg.mode == "local")
+            client = EagerClient(part, cfg, local=cfg.mode == "local", policy=policy)
         else:
-            client = LazyClient(part, cfg)
+            client = LazyClient(part, cfg, policy)
         for old in [k for k in _CACHE if k[0] != key[0]]:  # drop earlier runs' tensors
             del _CACHE[old]
             _CURRENT.discard(old)
@@ -81,9 +94,8 @@ def answer(msg: Message, context: Context) -> RecordDict:
     """This node's reply content to ``msg``: restore the client, let the library's handler
     answer, and save the node-local state when the answer changed it."""
     client, work = node_client(msg, context)
-    identity = str(context.node_config.get(P.NODE_IDENTITY_KEY, ""))
     try:
-        reply = handle(client, msg.metadata.message_type, from_flower(msg.content), identity)
+        reply = handle(client, msg.metadata.message_type, from_flower(msg.content))
     except Exception:
         _CURRENT.discard(cache_key(msg, context))  # a half-applied message: reload the saved state
         raise
@@ -93,13 +105,13 @@ def answer(msg: Message, context: Context) -> RecordDict:
 
 
 def audit_target(msg: Message, context: Context) -> dict | None:
-    """Where and as whom this node records its replies (``audit`` in the run config, or node
-    config ``audit-dir``), or None when it does not. The handler has just built or restored the
-    client: it is read from the cache, not restored again."""
+    """Where and as whom this node records its replies (its policy's audit folder: node config
+    ``audit-dir``, never the server's run config), or None when it does not. The handler has
+    just built or restored the client: it is read from the cache, not restored again."""
     client = cached_client(msg, context)
-    folder = context.node_config.get(P.NODE_AUDIT_DIR) or client.cfg.audit
+    folder = client.policy.audit_dir
     if not folder:
         return None
     partition = str(partition_dir(context, client.cfg))
-    encrypted = client.cfg.encrypt
+    encrypted = client.channel.enabled
     return {"folder": str(folder), "client": client.id, "partition": partition, "encrypted": encrypted}

@@ -48,6 +48,9 @@ SPLIT = "split"  # evaluate: "val" or "test"
 KEYS = "keys"  # setup: JSON {client id: public key hex}, the key directory
 PARTITION_ID = "partition-id"  # replies to hello and setup: which partition this client holds
 PUBLIC_KEY = "public-key"  # reply to hello: X25519 public key, hex
+CONTRIBUTION = "contribution"  # reply to hello: the client's random transcript contribution, hex
+CONTRIBUTIONS = "contributions"  # setup: JSON {client id: contribution hex}, relayed
+PINS = "pins"  # setup: the digest of the pin set the run config names (retexo_fl.secure.keys.pin_digest)
 NUM_CLASSES = "num-classes"
 NUM_FEATURES = "num-features"
 DIGESTS = "digests"  # reply to setup: JSON of the boundary plan's digests
@@ -71,6 +74,10 @@ NODE_WORK_DIR = "work-dir"  # node-local state between messages (default: the te
 NODE_IDENTITY_KEY = "identity-key"  # deployed: this party's long-term X25519 private key file
 NODE_AUDIT_DIR = "audit-dir"  # record every reply this node sends (retexo-fl audit)
 NODE_WORKER = "worker"  # set by `retexo-fl supernode`: the node worker's folder (socket, secret)
+NODE_ENCRYPT = "encrypt"  # policy: require sealed payloads (default true; false allows plaintext)
+NODE_PINNED_KEYS = "pinned-keys"  # policy: the pins this party got out of band (JSON file)
+NODE_MIN_DP_NOISE = "min-dp-noise"  # policy: the least update DP noise multiplier accepted
+NODE_MAX_DP_CLIP = "max-dp-clip"  # policy: with min-dp-noise, the largest clipping norm accepted
 
 # Kinds of relayed frames (delivery keys and the envelopes' associated data).
 DEGREES = "deg"

@@ -10,11 +10,18 @@ from flwr.serverapp import ServerApp
 from clients.app import app as client_app
 from clients.node import WORK_DIR_ENV
 from retexo_fl.config import TrainConfig
+from retexo_fl.secure.policy import POLICY_ENV, PartyPolicy
 from server.app import run_server
 from server.checkpoint import resumed_config
 
 
-def simulate(cfg: TrainConfig, *, cpus_per_client: float = 1.0, work_dir: str | Path | None = None) -> dict:
+def simulate(
+    cfg: TrainConfig,
+    *,
+    cpus_per_client: float = 1.0,
+    work_dir: str | Path | None = None,
+    policy: PartyPolicy | None = None,
+) -> dict:
     """Run one lazy, eager or local job through Flower's simulation engine (Ray) and return its summary.
 
     Flower's Python ``run_simulation`` API passes no run config, so the config travels in the
@@ -27,6 +34,9 @@ def simulate(cfg: TrainConfig, *, cpus_per_client: float = 1.0, work_dir: str | 
         cpus_per_client (float, optional): CPUs Ray reserves per virtual node. (default: ``1.0``)
         work_dir (str or Path, optional): the base of the virtual nodes' work folders (their saved
             state and cached partitions); else ``$RETEXO_FL_WORK_DIR`` or the temp folder.
+            (default: :obj:`None`)
+        policy (PartyPolicy, optional): every virtual party's own security policy; :obj:`None`
+            for the security settings of ``cfg`` (the command line the user started them with).
             (default: :obj:`None`)
     """
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
@@ -44,10 +54,13 @@ def simulate(cfg: TrainConfig, *, cpus_per_client: float = 1.0, work_dir: str | 
     def _main(grid, context) -> None:
         result.update(run_server(grid, cfg))
 
-    # Ray's workers inherit the driver's environment when run_simulation starts them.
-    previous = os.environ.get(WORK_DIR_ENV)
+    # Ray's workers inherit the driver's environment when run_simulation starts them: the
+    # virtual nodes' work folders and their own policy travel that way, not in a server message.
+    env = {POLICY_ENV: (policy or PartyPolicy.from_settings(cfg.security)).to_json()}
     if work_dir is not None:
-        os.environ[WORK_DIR_ENV] = str(work_dir)
+        env[WORK_DIR_ENV] = str(work_dir)
+    previous = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         run_simulation(
             server_app=server_app,
@@ -59,11 +72,11 @@ def simulate(cfg: TrainConfig, *, cpus_per_client: float = 1.0, work_dir: str | 
             },
         )
     finally:
-        if work_dir is not None:
-            if previous is None:
-                os.environ.pop(WORK_DIR_ENV, None)
+        for k, v in previous.items():
+            if v is None:
+                os.environ.pop(k, None)
             else:
-                os.environ[WORK_DIR_ENV] = previous
+                os.environ[k] = v
     if "test_accuracy" not in result:
         raise RuntimeError(
             "the Flower simulation ended without a summary (see the log above for the ServerApp error)"

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from retexo_fl.secure.envelope import Envelopes, Route
+from retexo_fl.secure.envelope import CONTRIBUTION_BYTES, Envelopes, Route, transcript_hash
 from retexo_fl.secure.keys import (
     KeyMaterialError,
     check_directory,
@@ -20,54 +20,67 @@ from retexo_fl.secure.keys import (
 class PeerChannel:
     """End-to-end sealing of the frames one party relays through the server to its peers.
 
-    The server only routes: it collects public keys, hands every party the directory, and
-    forwards sealed frames it cannot open. With ``enabled=False`` frames pass in clear
-    (debugging only).
+    The server only routes: it collects public keys and each party's random contribution to the
+    run transcript, hands every party the directory, and forwards sealed frames it cannot open.
+    With ``enabled=False`` frames pass in clear (debugging only).
 
     Args:
         party (int): this party's client (partition) id.
         enabled (bool, optional): seal frames. (default: :obj:`True`)
-        identity_keys (str, optional): a folder of ``client-<id>.key`` identity keys; empty for a
-            key pair made for this run. (default: ``""``)
+        identity_key (str, optional): this party's X25519 private key file; empty for a key pair
+            made for this run. (default: ``""``)
         pinned_keys (str, optional): a JSON file ``{client id: public key hex}`` exchanged out of
             band; the directory must agree with it. (default: ``""``)
     """
 
     def __init__(
-        self, party: int, enabled: bool = True, identity_keys: str = "", pinned_keys: str = ""
+        self, party: int, enabled: bool = True, identity_key: str = "", pinned_keys: str = ""
     ) -> None:
         self.party = party
         self.enabled = enabled
-        self.identity_keys = identity_keys
+        self.identity_key = identity_key
         self.pinned_keys = pinned_keys
         self.identity: X25519PrivateKey | None = None
+        self.own_contribution: bytes | None = None
         self.directory: dict[int, bytes] | None = None
-        self.run_id = 0
+        self.transcript: bytes | None = None
         self.envelopes: Envelopes | None = None
 
-    def public_key(self, identity_path: str = "") -> bytes:
-        """This party's X25519 public key (32 bytes): from ``identity_path``, the identity-keys
-        folder, or a key pair made for this run."""
+    @property
+    def where(self) -> str:
+        return f"client {self.party}"
+
+    def public_key(self) -> bytes:
+        """This party's X25519 public key (32 bytes): from its identity key file, or a key pair
+        made for this run."""
         if self.identity is None:
-            path = identity_path or (
-                str(Path(self.identity_keys) / f"client-{self.party}.key") if self.identity_keys else ""
+            self.identity = (
+                load_private_key(self.identity_key) if self.identity_key else X25519PrivateKey.generate()
             )
-            self.identity = load_private_key(path) if path else X25519PrivateKey.generate()
         return public_bytes(self.identity)
 
-    def connect(self, directory: dict[int, bytes], run_id: int, peers: set[int]) -> None:
-        """Derive the sealed channels to ``peers`` from the server's key ``directory``.
+    def contribution(self) -> bytes:
+        """This party's fresh random contribution to the run transcript (made once per run)."""
+        if self.own_contribution is None:
+            self.own_contribution = os.urandom(CONTRIBUTION_BYTES)
+        return self.own_contribution
+
+    def connect(
+        self, directory: dict[int, bytes], run_id: int, peers: set[int], contributions: dict[int, bytes]
+    ) -> None:
+        """Derive the sealed channels to ``peers`` from the server's key directory and transcript.
 
         Args:
             directory (dict[int, bytes]): client id -> public key, as the server relayed it.
-            run_id (int): the run key both sides bind their keys to.
+            run_id (int): the server's run key.
             peers (set[int]): the clients this party sends rows to or receives rows from.
+            contributions (dict[int, bytes]): client id -> its transcript contribution, as relayed.
 
         Raises:
-            KeyMaterialError: the directory misses a peer, has another key for this party, or
-                disagrees with the pinned keys.
+            KeyMaterialError: the directory misses a peer, has another key or contribution for
+                this party, lacks a contribution, or disagrees with the pinned keys.
         """
-        where = f"client {self.party}"
+        where = self.where
         pins = load_pins(self.pinned_keys) if self.pinned_keys else None
         check_directory(directory, pins, where)
         if directory.get(self.party) != self.public_key():
@@ -75,9 +88,24 @@ class PeerChannel:
         missing = sorted(peers - set(directory))
         if missing:
             raise KeyMaterialError(f"{where}: no public key for peer clients {missing}")
-        self.directory, self.run_id = dict(directory), int(run_id)
-        assert self.identity is not None  # public_key() above made or loaded it
-        self.envelopes = Envelopes(self.party, self.identity, self.run_id, {q: directory[q] for q in peers})
+        if set(contributions) != set(directory) or any(
+            len(c) != CONTRIBUTION_BYTES for c in contributions.values()
+        ):
+            raise KeyMaterialError(f"{where}: the transcript contributions do not match the key directory")
+        # Without this party's own fresh contribution the transcript could be an old run's.
+        if contributions[self.party] != self.contribution():
+            raise KeyMaterialError(f"{where}: the transcript holds another contribution for this client")
+        transcript = transcript_hash(int(run_id), directory, contributions)
+        self._open(directory, transcript, peers, None)
+
+    def _open(
+        self, directory: dict[int, bytes], transcript: bytes, peers: set[int], counters: dict | None
+    ) -> None:
+        assert self.identity is not None
+        self.directory, self.transcript = dict(directory), transcript
+        self.envelopes = Envelopes(
+            self.party, self.identity, transcript, {q: directory[q] for q in peers}, counters
+        )
 
     def _ready(self) -> Envelopes:
         if self.envelopes is None:
@@ -89,7 +117,9 @@ class PeerChannel:
         if not self.enabled:
             return frames
         envelopes = self._ready()
-        return {q: envelopes.seal(f, Route(kind, stage, round_, self.party, q)) for q, f in frames.items()}
+        return {
+            q: envelopes.seal(f, Route(kind, stage, round_, self.party, q)) for q, f in sorted(frames.items())
+        }
 
     def open(
         self, blobs: dict[int, bytes], kind: str, stage: int, min_round: int = 0
@@ -97,7 +127,8 @@ class PeerChannel:
         """Opened frames (source -> frame) and the newest round they were sealed in.
 
         Raises:
-            EnvelopeError: a blob is tampered, replayed (older than ``min_round``) or misrouted.
+            EnvelopeError: a blob is tampered, replayed, reordered (older than ``min_round``, or
+                numbered at or below one accepted before) or misrouted.
         """
         if not self.enabled:
             return blobs, 0
@@ -108,17 +139,23 @@ class PeerChannel:
             newest = max(newest, rnd)
         return out, newest
 
-    def to_state(self) -> tuple[str | None, dict[int, str] | None, int]:
-        """(private key hex, directory as hex, run id): what a node keeps between messages."""
-        identity = None if self.identity is None else private_bytes(self.identity).hex()
-        directory = None if self.directory is None else {q: k.hex() for q, k in self.directory.items()}
-        return identity, directory, self.run_id
+    def to_state(self) -> dict:
+        """What a node keeps between messages: private key, contribution, directory, transcript
+        and counters (hex and ints; the private key never leaves the node's work folder)."""
+        return {
+            "identity": None if self.identity is None else private_bytes(self.identity).hex(),
+            "contribution": None if self.own_contribution is None else self.own_contribution.hex(),
+            "directory": None if self.directory is None else {q: k.hex() for q, k in self.directory.items()},
+            "transcript": None if self.transcript is None else self.transcript.hex(),
+            "counters": None if self.envelopes is None else self.envelopes.counters(),
+        }
 
-    def load_state(
-        self, identity: str | None, directory: dict[int, str] | None, run_id: int, peers: set[int]
-    ) -> None:
-        """Restore what :meth:`to_state` returned (reconnecting to the peers when it had a directory)."""
-        if identity:
-            self.identity = X25519PrivateKey.from_private_bytes(bytes.fromhex(identity))
-        if directory:
-            self.connect({int(q): bytes.fromhex(k) for q, k in directory.items()}, run_id, peers)
+    def load_state(self, state: dict, peers: set[int]) -> None:
+        """Restore what :meth:`to_state` returned (reopening the channels when it had them)."""
+        if state.get("identity"):
+            self.identity = X25519PrivateKey.from_private_bytes(bytes.fromhex(state["identity"]))
+        if state.get("contribution"):
+            self.own_contribution = bytes.fromhex(state["contribution"])
+        if state.get("directory") and state.get("transcript"):
+            directory = {int(q): bytes.fromhex(k) for q, k in state["directory"].items()}
+            self._open(directory, bytes.fromhex(state["transcript"]), peers, state.get("counters"))

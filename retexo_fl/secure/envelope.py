@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 from dataclasses import dataclass
@@ -12,14 +13,18 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-MAGIC = b"RXE1"
+from retexo_fl.secure.keys import public_bytes
+
+MAGIC = b"RXE2"
 KINDS = {"deg": 1, "halo": 2, "eager": 3}
-# magic, kind, stage, round, source, destination: in clear, and authenticated.
-_HEAD = struct.Struct(">4sBHIII")
+# magic, kind, stage, round, source, destination, channel counter: in clear, and authenticated.
+_HEAD = struct.Struct(">4sBHIIIQ")
 NONCE_BYTES = 12
 TAG_BYTES = 16
 #: Bytes a sealed payload adds to its frame.
 ENVELOPE_BYTES = _HEAD.size + NONCE_BYTES + TAG_BYTES
+#: Bytes of a client's contribution to the run transcript.
+CONTRIBUTION_BYTES = 32
 
 
 class EnvelopeError(ValueError):
@@ -44,49 +49,94 @@ class Route:
     src: int
     dst: int
 
-    def header(self) -> bytes:
-        """The clear, authenticated header: magic, kind, stage, round, source, destination."""
-        return _HEAD.pack(MAGIC, KINDS[self.kind], self.stage, self.round, self.src, self.dst)
+    def header(self, counter: int) -> bytes:
+        """The clear, authenticated header: magic, kind, stage, round, source, destination and the
+        direction's ``counter``."""
+        return _HEAD.pack(MAGIC, KINDS[self.kind], self.stage, self.round, self.src, self.dst, counter)
 
 
-def _key(own: X25519PrivateKey, peer: bytes, run_id: int, src: int, dst: int) -> bytes:
-    shared = own.exchange(X25519PublicKey.from_public_bytes(peer))
-    return HKDF(
-        algorithm=hashes.SHA256(),
-        length=32,
-        salt=struct.pack(">Q", run_id & (2**64 - 1)),
-        info=f"retexo-fl boundary v1 {src}->{dst}".encode(),
-    ).derive(shared)
+def transcript_hash(run_id: int, directory: dict[int, bytes], contributions: dict[int, bytes]) -> bytes:
+    """SHA-256 of the run's key-setup transcript: the run key, and every party's id, public key
+    and fresh random contribution, in id order.
+
+    Every party contributes, so no transcript repeats while one party is honest: a server that
+    reuses a run key, or replays an old directory, still gets new channel keys.
+
+    Args:
+        run_id (int): the server's run key.
+        directory (dict[int, bytes]): client id -> 32-byte public key.
+        contributions (dict[int, bytes]): client id -> its :data:`CONTRIBUTION_BYTES` random bytes.
+    """
+    h = hashlib.sha256(b"retexo-fl transcript v2")
+    h.update(struct.pack(">Q", run_id & (2**64 - 1)))
+    for pid in sorted(directory):
+        h.update(struct.pack(">I", pid) + directory[pid] + contributions[pid])
+    return h.digest()
+
+
+def _key(own: X25519PrivateKey, peer: bytes, transcript: bytes, src: int, dst: int, own_id: int) -> bytes:
+    mine = public_bytes(own)
+    src_pub, dst_pub = (mine, peer) if src == own_id else (peer, mine)
+    # Like libsodium's crypto_kx and Noise: the key binds both public keys, the direction and the
+    # whole transcript, not only the shared secret and a server-chosen salt.
+    info = b"retexo-fl boundary v2" + struct.pack(">II", src, dst) + src_pub + dst_pub
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=transcript, info=info).derive(
+        own.exchange(X25519PublicKey.from_public_bytes(peer))
+    )
 
 
 class Envelopes:
     """One client's sealed channels to and from each peer.
 
     Each direction has its own AES-256-GCM key, derived with HKDF-SHA256 from the X25519 shared
-    secret, salted with the run id (so no key outlives its run) and labelled with the direction.
-    Nonces are 96 random bits per payload. The associated data is the run id and the header
-    (kind, stage, round, source, destination), so a payload opened anywhere but its
-    destination, at any other stage or round, or altered in any byte, fails authentication.
+    secret, salted with the run's :func:`transcript_hash` and labelled with the direction and both
+    public keys. Nonces are 96 random bits per payload. Each direction numbers its payloads; a
+    receiver accepts only a number above the last it accepted (or that same payload again, byte
+    for byte, as a resumed server re-delivers it), so replays and reordering are refused. The
+    associated data is the transcript and the header (kind, stage, round, source, destination,
+    number): a payload opened anywhere but its destination, in another run, stage or round, or
+    altered in any byte, fails.
 
     Args:
         own_id (int): this client.
         key (X25519PrivateKey): its X25519 private key.
-        run_id (int): the run, known to every party.
-        directory (dict[int, bytes]): every party's public key (``{client id: 32 bytes}``).
+        transcript (bytes): the run's :func:`transcript_hash`.
+        directory (dict[int, bytes]): the peers' public keys (``{client id: 32 bytes}``).
+        counters (dict, optional): what :meth:`counters` returned before (a restored client).
+            (default: :obj:`None`)
     """
 
-    def __init__(self, own_id: int, key: X25519PrivateKey, run_id: int, directory: dict[int, bytes]) -> None:
-        self.own_id, self.run_id = own_id, run_id
-        self._aad_run = struct.pack(">Q", run_id & (2**64 - 1))
+    def __init__(
+        self,
+        own_id: int,
+        key: X25519PrivateKey,
+        transcript: bytes,
+        directory: dict[int, bytes],
+        counters: dict | None = None,
+    ) -> None:
+        self.own_id, self.transcript = own_id, bytes(transcript)
+        peers = {q: pub for q, pub in directory.items() if q != own_id}
         self._send = {
-            q: AESGCM(_key(key, pub, run_id, own_id, q)) for q, pub in directory.items() if q != own_id
+            q: AESGCM(_key(key, pub, self.transcript, own_id, q, own_id)) for q, pub in peers.items()
         }
         self._recv = {
-            p: AESGCM(_key(key, pub, run_id, p, own_id)) for p, pub in directory.items() if p != own_id
+            p: AESGCM(_key(key, pub, self.transcript, p, own_id, own_id)) for p, pub in peers.items()
+        }
+        counters = counters or {}
+        self._sent: dict[int, int] = {int(q): int(n) for q, n in counters.get("sent", {}).items()}
+        self._accepted: dict[int, tuple[int, str]] = {
+            int(p): (int(v[0]), str(v[1])) for p, v in counters.get("accepted", {}).items()
+        }
+
+    def counters(self) -> dict:
+        """Each direction's last number sent and last accepted (with its payload's digest)."""
+        return {
+            "sent": dict(self._sent),
+            "accepted": {p: [n, d] for p, (n, d) in self._accepted.items()},
         }
 
     def seal(self, frame: bytes, route: Route) -> bytes:
-        """Encrypt ``frame`` for ``route``'s destination.
+        """Encrypt ``frame`` for ``route``'s destination, numbered next in its direction.
 
         Args:
             frame (bytes): the plaintext payload.
@@ -100,9 +150,11 @@ class Envelopes:
         """
         if route.src != self.own_id or route.dst not in self._send:
             raise EnvelopeError(f"client {self.own_id}: no channel for {route}")
-        head = route.header()
+        counter = self._sent.get(route.dst, 0) + 1
+        self._sent[route.dst] = counter
+        head = route.header(counter)
         nonce = os.urandom(NONCE_BYTES)
-        return head + nonce + self._send[route.dst].encrypt(nonce, frame, self._aad_run + head)
+        return head + nonce + self._send[route.dst].encrypt(nonce, frame, self.transcript + head)
 
     def open(self, blob: bytes, kind: str, stage: int, src: int, min_round: int = 0) -> tuple[bytes, int]:
         """The frame in ``blob`` from client ``src``, and the round it was sent in.
@@ -119,13 +171,14 @@ class Envelopes:
 
         Raises:
             EnvelopeError: naming ``src`` when the payload is cut, was sealed for another
-                destination, kind or stage, is older than ``min_round``, or fails authentication.
+                destination, kind or stage, is older than ``min_round``, is numbered at or below
+                one accepted before (replayed or reordered), or fails authentication.
         """
         where = f"client {self.own_id}: payload from client {src} ({kind}, stage {stage})"
         blob = bytes(blob)
         if len(blob) < ENVELOPE_BYTES:
             raise EnvelopeError(f"{where}: {len(blob)} bytes, shorter than an envelope ({ENVELOPE_BYTES})")
-        magic, k, st, rnd, s, d = _HEAD.unpack_from(blob)
+        magic, k, st, rnd, s, d, counter = _HEAD.unpack_from(blob)
         if magic != MAGIC:
             raise EnvelopeError(f"{where}: not a sealed payload (magic {magic!r}); is encryption off there?")
         if s != src or d != self.own_id:
@@ -136,9 +189,16 @@ class Envelopes:
             raise EnvelopeError(f"{where}: replayed, sealed in round {rnd}, expected round >= {min_round}")
         if src not in self._recv:
             raise EnvelopeError(f"{where}: client {src} is not in the key directory")
+        digest = hashlib.sha256(blob).hexdigest()
+        last, last_digest = self._accepted.get(src, (0, ""))
+        if counter < last or (counter == last and digest != last_digest):
+            raise EnvelopeError(
+                f"{where}: replayed or reordered, numbered {counter} after number {last} was accepted"
+            )
         head, nonce = blob[: _HEAD.size], blob[_HEAD.size : _HEAD.size + NONCE_BYTES]
         try:
-            frame = self._recv[src].decrypt(nonce, blob[_HEAD.size + NONCE_BYTES :], self._aad_run + head)
+            frame = self._recv[src].decrypt(nonce, blob[_HEAD.size + NONCE_BYTES :], self.transcript + head)
         except InvalidTag:
             raise EnvelopeError(f"{where}: failed authentication (tampered, truncated or forged)") from None
+        self._accepted[src] = (counter, digest)
         return frame, rnd

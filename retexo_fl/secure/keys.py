@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import stat
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
@@ -35,19 +37,34 @@ def public_bytes(key: X25519PrivateKey | X25519PublicKey) -> bytes:
     return pub.public_bytes(Encoding.Raw, PublicFormat.Raw)
 
 
+def private_folder(path: str | os.PathLike[str]) -> Path:
+    """``path`` as a folder only its owner can enter (created 0700; an existing one made 0700).
+
+    Args:
+        path (str | os.PathLike[str]): the folder.
+    """
+    folder = Path(path)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if stat.S_IMODE(folder.stat().st_mode) & 0o077:
+        folder.chmod(0o700)
+    return folder
+
+
 def save_private_key(key: X25519PrivateKey, path: str | os.PathLike[str]) -> Path:
-    """Write the raw 32-byte private key, readable by its owner only.
+    """Write the raw 32-byte private key, readable by its owner only, in a folder only its owner
+    can enter.
 
     Args:
         key (X25519PrivateKey): the key.
-        path (str | os.PathLike[str]): the file; its folder is created.
+        path (str | os.PathLike[str]): the file; its folder is created (0700).
 
     Returns:
         The file's path.
     """
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    private_folder(out.parent)
     fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # O_CREAT's mode applies to new files only: an old 0644 key is tightened
     with os.fdopen(fd, "wb") as f:
         f.write(private_bytes(key))
     return out
@@ -60,11 +77,18 @@ def load_private_key(path: str | os.PathLike[str]) -> X25519PrivateKey:
         path (str | os.PathLike[str]): the identity key file.
 
     Raises:
-        KeyMaterialError: if the file is missing or not 32 bytes.
+        KeyMaterialError: if the file is missing, readable or writable by others than its owner,
+            or not 32 bytes.
     """
     p = Path(path)
     if not p.is_file():
         raise KeyMaterialError(f"{p}: identity key file not found")
+    mode = stat.S_IMODE(p.stat().st_mode)
+    if mode & 0o077:
+        raise KeyMaterialError(
+            f"{p}: a private key others can read or write (mode {mode:o}); refusing it "
+            f"(chmod 600 {p}, and replace the key if others may have read it)"
+        )
     raw = p.read_bytes()
     if len(raw) != KEY_BYTES:
         raise KeyMaterialError(f"{p}: an X25519 private key is {KEY_BYTES} raw bytes, found {len(raw)}")
@@ -119,6 +143,16 @@ def load_pins(path: str | os.PathLike[str]) -> dict[int, bytes]:
     return out
 
 
+def pin_digest(pins: dict[int, bytes]) -> str:
+    """A short digest of a pin set, the same for every party holding the same pins.
+
+    Args:
+        pins (dict[int, bytes]): ``{client id: public key}``.
+    """
+    text = "".join(f"{pid}:{key.hex()}\n" for pid, key in sorted(pins.items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
 def check_directory(directory: dict[int, bytes], pins: dict[int, bytes] | None, where: str) -> None:
     """Refuse a key directory that disagrees with the pins (a server that swapped a key).
 
@@ -153,7 +187,7 @@ def write_identities(clients: int, out: str | os.PathLike[str]) -> Path:
     Returns:
         The folder.
     """
-    root = Path(out)
+    root = private_folder(out)
     pins = {}
     for pid in range(clients):
         key = X25519PrivateKey.generate()

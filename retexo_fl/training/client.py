@@ -28,6 +28,7 @@ from retexo_fl.data.partition import Partition
 from retexo_fl.plan import BoundaryPlan, LocalGraph
 from retexo_fl.protocol import DEGREES, Records
 from retexo_fl.secure.channel import PeerChannel
+from retexo_fl.secure.policy import PartyPolicy
 from retexo_fl.seeding import derive_seed, resolve_device, seed_dropout
 from retexo_fl.training.drift import next_client_control, zeros_like_state
 from retexo_fl.training.state import ClientState, StateDict
@@ -64,10 +65,16 @@ class Client(ABC):
 
     Args:
         part (Partition): this client's validated partition.
-        cfg (TrainConfig): the run configuration.
+        cfg (TrainConfig): the run configuration (the server's, in a federation).
+        policy (PartyPolicy, optional): this party's own security policy; :obj:`None` for the
+            security settings in ``cfg`` (a party the user started with that config).
+            (default: :obj:`None`)
+
+    Raises:
+        PolicyError: ``cfg`` is weaker than the policy.
     """
 
-    def __init__(self, part: Partition, cfg: TrainConfig) -> None:
+    def __init__(self, part: Partition, cfg: TrainConfig, policy: PartyPolicy | None = None) -> None:
         self.part = part
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
@@ -94,7 +101,16 @@ class Client(ABC):
         self.control: StateDict | None = None  # drift correction: this client's c_i, this stage
         self.control_view: StateDict | None = None  # ... and the server's c as broadcast
         self.view: StateDict | None = None  # the model as the compressed broadcast left it
-        self.channel = PeerChannel(part.partition_id, cfg.encrypt, cfg.identity_keys, cfg.pinned_keys)
+        # The party's own policy, never the server's run config, says what it requires and which
+        # pins, key and audit folder it uses.
+        self.policy = policy if policy is not None else PartyPolicy.from_settings(cfg.security)
+        self.policy.check(cfg, f"client {part.partition_id}")
+        self.channel = PeerChannel(
+            part.partition_id,
+            cfg.encrypt,
+            self.policy.identity_file(part.partition_id),
+            self.policy.pinned_keys,
+        )
         self.delay = 0.0  # emulated seconds per local step (eager / local: step-delay)
         self.last_steps = 0  # local steps the last round took
 
@@ -152,18 +168,19 @@ class Client(ABC):
         return int(self.cfg.per_stage("local_epochs", self.layer_index())), None
 
     # -- end-to-end encryption --------------------------------------------------------------
-    def public_key(self, identity_path: str = "") -> bytes:
+    def public_key(self) -> bytes:
         """This client's X25519 public key (see :meth:`PeerChannel.public_key`)."""
-        return self.channel.public_key(identity_path)
+        return self.channel.public_key()
 
-    def connect(self, directory: dict[int, bytes], run_id: int) -> None:
-        """Derive the sealed channels to every peer from the server's key directory.
+    def connect(self, directory: dict[int, bytes], run_id: int, contributions: dict[int, bytes]) -> None:
+        """Derive the sealed channels to every peer from the server's key directory and the
+        parties' transcript contributions.
 
         Raises:
-            KeyMaterialError: the directory misses a peer, has another key for this client, or
-                disagrees with the pinned keys (``pinned-keys``).
+            KeyMaterialError: the directory misses a peer, has another key or contribution for
+                this client, or disagrees with this party's pinned keys.
         """
-        self.channel.connect(directory, run_id, self.peers)
+        self.channel.connect(directory, run_id, self.peers, contributions)
 
     # -- one-time setup exchange ------------------------------------------------------------
     def needs_degrees(self) -> bool:
@@ -414,16 +431,13 @@ class Client(ABC):
     # -- node-local state -------------------------------------------------------------------
     def snapshot(self) -> ClientState:
         """Everything a later message needs besides the partition."""
-        identity, directory, run_id = self.channel.to_state()
         return ClientState(
             halo_degree=self.halo_degree,
             residual=self.residual,
             control=self.control,
             control_view=self.control_view,
             view=self.view if self.cfg.broadcast_bits < 32 else None,
-            identity=identity,
-            directory=directory,
-            run_id=run_id,
+            channel=self.channel.to_state(),
         )
 
     def load_snapshot(self, state: ClientState) -> None:
@@ -435,7 +449,8 @@ class Client(ABC):
         self.view = state.view
         self._edges = None
         self._weights = None
-        self.channel.load_state(state.identity, state.directory, state.run_id, self.peers)
+        if state.channel:
+            self.channel.load_state(state.channel, self.peers)
 
     def save(self, folder: str | Path) -> None:
         """Write :meth:`snapshot` to a node-local ``folder`` (atomically, owner-only)."""

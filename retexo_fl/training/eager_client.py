@@ -23,6 +23,7 @@ from retexo_fl.data.partition import Partition
 from retexo_fl.models.factory import build_layered_model
 from retexo_fl.models.layered import LayeredGNN
 from retexo_fl.protocol import EAGER
+from retexo_fl.secure.policy import PartyPolicy
 from retexo_fl.seeding import derive_seed
 from retexo_fl.training.client import Client
 from retexo_fl.training.state import ClientState, StateDict
@@ -61,10 +62,14 @@ class EagerClient(Client):
         part (Partition): this client's validated partition.
         cfg (TrainConfig): the run configuration.
         local (bool, optional): drop every cross edge (local mode). (default: :obj:`False`)
+        policy (PartyPolicy, optional): this party's own security policy (see :class:`Client`).
+            (default: :obj:`None`)
     """
 
-    def __init__(self, part: Partition, cfg: TrainConfig, local: bool = False) -> None:
-        super().__init__(without_cross_edges(part) if local else part, cfg)
+    def __init__(
+        self, part: Partition, cfg: TrainConfig, local: bool = False, policy: PartyPolicy | None = None
+    ) -> None:
+        super().__init__(without_cross_edges(part) if local else part, cfg, policy)
         self.local = local
         self.layers = cfg.stages
         self.owned = torch.from_numpy(np.array(self.part.x, dtype=np.float32)).to(self.device)

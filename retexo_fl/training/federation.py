@@ -21,6 +21,7 @@ from retexo_fl.config import TrainConfig
 from retexo_fl.metrics import RunRecorder
 from retexo_fl.plan import check_plans
 from retexo_fl.protocol import Records
+from retexo_fl.secure.keys import load_pins, pin_digest
 from retexo_fl.training.aggregate import check_state, state_nbytes
 from retexo_fl.training.client import EvalResult
 from retexo_fl.training.privacy import make_privacy
@@ -68,6 +69,7 @@ class Federation:
         self.run_json = P.config_to_json(cfg)
         self.run_digest = P.config_digest(self.run_json)
         self.keys: dict[str, str] = {}  # client id -> public key hex (the directory relayed)
+        self.contributions: dict[str, str] = {}  # client id -> transcript contribution hex (relayed)
         self.counts: dict[int, ClientCounts] = {}
         self.bytes_boundary = 0  # relayed frames (degrees and boundary rows), headers included
 
@@ -156,9 +158,12 @@ class Federation:
                 pid = int(info[P.PARTITION_ID])
                 self.members.claim(pid, address)
                 self.keys[str(pid)] = str(info[P.PUBLIC_KEY])
+                self.contributions[str(pid)] = str(info.get(P.CONTRIBUTION, ""))
             self.rec.progress(f"keys: {len(self.keys)} public keys collected; relaying the directory")
-        keys = json.dumps(self.keys)
-        replies = self.send_to(P.SETUP, {a: self.content(**{P.KEYS: keys}) for a in addresses}, "setup")
+        relay = {P.KEYS: json.dumps(self.keys), P.CONTRIBUTIONS: json.dumps(self.contributions)}
+        if self.cfg.pinned_keys:  # clients that pin keys refuse a run that does not pin the same set
+            relay[P.PINS] = pin_digest(load_pins(self.cfg.pinned_keys))
+        replies = self.send_to(P.SETUP, {a: self.content(**relay) for a in addresses}, "setup")
         digests, outgoing = {}, {}
         for address, reply in replies.items():
             info = reply[P.CONFIG]

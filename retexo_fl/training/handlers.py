@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from retexo_fl import protocol as P
 from retexo_fl.compress.boundary import ExchangeStats
 from retexo_fl.protocol import Records
-from retexo_fl.secure.keys import parse_public
+from retexo_fl.secure.keys import KeyMaterialError, parse_public
 from retexo_fl.training.client import Client, EvalResult
 from retexo_fl.training.lazy_client import LazyClient
 
@@ -47,21 +47,37 @@ def _deliver(client: Client, request: Records) -> bool:
     return True
 
 
-def hello(client: Client, request: Records, identity_path: str = "") -> Reply:
-    """Key setup: report this client's partition and public key."""
-    public = client.public_key(identity_path)
-    info = {P.PARTITION_ID: client.id, P.PUBLIC_KEY: public.hex()}
+def hello(client: Client, request: Records) -> Reply:
+    """Key setup: report this client's partition, public key and transcript contribution."""
+    info = {
+        P.PARTITION_ID: client.id,
+        P.PUBLIC_KEY: client.public_key().hex(),
+        P.CONTRIBUTION: client.channel.contribution().hex(),
+    }
     return Reply({P.CONFIG: info}, changed=True)  # the private key stays node-local
 
 
-def setup(client: Client, request: Records, identity_path: str = "") -> Reply:
-    """Connect to the peers in the key directory; report counts, plan digests and degree frames."""
+def _hex_map(text: object, what: str, where: str) -> dict[int, bytes]:
+    try:
+        values = json.loads(str(text))
+        return {int(q): bytes.fromhex(v) for q, v in values.items()}
+    except (ValueError, TypeError, AttributeError):
+        raise KeyMaterialError(
+            f"{where}: the setup message's {what} is not a JSON map of id -> hex"
+        ) from None
+
+
+def setup(client: Client, request: Records) -> Reply:
+    """Check the run against this party's pins; connect to the peers in the key directory;
+    report counts, plan digests and degree frames."""
     config = request[P.CONFIG]
+    where = f"client {client.id}"
+    client.policy.check_pins(str(config.get(P.PINS, "")) or None, where)
     if client.cfg.encrypt:
         keys = json.loads(str(config[P.KEYS]))
         directory = {int(q): parse_public(k, f"key directory, client {q}") for q, k in keys.items()}
-        client.public_key(identity_path)
-        client.connect(directory, int(config[P.RUN_KEY]))
+        contributions = _hex_map(config.get(P.CONTRIBUTIONS, "{}"), "transcript contributions", where)
+        client.connect(directory, int(config[P.RUN_KEY]), contributions)
     frames = client.degree_frames() if client.needs_degrees() else {}
     info = {
         P.PARTITION_ID: client.id,
@@ -79,7 +95,7 @@ def setup(client: Client, request: Records, identity_path: str = "") -> Reply:
     )
 
 
-def train(client: Client, request: Records, identity_path: str = "") -> Reply:
+def train(client: Client, request: Records) -> Reply:
     """Validate the received state (unless it is a stage's first), send this round's rows (eager),
     train, and return the update."""
     delivered = _deliver(client, request)
@@ -119,7 +135,7 @@ def train(client: Client, request: Records, identity_path: str = "") -> Reply:
     return Reply(records, changed)
 
 
-def evaluate(client: Client, request: Records, identity_path: str = "") -> Reply:
+def evaluate(client: Client, request: Records) -> Reply:
     """Metrics of the received state on the requested split (eager: after the last halo rows)."""
     delivered = _deliver(client, request)
     result = client.evaluate(request[P.ARRAYS], str(request[P.CONFIG][P.SPLIT]))
@@ -127,7 +143,7 @@ def evaluate(client: Client, request: Records, identity_path: str = "") -> Reply
     return Reply({P.METRICS: metrics}, changed=delivered)
 
 
-def embed(client: Client, request: Records, identity_path: str = "") -> Reply:
+def embed(client: Client, request: Records) -> Reply:
     """Lazy: move on from the stage (embed, or relabel at a pass's end); return the sealed rows."""
     if not isinstance(client, LazyClient):
         raise ValueError(
@@ -151,7 +167,7 @@ def embed(client: Client, request: Records, identity_path: str = "") -> Reply:
     return Reply(records, changed)
 
 
-HANDLERS: dict[str, Callable[[Client, Records, str], Reply]] = {
+HANDLERS: dict[str, Callable[[Client, Records], Reply]] = {
     P.HELLO: hello,
     P.SETUP: setup,
     P.TRAIN: train,
@@ -160,15 +176,13 @@ HANDLERS: dict[str, Callable[[Client, Records, str], Reply]] = {
 }
 
 
-def handle(client: Client, kind: str, request: Records, identity_path: str = "") -> Reply:
+def handle(client: Client, kind: str, request: Records) -> Reply:
     """Answer one message of type ``kind``.
 
     Args:
         client (Client): the node's client, restored to its saved state.
         kind (str): the message type (one of :data:`~retexo_fl.protocol.MESSAGE_TYPES`).
         request (Records): the message's content.
-        identity_path (str, optional): a deployed party's identity key file (node config
-            ``identity-key``); empty for the run config's keys. (default: ``""``)
 
     Raises:
         ValueError: an unknown message type.
@@ -176,4 +190,4 @@ def handle(client: Client, kind: str, request: Records, identity_path: str = "")
     handler = HANDLERS.get(kind)
     if handler is None:
         raise ValueError(f"client {client.id}: unknown message type {kind!r}")
-    return handler(client, request, identity_path)
+    return handler(client, request)

@@ -15,6 +15,7 @@ from retexo_fl.data.partition import Partition
 from retexo_fl.models.factory import build_stage_model
 from retexo_fl.models.stage import StageModel
 from retexo_fl.protocol import HALO
+from retexo_fl.secure.policy import PartyPolicy
 from retexo_fl.seeding import derive_seed
 from retexo_fl.training.client import Client
 from retexo_fl.training.pseudo import pseudo_labels
@@ -35,10 +36,13 @@ class LazyClient(Client):
     Args:
         part (Partition): this client's validated partition.
         cfg (TrainConfig): the run configuration.
+        policy (PartyPolicy, optional): this party's own security policy (see :class:`Client`).
+            (default: :obj:`None`)
     """
 
-    def __init__(self, part: Partition, cfg: TrainConfig) -> None:
-        super().__init__(part, cfg)
+    def __init__(self, part: Partition, cfg: TrainConfig, policy: PartyPolicy | None = None) -> None:
+        self._raw: Tensor | None = None
+        super().__init__(part, cfg, policy)
         self.stage = 0
         self.owned = self.raw_features()
         self.halo: Tensor | None = None
@@ -62,8 +66,10 @@ class LazyClient(Client):
         return (self.stage, round_, self.id)
 
     def raw_features(self) -> Tensor:
-        """The partition's features as float32 on the device, ``[n, F]``."""
-        return torch.from_numpy(np.array(self.part.x, dtype=np.float32)).to(self.device)
+        """The partition's features as float32 on the device, ``[n, F]`` (read once)."""
+        if self._raw is None:
+            self._raw = torch.from_numpy(np.array(self.part.x, dtype=np.float32)).to(self.device)
+        return self._raw
 
     # -- stage inputs -----------------------------------------------------------------------
     def stage_input(self) -> Tensor:
@@ -235,7 +241,8 @@ class LazyClient(Client):
     def snapshot(self) -> ClientState:
         state = super().snapshot()
         state.stage = self.stage
-        state.owned = self.owned.cpu()
+        # Layer 0 reads the raw features: they stay in the partition, not in a second file.
+        state.owned = None if self.layer == 0 else self.owned.cpu()
         state.halo = None if self.halo is None else self.halo.cpu()
         state.sent = None if self.sent is None else [self.sent[0], self.sent[1], json.dumps(self.sent[2])]
         if self.train_y is not self.y:  # self-training labels: node-local, kept for later messages
@@ -245,8 +252,7 @@ class LazyClient(Client):
     def load_snapshot(self, state: ClientState) -> None:
         super().load_snapshot(state)
         self.stage = int(state.stage)
-        assert state.owned is not None  # a lazy client always saves its stage input
-        self.owned = state.owned.to(self.device)
+        self.owned = self.raw_features() if state.owned is None else state.owned.to(self.device)
         self.halo = None if state.halo is None else state.halo.to(self.device)
         sent = state.sent
         self.sent = None if sent is None else (int(sent[0]), dict(sent[1]), json.loads(sent[2]))

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from retexo_fl.secure.keys import private_folder
+
 StateDict = dict[str, Tensor]
 
 #: The file a client's state lives in, inside its node-local work folder.
@@ -28,15 +30,16 @@ class ClientState:
 
     Args:
         stage (int): the lazy stage the client is at (eager: always 0).
-        owned (Tensor, optional): the owned rows' stage input (lazy), ``[n, d]``.
+        owned (Tensor, optional): the owned rows' stage input (lazy), ``[n, d]``; :obj:`None` at a
+            layer-0 stage, whose input is the partition's raw features (never copied here).
         halo (Tensor, optional): the halo rows' stage input (lazy), ``[h, d]``.
         halo_layers (list[Tensor], optional): eager: each conv layer's halo rows, ``[h, hidden]``.
         halo_degree (Tensor, optional): GCN: the halo nodes' global in-degrees, ``[h]``.
         residual (StateDict, optional): error feedback of compressed updates, this stage.
         view (StateDict, optional): the model as the compressed broadcast left it.
-        identity (str, optional): the X25519 private key, hex. It never leaves this folder.
-        directory (dict[int, str], optional): the key directory, public keys in hex.
-        run_id (int): the run key the channels are bound to.
+        channel (dict, optional): the sealed channels (:meth:`PeerChannel.to_state`): the X25519
+            private key, which never leaves this folder, the key directory, the run transcript
+            and each direction's payload counters.
         halo_round (int): eager: the newest round whose halo rows were accepted.
         sent (list, optional): ``[stage, frames, stats JSON]`` of the last boundary rows sent, for
             a resumed server that asks again.
@@ -54,9 +57,7 @@ class ClientState:
     halo_degree: Tensor | None = None
     residual: StateDict | None = None
     view: StateDict | None = None
-    identity: str | None = None
-    directory: dict[int, str] | None = None
-    run_id: int = 0
+    channel: dict | None = None
     halo_round: int = 0
     sent: list[Any] | None = None
     pseudo_labels: Tensor | None = None
@@ -70,10 +71,10 @@ class ClientState:
         Returns:
             Path: the file written.
         """
-        path = Path(folder) / STATE_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path = private_folder(folder) / STATE_FILE
         tmp = path.with_name(STATE_FILE + ".tmp")
-        # The file holds the identity key and, at stage 0, raw features: owner-only from birth.
+        # The file holds the identity key and, after a conv stage's start, this client's own
+        # embeddings and halo rows: owner-only from birth, in an owner-only folder.
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
             torch.save(dataclasses.asdict(self), f)

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from retexo_fl.compress.payload import PayloadError, decode_rows, encode_rows
 from retexo_fl.data.partition import PartitionError, load_partition, save_partition
 from retexo_fl.data.partitioners import partition_graph
-from retexo_fl.secure.envelope import EnvelopeError, Envelopes, Route
+from retexo_fl.secure.envelope import EnvelopeError, Envelopes, Route, transcript_hash
 from retexo_fl.secure.keys import public_bytes
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -69,7 +69,8 @@ def test_mutated_frames_are_refused_or_decode_to_the_declared_shape(bits, k, d, 
 
 _KEYS = [X25519PrivateKey.generate() for _ in range(2)]
 _DIR = {i: public_bytes(k) for i, k in enumerate(_KEYS)}
-_SENDER, _RECEIVER = Envelopes(0, _KEYS[0], 5, _DIR), Envelopes(1, _KEYS[1], 5, _DIR)
+_TRANSCRIPT = transcript_hash(5, _DIR, {0: bytes(32), 1: bytes([1]) * 32})
+_SENDER, _RECEIVER = Envelopes(0, _KEYS[0], _TRANSCRIPT, _DIR), Envelopes(1, _KEYS[1], _TRANSCRIPT, _DIR)
 
 
 @FUZZ

@@ -12,7 +12,14 @@ from retexo_fl.cli import main
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.metrics import RunRecorder
-from retexo_fl.secure.envelope import ENVELOPE_BYTES, NONCE_BYTES, EnvelopeError, Envelopes, Route
+from retexo_fl.secure.envelope import (
+    ENVELOPE_BYTES,
+    NONCE_BYTES,
+    EnvelopeError,
+    Envelopes,
+    Route,
+    transcript_hash,
+)
 from retexo_fl.secure.keys import KeyMaterialError, check_directory, load_pins, public_bytes
 from retexo_fl.training.federation import Federation
 from retexo_fl.training.inprocess import InProcessTransport
@@ -22,11 +29,15 @@ from retexo_fl.training.lazy_client import LazyClient
 RUN = 123456789
 
 
-@pytest.fixture(scope="module")
+def _transcript(directory: dict[int, bytes], run: int = RUN) -> bytes:
+    return transcript_hash(run, directory, {p: bytes([p]) * 32 for p in directory})
+
+
+@pytest.fixture
 def parties():
     keys = {p: X25519PrivateKey.generate() for p in range(3)}
     directory = {p: public_bytes(k) for p, k in keys.items()}
-    return {p: Envelopes(p, k, RUN, directory) for p, k in keys.items()}, keys, directory
+    return {p: Envelopes(p, k, _transcript(directory), directory) for p, k in keys.items()}, keys, directory
 
 
 def test_only_the_destination_opens(parties):
@@ -73,7 +84,7 @@ def test_truncated_and_foreign_payloads(parties):
     with pytest.raises(EnvelopeError, match="not a sealed payload"):
         env[1].open(b"RXQ1" + b"\0" * 60, "deg", 0, 0)
     # Another run derives other keys: a payload of an earlier run does not open.
-    other_run = Envelopes(1, keys[1], RUN + 1, directory)
+    other_run = Envelopes(1, keys[1], _transcript(directory, RUN + 1), directory)
     with pytest.raises(EnvelopeError, match="failed authentication"):
         other_run.open(blob, "deg", 0, 0)
 
@@ -105,8 +116,9 @@ def test_clients_refuse_a_directory_that_disagrees_with_the_pins(sbm, tmp_path):
     Federation(InProcessTransport(clients), cfg, RunRecorder(None, stream=None)).setup()  # honest: pins match
     directory = {c.id: c.public_key() for c in clients}
     directory[1] = public_bytes(X25519PrivateKey.generate())  # a server that swapped client 1's key
+    contributions = {c.id: c.channel.contribution() for c in clients}
     with pytest.raises(KeyMaterialError, match="client 0: the server's key for client 1"):
-        clients[0].connect(directory, 7)
+        clients[0].connect(directory, 7, contributions)
 
 
 def test_encryption_changes_bytes_by_envelopes_only(sbm):

@@ -94,5 +94,5 @@ def test_setup_claims_every_partition_and_relays_sealed_degrees(sbm):
     for c in clients:
         got = degrees[c.id]
         assert sorted(got) == sorted(P.delivery_key(P.DEGREES, q) for q in c.plan.recv)
-        assert all(blob[:4] == b"RXE1" for blob in got.values())
+        assert all(blob[:4] == b"RXE2" for blob in got.values())
     assert fed.bytes_boundary == sum(len(b) for d in degrees.values() for b in d.values())

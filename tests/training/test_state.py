@@ -15,14 +15,32 @@ from retexo_fl.training.state import STATE_FILE, ClientState
 
 
 def test_state_round_trips_and_is_owner_only(tmp_path):
-    state = ClientState(stage=3, owned=torch.arange(6.0).view(3, 2), run_id=9, sent=[1, {0: b"x"}, "{}"])
-    path = state.save(tmp_path)
-    assert path == tmp_path / STATE_FILE
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600  # it can hold a private key and raw features
-    back = ClientState.load(tmp_path)
-    assert back is not None and back.stage == 3 and back.run_id == 9 and back.sent == [1, {0: b"x"}, "{}"]
+    channel = {"identity": "ab" * 32, "counters": {"sent": {1: 3}, "accepted": {1: [2, "ff"]}}}
+    state = ClientState(
+        stage=3, owned=torch.arange(6.0).view(3, 2), channel=channel, sent=[1, {0: b"x"}, "{}"]
+    )
+    folder = tmp_path / "node-0"
+    path = state.save(folder)
+    assert path == folder / STATE_FILE
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600  # it holds a private key and embeddings
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700  # ... in a folder only its owner enters
+    back = ClientState.load(folder)
+    assert (
+        back is not None and back.stage == 3 and back.channel == channel and back.sent == [1, {0: b"x"}, "{}"]
+    )
     assert torch.equal(back.owned, state.owned)
     assert ClientState.load(tmp_path / "nothing") is None
+
+
+def test_a_layer_0_snapshot_holds_no_raw_features(sbm, tmp_path):
+    cfg = TrainConfig(clients=3, stages=3, hidden=8, encrypt=False)
+    part = partition_graph(sbm, 3, "random", seed=0)[1]
+    client = LazyClient(part, cfg)
+    client.save(tmp_path)
+    saved = ClientState.load(tmp_path)
+    assert saved is not None and saved.owned is None  # the raw x stays in the partition alone
+    fresh = LazyClient(part, cfg)
+    assert fresh.restore(tmp_path) and torch.equal(fresh.owned, client.owned)
 
 
 def test_a_corrupt_state_file_is_named(tmp_path):

@@ -32,6 +32,7 @@ ARRAYS = "arrays"  # the stage model's state (a whole state dict)
 METRICS = "metrics"  # counts, losses, accuracies
 PAYLOADS = "payloads"  # outgoing_key(q) (replies) or delivery_key(kind, p) (requests) -> bytes
 STATS = "stats"  # a client's exchange figures (bytes before / after, widths) as JSON in STATS_JSON
+MISSING = "missing"  # replies: expected payloads not delivered, JSON [[kind, stage, src]] in STATS_JSON
 MODEL = "model"  # tensor name -> broadcast delta frame (broadcast-bits < 32)
 UPDATE = "update"  # tensor name -> compressed update frame (update-bits < 32)
 CONTROL = "control"  # train, drift-correction scaffold: the server's control variate (a state dict)

@@ -9,6 +9,7 @@ every round) fill in the model, its inputs and what crosses to peers.
 
 from __future__ import annotations
 
+import logging
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ from retexo_fl.secure.policy import PartyPolicy
 from retexo_fl.seeding import derive_seed, resolve_device, seed_dropout
 from retexo_fl.training.drift import next_client_control, zeros_like_state
 from retexo_fl.training.state import ClientState, StateDict
+
+log = logging.getLogger(__name__)
 
 #: Seed tag of a client's compressed-update rounding.
 UPDATE_TAG = 0xC0
@@ -111,6 +114,9 @@ class Client(ABC):
             self.policy.identity_file(part.partition_id),
             self.policy.pinned_keys,
         )
+        # Payloads the boundary plan expected and the server did not deliver, as (kind, stage,
+        # sender): reported with the next reply, never filled in silently.
+        self.missing: list[tuple[str, int, int]] = []
         self.delay = 0.0  # emulated seconds per local step (eager / local: step-delay)
         self.last_steps = 0  # local steps the last round took
 
@@ -158,6 +164,11 @@ class Client(ABC):
     @abstractmethod
     def receive_deliveries(self, frames: dict[int, bytes]) -> None:
         """Take the halo frames the server relayed (source -> frame), sealed by their senders."""
+
+    def check_deliveries(self, round_: int, delivered: set[int]) -> None:
+        """Called with a train message's round and the senders whose rows it delivered; eager
+        clients hold each round's delivery to their plan. (default: nothing is due every round)"""
+        return None
 
     def round_payloads(self, state: StateDict, round_: int) -> tuple[dict[int, bytes], dict] | None:
         """Frames for peers computed in a round (eager), with their exchange figures; lazy: ``None``."""
@@ -212,18 +223,37 @@ class Client(ABC):
         return None if ids is None else int(ids.size)
 
     def complete_halo(
-        self, incoming: dict[int, Tensor], dim: int, previous: Tensor | None
+        self, incoming: dict[int, Tensor], dim: int, previous: Tensor | None, kind: str, stage: int
     ) -> dict[int, Tensor]:
         """``incoming`` plus the blocks of peers lost since (absent), as ``on-missing-halo`` says.
 
-        ``zero`` fills them with zeros, ``reuse-last`` with their rows in ``previous`` (the halo
-        held so far, if it has the same width; else zeros); ``fail`` leaves them missing, so
-        assembling the halo names them.
+        This client's boundary plan says which senders it expects. ``fail`` leaves a missing
+        block missing, so assembling the halo raises an error naming the sender. ``zero`` fills
+        it with zeros and ``reuse-last`` with its rows in ``previous`` (the halo held so far, if it
+        has the same width; else zeros); either way the miss is logged and recorded in
+        :attr:`missing`, which the next reply reports to the run summary (``missing_payloads``).
+
+        Args:
+            incoming (dict[int, Tensor]): sender -> the block it sent.
+            dim (int): the row width.
+            previous (Tensor, optional): the halo held so far.
+            kind (str): what the blocks are (``"deg"``, ``"halo"``, ``"eager"``), for the record.
+            stage (int): the stage they belong to, for the record.
         """
         missing = sorted(set(self.plan.recv) - set(incoming))
         policy = self.cfg.on_missing_halo
         if not missing or policy == "fail":
             return incoming
+        for q in missing:
+            self.missing.append((kind, stage, q))
+            log.warning(
+                "client %d: no %s payload from client %d at stage %d; filled in (on-missing-halo %s)",
+                self.id,
+                kind,
+                q,
+                stage,
+                policy,
+            )
         out, start, spans = dict(incoming), 0, {}
         for q in sorted(self.plan.recv):
             spans[q] = slice(start, start + int(self.plan.recv[q].size))
@@ -237,7 +267,8 @@ class Client(ABC):
 
     def receive_degrees(self, incoming: dict[int, Tensor]) -> None:
         """Take the halo nodes' global degrees (GCN's normalization needs them)."""
-        self.halo_degree = self.plan.assemble_halo(self.complete_halo(incoming, 1, None), 1).view(-1)
+        blocks = self.complete_halo(incoming, 1, None, DEGREES, 0)
+        self.halo_degree = self.plan.assemble_halo(blocks, 1).view(-1)
         self._edges = None
         self._weights = None
 

@@ -152,13 +152,20 @@ class EagerClient(Client):
             for layer, chunk in enumerate(rows.chunk(k_layers)):
                 blocks[layer][p] = chunk
         if frames:
-            dim = self.cfg.hidden
-            self.halo_layers = [
-                self.plan.assemble_halo(self.complete_halo(b, dim, self.halo_layers[layer]), dim).to(
-                    self.device
-                )
-                for layer, b in enumerate(blocks)
-            ]
+            self._complete(blocks)
+
+    def _complete(self, blocks: list[dict[int, Tensor]]) -> None:
+        dim = self.cfg.hidden
+        filled = [self.complete_halo(b, dim, self.halo_layers[i], EAGER, 0) for i, b in enumerate(blocks)]
+        self.halo_layers = [self.plan.assemble_halo(b, dim).to(self.device) for b in filled]
+
+    def check_deliveries(self, round_: int, delivered: set[int]) -> None:
+        """From round 2 on every peer's rows of the round before are due: a round that brought
+        none at all is completed as ``on-missing-halo`` says (an error naming the senders, or
+        filled in and reported), never trained on stale rows in silence."""
+        if self.local or round_ <= 1 or not self.plan.recv or delivered:
+            return
+        self._complete([{} for _ in range(self.layers - 1)])
 
     def snapshot(self) -> ClientState:
         state = super().snapshot()

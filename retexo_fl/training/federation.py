@@ -70,6 +70,8 @@ class Federation:
         self.run_digest = P.config_digest(self.run_json)
         self.keys: dict[str, str] = {}  # client id -> public key hex (the directory relayed)
         self.contributions: dict[str, str] = {}  # client id -> transcript contribution hex (relayed)
+        # stage -> "sender->receiver" -> payloads a receiver expected and filled in (on-missing-halo)
+        self.missing_payloads: dict[str, dict[str, int]] = {}
         self.counts: dict[int, ClientCounts] = {}
         self.bytes_boundary = 0  # relayed frames (degrees and boundary rows), headers included
 
@@ -121,7 +123,21 @@ class Federation:
             if address in batch.failures:
                 pid = self.members.who(address)
                 self.members.lose(pid, phase, f"{self.members.name(address)} {batch.failures[address]}")
-        return {a: r for a, r in batch.replies.items() if a not in batch.failures}
+        replies = {a: r for a, r in batch.replies.items() if a not in batch.failures}
+        for address, reply in replies.items():
+            if P.MISSING in reply:
+                self.count_missing(self.members.who(address), json.loads(str(reply[P.MISSING][P.STATS_JSON])))
+        return replies
+
+    def count_missing(self, receiver: int, events: list[list[Any]]) -> None:
+        """Count the payloads ``receiver`` reported missing (filled in by ``on-missing-halo``)."""
+        for kind, stage, sender in events:
+            pair = f"{int(sender)}->{receiver}"
+            per_stage = self.missing_payloads.setdefault(str(int(stage)), {})
+            per_stage[pair] = per_stage.get(pair, 0) + 1
+            self.rec.progress(
+                f"warning: client {receiver} got no {kind} payload from client {sender} (stage {stage})"
+            )
 
     def send(
         self, kind: str, requests: dict[int, Records], phase: str, stage: int = -1
@@ -293,6 +309,7 @@ class Federation:
         names = {a: p for p, a in self.members.nodes.items()}
         return {
             "lost_clients": self.members.lost,
+            "missing_payloads": self.missing_payloads,
             "privacy": self.privacy.spent() if self.privacy else None,
             **self.transport.report(names),
         }

@@ -33,6 +33,12 @@ class Reply:
     changed: bool
 
 
+def _halo_senders(request: Records) -> set[int]:
+    """The senders whose rows (not degrees) ``request`` delivers."""
+    keys = (P.parse_delivery_key(k) for k in request.get(P.PAYLOADS, {}))
+    return {src for kind, src in keys if kind != P.DEGREES}
+
+
 def _deliver(client: Client, request: Records) -> bool:
     """Apply halo rows and degrees delivered with ``request``; ``True`` if any arrived."""
     if P.PAYLOADS not in request:
@@ -99,6 +105,7 @@ def train(client: Client, request: Records) -> Reply:
     """Validate the received state (unless it is a stage's first), send this round's rows (eager),
     train, and return the update."""
     delivered = _deliver(client, request)
+    client.check_deliveries(int(request[P.CONFIG][P.ROUND]), _halo_senders(request))
     if P.MODEL in request:  # a compressed broadcast: a delta from the model held since
         state = client.receive_model(None, {k: bytes(v) for k, v in request[P.MODEL].items()})
     else:
@@ -129,9 +136,15 @@ def train(client: Client, request: Records) -> Reply:
         P.VAL_LOSS: val.loss_sum,
         P.LOCAL_STEPS: client.last_steps,
     }
-    # Halo rows, the update residual, the control variate or the broadcast view changed: they
-    # must outlive the process.
-    changed = delivered or update is not None or control is not None or client.cfg.broadcast_bits < 32
+    # Halo rows, the payload counters (rows sealed), the update residual, the control variate or
+    # the broadcast view changed: they must outlive the process.
+    changed = (
+        delivered
+        or sent is not None
+        or update is not None
+        or control is not None
+        or client.cfg.broadcast_bits < 32
+    )
     return Reply(records, changed)
 
 
@@ -190,4 +203,9 @@ def handle(client: Client, kind: str, request: Records) -> Reply:
     handler = HANDLERS.get(kind)
     if handler is None:
         raise ValueError(f"client {client.id}: unknown message type {kind!r}")
-    return handler(client, request)
+    reply = handler(client, request)
+    if client.missing:  # filled-in payloads are reported, never silent
+        events = sorted(set(client.missing))  # eager: one event per sender, not per layer
+        reply.records[P.MISSING] = {P.STATS_JSON: json.dumps([list(e) for e in events])}
+        client.missing = []
+    return reply

@@ -215,7 +215,8 @@ class LazyClient(Client):
     def receive_halo(self, incoming: dict[int, Tensor]) -> None:
         """Assemble the next stage's halo rows from peers' blocks (``{peer: [k, d]}``)."""
         dim = self.owned.shape[1]
-        self.halo = self.plan.assemble_halo(self.complete_halo(incoming, dim, self.halo), dim).to(self.device)
+        blocks = self.complete_halo(incoming, dim, self.halo, HALO, self.stage)
+        self.halo = self.plan.assemble_halo(blocks, dim).to(self.device)
 
     def encode_boundary(self, rows: dict[int, Tensor]) -> tuple[dict[int, bytes], ExchangeStats]:
         """Sealed frames of the rows :meth:`advance` returned, compressed as the run config says."""

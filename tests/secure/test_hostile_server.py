@@ -1,0 +1,274 @@
+"""A malicious server, driving real clients through the Flower ClientApp: every attack is refused
+or reported.
+
+Each client is the real ``clients.app`` ClientApp (its mods included) with a node config of its
+own: a partition folder, a work folder, an identity key and, where the test says, pinned keys.
+The server is the library's stage machine over a transport that lets the test tamper with every
+request before the client sees it, as a server that controls the relay can.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from flwr.app import RecordDict
+
+from clients import node_client
+from clients.app import app as client_app
+from clients.records import from_flower, to_flower
+from clients.worker import request_message
+from retexo_fl import protocol as P
+from retexo_fl.config import TrainConfig
+from retexo_fl.data.partition import save_partition
+from retexo_fl.data.partitioners import partition_graph
+from retexo_fl.metrics import RunRecorder
+from retexo_fl.protocol import Records
+from retexo_fl.secure.keys import write_identities
+from retexo_fl.training.inprocess import InProcessTransport
+from retexo_fl.training.lazy import run_lazy
+from retexo_fl.training.rounds import BaselineRun
+from retexo_fl.training.stages import LazyStageMachine
+from retexo_fl.training.transport import Batch, ClientFailure
+
+Tamper = Callable[[str, int, Records], Records]
+CFG = dict(clients=3, model="gcn", stages=2, hidden=8, rounds=3, patience=0, min_rounds=0, seed=0)
+
+
+class ClientAppTransport(InProcessTransport):
+    """Every request goes through the real ClientApp of the addressed node; ``tamper`` sees
+    (and may rewrite) each one first, as the relaying server can."""
+
+    engine = "clientapp-test"
+
+    def __init__(self, node_configs: list[dict[str, Any]], tamper: Tamper | None = None) -> None:
+        super().__init__([])
+        self.clients = list(node_configs)  # what connect() counts
+        self.node_configs = node_configs
+        self.tamper = tamper
+        self.sent = 0
+
+    def send(self, kind: str, requests: dict[int, Records], phase: str, stage: int) -> Batch:
+        batch = Batch()
+        for a, req in requests.items():
+            if self.tamper is not None:
+                req = self.tamper(kind, a, req)
+            header = {
+                "type": kind,
+                "run_id": 7,
+                "message_id": f"{self.sent}-{a}",
+                "node_id": a + 1,
+                "node_config": self.node_configs[a],
+            }
+            msg, context = request_message(header, to_flower(req))
+            reply = client_app(msg, context)
+            if reply.has_error():
+                batch.failures[a] = f"replied with an error: {reply.error.reason}"
+            else:
+                batch.replies[a] = from_flower(RecordDict(reply.content))
+        self.sent += 1
+        return batch
+
+
+@pytest.fixture(scope="module")
+def nodes(sbm, tmp_path_factory):
+    """Three parties' partitions and long-term keys (with the pins they exchanged out of band)."""
+    tmp = tmp_path_factory.mktemp("hostile")
+    parts = partition_graph(sbm, 3, "random", seed=0)
+    dirs = [save_partition(p, tmp / f"part-{i}") for i, p in enumerate(parts)]
+    keys = write_identities(3, tmp / "keys")
+    return dirs, keys
+
+
+def _node_configs(nodes, work: Path, pins: bool = True, **extra: Any) -> list[dict[str, Any]]:
+    dirs, keys = nodes
+    out = []
+    for i, d in enumerate(dirs):
+        config = {
+            P.NODE_PARTITION_DIR: str(d),
+            P.NODE_WORK_DIR: str(work),
+            P.NODE_IDENTITY_KEY: str(keys / f"client-{i}.key"),
+            **extra,
+        }
+        if pins:
+            config[P.NODE_PINNED_KEYS] = str(keys / "pins.json")
+        out.append(config)
+    return out
+
+
+def _lazy(nodes, work: Path, tamper: Tamper | None = None, pins: bool = True, **cfg: Any) -> dict:
+    config = TrainConfig(**{**CFG, "pinned_keys": str(nodes[1] / "pins.json"), **cfg})
+    transport = ClientAppTransport(_node_configs(nodes, work, pins), tamper)
+    return LazyStageMachine(transport, config, RunRecorder(None, stream=None)).run()
+
+
+def test_an_honest_server_runs_to_the_end(nodes, sbm, tmp_path):
+    out = _lazy(nodes, tmp_path, rounds=20)
+    assert out["missing_payloads"] == {} and out["lost_clients"] == []
+    # The same run in process (every party started from this command line) ends the same.
+    cfg = TrainConfig(
+        **{**CFG, "rounds": 20, "identity_keys": str(nodes[1]), "pinned_keys": str(nodes[1] / "pins.json")}
+    )
+    assert (
+        out["test_accuracy"]
+        == run_lazy(partition_graph(sbm, 3, "random", seed=0), cfg)["test_accuracy"]
+        > 0.6
+    )
+
+
+def test_a_server_that_turns_encryption_off_is_refused(nodes, tmp_path):
+    with pytest.raises(
+        ClientFailure, match="refusing the run, encrypt: the run config turns payload encryption off"
+    ):
+        _lazy(nodes, tmp_path, encrypt=False)
+
+
+def test_a_server_that_turns_encryption_off_mid_run_is_refused(nodes, tmp_path):
+    def weaken(kind: str, address: int, req: Records) -> Records:
+        if kind == P.EMBED:  # every message but train carries the run config: here a weaker one
+            run = json.loads(req[P.CONFIG][P.RUN])
+            run["encrypt"] = False
+            req = {**req, P.CONFIG: {**req[P.CONFIG], P.RUN: json.dumps(run)}}
+        return req
+
+    with pytest.raises(ClientFailure, match="refusing the run, encrypt"):
+        _lazy(nodes, tmp_path, weaken)
+
+
+def test_a_party_whose_policy_allows_plaintext_joins_a_plaintext_run(nodes, tmp_path):
+    config = TrainConfig(**{**CFG, "encrypt": False})
+    transport = ClientAppTransport(_node_configs(nodes, tmp_path, pins=False, **{P.NODE_ENCRYPT: "false"}))
+    out = LazyStageMachine(transport, config, RunRecorder(None, stream=None)).run()
+    assert out["lost_clients"] == [] and out["bytes_boundary"] > 0
+
+
+def test_a_server_that_leaves_out_the_pins_is_refused(nodes, tmp_path):
+    with pytest.raises(ClientFailure, match="pinned-keys: the run config pins no keys"):
+        _lazy(nodes, tmp_path, pinned_keys="")
+
+
+def test_a_server_that_swaps_a_key_is_refused(nodes, tmp_path):
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+    from retexo_fl.secure.keys import public_bytes
+
+    attacker = public_bytes(X25519PrivateKey.generate()).hex()
+
+    def swap(kind: str, address: int, req: Records) -> Records:
+        if kind == P.SETUP and address == 0:  # client 0 is told client 1's key is the attacker's
+            keys = json.loads(req[P.CONFIG][P.KEYS])
+            keys["1"] = attacker
+            req = {**req, P.CONFIG: {**req[P.CONFIG], P.KEYS: json.dumps(keys)}}
+        return req
+
+    with pytest.raises(ClientFailure, match="client 0: the server's key for client 1 is not the pinned one"):
+        _lazy(nodes, tmp_path, swap)
+    # Without pins on the party's side the swap goes through key setup: pins are what stop it,
+    # and the party's own policy, not the server's run config, decides that they are there.
+    with pytest.raises(ClientFailure, match="pinned-keys: the run config pins another key set"):
+        other = tmp_path / "pins.json"
+        other.write_text(json.dumps({"0": attacker, "1": attacker, "2": attacker}))
+        _lazy(nodes, tmp_path / "other", swap, pinned_keys=str(other))
+
+
+def _drop_one(kind: str, address: int, req: Records) -> Records:
+    """Withhold client 1's halo payload from client 0 (stage 1's first round delivers it)."""
+    payloads = req.get(P.PAYLOADS)
+    key = P.delivery_key(P.HALO, 1)
+    if kind == P.TRAIN and address == 0 and payloads and key in payloads:
+        req = {**req, P.PAYLOADS: {k: v for k, v in payloads.items() if k != key}}
+    return req
+
+
+def test_a_dropped_payload_is_an_error_naming_its_sender(nodes, tmp_path):
+    with pytest.raises(ClientFailure, match=r"client 0: .*no rows received from client\(s\) \[1\]"):
+        _lazy(nodes, tmp_path, _drop_one)
+
+
+def test_a_dropped_payload_under_zero_fill_is_counted_and_reported(nodes, tmp_path):
+    out = _lazy(nodes, tmp_path, _drop_one, on_missing_halo="zero")
+    assert out["missing_payloads"] == {"1": {"1->0": 1}}
+    assert out["lost_clients"] == []
+
+
+def test_a_payload_replayed_from_another_run_is_refused(nodes, tmp_path):
+    captured: dict[str, Any] = {}
+    key = P.delivery_key(P.HALO, 1)
+
+    def capture(kind: str, address: int, req: Records) -> Records:
+        captured.setdefault("run-key", req[P.CONFIG][P.RUN_KEY])
+        if kind == P.TRAIN and address == 0 and key in req.get(P.PAYLOADS, {}):
+            captured[key] = req[P.PAYLOADS][key]
+        return req
+
+    _lazy(nodes, tmp_path / "a", capture)
+    node_client._CACHE.clear()  # the parties start afresh (new node processes) for the next run
+    assert key in captured
+
+    def replay(kind: str, address: int, req: Records) -> Records:
+        # The same parties and long-term keys, even the old run's key: only the transcript
+        # (each party's fresh contribution) is new.
+        req = {**req, P.CONFIG: {**req[P.CONFIG], P.RUN_KEY: captured["run-key"]}}
+        payloads = req.get(P.PAYLOADS)
+        if kind == P.TRAIN and address == 0 and payloads and key in payloads:
+            req = {**req, P.PAYLOADS: {**payloads, key: captured[key]}}
+        return req
+
+    with pytest.raises(ClientFailure, match=r"client 0: payload from client 1 .*failed authentication"):
+        _lazy(nodes, tmp_path / "b", replay)
+
+
+def test_reordered_payloads_are_refused(nodes, tmp_path):
+    """Eager rows go every round: the server holds back client 1's round-1 rows to client 0,
+    delivers the round-2 rows, then the held-back ones."""
+    held: dict[str, bytes] = {}
+    key = P.delivery_key(P.HALO, 1)  # eager rows are relayed as halo deliveries, sealed as eager
+
+    def reorder(kind: str, address: int, req: Records) -> Records:
+        payloads = req.get(P.PAYLOADS)
+        if kind != P.TRAIN or address != 0 or not payloads or key not in payloads:
+            return req
+        rnd = int(req[P.CONFIG][P.ROUND])
+        if not held:
+            held[key] = payloads[key]
+            return {**req, P.PAYLOADS: {k: v for k, v in payloads.items() if k != key}}
+        if rnd >= 4:
+            return {**req, P.PAYLOADS: {**payloads, key: held[key]}}
+        return req
+
+    cfg = TrainConfig(**{**CFG, "mode": "eager", "rounds": 6, "on_missing_halo": "reuse-last"})
+    cfg = dataclasses.replace(cfg, pinned_keys=str(nodes[1] / "pins.json"))
+    transport = ClientAppTransport(_node_configs(nodes, tmp_path), reorder)
+    with pytest.raises(ClientFailure, match=r"client 0: payload from client 1 .*replayed"):
+        BaselineRun(transport, cfg, RunRecorder(None, stream=None)).run()
+
+
+def test_an_eager_round_without_any_rows_is_counted_not_trained_on_in_silence(nodes, tmp_path):
+    def starve(kind: str, address: int, req: Records) -> Records:
+        if kind == P.TRAIN and address == 0 and int(req[P.CONFIG][P.ROUND]) == 3:
+            return {k: v for k, v in req.items() if k != P.PAYLOADS}  # no delivery at all
+        return req
+
+    cfg = TrainConfig(**{**CFG, "mode": "eager", "rounds": 4, "on_missing_halo": "zero"})
+    cfg = dataclasses.replace(cfg, pinned_keys=str(nodes[1] / "pins.json"))
+    transport = ClientAppTransport(_node_configs(nodes, tmp_path), starve)
+    out = BaselineRun(transport, cfg, RunRecorder(None, stream=None)).run()
+    senders = sorted(partition_graph_peers(nodes, 0))
+    assert out["missing_payloads"] == {"0": {f"{q}->0": 1 for q in senders}}
+    with pytest.raises(ClientFailure, match=r"client 0: .*no rows received from client\(s\)"):
+        transport = ClientAppTransport(_node_configs(nodes, tmp_path / "fail"), starve)
+        BaselineRun(
+            transport, dataclasses.replace(cfg, on_missing_halo="fail"), RunRecorder(None, stream=None)
+        ).run()
+
+
+def partition_graph_peers(nodes, pid: int) -> set[int]:
+    """The clients partition ``pid`` receives rows from, read from its saved cross edges."""
+    from retexo_fl.data.partition import load_partition
+    from retexo_fl.plan import BoundaryPlan
+
+    return set(BoundaryPlan.from_partition(load_partition(nodes[0][pid])).recv)

@@ -1,0 +1,96 @@
+"""A party's policy: read from its node config, strict by default, and it refuses weaker runs by name."""
+
+from __future__ import annotations
+
+import math
+import stat
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from retexo_fl import protocol as P
+from retexo_fl.cli import main
+from retexo_fl.config import TrainConfig
+from retexo_fl.secure.keys import KeyMaterialError, load_private_key, save_private_key
+from retexo_fl.secure.policy import POLICY_ENV, PartyPolicy, PolicyError
+
+
+def test_the_default_policy_requires_encryption_and_nothing_else(monkeypatch):
+    monkeypatch.delenv(POLICY_ENV, raising=False)
+    policy = PartyPolicy.from_node_config({}, "client 0")
+    assert policy == PartyPolicy() and policy.encrypt
+    policy.check(TrainConfig(), "client 0")
+    with pytest.raises(PolicyError, match="client 0: refusing the run, encrypt"):
+        policy.check(TrainConfig(encrypt=False), "client 0")
+
+
+def test_node_config_values_are_read_and_bad_ones_named(monkeypatch):
+    monkeypatch.delenv(POLICY_ENV, raising=False)
+    node = {
+        P.NODE_ENCRYPT: "false",
+        P.NODE_MIN_DP_NOISE: "0.5",
+        P.NODE_MAX_DP_CLIP: 2,
+        P.NODE_AUDIT_DIR: "/a",
+    }
+    policy = PartyPolicy.from_node_config(node, "client 1")
+    assert (policy.encrypt, policy.min_dp_noise, policy.max_dp_clip, policy.audit_dir) == (
+        False,
+        0.5,
+        2.0,
+        "/a",
+    )
+    with pytest.raises(PolicyError, match="client 1: refusing the run, encrypt: node config value 'maybe'"):
+        PartyPolicy.from_node_config({P.NODE_ENCRYPT: "maybe"}, "client 1")
+    with pytest.raises(PolicyError, match="min-dp-noise: node config value '-1' must be >= 0"):
+        PartyPolicy.from_node_config({P.NODE_MIN_DP_NOISE: "-1"}, "client 1")
+
+
+def test_minimum_privacy_settings_are_enforced():
+    policy = PartyPolicy(min_dp_noise=1.0, max_dp_clip=1.0)
+    policy.check(TrainConfig(dp_noise=1.2, dp_clip=0.5), "client 2")
+    with pytest.raises(PolicyError, match=r"dp-noise: 0.5 is below this party's minimum 1.0"):
+        policy.check(TrainConfig(dp_noise=0.5), "client 2")
+    with pytest.raises(PolicyError, match=r"dp-clip: 4.0 is above this party's maximum 1.0"):
+        policy.check(TrainConfig(dp_noise=1.0, dp_clip=4.0), "client 2")
+
+
+def test_the_simulation_policy_travels_in_the_environment(monkeypatch, tmp_path):
+    cfg = TrainConfig(identity_keys=str(tmp_path), audit=str(tmp_path / "audit"), dp_noise=0.3)
+    policy = PartyPolicy.from_settings(cfg.security)
+    monkeypatch.setenv(POLICY_ENV, policy.to_json())
+    got = PartyPolicy.from_node_config({P.NODE_PARTITION_ID: 4}, "client 4")
+    assert got == policy and got.identity_file(4) == str(tmp_path / "client-4.key")
+    assert math.isinf(PartyPolicy.from_settings(TrainConfig().security).max_dp_clip)
+    # Node config still wins over the environment.
+    assert not PartyPolicy.from_node_config({P.NODE_ENCRYPT: False}, "client 4").encrypt
+    monkeypatch.setenv(POLICY_ENV, "[not a policy")
+    with pytest.raises(PolicyError, match=POLICY_ENV):
+        PartyPolicy.from_node_config({}, "client 4")
+
+
+def test_pins_are_checked_against_the_announced_set(tmp_path):
+    main(["keys", "--clients", "2", "--out", str(tmp_path)])
+    policy = PartyPolicy(pinned_keys=str(tmp_path / "pins.json"))
+    own = policy.pins_digest("client 0")
+    policy.check_pins(own, "client 0")
+    with pytest.raises(PolicyError, match="pinned-keys: the run config pins no keys"):
+        policy.check_pins(None, "client 0")
+    with pytest.raises(PolicyError, match="pinned-keys: the run config pins another key set"):
+        policy.check_pins("0" * 32, "client 0")
+    PartyPolicy().check_pins(None, "client 0")  # a party without pins takes any
+
+
+def test_private_keys_others_can_read_are_refused_and_rewritten_owner_only(tmp_path):
+    key = tmp_path / "keys" / "client-0.key"
+    save_private_key(X25519PrivateKey.generate(), key)
+    assert stat.S_IMODE(key.parent.stat().st_mode) == 0o700
+    load_private_key(key)
+    key.chmod(0o644)
+    with pytest.raises(
+        KeyMaterialError, match=r"client-0.key: a private key others can read or write \(mode 644\)"
+    ):
+        load_private_key(key)
+    # `retexo-fl keys` over an old 0644 key leaves it 0600.
+    assert main(["keys", "--clients", "1", "--out", str(tmp_path / "keys")]) == 0
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    load_private_key(key)

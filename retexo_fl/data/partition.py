@@ -34,6 +34,11 @@ FILES: dict[str, tuple[str, int]] = {
 # Upper bound for integers a manifest declares (node counts, ids): a hostile manifest cannot ask
 # for absurd sizes, and arrays are memory-mapped, so nothing is allocated from declared sizes.
 _MAX_DECLARED = 1 << 40
+# Classes a manifest may declare: a model's head allocates num_classes x hidden weights, so an
+# absurd count must stop at the loader, not at the allocator (ogbn-papers100M has 172).
+MAX_CLASSES = 1 << 16
+# The largest manifest read (a real one is a few kB): a hostile file cannot cost memory or time.
+_MAX_MANIFEST_BYTES = 1 << 20
 
 
 class PartitionError(ValueError):
@@ -213,10 +218,17 @@ def read_manifest(directory: str | os.PathLike[str]) -> dict:
         raise PartitionError(root, "directory", "partition directory does not exist")
     if not path.is_file():
         raise PartitionError(path, "manifest", "missing manifest.json")
+    size = path.stat().st_size
+    if size > _MAX_MANIFEST_BYTES:
+        raise PartitionError(
+            path, "manifest", f"{size} bytes, more than a manifest holds ({_MAX_MANIFEST_BYTES})"
+        )
     try:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise PartitionError(path, "manifest", f"not valid JSON ({exc})") from exc
+    except RecursionError:
+        raise PartitionError(path, "manifest", "not valid JSON (nested too deeply)") from None
     if not isinstance(manifest, dict):
         raise PartitionError(path, "manifest", "must be a JSON object")
     version = manifest.get("format_version")
@@ -227,7 +239,7 @@ def read_manifest(directory: str | os.PathLike[str]) -> dict:
     nparts = _manifest_int(manifest, "num_partitions", path, 1)
     _manifest_int(manifest, "partition_id", path, 0, nparts - 1)
     _manifest_int(manifest, "num_global_nodes", path, 1)
-    _manifest_int(manifest, "num_classes", path, 1)
+    _manifest_int(manifest, "num_classes", path, 1, MAX_CLASSES)
     for key in ("counts", "checksums"):
         if not isinstance(manifest.get(key), dict):
             raise PartitionError(path, key, "must be a JSON object")
@@ -259,6 +271,16 @@ def _load_array(root: Path, name: str, manifest: dict, verify: bool) -> np.ndarr
         raise PartitionError(path, "shape", f"expected {ndim} dimensions, got shape {arr.shape}")
     if arr.dtype.kind != kind and not (kind == "i" and arr.dtype.kind == "u"):
         raise PartitionError(path, "dtype", f"expected kind '{kind}', got {arr.dtype}")
+    if kind == "f" and arr.dtype.itemsize < 4:  # float16 features lose what the sender had
+        raise PartitionError(path, "dtype", f"expected float32 or float64, got {arr.dtype}")
+    if (
+        arr.dtype.kind == "u"
+        and arr.dtype.itemsize >= 8
+        and arr.size
+        and int(arr.max()) > np.iinfo(np.int64).max
+    ):
+        # Cast to int64 below, 2**64 - 1 would become -1 (an "unlabeled" label, a valid id).
+        raise PartitionError(path, "dtype", f"{arr.dtype} values above the int64 range")
     return np.asarray(arr)
 
 
@@ -439,6 +461,30 @@ def load_partitions(directory: str | os.PathLike[str]) -> list[Partition]:
     return parts
 
 
+def check_disjoint(parts: list[Partition]) -> None:
+    """Check that no node is owned by two partitions.
+
+    Args:
+        parts (list[Partition]): every partition of one graph.
+
+    Raises:
+        PartitionError: naming a node and both partitions that claim it.
+    """
+    ids = np.concatenate([np.asarray(p.node_ids, dtype=np.int64) for p in parts])
+    owner = np.concatenate([np.full(len(p.node_ids), p.partition_id) for p in parts])
+    order = np.argsort(ids, kind="stable")
+    ids, owner = ids[order], owner[order]
+    dup = np.flatnonzero(ids[1:] == ids[:-1])
+    if dup.size:
+        i = int(dup[0])
+        a, b = int(owner[i]), int(owner[i + 1])
+        raise PartitionError(
+            f"part-{b}/node_ids.npy",
+            "node_ids",
+            f"node {int(ids[i])} is owned by client {a} and client {b} ({dup.size} such node(s))",
+        )
+
+
 def check_cross_consistency(parts: list[Partition]) -> None:
     """Check that every cross edge is mirrored by its remote owner.
 
@@ -446,8 +492,10 @@ def check_cross_consistency(parts: list[Partition]) -> None:
         parts (list[Partition]): every partition of one graph.
 
     Raises:
-        PartitionError: naming both clients when p's view of its edges to q disagrees with q's.
+        PartitionError: naming both clients when p's view of its edges to q disagrees with q's,
+            or when two partitions own one node (:func:`check_disjoint`).
     """
+    check_disjoint(parts)
     flip = np.array([0, CROSS_OUT, CROSS_IN, CROSS_BOTH])
     views: dict[tuple[int, int], set[tuple[int, int, int]]] = {}
     for p in parts:

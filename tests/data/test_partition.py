@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -167,6 +168,26 @@ CASES = {
         MANIFEST,
         "counts.nodes",
     ),
+    "float16 x": (lambda d: _rewrite(d / "x.npy", _load("x.npy", d).astype(np.float16)), "x.npy", "float32"),
+    "uint64 label wraps": (
+        lambda d: _rewrite(
+            d / "y.npy", np.where(np.arange(len(_load("y.npy", d))) == 0, 2**64 - 1, 0).astype(np.uint64)
+        ),
+        "y.npy",
+        "above the int64 range",
+    ),
+    "huge classes": (
+        lambda d: (d / MANIFEST).write_text(
+            json.dumps({**json.loads((d / MANIFEST).read_text()), "num_classes": 2**40})
+        ),
+        MANIFEST,
+        "num_classes",
+    ),
+    "nested manifest": (
+        lambda d: (d / MANIFEST).write_text("[" * 100_000 + "]" * 100_000),
+        MANIFEST,
+        "nested",
+    ),
     "huge declared": (
         lambda d: (d / MANIFEST).write_text(
             json.dumps({**json.loads((d / MANIFEST).read_text()), "num_global_nodes": 10**15})
@@ -189,6 +210,15 @@ def test_loader_errors_name_file_and_field(case, written):
     assert fname in msg, msg
     assert needle in msg, msg
     assert _tree_digest(written) == before, "the loader must not touch the files"
+
+
+def test_a_node_owned_by_two_partitions_is_refused(parts):
+    both = [dataclasses.replace(p) for p in parts]
+    stolen = int(parts[0].node_ids[0])
+    ids = np.sort(np.r_[np.asarray(both[1].node_ids)[:-1], stolen])  # client 1 claims client 0's node
+    both[1] = dataclasses.replace(both[1], node_ids=ids)
+    with pytest.raises(PartitionError, match=rf"node {stolen} is owned by client 0 and client 1"):
+        check_cross_consistency(both)
 
 
 def test_mismatched_cross_edges_name_both_clients(parts):

@@ -144,6 +144,9 @@ class BoundaryPlan:
 def check_plans(digests: dict[int, dict[str, dict[int, str]]]) -> None:
     """Check every pair's send and receive digests against each other.
 
+    Only pairs of clients that both reported are checked: a client lost at setup reports no
+    plan, and its peers' rows from it are missing (as ``on-missing-halo`` says).
+
     Args:
         digests (dict[int, dict[str, dict[int, str]]]): client -> :meth:`BoundaryPlan.digests`
             (keys may be str after transport).
@@ -157,7 +160,9 @@ def check_plans(digests: dict[int, dict[str, dict[int, str]]]) -> None:
     }
     for p, d in sorted(norm.items()):
         for q, digest in sorted(d["send"].items()):
-            theirs = norm.get(q, {}).get("recv", {}).get(p)
+            if q not in norm:
+                continue
+            theirs = norm[q]["recv"].get(p)
             if theirs != digest:
                 raise PlanMismatchError(
                     f"boundary plan mismatch: client {p} would send rows to client {q} "
@@ -165,7 +170,7 @@ def check_plans(digests: dict[int, dict[str, dict[int, str]]]) -> None:
                     f"{'nothing' if theirs is None else 'digest ' + theirs[:12]} from client {p}"
                 )
         for q in d["recv"]:
-            if p not in norm.get(q, {}).get("send", {}):
+            if q in norm and p not in norm[q]["send"]:
                 raise PlanMismatchError(
                     f"boundary plan mismatch: client {p} expects rows from client {q}, "
                     f"which plans to send none"

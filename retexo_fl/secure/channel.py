@@ -66,7 +66,12 @@ class PeerChannel:
         return self.own_contribution
 
     def connect(
-        self, directory: dict[int, bytes], run_id: int, peers: set[int], contributions: dict[int, bytes]
+        self,
+        directory: dict[int, bytes],
+        run_id: int,
+        peers: set[int],
+        contributions: dict[int, bytes],
+        allow_missing: bool = False,
     ) -> None:
         """Derive the sealed channels to ``peers`` from the server's key directory and transcript.
 
@@ -75,10 +80,14 @@ class PeerChannel:
             run_id (int): the server's run key.
             peers (set[int]): the clients this party sends rows to or receives rows from.
             contributions (dict[int, bytes]): client id -> its transcript contribution, as relayed.
+            allow_missing (bool, optional): a peer absent from the directory was lost at key
+                setup: connect to the others (its rows will be missing, and are reported as
+                such). (default: :obj:`False`)
 
         Raises:
-            KeyMaterialError: the directory misses a peer, has another key or contribution for
-                this party, lacks a contribution, or disagrees with the pinned keys.
+            KeyMaterialError: the directory misses a peer (unless ``allow_missing``), has another
+                key or contribution for this party, lacks a contribution, or disagrees with the
+                pinned keys.
         """
         where = self.where
         pins = load_pins(self.pinned_keys) if self.pinned_keys else None
@@ -86,7 +95,7 @@ class PeerChannel:
         if directory.get(self.party) != self.public_key():
             raise KeyMaterialError(f"{where}: the key directory holds another key for this client")
         missing = sorted(peers - set(directory))
-        if missing:
+        if missing and not allow_missing:
             raise KeyMaterialError(f"{where}: no public key for peer clients {missing}")
         if set(contributions) != set(directory) or any(
             len(c) != CONTRIBUTION_BYTES for c in contributions.values()
@@ -96,16 +105,15 @@ class PeerChannel:
         if contributions[self.party] != self.contribution():
             raise KeyMaterialError(f"{where}: the transcript holds another contribution for this client")
         transcript = transcript_hash(int(run_id), directory, contributions)
-        self._open(directory, transcript, peers, None)
+        self._open(directory, transcript, peers & set(directory), None)
 
     def _open(
         self, directory: dict[int, bytes], transcript: bytes, peers: set[int], counters: dict | None
     ) -> None:
         assert self.identity is not None
         self.directory, self.transcript = dict(directory), transcript
-        self.envelopes = Envelopes(
-            self.party, self.identity, transcript, {q: directory[q] for q in peers}, counters
-        )
+        reachable = {q: directory[q] for q in peers if q in directory}  # lost at key setup: none
+        self.envelopes = Envelopes(self.party, self.identity, transcript, reachable, counters)
 
     def _ready(self) -> Envelopes:
         if self.envelopes is None:
@@ -117,8 +125,11 @@ class PeerChannel:
         if not self.enabled:
             return frames
         envelopes = self._ready()
+        # A peer without a channel was lost at key setup: the server has nobody to relay to.
         return {
-            q: envelopes.seal(f, Route(kind, stage, round_, self.party, q)) for q, f in sorted(frames.items())
+            q: envelopes.seal(f, Route(kind, stage, round_, self.party, q))
+            for q, f in sorted(frames.items())
+            if q in envelopes.peers
         }
 
     def open(

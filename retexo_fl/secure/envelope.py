@@ -122,6 +122,7 @@ class Envelopes:
         self._recv = {
             p: AESGCM(_key(key, pub, self.transcript, p, own_id, own_id)) for p, pub in peers.items()
         }
+        self.peers = set(peers)
         counters = counters or {}
         self._sent: dict[int, int] = {int(q): int(n) for q, n in counters.get("sent", {}).items()}
         self._accepted: dict[int, tuple[int, str]] = {

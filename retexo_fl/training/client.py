@@ -191,7 +191,9 @@ class Client(ABC):
             KeyMaterialError: the directory misses a peer, has another key or contribution for
                 this client, or disagrees with this party's pinned keys.
         """
-        self.channel.connect(directory, run_id, self.peers, contributions)
+        # Peers lost at key setup are absent; they are tolerated where their rows may be missing.
+        allow = self.cfg.on_missing_halo != "fail"
+        self.channel.connect(directory, run_id, self.peers, contributions, allow_missing=allow)
 
     # -- one-time setup exchange ------------------------------------------------------------
     def needs_degrees(self) -> bool:

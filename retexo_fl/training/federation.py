@@ -169,6 +169,7 @@ class Federation:
         if self.cfg.encrypt:
             # Public keys first: the setup replies already carry sealed degree frames.
             replies = self.send_to(P.HELLO, {a: self.content() for a in addresses}, "key setup")
+            addresses = [a for a in addresses if a in replies]  # lost at key setup (min-clients)
             for address, reply in replies.items():
                 info = reply[P.CONFIG]
                 pid = int(info[P.PARTITION_ID])

@@ -120,7 +120,8 @@ class Membership:
         return f"client {pid}" if pid is not None else f"node {address}"
 
     def lose(self, pid: int | None, phase: str, reason: str) -> None:
-        """Drop client ``pid`` (``None``: one not identified yet), or end the run if the policy says so.
+        """Drop client ``pid`` (``None``: a node lost at key setup or setup, before it said which
+        partition it holds), or end the run if the policy says so.
 
         Raises:
             ClientFailure: with ``reason``, and why the run cannot go on without the client.
@@ -129,13 +130,14 @@ class Membership:
         required = cfg.min_clients or cfg.clients
         if pid is not None:
             self.nodes.pop(pid, None)
-        left = len(self.nodes)
+        # Every client not lost yet, claimed or not (at key setup none has claimed a partition).
+        left = cfg.clients - len(self.lost) - 1
         halo_bound = cfg.mode != "local" and cfg.on_missing_halo == "fail"
-        if required >= cfg.clients or pid is None or left < required or halo_bound:
+        if required >= cfg.clients or left < required or halo_bound:
             why = ""
-            if pid is not None and required < cfg.clients and left < required:
+            if required < cfg.clients and left < required:
                 why = f" ({left} of {cfg.clients} clients left, min-clients {required})"
-            elif pid is not None and required < cfg.clients and halo_bound:
+            elif required < cfg.clients and halo_bound:
                 why = " (on-missing-halo fail: its peers would miss its boundary rows)"
             raise ClientFailure(reason + why)
         self.lost.append({"client": pid, "phase": phase, "reason": reason, "t": round(self.rec.elapsed(), 3)})

@@ -9,11 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from retexo_fl import protocol as P
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.metrics import RunRecorder
 from retexo_fl.plan import PlanMismatchError
+from retexo_fl.training.inprocess import InProcessTransport
 from retexo_fl.training.lazy_client import LazyClient
+from retexo_fl.training.stages import LazyStageMachine
 from retexo_fl.training.transport import ClientFailure, Membership
 
 
@@ -46,11 +49,62 @@ def test_fail_halo_policy_ends_a_run_that_would_miss_boundary_rows():
     assert local.pids == [0, 2, 3]
 
 
-def test_an_unidentified_node_that_fails_ends_the_run():
-    m = _members(min_clients=2, on_missing_halo="zero")
-    assert m.name(12) == "client 2" and m.name(99) == "node 99"
-    with pytest.raises(ClientFailure, match="node 99 did not reply"):
-        m.lose(None, "setup", "node 99 did not reply to setup within 5s")
+def test_a_node_lost_before_it_said_its_partition_is_dropped_as_the_policy_says():
+    m = Membership(
+        TrainConfig(clients=4, min_clients=3, on_missing_halo="zero"), RunRecorder(None, stream=None)
+    )
+    assert m.name(99) == "node 99"
+    m.lose(None, "key setup", "node 99 did not reply to key setup within 5s")  # nobody claimed yet
+    assert m.lost[0]["client"] is None and m.lost[0]["phase"] == "key setup"
+    with pytest.raises(
+        ClientFailure, match=r"node 98 did not reply .*\(2 of 4 clients left, min-clients 3\)"
+    ):
+        m.lose(None, "key setup", "node 98 did not reply to key setup within 5s")
+    with pytest.raises(ClientFailure, match=r"^node 99 did not reply to setup within 5s$"):
+        _members().lose(None, "setup", "node 99 did not reply to setup within 5s")  # default policy
+
+
+@pytest.mark.parametrize("phase", [P.HELLO, P.SETUP])
+@pytest.mark.parametrize("encrypt", [True, False])
+def test_min_clients_covers_key_setup_and_setup(sbm, phase, encrypt):
+    """A node silent at key setup or setup is lost; with min-clients the run goes on without it,
+    and its peers report its rows missing."""
+    if phase == P.HELLO and not encrypt:
+        pytest.skip("without encryption there is no key setup")
+    cfg = TrainConfig(
+        clients=3,
+        stages=2,
+        hidden=8,
+        rounds=3,
+        min_clients=2,
+        on_missing_halo="zero",
+        encrypt=encrypt,
+        seed=0,
+    )
+    clients = [LazyClient(p, cfg) for p in partition_graph(sbm, 3, "random", seed=0)]
+
+    class SilentAt(InProcessTransport):
+        def send(self, kind, requests, phase_, stage):
+            silent = {a: f"did not reply to {phase_} within 5s" for a in requests if a == 2 and kind == phase}
+            batch = super().send(kind, {a: r for a, r in requests.items() if a not in silent}, phase_, stage)
+            batch.failures.update(silent)
+            return batch
+
+    out = LazyStageMachine(SilentAt(clients), cfg, RunRecorder(None, stream=None)).run()
+    assert [(e["client"], e["phase"]) for e in out["lost_clients"]] == [
+        (2 if phase == P.SETUP and encrypt else None, "key setup" if phase == P.HELLO else "setup")
+    ]
+    assert sorted(c["client"] for c in out["clients"]) == [0, 1]
+    # Clients 0 and 1 filled in client 2's rows (degrees and stage-1 halo), and said so.
+    pairs = {pair for stage in out["missing_payloads"].values() for pair in stage}
+    assert pairs == {"2->0", "2->1"}
+    with pytest.raises(ClientFailure, match="did not reply"):
+        strict = TrainConfig(clients=3, stages=2, hidden=8, rounds=3, encrypt=encrypt, seed=0)
+        LazyStageMachine(
+            SilentAt([LazyClient(p, strict) for p in partition_graph(sbm, 3, "random", seed=0)]),
+            strict,
+            RunRecorder(None, stream=None),
+        ).run()
 
 
 def test_two_nodes_claiming_one_partition_end_the_run():

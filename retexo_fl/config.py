@@ -352,6 +352,10 @@ class TrainConfig:
     dp_noise: float = 0.0  # noise multiplier; 0 turns DP off
     dp_clip: float = 1.0  # L2 norm each client's round update is clipped to
     dp_delta: float = 1e-5
+    # Released boundary rows: clipped per row to L2 norm boundary-clip, then Gaussian noise of
+    # standard deviation boundary-noise * boundary-clip on every row (0: off).
+    boundary_clip: float = 0.0
+    boundary_noise: float = 0.0
     # Client failures (Flower engines): how many clients a run needs, what replaces a lost
     # client's boundary rows (fail | zero | reuse-last), and how long the server waits per message.
     min_clients: int = 0  # 0: every client; a lost client ends the run

@@ -28,7 +28,8 @@ USER_KEYS = {
     "profile", "threads",
     "chunk-rows", "bits", "bit-policy", "byte-budget", "link-bandwidths", "time-budget",
     "rate-schedule", "update-bits", "broadcast-bits", "range-dtype", "encrypt", "identity-keys",
-    "pinned-keys", "dp-noise", "dp-clip", "dp-delta", "min-clients", "on-missing-halo",
+    "pinned-keys", "dp-noise", "dp-clip", "dp-delta",
+    "boundary-clip", "boundary-noise", "min-clients", "on-missing-halo",
     "client-timeout", "resume", "audit", "algorithm", "procs", "replication", "trusted-cluster",
     "out-dir",
 }  # fmt: skip
@@ -96,6 +97,7 @@ def test_from_mapping_reads_kebab_keys_and_per_stage_lists():
         ({"bits": 3}, "compression", "bits and update-bits"),
         ({"bit_policy": "adaptive-bandwidth"}, "compression", "needs link-bandwidths"),
         ({"dp_delta": 1.0}, "security", "dp-delta"),
+        ({"boundary_noise": 1.0}, "security", "boundary-noise needs boundary-clip"),
         ({"on_missing_halo": "guess"}, "failures", "on-missing-halo"),
         ({"algorithm": "4d"}, "datacenter", "algorithm must be one of"),
     ],

@@ -22,6 +22,7 @@ from retexo_fl.protocol import (
     NODE_ENCRYPT,
     NODE_IDENTITY_KEY,
     NODE_MAX_DP_CLIP,
+    NODE_MIN_BOUNDARY_NOISE,
     NODE_MIN_DP_NOISE,
     NODE_PINNED_KEYS,
 )
@@ -86,6 +87,8 @@ class PartyPolicy:
             party accepts. (default: :obj:`0.0`)
         max_dp_clip (float, optional): with ``min_dp_noise`` > 0, the largest clipping norm it
             accepts (noise scales with the clip, the update with it). (default: ``inf``)
+        min_boundary_noise (float, optional): the least noise multiplier on the boundary rows
+            it releases (``boundary-noise``). (default: :obj:`0.0`)
     """
 
     encrypt: bool = True
@@ -94,6 +97,7 @@ class PartyPolicy:
     audit_dir: str = ""
     min_dp_noise: float = 0.0
     max_dp_clip: float = math.inf
+    min_boundary_noise: float = 0.0
 
     @classmethod
     def from_node_config(cls, node_config: Mapping[str, Any], where: str) -> PartyPolicy:
@@ -120,6 +124,10 @@ class PartyPolicy:
                 values[field] = str(node_config[key])
         if NODE_MIN_DP_NOISE in node_config:
             values["min_dp_noise"] = _number(node_config[NODE_MIN_DP_NOISE], NODE_MIN_DP_NOISE, where)
+        if NODE_MIN_BOUNDARY_NOISE in node_config:
+            values["min_boundary_noise"] = _number(
+                node_config[NODE_MIN_BOUNDARY_NOISE], NODE_MIN_BOUNDARY_NOISE, where
+            )
         if NODE_MAX_DP_CLIP in node_config:
             values["max_dp_clip"] = _number(node_config[NODE_MAX_DP_CLIP], NODE_MAX_DP_CLIP, where)
         return cls(**values)
@@ -140,6 +148,7 @@ class PartyPolicy:
             audit_dir=security.audit,
             min_dp_noise=security.dp_noise,
             max_dp_clip=security.dp_clip if security.dp_noise > 0 else math.inf,
+            min_boundary_noise=security.boundary_noise,
         )
 
     def identity_file(self, party: int) -> str:
@@ -187,6 +196,12 @@ class PartyPolicy:
         if cfg.dp_noise < self.min_dp_noise:
             raise PolicyError(
                 where, "dp-noise", f"{cfg.dp_noise} is below this party's minimum {self.min_dp_noise}"
+            )
+        if cfg.boundary_noise < self.min_boundary_noise:
+            raise PolicyError(
+                where,
+                "boundary-noise",
+                f"{cfg.boundary_noise} is below this party's minimum {self.min_boundary_noise}",
             )
         if self.min_dp_noise > 0 and cfg.dp_clip > self.max_dp_clip:
             raise PolicyError(

@@ -29,7 +29,12 @@ class SecuritySettings:
         dp_clip (float, optional): L2 norm each client's round update is clipped to.
             (default: :obj:`1.0`)
         dp_delta (float, optional): the :math:`\delta` of the reported
-            :math:`(\varepsilon, \delta)` guarantee. (default: :obj:`1e-5`)
+            :math:`(\varepsilon, \delta)` guarantees. (default: :obj:`1e-5`)
+        boundary_clip (float, optional): the L2 norm every boundary row a client releases is
+            clipped to; :obj:`0` leaves rows as they are. (default: :obj:`0.0`)
+        boundary_noise (float, optional): the Gaussian noise multiplier on released boundary
+            rows (standard deviation ``boundary_noise * boundary_clip`` per entry); needs
+            ``boundary_clip``. (default: :obj:`0.0`)
     """
 
     encrypt: bool = True
@@ -39,9 +44,15 @@ class SecuritySettings:
     dp_noise: float = 0.0
     dp_clip: float = 1.0
     dp_delta: float = 1e-5
+    boundary_clip: float = 0.0
+    boundary_noise: float = 0.0
 
     def validate(self) -> SecuritySettings:
         """Raise :class:`ValueError` naming the first bad setting; return ``self`` otherwise."""
         if self.dp_noise < 0 or self.dp_clip <= 0 or not 0 < self.dp_delta < 1:
             raise ValueError("dp-noise must be >= 0, dp-clip > 0 and dp-delta in (0, 1)")
+        if self.boundary_clip < 0 or self.boundary_noise < 0:
+            raise ValueError("boundary-clip and boundary-noise must be >= 0")
+        if self.boundary_noise > 0 and self.boundary_clip <= 0:
+            raise ValueError("boundary-noise needs boundary-clip > 0 (the noise is scaled to the clip)")
         return self

@@ -72,6 +72,8 @@ class Checkpoint:
         exchange_stats (dict[int, ExchangeStats]): each exchange's compression figures.
         privacy (UpdatePrivacy, optional): the DP accountant so far.
         transport (Any): the transport's own accounting (:meth:`Transport.snapshot`).
+        boundary_releases (int): boundary row releases so far (``boundary-noise`` accounting).
+        missing_payloads (dict): payloads clients reported missing so far, by stage and pair.
     """
 
     config: dict[str, Any]
@@ -91,6 +93,8 @@ class Checkpoint:
     exchange_stats: dict[int, ExchangeStats] = field(default_factory=dict)
     privacy: UpdatePrivacy | None = None
     transport: Any = None
+    boundary_releases: int = 0
+    missing_payloads: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 class CheckpointStore(Protocol):

@@ -28,6 +28,7 @@ from retexo_fl.config import TrainConfig
 from retexo_fl.data.partition import Partition
 from retexo_fl.plan import BoundaryPlan, LocalGraph
 from retexo_fl.protocol import DEGREES, Records
+from retexo_fl.secure.boundary_noise import release_rows
 from retexo_fl.secure.channel import PeerChannel
 from retexo_fl.secure.policy import PartyPolicy
 from retexo_fl.seeding import derive_seed, resolve_device, seed_dropout
@@ -35,6 +36,8 @@ from retexo_fl.training.drift import next_client_control, zeros_like_state
 from retexo_fl.training.state import ClientState, StateDict
 
 log = logging.getLogger(__name__)
+#: Seeds the noise on released boundary rows (``boundary-noise``).
+BOUNDARY_NOISE_TAG = 0xD9
 
 #: Seed tag of a client's compressed-update rounding.
 UPDATE_TAG = 0xC0
@@ -177,6 +180,15 @@ class Client(ABC):
     def step_budget(self) -> tuple[int, float | None]:
         """``(steps, deadline)`` of one round's local training (a deadline: time-based rounds)."""
         return int(self.cfg.per_stage("local_epochs", self.layer_index())), None
+
+    def released(self, rows: Tensor, *tags: int) -> Tensor:
+        """``rows`` as they may leave this client: clipped and noised per row when the run says so
+        (``boundary-clip``, ``boundary-noise``), seeded by ``tags`` (stage or round, layer)."""
+        cfg = self.cfg
+        if cfg.boundary_clip <= 0:
+            return rows
+        gen = torch.Generator().manual_seed(derive_seed(cfg.seed, BOUNDARY_NOISE_TAG, *tags, self.id))
+        return release_rows(rows, cfg.boundary_clip, cfg.boundary_noise, gen)
 
     # -- end-to-end encryption --------------------------------------------------------------
     def public_key(self) -> bytes:

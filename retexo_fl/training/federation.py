@@ -21,6 +21,7 @@ from retexo_fl.config import TrainConfig
 from retexo_fl.metrics import RunRecorder
 from retexo_fl.plan import check_plans
 from retexo_fl.protocol import Records
+from retexo_fl.secure.boundary_noise import gaussian_epsilon
 from retexo_fl.secure.keys import load_pins, pin_digest
 from retexo_fl.training.aggregate import check_state, state_nbytes
 from retexo_fl.training.client import EvalResult
@@ -70,6 +71,7 @@ class Federation:
         self.run_digest = P.config_digest(self.run_json)
         self.keys: dict[str, str] = {}  # client id -> public key hex (the directory relayed)
         self.contributions: dict[str, str] = {}  # client id -> transcript contribution hex (relayed)
+        self.boundary_releases = 0  # times each boundary row's value went out (boundary-noise)
         # stage -> "sender->receiver" -> payloads a receiver expected and filled in (on-missing-halo)
         self.missing_payloads: dict[str, dict[str, int]] = {}
         self.counts: dict[int, ClientCounts] = {}
@@ -246,6 +248,10 @@ class Federation:
                     continue
                 incoming[dst][P.delivery_key(kind, src)] = bytes(blob)
                 self.bytes_boundary += len(blob)
+        if kind == P.HALO and any(outgoing.values()):
+            # One exchange releases each boundary row once (the same noisy row to every peer);
+            # an eager round releases every conv layer's input row.
+            self.boundary_releases += self.cfg.stages - 1 if self.cfg.mode == "eager" else 1
         return incoming
 
     @staticmethod
@@ -305,12 +311,28 @@ class Federation:
             for pid, m in ((p, r[P.METRICS]) for p, r in replies.items())
         }
 
+    def boundary_privacy(self) -> dict[str, Any] | None:
+        """What ``boundary-clip`` / ``boundary-noise`` guarantee each released row's value (see
+        :mod:`retexo_fl.secure.boundary_noise`), or None when rows go out as computed."""
+        cfg = self.cfg
+        if cfg.boundary_clip <= 0:
+            return None
+        return {
+            "clip": cfg.boundary_clip,
+            "noise": cfg.boundary_noise,
+            "releases": self.boundary_releases,
+            "epsilon": gaussian_epsilon(cfg.boundary_noise, self.boundary_releases, cfg.dp_delta),
+            "delta": cfg.dp_delta,
+            "unit": "one boundary row's value (replace-one, L2 sensitivity 2 x clip); not node-level DP",
+        }
+
     def summary(self) -> dict[str, Any]:
         """The run summary's entries about the federation: lost clients, privacy, transport figures."""
         names = {a: p for p, a in self.members.nodes.items()}
         return {
             "lost_clients": self.members.lost,
             "missing_payloads": self.missing_payloads,
+            "boundary_privacy": self.boundary_privacy(),
             "privacy": self.privacy.spent() if self.privacy else None,
             **self.transport.report(names),
         }

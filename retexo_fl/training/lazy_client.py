@@ -177,7 +177,8 @@ class LazyClient(Client):
         self.owned = embeddings.to(self.device)
         self.stage += 1
         self.halo = None
-        return self.plan.rows_for(embeddings)
+        # Only what leaves is clipped and noised; this client's own next stage reads exact rows.
+        return self.plan.rows_for(self.released(embeddings, self.stage))
 
     def next_stage(self, state: StateDict) -> dict[int, Tensor]:
         """Move on from this stage, trained to ``state``; return the boundary rows peers need.

@@ -187,6 +187,7 @@ class LazyStageMachine:
             fed.privacy,
             fed.transport.snapshot(),
         )
+        ck.boundary_releases, ck.missing_payloads = fed.boundary_releases, fed.missing_payloads
         self.store.save(ck)
 
     def _resume(self) -> Checkpoint:
@@ -197,6 +198,7 @@ class LazyStageMachine:
         fed = self.fed
         fed.run_key, fed.keys, fed.counts = ck.run_key, ck.keys, ck.counts
         fed.members.lost, fed.bytes_boundary, fed.privacy = ck.lost, ck.bytes_boundary, ck.privacy
+        fed.boundary_releases, fed.missing_payloads = ck.boundary_releases, ck.missing_payloads
         self.model_bytes_done, self.exchange_stats = ck.model_bytes_done, ck.exchange_stats
         fed.transport.restore(ck.transport)
         fed.reconnect(ck.pids)

@@ -52,6 +52,10 @@ def test_minimum_privacy_settings_are_enforced():
         policy.check(TrainConfig(dp_noise=0.5), "client 2")
     with pytest.raises(PolicyError, match=r"dp-clip: 4.0 is above this party's maximum 1.0"):
         policy.check(TrainConfig(dp_noise=1.0, dp_clip=4.0), "client 2")
+    rows = PartyPolicy.from_node_config({P.NODE_MIN_BOUNDARY_NOISE: "0.5"}, "client 2")
+    rows.check(TrainConfig(boundary_clip=1.0, boundary_noise=0.5), "client 2")
+    with pytest.raises(PolicyError, match=r"boundary-noise: 0.0 is below this party's minimum 0.5"):
+        rows.check(TrainConfig(), "client 2")
 
 
 def test_the_simulation_policy_travels_in_the_environment(monkeypatch, tmp_path):

@@ -1,0 +1,83 @@
+r"""Clipped, noised boundary rows: a Gaussian mechanism on every row a client releases to peers.
+
+Boundary rows are functions of a client's raw features, and stage 0's rows invert to them (the
+inversion benchmark, ``bench/inversion.py``, measures how far). Before rows leave a client,
+each is clipped to L2 norm :math:`C` (``boundary-clip``) and Gaussian noise of standard deviation
+:math:`\sigma C` (``boundary-noise`` :math:`\sigma`) is added to every entry. The noise is drawn
+once per row and exchange, so a row sent to two peers is one release, not two.
+
+What it guarantees, exactly: each release is a Gaussian mechanism on one row's value, whose L2
+sensitivity is :math:`2C` when the row is replaced by any other (both clipped). Composed over a
+node's releases with Rényi DP (Mironov, 2017), :func:`gaussian_epsilon` gives the
+:math:`(\varepsilon, \delta)` each row's value keeps. It is not node-level DP of the graph: a
+node's features also shape its neighbours' rows at later stages, each of which is clipped and
+noised too but is accounted as its own row.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+#: Rényi orders the accountant minimizes over.
+_ORDERS = [1.0 + x / 10.0 for x in range(1, 100)] + [
+    12.0,
+    14.0,
+    16.0,
+    20.0,
+    24.0,
+    32.0,
+    48.0,
+    64.0,
+    128.0,
+    256.0,
+]
+
+
+def release_rows(rows: Tensor, clip: float, noise: float, generator: torch.Generator | None = None) -> Tensor:
+    """``rows`` clipped to L2 norm ``clip`` each, plus Gaussian noise of std ``noise * clip``.
+
+    Args:
+        rows (Tensor): the rows to release.
+        clip (float): the per-row L2 norm, > 0.
+        noise (float): the noise multiplier, >= 0 (0: clipping only).
+        generator (torch.Generator, optional): seeds the noise. (default: :obj:`None`)
+
+    Shapes:
+        - **input:** ``rows`` ``[n, d]``
+        - **output:** ``[n, d]``, float32
+
+    Raises:
+        ValueError: ``clip`` <= 0 or ``noise`` < 0.
+    """
+    if clip <= 0 or noise < 0:
+        raise ValueError(f"boundary-clip must be > 0 and boundary-noise >= 0, got {clip} and {noise}")
+    rows = rows.float()
+    norms = rows.norm(dim=1, keepdim=True).clamp_min(1e-12)
+    out = rows * (clip / norms).clamp(max=1.0)
+    if noise > 0:
+        out = out + torch.randn(out.shape, generator=generator) * (noise * clip)
+    return out
+
+
+def gaussian_epsilon(noise: float, releases: int, delta: float) -> float:
+    r"""The :math:`\varepsilon` one row's value keeps after ``releases`` clipped, noised releases.
+
+    Each release is a Gaussian mechanism with noise multiplier ``noise`` on a row of L2
+    sensitivity twice the clip (replacement), so its Rényi DP at order :math:`\alpha` is
+    :math:`2\alpha / \sigma^2`; ``releases`` of them add up, and
+    :math:`\varepsilon = \min_\alpha \mathrm{RDP}(\alpha) + \log(1/\delta) / (\alpha - 1)`.
+
+    Args:
+        noise (float): the noise multiplier :math:`\sigma` (0: no guarantee, ``inf``).
+        releases (int): how many times a row's value was released.
+        delta (float): the :math:`\delta`, in (0, 1).
+    """
+    if releases <= 0:
+        return 0.0
+    if noise <= 0:
+        return math.inf
+    per_order = (releases * 2.0 * a / noise**2 + math.log(1.0 / delta) / (a - 1.0) for a in _ORDERS)
+    return min(per_order)

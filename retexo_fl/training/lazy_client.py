@@ -15,6 +15,7 @@ from retexo_fl.data.partition import Partition
 from retexo_fl.models.factory import build_stage_model
 from retexo_fl.models.stage import StageModel
 from retexo_fl.protocol import HALO
+from retexo_fl.secure.boundary_noise import release_rows
 from retexo_fl.secure.policy import PartyPolicy
 from retexo_fl.seeding import derive_seed
 from retexo_fl.training.client import Client
@@ -174,10 +175,12 @@ class LazyClient(Client):
 
     def advance(self, embeddings: Tensor) -> dict[int, Tensor]:
         """Make ``embeddings`` the owned input of the next stage; return the rows peers need."""
-        self.owned = embeddings.to(self.device)
         self.stage += 1
         self.halo = None
-        # Only what leaves is clipped and noised; this client's own next stage reads exact rows.
+        clip = self.cfg.boundary_clip
+        # Own rows are clipped like the released ones, so that a conv stage mixes rows of one
+        # scale; only what leaves is noised.
+        self.owned = (release_rows(embeddings, clip, 0.0) if clip > 0 else embeddings).to(self.device)
         return self.plan.rows_for(self.released(embeddings, self.stage))
 
     def next_stage(self, state: StateDict) -> dict[int, Tensor]:

@@ -48,9 +48,10 @@ def test_peers_get_noised_rows_and_the_owner_keeps_its_own(sbm):
     client = LazyClient(part, cfg)
     emb = torch.rand(part.num_nodes, 8)
     rows = client.advance(emb)
-    assert torch.equal(client.owned, emb)  # its own next stage reads exact rows
+    # Its own next stage reads its rows clipped (one scale with the halo), never noised.
+    assert torch.allclose(client.owned, release_rows(emb, 1.0, 0.0))
     q = sorted(rows)[0]
-    exact = client.plan.rows_for(emb)[q]
+    exact = client.plan.rows_for(release_rows(emb, 1.0, 0.0))[q]
     assert rows[q].shape == exact.shape and not torch.allclose(rows[q], exact, atol=0.1)
     again = LazyClient(part, cfg)
     again.stage = 0

@@ -16,6 +16,7 @@ from clients.records import from_flower, to_flower
 from retexo_fl import protocol as P
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partition import Partition, load_partition, save_partition
+from retexo_fl.secure.audit import AuditLog
 from retexo_fl.secure.policy import PartyPolicy
 from retexo_fl.training.client import Client
 from retexo_fl.training.eager_client import EagerClient
@@ -73,6 +74,9 @@ def node_client(msg: Message, context: Context) -> tuple[Client, Path]:
             client = EagerClient(part, cfg, local=cfg.mode == "local", policy=policy)
         else:
             client = LazyClient(part, cfg, policy)
+        if policy.audit_dir:  # frames sealed for peers are audited as plaintext, before sealing
+            log = AuditLog(policy.audit_dir, client.id, str(partition_dir(context, cfg)), cfg.encrypt)
+            client.channel.observer = log.record_sealed
         for old in [k for k in _CACHE if k[0] != key[0]]:  # drop earlier runs' tensors
             del _CACHE[old]
             _CURRENT.discard(old)

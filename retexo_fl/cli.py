@@ -228,7 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--out", required=True)
     k.set_defaults(func=cmd_keys)
 
-    a = sub.add_parser("audit", help="prove from a run's audit records that no raw data left a client")
+    a = sub.add_parser(
+        "audit", help="search a run's audit records for each client's raw data (copies and re-encodings)"
+    )
     a.add_argument(
         "run_dir", help="the audit folder (client-<id>/ sub-folders) of a run started with --audit"
     )

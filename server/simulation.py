@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from flwr.clientapp import ClientApp
 from flwr.serverapp import ServerApp
 
-from clients.app import app as client_app
+from clients.app import app as default_client_app
 from clients.node import WORK_DIR_ENV
 from retexo_fl.config import TrainConfig
 from retexo_fl.secure.policy import POLICY_ENV, PartyPolicy
@@ -21,6 +22,7 @@ def simulate(
     cpus_per_client: float = 1.0,
     work_dir: str | Path | None = None,
     policy: PartyPolicy | None = None,
+    client_app: ClientApp | None = None,
 ) -> dict:
     """Run one lazy, eager or local job through Flower's simulation engine (Ray) and return its summary.
 
@@ -37,6 +39,9 @@ def simulate(
             (default: :obj:`None`)
         policy (PartyPolicy, optional): every virtual party's own security policy; :obj:`None`
             for the security settings of ``cfg`` (the command line the user started them with).
+            (default: :obj:`None`)
+        client_app (ClientApp, optional): the ClientApp the virtual nodes run; :obj:`None` for
+            ``clients.app.app`` (a variant is for tests, e.g. a client built to leak).
             (default: :obj:`None`)
     """
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
@@ -64,7 +69,7 @@ def simulate(
     try:
         run_simulation(
             server_app=server_app,
-            client_app=client_app,
+            client_app=client_app or default_client_app,
             num_supernodes=cfg.clients,
             backend_config={
                 "client_resources": {"num_cpus": cpus_per_client},

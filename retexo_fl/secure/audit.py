@@ -1,9 +1,14 @@
 """Residency audit: every message a client sends, recorded at the client, and the checker that reads them.
 
-The checker proves, message by message, that no array a client sent holds one of its raw
-feature rows, its label vector or its edge list, in any dtype-faithful form (a tensor row,
-a run of bytes inside a frame), and that every boundary payload the server relayed was
-sealed (:mod:`retexo_fl.secure.envelope`), so the server only ever held ciphertext.
+A client records each reply as it leaves the ClientApp, and each frame it seals for a peer as
+plaintext, before sealing (so what peers get is audited too, not only what the server sees).
+The checker searches every recorded value (arrays, bytes, strings, lists of numbers) for the
+client's raw feature rows, label vectors and edges with :class:`~retexo_fl.secure.detect.SecretFinder`:
+every row, and re-encodings of them (scaled, shifted, transposed, flattened, re-typed, one-hot,
+bitmap, in bytes at any offset, in text). It also checks that every boundary payload the server
+relayed was sealed. What it proves is exactly that: none of those encodings of the client's own
+raw data is in what it sent. It does not prove that nothing can be inferred from what was sent
+(embeddings and updates are functions of the data: ``bench/inversion.py`` measures that).
 """
 
 from __future__ import annotations
@@ -16,12 +21,13 @@ from typing import Any
 
 import numpy as np
 
-from retexo_fl.data.partition import Partition, load_partition
+from retexo_fl.data.partition import load_partition
+from retexo_fl.secure.detect import SecretFinder, flatten_values
 from retexo_fl.secure.envelope import ENVELOPE_BYTES, MAGIC
 
-#: Feature rows searched for inside byte payloads (the array check covers every row).
-SAMPLE_ROWS = 512
 _SEP = "::"
+#: The record name of frames recorded before sealing (file stems ``sealed-<seq>-<kind>``).
+PLAINTEXT = "plaintext"
 
 
 class AuditLog:
@@ -54,8 +60,27 @@ class AuditLog:
         Returns:
             The message's path without suffix (``.json`` and ``.npz`` hold it).
         """
-        seq = len(list(self.dir.glob("*.json"))) - 1
-        stem = self.dir / f"{seq:05d}-{message_type.replace('.', '-')}"
+        seq = len(list(self.dir.glob("[0-9]*.json")))
+        return self._write(self.dir / f"{seq:05d}-{message_type.replace('.', '-')}", message_type, records)
+
+    def record_sealed(self, kind: str, stage: int, round_: int, dst: int, frame: bytes) -> Path:
+        """Write one frame as it was before sealing for peer ``dst`` (the channel calls this).
+
+        Args:
+            kind (str): the payload kind (``"deg"``, ``"halo"``, ``"eager"``).
+            stage (int): the stage it was sealed in.
+            round_ (int): the round it was sealed in.
+            dst (int): the peer it is for.
+            frame (bytes): the plaintext.
+
+        Returns:
+            The record's path without suffix.
+        """
+        seq = len(list(self.dir.glob("sealed-*.json")))
+        records = {PLAINTEXT: {f"to-{dst}": bytes(frame)}, "route": {"stage": stage, "round": round_}}
+        return self._write(self.dir / f"sealed-{seq:05d}-{kind}", f"sealed {kind}", records)
+
+    def _write(self, stem: Path, message_type: str, records: dict[str, dict[str, Any]]) -> Path:
         arrays, values = {}, {}
         for rname, rec in records.items():
             for key, value in rec.items():
@@ -95,62 +120,11 @@ class Finding:
 
 
 def _messages(folder: Path) -> Iterator[tuple[str, dict]]:
-    for meta_path in sorted(folder.glob("[0-9]*.json")):
+    for meta_path in sorted([*folder.glob("[0-9]*.json"), *folder.glob("sealed-*.json")]):
         meta = json.loads(meta_path.read_text())
         with np.load(meta_path.with_suffix(".npz"), allow_pickle=False) as z:
             arrays = {name: z[f"a{i}"] for i, name in enumerate(meta["arrays"])}
         yield meta_path.stem, {"meta": meta, "arrays": arrays}
-
-
-class _Secrets:
-    """What one client must keep: its feature rows, labels and edges, in searchable forms."""
-
-    def __init__(self, part: Partition) -> None:
-        x = np.ascontiguousarray(part.x, dtype=np.float32)
-        self.num_features = x.shape[1]
-        # Rows with fewer than two nonzeros (all-zero rows, one-hot rows) occur by chance in any
-        # array; a match on them proves nothing.
-        informative = x[(x != 0).sum(1) >= 2]
-        self.rows = {r.tobytes() for r in informative}
-        rng = np.random.default_rng(0)
-        pick = rng.choice(len(informative), min(SAMPLE_ROWS, len(informative)), replace=False)
-        self.row_bytes = [informative[i].tobytes() for i in pick]
-        y = np.asarray(part.y, dtype=np.int64)
-        self.labels = [y] + [y[np.asarray(m)] for m in (part.train_mask, part.val_mask, part.test_mask)]
-        self.labels = [v for v in self.labels if v.size >= 8]
-        c = np.asarray(part.cross_edges).reshape(-1, 4)
-        pairs = np.concatenate([np.asarray(part.edges).T, c[:, :2]])
-        self.edges = {(int(a), int(b)) for a, b in pairs} | {(int(b), int(a)) for a, b in pairs}
-        self.edge_bytes = [
-            np.ascontiguousarray(e).tobytes()
-            for e in (np.asarray(part.edges)[:, :16], np.asarray(part.edges)[:, :16].T, c[:16, :2])
-            if e.size >= 16
-        ]
-
-    def check_array(self, arr: np.ndarray) -> str | None:
-        if arr.dtype == np.uint8:  # a byte payload (frame, envelope, JSON): look inside it
-            blob = arr.tobytes()
-            if any(r in blob for r in self.row_bytes):
-                return "contains a raw feature row (float32 bytes)"
-            if any(v.tobytes() in blob for v in self.labels):
-                return "contains the label vector (int64 bytes)"
-            if any(e in blob for e in self.edge_bytes):
-                return "contains the edge list (int64 bytes)"
-            return None
-        if arr.dtype.kind == "f" and arr.ndim >= 1 and arr.shape[-1] == self.num_features:
-            rows = np.ascontiguousarray(arr.reshape(-1, self.num_features), dtype=np.float32)
-            if any(r.tobytes() in self.rows for r in rows):
-                return "holds a raw feature row"
-        if arr.dtype.kind in "iuf" and arr.ndim == 1:
-            for v in self.labels:
-                if arr.size == v.size and np.array_equal(arr.astype(np.float64), v.astype(np.float64)):
-                    return "is the label vector"
-        if arr.dtype.kind in "iu" and arr.size >= 8 and 2 in arr.shape and arr.ndim == 2:
-            pairs = arr.T if arr.shape[0] == 2 else arr
-            hits = sum((int(a), int(b)) in self.edges for a, b in pairs)
-            if hits >= max(4, len(pairs) // 2):
-                return f"is an edge list ({hits} of {len(pairs)} pairs are this client's edges)"
-        return None
 
 
 def check_audit(
@@ -164,7 +138,8 @@ def check_audit(
             instead of the partition each client recorded. (default: :obj:`None`)
 
     Returns:
-        ``(figures, findings)``: ``{client: {"messages", "arrays", "payloads", "partition"}}`` and
+        ``(figures, findings)``: ``{client: {"messages", "sealed_plaintexts", "arrays", "payloads",
+        "partition"}}`` and
         the list of :class:`Finding`.
 
     Raises:
@@ -179,15 +154,19 @@ def check_audit(
         info = json.loads((folder / "client.json").read_text())
         cid = int(info["client"])
         where = Path(partitions) / f"part-{cid}" if partitions else Path(info["partition"])
-        secrets = _Secrets(load_partition(where))
-        n_msgs = n_arrays = n_payloads = 0
+        secrets = SecretFinder(load_partition(where))
+        n_msgs = n_arrays = n_payloads = n_sealed = 0
         for name, msg in _messages(folder):
             n_msgs += 1
-            for field, arr in msg["arrays"].items():
+            n_sealed += name.startswith("sealed-")
+            values = {k: v for k, v in msg["meta"]["values"].items() if v != "<bytes>"}
+            fields = [*msg["arrays"].items(), *values.items()]
+            for field, value in fields:
                 n_arrays += 1
-                what = secrets.check_array(arr)
-                if what:
+                leaves = [value] if isinstance(value, np.ndarray) else flatten_values(value)
+                for what in (w for leaf in leaves for w in secrets.scan(leaf)):
                     findings.append(Finding(cid, name, field, what))
+            for field, arr in msg["arrays"].items():
                 if field.partition(_SEP)[0] == "payloads":
                     n_payloads += 1
                     blob = arr.tobytes()
@@ -195,6 +174,7 @@ def check_audit(
                         findings.append(Finding(cid, name, field, "boundary payload relayed in plaintext"))
         figures[cid] = {
             "messages": n_msgs,
+            "sealed_plaintexts": n_sealed,
             "arrays": n_arrays,
             "payloads": n_payloads,
             "partition": str(where),

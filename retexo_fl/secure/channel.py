@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
@@ -45,6 +47,9 @@ class PeerChannel:
         self.directory: dict[int, bytes] | None = None
         self.transcript: bytes | None = None
         self.envelopes: Envelopes | None = None
+        #: Sees every frame before it is sealed, as (kind, stage, round, peer, frame): the
+        #: residency audit records what peers get, not only what the server relays.
+        self.observer: Callable[[str, int, int, int, bytes], Any] | None = None
 
     @property
     def where(self) -> str:
@@ -125,6 +130,9 @@ class PeerChannel:
         if not self.enabled:
             return frames
         envelopes = self._ready()
+        if self.observer is not None:
+            for q, f in sorted(frames.items()):
+                self.observer(kind, stage, round_, q, bytes(f))
         # A peer without a channel was lost at key setup: the server has nobody to relay to.
         return {
             q: envelopes.seal(f, Route(kind, stage, round_, self.party, q))

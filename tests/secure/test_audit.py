@@ -38,6 +38,7 @@ def test_audit_passes_on_a_federated_run(parts_dir, tmp_path, capsys):
         # hello, setup, 3 stages x (3 train rounds + evaluations), 2 embeds: every one recorded
         assert f["messages"] >= 2 + 3 * 3 + 2
         assert f["payloads"] >= 3  # degrees and two boundary exchanges, all sealed
+        assert f["sealed_plaintexts"] >= 3  # ... and each recorded before sealing, and checked
     assert main(["audit", str(audit)]) == 0
     assert "audit passed: 0 finding(s)" in capsys.readouterr().out
 
@@ -66,13 +67,13 @@ def test_audit_catches_a_leaking_client(parts_dir, tmp_path, capsys):
     _, findings = check_audit(audit)
     got = {(f.message, f.field, f.what.split(" (")[0]) for f in findings}
     assert got == {
-        ("00001-train", "arrays::mlp.weight", "holds a raw feature row"),
-        ("00002-query-embed", "payloads::to-2", "contains a raw feature row"),
+        ("00001-train", "arrays::mlp.weight", "holds 1 raw feature row(s)"),
+        ("00002-query-embed", "payloads::to-2", "holds 1 raw feature row(s)"),
         ("00002-query-embed", "payloads::to-2", "boundary payload relayed in plaintext"),
-        ("00003-evaluate", "arrays::labels", "is the label vector"),
+        ("00003-evaluate", "arrays::labels", "holds the label vector"),
         ("00004-query-setup", "arrays::edges", "is an edge list"),
     }
     assert main(["audit", str(audit)]) == 1
     out = capsys.readouterr().out
-    assert "LEAK client 1, message 00001-train, arrays::mlp.weight: holds a raw feature row" in out
+    assert "LEAK client 1, message 00001-train, arrays::mlp.weight: holds 1 raw feature row(s)" in out
     assert "audit FAILED: 5 finding(s)" in out

@@ -10,6 +10,7 @@ every round) fill in the model, its inputs and what crosses to peers.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -36,8 +37,6 @@ from retexo_fl.training.drift import next_client_control, zeros_like_state
 from retexo_fl.training.state import ClientState, StateDict
 
 log = logging.getLogger(__name__)
-#: Seeds the noise on released boundary rows (``boundary-noise``).
-BOUNDARY_NOISE_TAG = 0xD9
 
 #: Seed tag of a client's compressed-update rounding.
 UPDATE_TAG = 0xC0
@@ -181,13 +180,17 @@ class Client(ABC):
         """``(steps, deadline)`` of one round's local training (a deadline: time-based rounds)."""
         return int(self.cfg.per_stage("local_epochs", self.layer_index())), None
 
-    def released(self, rows: Tensor, *tags: int) -> Tensor:
+    def released(self, rows: Tensor) -> Tensor:
         """``rows`` as they may leave this client: clipped and noised per row when the run says so
-        (``boundary-clip``, ``boundary-noise``), seeded by ``tags`` (stage or round, layer)."""
+        (``boundary-clip``, ``boundary-noise``).
+
+        The noise is seeded from the operating system's randomness, never from the run's seed:
+        every party knows that seed, and noise a peer can regenerate protects nothing.
+        """
         cfg = self.cfg
         if cfg.boundary_clip <= 0:
             return rows
-        gen = torch.Generator().manual_seed(derive_seed(cfg.seed, BOUNDARY_NOISE_TAG, *tags, self.id))
+        gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
         return release_rows(rows, cfg.boundary_clip, cfg.boundary_noise, gen)
 
     # -- end-to-end encryption --------------------------------------------------------------

@@ -106,19 +106,16 @@ class EagerClient(Client):
         return logits if rows is None else logits[rows]
 
     @torch.no_grad()
-    def boundary_rows(self, state: StateDict, round_: int = 0) -> dict[int, Tensor]:
+    def boundary_rows(self, state: StateDict) -> dict[int, Tensor]:
         """Per peer, the conv inputs of its halo rows for every layer, stacked ``[(K - 1) k, hidden]``
-        (clipped and noised as released, seeded by ``round_``)."""
+        (clipped and noised as released)."""
         if self.local or self.layers < 2 or not self.plan.send:
             return {}
         model = self.loaded_model(state)
         model.eval()
         ei, w = self.conv_edges()
         _, inputs = model(self.owned, ei, w, self.halo_layers)
-        per_layer = [
-            self.plan.rows_for(self.released(h.float().cpu(), round_, layer))
-            for layer, h in enumerate(inputs)
-        ]
+        per_layer = [self.plan.rows_for(self.released(h.float().cpu())) for h in inputs]
         return {q: torch.cat([rows[q] for rows in per_layer]) for q in self.plan.send}
 
     def encode_rows_for_round(
@@ -135,7 +132,7 @@ class EagerClient(Client):
 
     def round_payloads(self, state: StateDict, round_: int) -> tuple[dict[int, bytes], dict] | None:
         """This round's rows for the peers' next round (computed before training), and figures."""
-        rows = self.boundary_rows(state, round_)
+        rows = self.boundary_rows(state)
         if not rows:
             return {}, {}
         frames, stats = self.encode_rows_for_round(rows, round_)

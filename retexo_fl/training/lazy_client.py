@@ -181,7 +181,7 @@ class LazyClient(Client):
         # Own rows are clipped like the released ones, so that a conv stage mixes rows of one
         # scale; only what leaves is noised.
         self.owned = (release_rows(embeddings, clip, 0.0) if clip > 0 else embeddings).to(self.device)
-        return self.plan.rows_for(self.released(embeddings, self.stage))
+        return self.plan.rows_for(self.released(embeddings))
 
     def next_stage(self, state: StateDict) -> dict[int, Tensor]:
         """Move on from this stage, trained to ``state``; return the boundary rows peers need.

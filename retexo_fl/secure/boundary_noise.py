@@ -50,9 +50,9 @@ def release_rows(rows: Tensor, clip: float, noise: float, generator: torch.Gener
         - **output:** ``[n, d]``, float32
 
     Raises:
-        ValueError: ``clip`` <= 0 or ``noise`` < 0.
+        ValueError: ``clip`` <= 0, ``noise`` < 0, or either not finite.
     """
-    if clip <= 0 or noise < 0:
+    if not (math.isfinite(clip) and math.isfinite(noise)) or clip <= 0 or noise < 0:
         raise ValueError(f"boundary-clip must be > 0 and boundary-noise >= 0, got {clip} and {noise}")
     rows = rows.float()
     norms = rows.norm(dim=1, keepdim=True).clamp_min(1e-12)

@@ -77,6 +77,7 @@ class PeerChannel:
         peers: set[int],
         contributions: dict[int, bytes],
         allow_missing: bool = False,
+        run_config: bytes = b"",
     ) -> None:
         """Derive the sealed channels to ``peers`` from the server's key directory and transcript.
 
@@ -88,11 +89,13 @@ class PeerChannel:
             allow_missing (bool, optional): a peer absent from the directory was lost at key
                 setup: connect to the others (its rows will be missing, and are reported as
                 such). (default: :obj:`False`)
+            run_config (bytes, optional): the digest of the run config this party was sent, bound
+                into the transcript. (default: ``b""``)
 
         Raises:
             KeyMaterialError: the directory misses a peer (unless ``allow_missing``), has another
-                key or contribution for this party, lacks a contribution, or disagrees with the
-                pinned keys.
+                key or contribution for this party, lacks a contribution, disagrees with the
+                pinned keys, or would replace the channels this party already set up in this run.
         """
         where = self.where
         pins = load_pins(self.pinned_keys) if self.pinned_keys else None
@@ -109,7 +112,16 @@ class PeerChannel:
         # Without this party's own fresh contribution the transcript could be an old run's.
         if contributions[self.party] != self.contribution():
             raise KeyMaterialError(f"{where}: the transcript holds another contribution for this client")
-        transcript = transcript_hash(int(run_id), directory, contributions)
+        transcript = transcript_hash(int(run_id), directory, contributions, run_config)
+        if self.transcript is not None:
+            # Set up already: the same setup again (a retried message) keeps the channels and
+            # their counters; another one would reset replay protection, so it is refused.
+            if transcript == self.transcript:
+                return
+            raise KeyMaterialError(
+                f"{where}: a second key setup with another transcript in the same run; refusing it "
+                "(a server replaying an old run's setup, or re-keying this one)"
+            )
         self._open(directory, transcript, peers & set(directory), None)
 
     def _open(

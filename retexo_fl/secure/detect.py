@@ -87,12 +87,10 @@ class SecretFinder:
         pairs = np.concatenate([np.asarray(part.edges, dtype=np.int64).T, c[:, :2]])
         both = np.concatenate([pairs, pairs[:, ::-1]])
         self.edge_keys = np.unique(_pair_keys(both))
-        ids = np.asarray(part.node_ids, dtype=np.int64)
-        local = np.searchsorted(ids, np.asarray(part.edges, dtype=np.int64))
-        self.n_owned = len(ids)
-        self.adjacency = np.zeros((len(ids), len(ids)), dtype=bool)
-        if local.size:
-            self.adjacency[local[0], local[1]] = self.adjacency[local[1], local[0]] = True
+        # The bitmap check looks set bits up in the edge keys: no n x n matrix is ever built.
+        self.node_ids = np.asarray(part.node_ids, dtype=np.int64)
+        self.n_owned = len(self.node_ids)
+        self.has_local_edges = np.asarray(part.edges).size > 0
 
     # -- feature rows ---------------------------------------------------------------------
     @staticmethod
@@ -245,9 +243,10 @@ class SecretFinder:
                 np.unpackbits(raw.astype(np.uint8).reshape(-1)) if raw.dtype == np.uint8 else raw.reshape(-1)
             )
             n = self.n_owned
-            if bits.size >= n * n and self.adjacency.any():
-                m = bits[: n * n].reshape(n, n).astype(bool)
-                hits, total = int((m & self.adjacency).sum()), int(m.sum())
+            if bits.size >= n * n and self.has_local_edges:
+                where = np.flatnonzero(bits[: n * n])
+                pairs = np.stack([self.node_ids[where // n], self.node_ids[where % n]], 1)
+                hits, total = int(np.isin(_pair_keys(pairs), self.edge_keys).sum()), len(where)
                 if hits >= max(4, total // 2):
                     return f"holds the adjacency as a bitmap ({hits} of {total} set bits are edges)"
         if a.size < 8 or not np.all(a == np.round(a)) or np.any(np.abs(a) >= 2**62):

@@ -55,9 +55,11 @@ class Route:
         return _HEAD.pack(MAGIC, KINDS[self.kind], self.stage, self.round, self.src, self.dst, counter)
 
 
-def transcript_hash(run_id: int, directory: dict[int, bytes], contributions: dict[int, bytes]) -> bytes:
-    """SHA-256 of the run's key-setup transcript: the run key, and every party's id, public key
-    and fresh random contribution, in id order.
+def transcript_hash(
+    run_id: int, directory: dict[int, bytes], contributions: dict[int, bytes], run_config: bytes = b""
+) -> bytes:
+    """SHA-256 of the run's key-setup transcript: the run key, the run config's digest, and every
+    party's id, public key and fresh random contribution, in id order.
 
     Every party contributes, so no transcript repeats while one party is honest: a server that
     reuses a run key, or replays an old directory, still gets new channel keys.
@@ -66,9 +68,13 @@ def transcript_hash(run_id: int, directory: dict[int, bytes], contributions: dic
         run_id (int): the server's run key.
         directory (dict[int, bytes]): client id -> 32-byte public key.
         contributions (dict[int, bytes]): client id -> its :data:`CONTRIBUTION_BYTES` random bytes.
+        run_config (bytes, optional): the digest of the run config the party was sent: parties
+            handed different configs derive different keys, and their payloads do not open.
+            (default: ``b""``)
     """
     h = hashlib.sha256(b"retexo-fl transcript v2")
     h.update(struct.pack(">Q", run_id & (2**64 - 1)))
+    h.update(struct.pack(">H", len(run_config)) + run_config)
     for pid in sorted(directory):
         h.update(struct.pack(">I", pid) + directory[pid] + contributions[pid])
     return h.digest()

@@ -63,10 +63,14 @@ def save_private_key(key: X25519PrivateKey, path: str | os.PathLike[str]) -> Pat
     """
     out = Path(path)
     private_folder(out.parent)
-    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)  # O_CREAT's mode applies to new files only: an old 0644 key is tightened
+    # A new 0600 file renamed over the old one: a reader holding an old 0644 key file open
+    # never sees the new key through it.
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(private_bytes(key))
+    tmp.replace(out)
     return out
 
 

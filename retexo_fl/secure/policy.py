@@ -189,6 +189,10 @@ class PartyPolicy:
         Raises:
             PolicyError: naming the first setting that is weaker than the policy.
         """
+        for name in ("dp_noise", "dp_clip", "boundary_noise", "boundary_clip"):
+            value = getattr(cfg, name)
+            if not math.isfinite(value):  # NaN would pass every comparison below
+                raise PolicyError(where, name.replace("_", "-"), f"{value!r} is not a finite number")
         if self.encrypt and not cfg.encrypt:
             raise PolicyError(
                 where, "encrypt", "the run config turns payload encryption off; this party requires it"

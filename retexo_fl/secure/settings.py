@@ -6,6 +6,7 @@ imports it to build and validate its ``security`` section.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -49,6 +50,9 @@ class SecuritySettings:
 
     def validate(self) -> SecuritySettings:
         """Raise :class:`ValueError` naming the first bad setting; return ``self`` otherwise."""
+        values = (self.dp_noise, self.dp_clip, self.dp_delta, self.boundary_clip, self.boundary_noise)
+        if not all(math.isfinite(v) for v in values):  # NaN passes every comparison below
+            raise ValueError("dp-noise, dp-clip, dp-delta, boundary-clip and boundary-noise must be finite")
         if self.dp_noise < 0 or self.dp_clip <= 0 or not 0 < self.dp_delta < 1:
             raise ValueError("dp-noise must be >= 0, dp-clip > 0 and dp-delta in (0, 1)")
         if self.boundary_clip < 0 or self.boundary_noise < 0:

@@ -198,7 +198,13 @@ class Client(ABC):
         """This client's X25519 public key (see :meth:`PeerChannel.public_key`)."""
         return self.channel.public_key()
 
-    def connect(self, directory: dict[int, bytes], run_id: int, contributions: dict[int, bytes]) -> None:
+    def connect(
+        self,
+        directory: dict[int, bytes],
+        run_id: int,
+        contributions: dict[int, bytes],
+        run_config: bytes = b"",
+    ) -> None:
         """Derive the sealed channels to every peer from the server's key directory and the
         parties' transcript contributions.
 
@@ -208,7 +214,9 @@ class Client(ABC):
         """
         # Peers lost at key setup are absent; they are tolerated where their rows may be missing.
         allow = self.cfg.on_missing_halo != "fail"
-        self.channel.connect(directory, run_id, self.peers, contributions, allow_missing=allow)
+        self.channel.connect(
+            directory, run_id, self.peers, contributions, allow_missing=allow, run_config=run_config
+        )
 
     # -- one-time setup exchange ------------------------------------------------------------
     def needs_degrees(self) -> bool:

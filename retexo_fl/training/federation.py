@@ -126,12 +126,21 @@ class Federation:
                 pid = self.members.who(address)
                 self.members.lose(pid, phase, f"{self.members.name(address)} {batch.failures[address]}")
         replies = {a: r for a, r in batch.replies.items() if a not in batch.failures}
-        for address, reply in replies.items():
-            if P.MISSING in reply:
-                self.count_missing(self.members.who(address), json.loads(str(reply[P.MISSING][P.STATS_JSON])))
+        for address, reply in list(replies.items()):
+            if P.MISSING not in reply:
+                continue
+            pid = self.members.who(address)
+            try:
+                events = json.loads(str(reply[P.MISSING][P.STATS_JSON]))
+                self.count_missing(pid, [(str(k), int(s), int(q)) for k, s, q in events])
+            except (ValueError, TypeError, KeyError):  # one client's bad report is its failure
+                del replies[address]
+                self.members.lose(
+                    pid, phase, f"{self.members.name(address)} sent a malformed missing-payload report"
+                )
         return replies
 
-    def count_missing(self, receiver: int, events: list[list[Any]]) -> None:
+    def count_missing(self, receiver: int | None, events: list[tuple[str, int, int]]) -> None:
         """Count the payloads ``receiver`` reported missing (filled in by ``on-missing-halo``)."""
         for kind, stage, sender in events:
             pair = f"{int(sender)}->{receiver}"

@@ -83,7 +83,10 @@ def setup(client: Client, request: Records) -> Reply:
         keys = json.loads(str(config[P.KEYS]))
         directory = {int(q): parse_public(k, f"key directory, client {q}") for q, k in keys.items()}
         contributions = _hex_map(config.get(P.CONTRIBUTIONS, "{}"), "transcript contributions", where)
-        client.connect(directory, int(config[P.RUN_KEY]), contributions)
+        # The config this client was sent is bound into the keys: parties handed different
+        # configs by the server derive different keys, and their payloads fail to open.
+        bound = bytes.fromhex(P.config_digest(P.config_to_json(client.cfg)))
+        client.connect(directory, int(config[P.RUN_KEY]), contributions, bound)
     frames = client.degree_frames() if client.needs_degrees() else {}
     info = {
         P.PARTITION_ID: client.id,

@@ -104,3 +104,16 @@ def test_state_survives_a_new_process():
     stale = a.seal({1: b"z"}, "halo", 1)  # numbered 2 by the old sender: the restored one sent 2 too
     with pytest.raises(EnvelopeError, match="replayed or reordered"):
         again_b.open(_from_a(stale), "halo", 1)
+
+
+def test_a_second_setup_keeps_the_counters_or_is_refused():
+    a, b, directory = _pair()
+    first = a.seal({1: b"one"}, "halo", 1)
+    b.open(_from_a(first), "halo", 1)
+    b.open(_from_a(a.seal({1: b"two"}, "halo", 1)), "halo", 1)
+    contributions = {0: a.contribution(), 1: b.contribution()}
+    b.connect(directory, 42, {0}, contributions)  # the same setup again (a retried message)
+    with pytest.raises(EnvelopeError, match="replayed or reordered"):  # its counters were kept
+        b.open(_from_a(first), "halo", 1)
+    with pytest.raises(KeyMaterialError, match="a second key setup with another transcript"):
+        b.connect(directory, 43, {0}, contributions)  # would reset the counters: refused

@@ -98,3 +98,15 @@ def test_private_keys_others_can_read_are_refused_and_rewritten_owner_only(tmp_p
     assert main(["keys", "--clients", "1", "--out", str(tmp_path / "keys")]) == 0
     assert stat.S_IMODE(key.stat().st_mode) == 0o600
     load_private_key(key)
+
+
+def test_a_nan_setting_is_refused_not_waved_through():
+    # NaN fails every comparison, so "below the minimum" alone would let it pass.
+    policy = PartyPolicy(min_boundary_noise=0.5)
+    nan_cfg = TrainConfig.__new__(TrainConfig)
+    nan_cfg.__dict__.update(TrainConfig(boundary_clip=1.0, boundary_noise=0.5).__dict__)
+    nan_cfg.boundary_noise = float("nan")
+    with pytest.raises(PolicyError, match="boundary-noise: nan is not a finite number"):
+        policy.check(nan_cfg, "client 0")
+    with pytest.raises(ValueError, match="must be finite"):
+        TrainConfig(boundary_clip=1.0, boundary_noise=float("nan")).validate()

@@ -15,6 +15,7 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -106,6 +107,10 @@ class Client(ABC):
         self.control: StateDict | None = None  # drift correction: this client's c_i, this stage
         self.control_view: StateDict | None = None  # ... and the server's c as broadcast
         self.view: StateDict | None = None  # the model as the compressed broadcast left it
+        # [[stage, round], {name: state}]: what the last round found (view, residual, control
+        # variates), so that a round a resumed server sends again starts from there, not from
+        # what that round already left (a delta applied twice, a residual counted twice).
+        self.journal: list[Any] | None = None
         # The party's own policy, never the server's run config, says what it requires and which
         # pins, key and audit folder it uses.
         self.policy = policy if policy is not None else PartyPolicy.from_settings(cfg.security)
@@ -424,6 +429,24 @@ class Client(ABC):
         correct = int((logits.argmax(1) == self.y[mask]).sum())
         return EvalResult(correct, count, float(loss))
 
+    _ROUND_STATE = ("view", "residual", "control", "control_view")
+
+    def begin_round(self, round_: int) -> bool:
+        """Mark the start of train round ``round_``: remember what it finds or, for a round seen
+        before (a resumed server sending it again), go back to what it found then.
+
+        Returns:
+            bool: the journal holds state that must outlive the process.
+        """
+        key = [int(self.seed_stage), int(round_)]
+        if self.journal is not None and self.journal[0] == key:
+            for name, value in self.journal[1].items():
+                setattr(self, name, None if value is None else dict(value))
+            return False
+        found = {name: getattr(self, name) for name in self._ROUND_STATE}
+        self.journal = [key, {k: None if v is None else dict(v) for k, v in found.items()}]
+        return any(v is not None for v in found.values())
+
     def receive_model(self, state: StateDict | None, frames: dict[str, bytes] | None) -> StateDict:
         """The round's model: ``state`` sent whole, or ``frames`` of a delta from the last one."""
         if frames is None:
@@ -494,6 +517,7 @@ class Client(ABC):
             control_view=self.control_view,
             view=self.view if self.cfg.broadcast_bits < 32 else None,
             channel=self.channel.to_state(),
+            journal=self.journal,
         )
 
     def load_snapshot(self, state: ClientState) -> None:
@@ -503,6 +527,7 @@ class Client(ABC):
         self.control = state.control
         self.control_view = state.control_view
         self.view = state.view
+        self.journal = state.journal
         self._edges = None
         self._weights = None
         if state.channel:

@@ -107,6 +107,7 @@ def setup(client: Client, request: Records) -> Reply:
 def train(client: Client, request: Records) -> Reply:
     """Validate the received state (unless it is a stage's first), send this round's rows (eager),
     train, and return the update."""
+    journaled = client.begin_round(int(request[P.CONFIG][P.ROUND]))  # sent again: starts as it did
     delivered = _deliver(client, request)
     client.check_deliveries(int(request[P.CONFIG][P.ROUND]), _halo_senders(request))
     if P.MODEL in request:  # a compressed broadcast: a delta from the model held since
@@ -139,10 +140,11 @@ def train(client: Client, request: Records) -> Reply:
         P.VAL_LOSS: val.loss_sum,
         P.LOCAL_STEPS: client.last_steps,
     }
-    # Halo rows, the payload counters (rows sealed), the update residual, the control variate or
-    # the broadcast view changed: they must outlive the process.
+    # Halo rows, the payload counters (rows sealed), the round journal, the update residual,
+    # the control variate or the broadcast view changed: they must outlive the process.
     changed = (
-        delivered
+        journaled
+        or delivered
         or sent is not None
         or update is not None
         or control is not None

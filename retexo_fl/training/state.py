@@ -48,6 +48,8 @@ class ClientState:
         control (StateDict, optional): drift correction: this client's control variate, this stage.
         control_view (StateDict, optional): drift correction: the server's control variate as
             its broadcast left it.
+        journal (list, optional): ``[[stage, round], {name: state}]``, what the last train round
+            found, so that the same round sent again (a resumed server) starts from it.
     """
 
     stage: int = 0
@@ -64,6 +66,7 @@ class ClientState:
     pseudo_mask: Tensor | None = None
     control: StateDict | None = None
     control_view: StateDict | None = None
+    journal: list[Any] | None = None
 
     def save(self, folder: str | Path) -> Path:
         """Write to ``folder``/:data:`STATE_FILE` atomically, readable by this user alone.

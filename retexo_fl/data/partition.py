@@ -264,7 +264,7 @@ def _load_array(root: Path, name: str, manifest: dict, verify: bool) -> np.ndarr
             )
     try:
         arr = np.load(path, allow_pickle=False, mmap_mode="r")
-    except (ValueError, OSError, EOFError) as exc:
+    except (ValueError, OSError, EOFError, OverflowError) as exc:  # a header's shape past any file
         raise PartitionError(path, name.removesuffix(".npy"), f"not a readable .npy array ({exc})") from exc
     kind, ndim = FILES[name]
     if arr.ndim != ndim:

@@ -122,7 +122,7 @@ class PeerChannel:
                 f"{where}: a second key setup with another transcript in the same run; refusing it "
                 "(a server replaying an old run's setup, or re-keying this one)"
             )
-        self._open(directory, transcript, peers & set(directory), None)
+        self._open(directory, transcript, peers, None)
 
     def _open(
         self, directory: dict[int, bytes], transcript: bytes, peers: set[int], counters: dict | None

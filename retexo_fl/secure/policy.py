@@ -175,7 +175,7 @@ class PartyPolicy:
         except (TypeError, ValueError, AttributeError) as exc:
             raise PolicyError(where, POLICY_ENV, f"not a policy ({exc})") from None
 
-    def pins_digest(self, where: str) -> str | None:
+    def pins_digest(self) -> str | None:
         """The digest of this party's pin set (:func:`~retexo_fl.secure.keys.pin_digest`), or None."""
         return pin_digest(load_pins(self.pinned_keys)) if self.pinned_keys else None
 
@@ -222,7 +222,7 @@ class PartyPolicy:
         Raises:
             PolicyError: naming ``pinned-keys``.
         """
-        own = self.pins_digest(where)
+        own = self.pins_digest()
         if own is None:
             return
         if not announced:

@@ -6,10 +6,8 @@ never in another exception. Each fuzzer is bounded (``max_examples``) so CI time
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,8 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from retexo_fl.compress.payload import PayloadError, decode_rows, encode_rows
-from retexo_fl.data.partition import PartitionError, load_partition, save_partition
-from retexo_fl.data.partitioners import partition_graph
+from retexo_fl.data.partition import PartitionError, load_partition
 from retexo_fl.secure.envelope import EnvelopeError, Envelopes, Route, transcript_hash
 from retexo_fl.secure.keys import public_bytes
 
@@ -107,24 +104,6 @@ def test_random_bytes_never_open_as_an_envelope(blob):
 # ---- partition folders ------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def good_partition(tmp_path_factory):
-    from retexo_fl.data.datasets import apply_split, synthetic_sbm
-
-    data = synthetic_sbm(120, 3, avg_degree=6, homophily=0.8, num_features=5, seed=3)
-    apply_split(data, "random:0.4,0.2,0.4", seed=3)
-    part = partition_graph(data, 3, "metis", seed=0)[1]
-    return save_partition(part, tmp_path_factory.mktemp("good") / "part-1")
-
-
-def _reseal(root: Path) -> None:
-    """Recompute the checksums, as an adversary who writes the manifest too would."""
-    m = json.loads((root / "manifest.json").read_text())
-    for name in m["checksums"]:
-        m["checksums"][name] = hashlib.sha256((root / name).read_bytes()).hexdigest()
-    (root / "manifest.json").write_text(json.dumps(m))
-
-
 ARRAYS = [
     "node_ids.npy",
     "x.npy",
@@ -166,12 +145,14 @@ def _hostile_array(name: str, kind: str, arr: np.ndarray, value: int) -> np.ndar
     st.sampled_from(["negative", "huge", "nan", "truncate", "transpose", "dtype", "duplicate", "flat"]),
     st.integers(0, 10_000),
 )
-def test_adversarial_partition_arrays_give_one_clear_error(good_partition, tmp_path, name, kind, value):
+def test_adversarial_partition_arrays_give_one_clear_error(
+    good_partition, reseal, tmp_path, name, kind, value
+):
     root = tmp_path / f"p-{name}-{kind}-{value}"
     shutil.copytree(good_partition, root)
     hostile = _hostile_array(name, kind, np.load(root / name), value)
     np.save(root / name, hostile, allow_pickle=False)
-    _reseal(root)
+    reseal(root)
     try:
         part = load_partition(root)
     except PartitionError as exc:

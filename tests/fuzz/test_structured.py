@@ -12,42 +12,21 @@ layer was never reached (run with ``-s`` to see them).
 from __future__ import annotations
 
 import collections
-import hashlib
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from retexo_fl.data.partition import PartitionError, load_partition, save_partition
-from retexo_fl.data.partitioners import partition_graph
+from retexo_fl.data.partition import PartitionError, load_partition
 from retexo_fl.secure.envelope import _HEAD, NONCE_BYTES, EnvelopeError, Envelopes, Route, transcript_hash
 from retexo_fl.secure.keys import public_bytes
 
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 #: (fuzzer, layer that refused the case) -> cases.
 LAYERS: collections.Counter[tuple[str, str]] = collections.Counter()
-
-
-@pytest.fixture(scope="module")
-def good_partition(tmp_path_factory):
-    from retexo_fl.data.datasets import apply_split, synthetic_sbm
-
-    data = synthetic_sbm(120, 3, avg_degree=6, homophily=0.8, num_features=5, seed=3)
-    apply_split(data, "random:0.4,0.2,0.4", seed=3)
-    part = partition_graph(data, 3, "metis", seed=0)[1]
-    return save_partition(part, tmp_path_factory.mktemp("good") / "part-1")
-
-
-def _reseal(root: Path) -> None:
-    """Recompute the checksums, as an adversary who writes the manifest too would."""
-    m = json.loads((root / "manifest.json").read_text())
-    for name in m["checksums"]:
-        m["checksums"][name] = hashlib.sha256((root / name).read_bytes()).hexdigest()
-    (root / "manifest.json").write_text(json.dumps(m))
 
 
 def _npy(descr: str, shape: tuple[int, ...], body: bytes, fortran: bool = False) -> bytes:
@@ -85,13 +64,13 @@ SHAPES = st.one_of(
 @FUZZ
 @given(st.sampled_from(ARRAYS), st.sampled_from(DESCRS), SHAPES, st.binary(max_size=2048), st.booleans())
 def test_valid_npy_headers_with_hostile_shapes_give_one_clear_error(
-    good_partition, tmp_path, name, descr, shape, body, fortran
+    good_partition, reseal, tmp_path, name, descr, shape, body, fortran
 ):
     root = tmp_path / "p"
     shutil.rmtree(root, ignore_errors=True)
     shutil.copytree(good_partition, root)
     (root / name).write_bytes(_npy(descr, shape, body, fortran))
-    _reseal(root)
+    reseal(root)
     try:
         part = load_partition(root)
     except PartitionError as exc:

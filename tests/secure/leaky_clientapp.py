@@ -99,11 +99,8 @@ def leak(msg: Message, context: Context, call_next: Next) -> Message:
 
 
 app = ClientApp(mods=[report_errors, audit_messages, leak])
-for _kind, _handler in (
-    ("query.hello", real.hello),
-    ("query.setup", real.setup),
-    ("query.embed", real.embed),
-):
-    app.query(_kind.split(".", 1)[1])(_handler)
+app.query("hello")(real.hello)
+app.query("setup")(real.setup)
+app.query("embed")(real.embed)
 app.train()(real.train)
 app.evaluate()(real.evaluate)

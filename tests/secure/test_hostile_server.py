@@ -127,13 +127,16 @@ def test_a_server_that_turns_encryption_off_is_refused(nodes, tmp_path):
         _lazy(nodes, tmp_path, encrypt=False)
 
 
+def _rewrite_json(req: Records, key: str, **changes: Any) -> Records:
+    """``req`` with the JSON object in its config entry ``key`` changed, as the server can."""
+    value = {**json.loads(req[P.CONFIG][key]), **changes}
+    return {**req, P.CONFIG: {**req[P.CONFIG], key: json.dumps(value)}}
+
+
 def test_a_server_that_turns_encryption_off_mid_run_is_refused(nodes, tmp_path):
     def weaken(kind: str, address: int, req: Records) -> Records:
-        if kind == P.EMBED:  # every message but train carries the run config: here a weaker one
-            run = json.loads(req[P.CONFIG][P.RUN])
-            run["encrypt"] = False
-            req = {**req, P.CONFIG: {**req[P.CONFIG], P.RUN: json.dumps(run)}}
-        return req
+        # Every message but train carries the run config: here a weaker one.
+        return _rewrite_json(req, P.RUN, encrypt=False) if kind == P.EMBED else req
 
     with pytest.raises(ClientFailure, match="refusing the run, encrypt"):
         _lazy(nodes, tmp_path, weaken)
@@ -159,16 +162,13 @@ def test_a_server_that_swaps_a_key_is_refused(nodes, tmp_path):
     attacker = public_bytes(X25519PrivateKey.generate()).hex()
 
     def swap(kind: str, address: int, req: Records) -> Records:
-        if kind == P.SETUP and address == 0:  # client 0 is told client 1's key is the attacker's
-            keys = json.loads(req[P.CONFIG][P.KEYS])
-            keys["1"] = attacker
-            req = {**req, P.CONFIG: {**req[P.CONFIG], P.KEYS: json.dumps(keys)}}
-        return req
+        # Client 0 is told client 1's key is the attacker's.
+        return _rewrite_json(req, P.KEYS, **{"1": attacker}) if kind == P.SETUP and address == 0 else req
 
     with pytest.raises(ClientFailure, match="client 0: the server's key for client 1 is not the pinned one"):
         _lazy(nodes, tmp_path, swap)
-    # Without pins on the party's side the swap goes through key setup: pins are what stop it,
-    # and the party's own policy, not the server's run config, decides that they are there.
+    # A server that names its own pin set (the attacker's keys) is refused before any key is
+    # looked at: the party's own pins, not the server's run config, decide.
     with pytest.raises(ClientFailure, match="pinned-keys: the run config pins another key set"):
         other = tmp_path / "pins.json"
         other.write_text(json.dumps({"0": attacker, "1": attacker, "2": attacker}))

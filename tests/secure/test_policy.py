@@ -75,7 +75,7 @@ def test_the_simulation_policy_travels_in_the_environment(monkeypatch, tmp_path)
 def test_pins_are_checked_against_the_announced_set(tmp_path):
     main(["keys", "--clients", "2", "--out", str(tmp_path)])
     policy = PartyPolicy(pinned_keys=str(tmp_path / "pins.json"))
-    own = policy.pins_digest("client 0")
+    own = policy.pins_digest()
     policy.check_pins(own, "client 0")
     with pytest.raises(PolicyError, match="pinned-keys: the run config pins no keys"):
         policy.check_pins(None, "client 0")

@@ -170,6 +170,17 @@ class PeerChannel:
             newest = max(newest, rnd)
         return out, newest
 
+    def accepted(self) -> dict[int, list] | None:
+        """The incoming counters (``{peer: [number, digest]}``), or ``None`` before key setup."""
+        if self.envelopes is None:
+            return None
+        return {p: [n, d] for p, (n, d) in self.envelopes.accepted().items()}
+
+    def rewind(self, accepted: dict[int, list] | None) -> None:
+        """Go back to incoming counters :meth:`accepted` returned (see :meth:`Envelopes.rewind`)."""
+        if self.envelopes is not None and accepted is not None:
+            self.envelopes.rewind({int(p): (int(v[0]), str(v[1])) for p, v in accepted.items()})
+
     def to_state(self) -> dict:
         """What a node keeps between messages: private key, contribution, directory, transcript
         and counters (hex and ints; the private key never leaves the node's work folder)."""

@@ -142,6 +142,16 @@ class Envelopes:
             "accepted": {p: [n, d] for p, (n, d) in self._accepted.items()},
         }
 
+    def accepted(self) -> dict[int, tuple[int, str]]:
+        """Each incoming direction's last accepted number and payload digest (see :meth:`rewind`)."""
+        return dict(self._accepted)
+
+    def rewind(self, accepted: dict[int, tuple[int, str]]) -> None:
+        """Go back to what :meth:`accepted` returned at a train round's start: the same round sent
+        again (a resumed server) re-delivers that round's payloads, which must open once more.
+        Numbers never go below it, so payloads accepted before that round stay refused."""
+        self._accepted = {int(p): (int(v[0]), str(v[1])) for p, v in accepted.items()}
+
     def seal(self, frame: bytes, route: Route) -> bytes:
         """Encrypt ``frame`` for ``route``'s destination, numbered next in its direction.
 

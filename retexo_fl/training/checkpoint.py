@@ -36,6 +36,10 @@ class RoundState:
         model_raw (int): model bytes float32 would have taken so far.
         seconds (float): the stage's wall time so far.
         control (ServerControl, optional): drift correction's control variates.
+        sent (int): the last round whose messages went out (one more than ``round`` where early
+            stopping ended the stage).
+        finished (bool): the stage's rounds are over and its last validation recorded; a resumed
+            server goes straight on to the exchange (clients may have moved on already).
     """
 
     round: int
@@ -48,6 +52,8 @@ class RoundState:
     model_raw: int = 0
     seconds: float = 0.0
     control: ServerControl | None = None
+    sent: int = 0
+    finished: bool = False
 
 
 @dataclass
@@ -74,6 +80,8 @@ class Checkpoint:
         transport (Any): the transport's own accounting (:meth:`Transport.snapshot`).
         boundary_releases (int): boundary row releases so far (``boundary-noise`` accounting).
         missing_payloads (dict): payloads clients reported missing so far, by stage and pair.
+        kept (StateDict, optional): the last finished stage's kept weights (after the last stage:
+            what the test evaluates).
     """
 
     config: dict[str, Any]
@@ -95,6 +103,7 @@ class Checkpoint:
     transport: Any = None
     boundary_releases: int = 0
     missing_payloads: dict[str, dict[str, int]] = field(default_factory=dict)
+    kept: StateDict | None = None
 
 
 class CheckpointStore(Protocol):

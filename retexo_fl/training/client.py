@@ -435,6 +435,11 @@ class Client(ABC):
         """Mark the start of train round ``round_``: remember what it finds or, for a round seen
         before (a resumed server sending it again), go back to what it found then.
 
+        What it finds: the broadcast view, the update residual, the control variates and the
+        incoming payload counters, so that the round's deliveries open again and nothing is
+        applied twice. Counters go back no further than the round's start: payloads of earlier
+        rounds stay refused.
+
         Returns:
             bool: the journal holds state that must outlive the process.
         """
@@ -442,10 +447,12 @@ class Client(ABC):
         if self.journal is not None and self.journal[0] == key:
             for name, value in self.journal[1].items():
                 setattr(self, name, None if value is None else dict(value))
+            self.channel.rewind(self.journal[2] if len(self.journal) > 2 else None)
             return False
         found = {name: getattr(self, name) for name in self._ROUND_STATE}
-        self.journal = [key, {k: None if v is None else dict(v) for k, v in found.items()}]
-        return any(v is not None for v in found.values())
+        accepted = self.channel.accepted()
+        self.journal = [key, {k: None if v is None else dict(v) for k, v in found.items()}, accepted]
+        return any(v is not None for v in found.values()) or bool(accepted)
 
     def receive_model(self, state: StateDict | None, frames: dict[str, bytes] | None) -> StateDict:
         """The round's model: ``state`` sent whole, or ``frames`` of a delta from the last one."""

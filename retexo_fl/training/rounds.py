@@ -127,14 +127,40 @@ class RoundLoop:
             on_round (Callable[[RoundState], None], optional): called after each applied round
                 (checkpoints). (default: :obj:`None`)
         """
-        fed, cfg = self.fed, self.cfg
         t0 = time.perf_counter() - rs.seconds
-        codec = UpdateCodec(cfg.update_bits, cfg.range_dtype)
         result = StageResult({}, {})
+        if not rs.finished:
+            self._rounds(stage, rounds, rs, deliveries, refresh, label, result, t0, on_round)
+            rs.finished, rs.seconds = True, time.perf_counter() - t0
+            if on_round is not None:  # clients move on after this: a resume must not ask them again
+                on_round(rs)
+        result.figures = rs.tracker.figures(time.perf_counter() - t0)
+        result.figures["bytes_model_raw"] = rs.model_raw
+        # Rounds whose messages went out: one more than rounds_run where early stopping ended the
+        # stage (that round's replies carried the validation that stopped it).
+        result.figures["rounds_sent"] = rs.sent
+        assert rs.tracker.best_state is not None  # every path above records a round
+        result.best_state = rs.tracker.best_state
+        return result
+
+    def _rounds(
+        self,
+        stage: int,
+        rounds: int,
+        rs: RoundState,
+        deliveries: dict[int, Frames] | None,
+        refresh: bool,
+        label: str,
+        result: StageResult,
+        t0: float,
+        on_round: Callable[[RoundState], None] | None = None,
+    ) -> None:
+        """The rounds of :meth:`run` and the stage's last validation."""
+        fed, cfg = self.fed, self.cfg
+        codec = UpdateCodec(cfg.update_bits, cfg.range_dtype)
         pending = deliveries
-        sent = rs.round
         for r in range(rs.round + 1, rounds + 1):
-            sent = r
+            rs.sent = r
             config = {P.STAGE: stage, P.ROUND: r, P.VALIDATE: r > 1}
             requests = {
                 pid: fed.content(
@@ -192,14 +218,6 @@ class RoundLoop:
         else:  # the last state still needs its validation (eager: with the last round's halo rows)
             val = total(fed.evaluate(rs.view, "val", stage, pending))
             self._record(rs, rounds, (val.correct, val.count, val.loss_sum), refresh)
-        result.figures = rs.tracker.figures(time.perf_counter() - t0)
-        result.figures["bytes_model_raw"] = rs.model_raw
-        # Rounds whose messages went out: one more than rounds_run where early stopping ended the
-        # stage (that round's replies carried the validation that stopped it).
-        result.figures["rounds_sent"] = sent
-        assert rs.tracker.best_state is not None  # every path above records a round
-        result.best_state = rs.tracker.best_state
-        return result
 
     def _record(self, rs: RoundState, round_: int, val: tuple[int, int, float], refresh: bool) -> None:
         if refresh:  # bytes so far include this run's relayed rows

@@ -77,7 +77,7 @@ class LazyStageMachine:
             ck.boundary_before, ck.degrees = fed.bytes_boundary, degrees
             self._save(ck)
         last = cfg.total_stages - 1
-        state: StateDict = {}
+        state: StateDict = ck.kept or {}  # resumed after the last stage: the test is all that is left
         for stage in range(ck.stage, last + 1):
             state, figures = self._train_stage(stage, ck)
             self.model_bytes_done += figures["bytes_model"]
@@ -103,11 +103,12 @@ class LazyStageMachine:
                 f"stage {stage} done: best val {figures['val_accuracy']:.4f} at round "
                 f"{figures['best_round']}, boundary so far {human_bytes(fed.bytes_boundary)}"
             )
-            ck.stage, ck.boundary_before, ck.deliveries, ck.round_state = (
+            ck.stage, ck.boundary_before, ck.deliveries, ck.round_state, ck.kept = (
                 stage + 1,
                 fed.bytes_boundary,
                 deliveries,
                 None,
+                state,
             )
             self._save(ck)
         tests = fed.evaluate(state, "test", last)

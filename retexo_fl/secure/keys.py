@@ -38,15 +38,29 @@ def public_bytes(key: X25519PrivateKey | X25519PublicKey) -> bytes:
 
 
 def private_folder(path: str | os.PathLike[str]) -> Path:
-    """``path`` as a folder only its owner can enter (created 0700; an existing one made 0700).
+    """``path`` as a folder only its owner can enter: created 0700, or an existing one checked.
+
+    An existing folder others can enter is refused, not made private: it may be a folder the
+    user shares on purpose (a home or project folder given as ``--out``), and what it already
+    held was readable until now.
 
     Args:
         path (str | os.PathLike[str]): the folder.
+
+    Raises:
+        KeyMaterialError: ``path`` exists and others can enter, list or write it (naming it and
+            its mode), or it is not a folder.
     """
     folder = Path(path)
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if stat.S_IMODE(folder.stat().st_mode) & 0o077:
-        folder.chmod(0o700)
+    if not folder.is_dir():
+        raise KeyMaterialError(f"{folder}: not a folder; private keys and client state need one")
+    mode = stat.S_IMODE(folder.stat().st_mode)
+    if mode & 0o077:
+        raise KeyMaterialError(
+            f"{folder}: others can enter this folder (mode {mode:o}); private keys and client state "
+            f"go only in a folder its owner alone can enter: `chmod 700 {folder}`, or choose a new one"
+        )
     return folder
 
 

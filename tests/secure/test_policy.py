@@ -11,7 +11,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from retexo_fl import protocol as P
 from retexo_fl.cli import main
 from retexo_fl.config import TrainConfig
-from retexo_fl.secure.keys import KeyMaterialError, load_private_key, save_private_key
+from retexo_fl.secure.keys import KeyMaterialError, load_private_key, private_folder, save_private_key
 from retexo_fl.secure.policy import POLICY_ENV, PartyPolicy, PolicyError
 
 
@@ -98,6 +98,21 @@ def test_private_keys_others_can_read_are_refused_and_rewritten_owner_only(tmp_p
     assert main(["keys", "--clients", "1", "--out", str(tmp_path / "keys")]) == 0
     assert stat.S_IMODE(key.stat().st_mode) == 0o600
     load_private_key(key)
+
+
+def test_a_folder_others_can_enter_is_refused_and_left_as_it_was(tmp_path, capsys):
+    shared = tmp_path / "project"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    assert main(["keys", "--clients", "1", "--out", str(shared)]) == 2
+    assert "project: others can enter this folder (mode 755)" in capsys.readouterr().err
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o755 and not any(shared.iterdir())
+    with pytest.raises(KeyMaterialError, match="others can enter"):
+        save_private_key(X25519PrivateKey.generate(), shared / "node.key")
+    assert not any(shared.iterdir())
+    # A new folder, parents and all, is made private from birth.
+    made = private_folder(shared / "keys" / "node-0")
+    assert stat.S_IMODE(made.stat().st_mode) == 0o700
 
 
 def test_a_nan_setting_is_refused_not_waved_through():

@@ -1,16 +1,25 @@
-"""What the partition fuzzers share: one valid partition folder, and a way to re-checksum a copy."""
+"""What the partition fuzzers share: one valid partition folder, a way to re-checksum a copy, and
+a derandomized Hypothesis profile."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from retexo_fl.data.partition import save_partition
 from retexo_fl.data.partitioners import partition_graph
+
+# CI draws the same cases every run: a failure there is a bug to fix, never a new random draw
+# that a rerun hides. HYPOTHESIS_PROFILE=explore draws fresh cases (and finds new ones) locally.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(scope="session")

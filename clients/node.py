@@ -17,6 +17,7 @@ from flwr.app import Context, Message
 
 from retexo_fl import protocol as P
 from retexo_fl.config import TrainConfig
+from retexo_fl.secure.keys import private_folder
 
 #: Environment variable naming the default base of node work folders (else the temp folder):
 #: lets a test or a shared host keep one run's node state apart from every other's.
@@ -76,7 +77,7 @@ def run_config(msg: Message, context: Context) -> TrainConfig:
     if P.RUN in config:
         text = str(config[P.RUN])
         if not path.is_file() or path.read_text() != text:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            private_folder(path.parent)  # the work folder: it will hold the client's keys
             path.with_suffix(".tmp").write_text(text)
             path.with_suffix(".tmp").replace(path)
         return P.config_from_json(text)

@@ -17,6 +17,7 @@ from retexo_fl import protocol as P
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partition import Partition, load_partition, save_partition
 from retexo_fl.secure.audit import AuditLog
+from retexo_fl.secure.keys import private_folder
 from retexo_fl.secure.policy import PartyPolicy
 from retexo_fl.training.client import Client
 from retexo_fl.training.eager_client import EagerClient
@@ -66,7 +67,7 @@ def node_client(msg: Message, context: Context) -> tuple[Client, Path]:
     # Every message: a server may send a weaker config to a client it already set up.
     policy.check(cfg, who(context))
     key = cache_key(msg, context)
-    work = work_dir(context, *key)
+    work = private_folder(work_dir(context, *key))  # it holds the client's keys and state
     client = _CACHE.get(key)
     if client is None:
         part = load_node_partition(context, cfg, work)

@@ -352,6 +352,7 @@ class TrainConfig:
     dp_noise: float = 0.0  # noise multiplier; 0 turns DP off
     dp_clip: float = 1.0  # L2 norm each client's round update is clipped to
     dp_delta: float = 1e-5
+    dp_reproducible: bool = False  # noise from the run seed (engines agree; the seed removes it)
     # Released boundary rows: clipped per row to L2 norm boundary-clip, then Gaussian noise of
     # standard deviation boundary-noise * boundary-clip on every row (0: off).
     boundary_clip: float = 0.0

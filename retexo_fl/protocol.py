@@ -80,6 +80,7 @@ NODE_PINNED_KEYS = "pinned-keys"  # policy: the pins this party got out of band 
 NODE_MIN_DP_NOISE = "min-dp-noise"  # policy: the least update DP noise multiplier accepted
 NODE_MAX_DP_CLIP = "max-dp-clip"  # policy: with min-dp-noise, the largest clipping norm accepted
 NODE_MIN_BOUNDARY_NOISE = "min-boundary-noise"  # policy: the least noise on released boundary rows
+NODE_MAX_BOUNDARY_EPSILON = "max-boundary-epsilon"  # policy: the party's own budget over its row releases
 
 # Kinds of relayed frames (delivery keys and the envelopes' associated data).
 DEGREES = "deg"

@@ -28,7 +28,7 @@ USER_KEYS = {
     "profile", "threads",
     "chunk-rows", "bits", "bit-policy", "byte-budget", "link-bandwidths", "time-budget",
     "rate-schedule", "update-bits", "broadcast-bits", "range-dtype", "encrypt", "identity-keys",
-    "pinned-keys", "dp-noise", "dp-clip", "dp-delta",
+    "pinned-keys", "dp-noise", "dp-clip", "dp-delta", "dp-reproducible",
     "boundary-clip", "boundary-noise", "min-clients", "on-missing-halo",
     "client-timeout", "resume", "audit", "algorithm", "procs", "replication", "trusted-cluster",
     "out-dir",

@@ -21,16 +21,22 @@ from retexo_fl.protocol import (
     NODE_AUDIT_DIR,
     NODE_ENCRYPT,
     NODE_IDENTITY_KEY,
+    NODE_MAX_BOUNDARY_EPSILON,
     NODE_MAX_DP_CLIP,
     NODE_MIN_BOUNDARY_NOISE,
     NODE_MIN_DP_NOISE,
     NODE_PINNED_KEYS,
 )
+from retexo_fl.secure.boundary_noise import gaussian_epsilon
 from retexo_fl.secure.keys import load_pins, pin_digest
 
 #: Environment variable a simulation sets for its virtual nodes (they share one machine and
 #: one command line, and Flower's simulation gives virtual nodes no node config of ours).
 POLICY_ENV = "RETEXO_FL_POLICY"
+
+#: The delta at which a party's own boundary-release budget is counted: its own, not the run
+#: config's ``dp-delta`` (a server could announce a large delta to make epsilon look small).
+BUDGET_DELTA = 1e-5
 
 
 class PolicyError(ValueError):
@@ -68,6 +74,10 @@ def _number(value: Any, key: str, where: str) -> float:
     return out
 
 
+#: Policy settings whose default is unbounded (``inf``, ``null`` in JSON).
+_UNBOUNDED = ("max_dp_clip", "max_boundary_epsilon")
+
+
 @dataclass(frozen=True)
 class PartyPolicy:
     """What a party requires of every run it joins.
@@ -89,6 +99,10 @@ class PartyPolicy:
             accepts (noise scales with the clip, the update with it). (default: ``inf``)
         min_boundary_noise (float, optional): the least noise multiplier on the boundary rows
             it releases (``boundary-noise``). (default: :obj:`0.0`)
+        max_boundary_epsilon (float, optional): this party's own budget over the boundary rows
+            it releases: the :math:`\varepsilon` (at :data:`BUDGET_DELTA`) each row's value may
+            spend over the whole run, counted by the party itself, release by release. A
+            release that would exceed it is refused. (default: ``inf``)
     """
 
     encrypt: bool = True
@@ -98,6 +112,7 @@ class PartyPolicy:
     min_dp_noise: float = 0.0
     max_dp_clip: float = math.inf
     min_boundary_noise: float = 0.0
+    max_boundary_epsilon: float = math.inf
 
     @classmethod
     def from_node_config(cls, node_config: Mapping[str, Any], where: str) -> PartyPolicy:
@@ -130,6 +145,10 @@ class PartyPolicy:
             )
         if NODE_MAX_DP_CLIP in node_config:
             values["max_dp_clip"] = _number(node_config[NODE_MAX_DP_CLIP], NODE_MAX_DP_CLIP, where)
+        if NODE_MAX_BOUNDARY_EPSILON in node_config:
+            values["max_boundary_epsilon"] = _number(
+                node_config[NODE_MAX_BOUNDARY_EPSILON], NODE_MAX_BOUNDARY_EPSILON, where
+            )
         return cls(**values)
 
     @classmethod
@@ -158,7 +177,8 @@ class PartyPolicy:
     def to_json(self) -> str:
         """The policy as JSON."""
         values = asdict(self)
-        values["max_dp_clip"] = None if math.isinf(self.max_dp_clip) else self.max_dp_clip
+        for name in _UNBOUNDED:  # JSON has no infinity
+            values[name] = None if math.isinf(values[name]) else values[name]
         return json.dumps(values, sort_keys=True)
 
     @classmethod
@@ -170,7 +190,8 @@ class PartyPolicy:
         """
         try:
             values = json.loads(text)
-            values["max_dp_clip"] = math.inf if values.get("max_dp_clip") is None else values["max_dp_clip"]
+            for name in _UNBOUNDED:
+                values[name] = math.inf if values.get(name) is None else values[name]
             return cls(**values)
         except (TypeError, ValueError, AttributeError) as exc:
             raise PolicyError(where, POLICY_ENV, f"not a policy ({exc})") from None
@@ -210,6 +231,45 @@ class PartyPolicy:
         if self.min_dp_noise > 0 and cfg.dp_clip > self.max_dp_clip:
             raise PolicyError(
                 where, "dp-clip", f"{cfg.dp_clip} is above this party's maximum {self.max_dp_clip}"
+            )
+        if math.isfinite(self.max_boundary_epsilon) and (cfg.boundary_clip <= 0 or cfg.boundary_noise <= 0):
+            raise PolicyError(
+                where,
+                "boundary-noise",
+                f"the run releases boundary rows without noise; this party's budget is epsilon "
+                f"{self.max_boundary_epsilon:g} over its releases",
+            )
+        if self.min_dp_noise > 0 and getattr(cfg, "dp_reproducible", False):
+            raise PolicyError(
+                where,
+                "dp-reproducible",
+                "the run's update noise would come from its seed, which every party knows; "
+                "this party requires dp-noise it cannot be stripped of",
+            )
+
+    def spend_boundary_release(self, noise: float, released: int, where: str) -> None:
+        """Refuse one more release of boundary rows noised with ``noise`` when it would take
+        this party past :attr:`max_boundary_epsilon`.
+
+        Args:
+            noise (float): the run's ``boundary-noise``.
+            released (int): releases this party made before, in this run.
+            where (str): the party, for errors.
+
+        Raises:
+            PolicyError: naming ``max-boundary-epsilon``, the epsilon it would reach and the
+                releases so far.
+        """
+        if math.isinf(self.max_boundary_epsilon):
+            return
+        after = gaussian_epsilon(noise, released + 1, BUDGET_DELTA)
+        if after > self.max_boundary_epsilon:
+            raise PolicyError(
+                where,
+                NODE_MAX_BOUNDARY_EPSILON,
+                f"release {released + 1} of its boundary rows would spend epsilon {after:.3g} "
+                f"(delta {BUDGET_DELTA:g}) on each row's value, above this party's budget "
+                f"{self.max_boundary_epsilon:g}",
             )
 
     def check_pins(self, announced: str | None, where: str) -> None:

@@ -31,6 +31,11 @@ class SecuritySettings:
             (default: :obj:`1.0`)
         dp_delta (float, optional): the :math:`\delta` of the reported
             :math:`(\varepsilon, \delta)` guarantees. (default: :obj:`1e-5`)
+        dp_reproducible (bool, optional): draw the update noise from the run's seed, so that
+            runs and engines agree bit for bit; anyone who knows the seed (every client, any
+            reader of ``config.json``) can then remove the noise from the released model. Off,
+            the server draws a secret key from the operating system, kept only in its
+            checkpoint. (default: :obj:`False`)
         boundary_clip (float, optional): the L2 norm every boundary row a client releases is
             clipped to; :obj:`0` leaves rows as they are. (default: :obj:`0.0`)
         boundary_noise (float, optional): the Gaussian noise multiplier on released boundary
@@ -45,6 +50,7 @@ class SecuritySettings:
     dp_noise: float = 0.0
     dp_clip: float = 1.0
     dp_delta: float = 1e-5
+    dp_reproducible: bool = False
     boundary_clip: float = 0.0
     boundary_noise: float = 0.0
 

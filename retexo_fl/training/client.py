@@ -124,6 +124,7 @@ class Client(ABC):
         # Payloads the boundary plan expected and the server did not deliver, as (kind, stage,
         # sender): reported with the next reply, never filled in silently.
         self.missing: list[tuple[str, int, int]] = []
+        self.boundary_releases = 0  # boundary row releases this party made (its own budget)
         self.delay = 0.0  # emulated seconds per local step (eager / local: step-delay)
         self.last_steps = 0  # local steps the last round took
 
@@ -190,11 +191,18 @@ class Client(ABC):
         (``boundary-clip``, ``boundary-noise``).
 
         The noise is seeded from the operating system's randomness, never from the run's seed:
-        every party knows that seed, and noise a peer can regenerate protects nothing.
+        every party knows that seed, and noise a peer can regenerate protects nothing. Each call
+        is one release of every row, counted against this party's own budget
+        (``max-boundary-epsilon``), whatever the server counts.
+
+        Raises:
+            PolicyError: the release would exceed this party's budget.
         """
         cfg = self.cfg
         if cfg.boundary_clip <= 0:
             return rows
+        self.policy.spend_boundary_release(cfg.boundary_noise, self.boundary_releases, f"client {self.id}")
+        self.boundary_releases += 1
         gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
         return release_rows(rows, cfg.boundary_clip, cfg.boundary_noise, gen)
 
@@ -525,6 +533,7 @@ class Client(ABC):
             view=self.view if self.cfg.broadcast_bits < 32 else None,
             channel=self.channel.to_state(),
             journal=self.journal,
+            boundary_releases=self.boundary_releases,
         )
 
     def load_snapshot(self, state: ClientState) -> None:
@@ -535,6 +544,7 @@ class Client(ABC):
         self.control_view = state.control_view
         self.view = state.view
         self.journal = state.journal
+        self.boundary_releases = int(state.boundary_releases)
         self._edges = None
         self._weights = None
         if state.channel:

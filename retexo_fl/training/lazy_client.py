@@ -175,13 +175,14 @@ class LazyClient(Client):
 
     def advance(self, embeddings: Tensor) -> dict[int, Tensor]:
         """Make ``embeddings`` the owned input of the next stage; return the rows peers need."""
+        outgoing = self.plan.rows_for(self.released(embeddings))  # refused: nothing changed
         self.stage += 1
         self.halo = None
         clip = self.cfg.boundary_clip
         # Own rows are clipped like the released ones, so that a conv stage mixes rows of one
         # scale; only what leaves is noised.
         self.owned = (release_rows(embeddings, clip, 0.0) if clip > 0 else embeddings).to(self.device)
-        return self.plan.rows_for(self.released(embeddings))
+        return outgoing
 
     def next_stage(self, state: StateDict) -> dict[int, Tensor]:
         """Move on from this stage, trained to ``state``; return the boundary rows peers need.

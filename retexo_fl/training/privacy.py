@@ -2,7 +2,7 @@
 
 This is DP-FedAvg with central noise (McMahan et al., 2018) as Flower's
 ``DifferentialPrivacyServerSideFixedClipping`` does it, using Flower's own clipping and noise
-functions and its RDP accountant (``flwr[dp]``): each round, every client's update is clipped
+scale functions and its RDP accountant (``flwr[dp]``): each round, every client's update is clipped
 to L2 norm ``dp-clip``, the clipped updates are averaged with equal weights, and Gaussian noise
 of standard deviation ``dp-noise * dp-clip / n`` is added to the mean. Every round of every
 stage is one Gaussian release over all ``n`` clients (no sampling, so no amplification); the
@@ -10,6 +10,8 @@ accountant composes them and reports the client-level (epsilon, delta) spent.
 """
 
 from __future__ import annotations
+
+import secrets
 
 import numpy as np
 import torch
@@ -29,14 +31,19 @@ class UpdatePrivacy:
         clip (float): the L2 clipping norm of one client's whole update, > 0.
         clients (int): the number of clients (every one takes part in every round).
         delta (float): the delta at which epsilon is reported.
-        seed (int): seeds the noise, so a run is reproducible.
+        seed (int, optional): seeds the noise, so a run is reproducible (and anyone who knows
+            the seed can remove it); :obj:`None` draws a secret 256-bit key from the operating
+            system, which only this object (and so the server's checkpoint) holds.
+            (default: :obj:`None`)
 
     Raises:
         ValueError: if ``noise`` or ``clip`` is not positive.
         RuntimeError: if Flower's privacy accountant (``retexo-fl[dp]``) is not installed.
     """
 
-    def __init__(self, noise: float, clip: float, clients: int, delta: float, seed: int) -> None:
+    def __init__(
+        self, noise: float, clip: float, clients: int, delta: float, seed: int | None = None
+    ) -> None:
         if noise <= 0 or clip <= 0:
             raise ValueError(f"dp-noise and dp-clip must be > 0, got {noise} and {clip}")
         try:  # Flower's accountant needs the optional dp-accounting package (retexo-fl[dp])
@@ -55,7 +62,10 @@ class UpdatePrivacy:
             raise RuntimeError(
                 "dp-noise needs Flower's privacy accountant: pip install 'retexo-fl[dp]' (flwr[dp])"
             ) from exc
-        self.noise, self.clip, self.clients, self.delta, self.seed = noise, clip, clients, delta, seed
+        self.noise, self.clip, self.clients, self.delta = noise, clip, clients, delta
+        self.reproducible = seed is not None
+        # The released model is public: noise anyone could regenerate protects nothing.
+        self.seed = seed if seed is not None else secrets.randbits(256)
         self.clipped = 0  # updates whose norm exceeded the clipping norm
 
     def aggregate(
@@ -78,13 +88,11 @@ class UpdatePrivacy:
         """
         # Flower's DP functions: imported only when DP is on (they pull the optional accountant).
         from flwr.supercore.differential_privacy import (
-            add_gaussian_noise_inplace,
             clip_inputs_inplace,
             compute_stdv,
             get_norm,
         )
         from flwr.supercore.privacy_accounting import GaussianPrivacyEvent
-
 
         keys = list(view)
         deltas = []
@@ -95,9 +103,11 @@ class UpdatePrivacy:
                 clip_inputs_inplace(d, self.clip)
             deltas.append(d)
         mean = [np.mean([d[i] for d in deltas], axis=0) for i in range(len(keys))]
-        # Flower draws the noise from NumPy's global generator: seed it per release.
-        np.random.seed(derive_seed(self.seed, *tag, 0xD9) % (2**32))
-        add_gaussian_noise_inplace(mean, compute_stdv(self.noise, self.clip, len(states)))
+        # Flower's add_gaussian_noise_inplace draws from NumPy's global generator, which takes a
+        # 32-bit seed: a generator of this release's own, keyed by the whole seed, instead.
+        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(self.seed, spawn_key=(*tag, 0xD9))))
+        stdv = compute_stdv(self.noise, self.clip, len(states))
+        mean = [m + rng.normal(0.0, stdv, m.shape) for m in mean]
         self.accountant.compose(GaussianPrivacyEvent(self.noise, len(states), self.clients))
         return {
             k: (state[k].float() + torch.from_numpy(m).float()).to(state[k].dtype)
@@ -112,7 +122,7 @@ class UpdatePrivacy:
 
     def __setstate__(self, state: dict) -> None:
         saved = state.pop("accountant")
-        fresh = UpdatePrivacy(state["noise"], state["clip"], state["clients"], state["delta"], state["seed"])
+        fresh = UpdatePrivacy(state["noise"], state["clip"], state["clients"], state["delta"], 0)
         self.__dict__.update({**fresh.__dict__, **state})
         self.accountant.load_state_dict(saved)
 
@@ -120,8 +130,9 @@ class UpdatePrivacy:
         """The (epsilon, delta) spent so far, with the releases composed and the clipping rate.
 
         Returns:
-            ``epsilon``, ``delta``, ``releases``, ``noise_multiplier``, ``clip`` and
-            ``updates_clipped`` (updates whose norm exceeded ``clip``).
+            ``epsilon``, ``delta``, ``releases``, ``noise_multiplier``, ``clip``,
+            ``updates_clipped`` (updates whose norm exceeded ``clip``) and ``noise_seed``
+            (``"secret"``, or ``"run seed"`` when anyone with the run config can remove it).
         """
         s = self.accountant.get_privacy_spent(self.delta)
         return {
@@ -131,6 +142,7 @@ class UpdatePrivacy:
             "noise_multiplier": self.noise,
             "clip": self.clip,
             "updates_clipped": self.clipped,
+            "noise_seed": "run seed" if self.reproducible else "secret",
         }
 
 
@@ -138,13 +150,14 @@ def make_privacy(cfg, clients: int) -> UpdatePrivacy | None:
     """The run's :class:`UpdatePrivacy`, or ``None`` when ``dp-noise`` is 0.
 
     Args:
-        cfg (TrainConfig): the run configuration (``dp_noise``, ``dp_clip``, ``dp_delta``,
-            ``seed``).
+        cfg (TrainConfig): the run configuration (``dp_noise``, ``dp_clip``, ``dp_delta``, and
+            ``seed`` with ``dp_reproducible``).
         clients (int): the number of clients.
     """
     if cfg.dp_noise <= 0:
         return None
-    return UpdatePrivacy(cfg.dp_noise, cfg.dp_clip, clients, cfg.dp_delta, cfg.seed)
+    seed = derive_seed(cfg.seed, 0xD9) if cfg.dp_reproducible else None
+    return UpdatePrivacy(cfg.dp_noise, cfg.dp_clip, clients, cfg.dp_delta, seed)
 
 
 def aggregate_round(

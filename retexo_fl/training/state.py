@@ -51,6 +51,8 @@ class ClientState:
         journal (list, optional): ``[[stage, round], {name: state}, incoming counters]``, what
             the last train round found, so that the same round sent again (a resumed server)
             starts from it.
+        boundary_releases (int): boundary row releases this client made in the run (counted
+            against its own ``max-boundary-epsilon``).
     """
 
     stage: int = 0
@@ -68,6 +70,7 @@ class ClientState:
     control: StateDict | None = None
     control_view: StateDict | None = None
     journal: list[Any] | None = None
+    boundary_releases: int = 0
 
     def save(self, folder: str | Path) -> Path:
         """Write to ``folder``/:data:`STATE_FILE` atomically, readable by this user alone.

@@ -266,6 +266,43 @@ def test_an_eager_round_without_any_rows_is_counted_not_trained_on_in_silence(no
         ).run()
 
 
+def test_a_server_that_asks_for_more_releases_than_a_partys_budget_is_refused(nodes, tmp_path):
+    """Eager mode releases each conv layer's rows every round: the server decides how many
+    releases there are, and each party counts its own against its budget. Noise 2 costs
+    epsilon 5.3, 7.79, 9.81, 11.6 ... after 1, 2, 3, 4 releases (delta 1e-5): a budget of 10
+    allows 3, and the fourth release (round 2's second layer) is refused, naming the budget."""
+    cfg = TrainConfig(
+        **{**CFG, "mode": "eager", "stages": 3, "rounds": 4, "boundary_clip": 1.0, "boundary_noise": 2.0},
+        dp_delta=0.5,  # a large delta announced by the server makes no difference to the budget
+    )
+    cfg = dataclasses.replace(cfg, pinned_keys=str(nodes[1] / "pins.json"))
+    budget = {P.NODE_MAX_BOUNDARY_EPSILON: "10"}
+    transport = ClientAppTransport(_node_configs(nodes, tmp_path, **budget))
+    with pytest.raises(
+        ClientFailure,
+        match=r"max-boundary-epsilon: release 4 of its boundary rows would spend epsilon 11.6 "
+        r"\(delta 1e-05\) on each row's value, above this party's budget 10",
+    ):
+        BaselineRun(transport, cfg, RunRecorder(None, stream=None)).run()
+    # The count outlived each message's process: it is in the node-local state.
+    from retexo_fl.training.state import ClientState
+
+    saved = [ClientState.load(f) for f in sorted(tmp_path.glob("run-*/node-*"))]
+    assert sorted(s.boundary_releases for s in saved if s is not None) == [2, 2, 2]
+    # A budget with a run that does not noise its rows at all is refused before anything leaves.
+    with pytest.raises(ClientFailure, match="boundary-noise: the run releases boundary rows without noise"):
+        transport = ClientAppTransport(_node_configs(nodes, tmp_path / "plain", **budget))
+        BaselineRun(
+            transport, dataclasses.replace(cfg, boundary_noise=0.0), RunRecorder(None, stream=None)
+        ).run()
+    # A larger budget runs to the end.
+    transport = ClientAppTransport(
+        _node_configs(nodes, tmp_path / "rich", **{P.NODE_MAX_BOUNDARY_EPSILON: "20"})
+    )
+    out = BaselineRun(transport, cfg, RunRecorder(None, stream=None)).run()
+    assert out["boundary_privacy"]["releases"] == 2 * 4
+
+
 def partition_graph_peers(nodes, pid: int) -> set[int]:
     """The clients partition ``pid`` receives rows from, read from its saved cross edges."""
     from retexo_fl.data.partition import load_partition

@@ -52,6 +52,10 @@ def test_minimum_privacy_settings_are_enforced():
         policy.check(TrainConfig(dp_noise=0.5), "client 2")
     with pytest.raises(PolicyError, match=r"dp-clip: 4.0 is above this party's maximum 1.0"):
         policy.check(TrainConfig(dp_noise=1.0, dp_clip=4.0), "client 2")
+    with pytest.raises(
+        PolicyError, match=r"dp-reproducible: the run's update noise would come from its seed"
+    ):
+        policy.check(TrainConfig(dp_noise=1.0, dp_reproducible=True), "client 2")
     rows = PartyPolicy.from_node_config({P.NODE_MIN_BOUNDARY_NOISE: "0.5"}, "client 2")
     rows.check(TrainConfig(boundary_clip=1.0, boundary_noise=0.5), "client 2")
     with pytest.raises(PolicyError, match=r"boundary-noise: 0.0 is below this party's minimum 0.5"):
@@ -65,6 +69,9 @@ def test_the_simulation_policy_travels_in_the_environment(monkeypatch, tmp_path)
     got = PartyPolicy.from_node_config({P.NODE_PARTITION_ID: 4}, "client 4")
     assert got == policy and got.identity_file(4) == str(tmp_path / "client-4.key")
     assert math.isinf(PartyPolicy.from_settings(TrainConfig().security).max_dp_clip)
+    budget = PartyPolicy.from_node_config({P.NODE_MAX_BOUNDARY_EPSILON: "8"}, "client 4")
+    assert budget.max_boundary_epsilon == 8 and math.isinf(got.max_boundary_epsilon)
+    assert PartyPolicy.from_json(budget.to_json(), "client 4") == budget  # JSON has no infinity
     # Node config still wins over the environment.
     assert not PartyPolicy.from_node_config({P.NODE_ENCRYPT: False}, "client 4").encrypt
     monkeypatch.setenv(POLICY_ENV, "[not a policy")

@@ -43,6 +43,55 @@ def test_updates_are_clipped_and_the_noise_has_the_stated_scale():
     assert all(torch.equal(noise[k], again[k]) for k in noise)  # seeded: reproducible
 
 
+def test_the_default_noise_is_secret_and_never_written_anywhere_public(tmp_path, monkeypatch):
+    """With the run seed, every client (and any reader of config.json) could regenerate the
+    noise and subtract it from the released model; the default key is the server's alone."""
+    base = {"w": torch.zeros(30, 20)}
+    zero = [dict(base) for _ in range(3)]
+    known = UpdatePrivacy(noise=1.0, clip=1.0, clients=3, delta=1e-5, seed=0).aggregate(
+        base, base, zero, (0, 1)
+    )
+    secret, other = (UpdatePrivacy(noise=1.0, clip=1.0, clients=3, delta=1e-5) for _ in range(2))
+    first = secret.aggregate(base, base, zero, (0, 1))["w"]
+    assert not torch.equal(first, known["w"])  # not the noise of a known seed ...
+    assert not torch.equal(first, other.aggregate(base, base, zero, (0, 1))["w"])  # ... nor another run's
+    assert secret.spent()["noise_seed"] == "secret"
+
+    # Whole runs: the key comes from the OS, is never written to the run folder, and two runs
+    # of one config release different models; the summary says which noise it was.
+    from retexo_fl.metrics import RunRecorder
+    from retexo_fl.runner import train
+    from retexo_fl.training import privacy
+
+    keys: list[int] = []
+    draw = privacy.secrets.randbits
+
+    def recorded(k: int) -> int:
+        value = draw(k)
+        if k == 256:  # the noise key (run keys are drawn here too)
+            keys.append(value)
+        return value
+
+    monkeypatch.setattr(privacy.secrets, "randbits", recorded)
+    cfg = dict(
+        dataset="sbm:200,3", clients=3, model="gcn", stages=2, hidden=8, rounds=3, seed=0, dp_noise=1.0
+    )
+    quiet = RunRecorder(None, stream=None)
+    runs = [train(TrainConfig(**cfg, out_dir=str(tmp_path / f"run-{i}"))) for i in range(2)]
+    assert len(keys) == 2 and keys[0] != keys[1]
+    assert runs[0]["privacy"]["noise_seed"] == "secret"
+    assert _curve(runs[0]) != _curve(runs[1])
+    written = "".join(f.read_text() for f in tmp_path.rglob("*") if f.is_file() and f.suffix != ".png")
+    assert '"noise_seed": "secret"' in written
+    assert not any(str(k) in written or f"{k:x}" in written for k in keys)
+    again = [train(TrainConfig(**cfg, dp_reproducible=True), quiet) for _ in range(2)]
+    assert again[0]["privacy"]["noise_seed"] == "run seed" and _curve(again[0]) == _curve(again[1])
+
+
+def _curve(summary: dict) -> list[float]:
+    return [h[k] for s in summary["stages"] for h in s["history"] for k in ("val_accuracy", "train_loss")]
+
+
 def test_epsilon_follows_the_gaussian_mechanism():
     """RDP accounting is never looser than the zCDP bound ``rho + 2 sqrt(rho ln(1/delta))``,
     ``rho = T / (2 sigma^2)``, nor far below it."""
@@ -63,7 +112,9 @@ def test_epsilon_follows_the_gaussian_mechanism():
 
 def test_private_lazy_training_reports_its_budget(sbm):
     parts = partition_graph(sbm, 3, "metis", seed=0)
-    cfg = TrainConfig(model="gcn", stages=2, hidden=16, rounds=30, seed=0, dp_noise=0.3, dp_clip=1.0)
+    cfg = TrainConfig(
+        model="gcn", stages=2, hidden=16, rounds=30, seed=0, dp_noise=0.3, dp_clip=1.0, dp_reproducible=True
+    )
     out = run_lazy(parts, cfg)
     assert out["privacy"]["releases"] == 60 and 0 < out["privacy"]["epsilon"] < math.inf
     plain = run_lazy(parts, TrainConfig(model="gcn", stages=2, hidden=16, rounds=30, seed=0))
@@ -87,6 +138,7 @@ def test_private_training_is_the_same_in_flower():
         rounds=8,
         seed=0,
         dp_noise=0.5,
+        dp_reproducible=True,  # the engines draw the same noise only from a seed they share
     )
     sim = simulate(cfg)
     ref = train(cfg, RunRecorder(None, stream=None))

@@ -160,13 +160,16 @@ class PartyPolicy:
             security (SecuritySettings): the ``security`` section of the user's config.
         """
         key = str(Path(security.identity_keys) / "client-{id}.key") if security.identity_keys else ""
+        # Noise from the run seed (the user's own choice here) is noise every party can strip:
+        # a party started with it requires no update noise of the run.
+        required = 0.0 if security.dp_reproducible else security.dp_noise
         return cls(
             encrypt=security.encrypt,
             pinned_keys=security.pinned_keys,
             identity_key=key,
             audit_dir=security.audit,
-            min_dp_noise=security.dp_noise,
-            max_dp_clip=security.dp_clip if security.dp_noise > 0 else math.inf,
+            min_dp_noise=required,
+            max_dp_clip=security.dp_clip if required > 0 else math.inf,
             min_boundary_noise=security.boundary_noise,
         )
 

@@ -448,10 +448,22 @@ class Client(ABC):
         applied twice. Counters go back no further than the round's start: payloads of earlier
         rounds stay refused.
 
+        Rounds only go forward: the stage is this client's own, and a round before the last one
+        begun (a server replaying an earlier round, say round 1 to skip the check that every
+        peer's rows arrived) is refused.
+
         Returns:
             bool: the journal holds state that must outlive the process.
+
+        Raises:
+            ValueError: ``round_`` is before the last round this client began in its stage.
         """
         key = [int(self.seed_stage), int(round_)]
+        if self.journal is not None and key < self.journal[0]:
+            raise ValueError(
+                f"client {self.id}: train round {key[1]} of stage {key[0]} after round "
+                f"{self.journal[0][1]} of stage {self.journal[0][0]} began: rounds only go forward"
+            )
         if self.journal is not None and self.journal[0] == key:
             for name, value in self.journal[1].items():
                 setattr(self, name, None if value is None else dict(value))

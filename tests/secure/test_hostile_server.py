@@ -266,6 +266,24 @@ def test_an_eager_round_without_any_rows_is_counted_not_trained_on_in_silence(no
         ).run()
 
 
+def test_a_server_that_sends_an_earlier_round_again_is_refused(nodes, tmp_path):
+    """Round 1 skips the check that every peer's rows arrived (eager): a server sending it
+    again later would have clients train on stale rows in silence."""
+
+    def rewind(kind: str, address: int, req: Records) -> Records:
+        if kind == P.TRAIN and int(req[P.CONFIG][P.ROUND]) == 3:
+            return {**req, P.CONFIG: {**req[P.CONFIG], P.ROUND: 1}}
+        return req
+
+    cfg = TrainConfig(**{**CFG, "mode": "eager", "rounds": 4}, pinned_keys=str(nodes[1] / "pins.json"))
+    transport = ClientAppTransport(_node_configs(nodes, tmp_path), rewind)
+    with pytest.raises(
+        ClientFailure,
+        match=r"train round 1 of stage \d after round 2 of stage \d began: rounds only go forward",
+    ):
+        BaselineRun(transport, cfg, RunRecorder(None, stream=None)).run()
+
+
 def test_a_server_that_asks_for_more_releases_than_a_partys_budget_is_refused(nodes, tmp_path):
     """Eager mode releases each conv layer's rows every round: the server decides how many
     releases there are, and each party counts its own against its budget. Noise 2 costs

@@ -7,6 +7,7 @@ import itertools
 import torch
 from torch import Tensor, nn
 
+from retexo_fl.models.adjacency import run_conv
 from retexo_fl.models.stage import make_conv, make_norm
 
 
@@ -54,7 +55,8 @@ class GNN(nn.Module):
 
         Args:
             x (Tensor): node features.
-            edge_index (Tensor): edges ``(src, dst)``.
+            edge_index (Tensor): edges ``(src, dst)``, or the graph's CSR adjacency
+                (:func:`~retexo_fl.models.adjacency.sparse_adjacency`, square).
             edge_weight (Tensor | None, optional): GCN edge weights (read by ``gcn`` only).
                 (default: :obj:`None`)
 
@@ -64,7 +66,7 @@ class GNN(nn.Module):
         """
         for i, conv in enumerate(self.convs):
             x = self.dropout(x)
-            x = conv(x, edge_index, edge_weight) if self.kind == "gcn" else conv(x, edge_index)
+            x = run_conv(conv, self.kind, x, edge_index, edge_weight)
             if i < len(self.convs) - 1:
                 x = torch.relu(self.norms[i](x))
         return x

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from retexo_fl.models.adjacency import run_conv
 from retexo_fl.models.stage import make_conv, make_norm
 
 
@@ -75,7 +76,8 @@ class LayeredGNN(nn.Module):
 
         Args:
             x (Tensor): the owned nodes' raw features.
-            edge_index (Tensor | None): local edges over owned then halo rows (``None`` with no conv).
+            edge_index (Tensor | None): local edges over owned then halo rows, or their CSR
+                adjacency ``[n, n + H]`` (``None`` with no conv).
             edge_weight (Tensor | None): GCN edge weights (read by ``gcn`` only).
             halo (list[Tensor]): per conv layer, the halo rows' input (empty tensors without halo).
 
@@ -94,6 +96,6 @@ class LayeredGNN(nn.Module):
             inputs.append(h)
             full = torch.cat([h, halo[i].to(h.dtype)]) if halo[i].numel() else h
             full = self.dropout(full)
-            out = conv(full, edge_index, edge_weight) if self.kind == "gcn" else conv(full, edge_index)
+            out = run_conv(conv, self.kind, full, edge_index, edge_weight)
             h = torch.relu(self.norms[i + 1](out[:n]))
         return self.head(self.dropout(h)), inputs

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from retexo_fl.models.adjacency import run_conv
+
 CONV_KINDS = ("gcn", "sage", "sage-max", "gat")
 
 
@@ -71,10 +73,11 @@ class StageModel(nn.Module):
         heads (int, optional): attention heads for ``gat``. (default: :obj:`4`)
 
     Shapes:
-        - **input:** ``x`` ``[N_in, in_dim]``, ``edge_index`` ``[2, E]`` (conv stages only),
-          ``edge_weight`` ``[E]`` (``gcn`` only)
+        - **input:** ``x`` ``[N_in, in_dim]``, ``edge_index`` ``[2, E]`` or a CSR adjacency
+          ``[T, N_in]`` (conv stages only), ``edge_weight`` ``[E]`` (``gcn`` only)
         - **output:** ``(hidden [n, hidden], logits [n, num_classes])`` for the first
-          ``n = num_targets`` rows (all rows when ``num_targets`` is None)
+          ``n = num_targets`` rows (all rows when ``num_targets`` is None; over an adjacency,
+          its ``T`` target rows)
     """
 
     def __init__(
@@ -110,7 +113,8 @@ class StageModel(nn.Module):
 
         Args:
             x (Tensor): the stage input: owned rows first, then halo rows.
-            edge_index (Tensor | None, optional): local edges (conv stages only).
+            edge_index (Tensor | None, optional): local edges, or their CSR adjacency
+                (:func:`~retexo_fl.models.adjacency.sparse_adjacency`; conv stages only).
                 (default: :obj:`None`)
             edge_weight (Tensor | None, optional): GCN edge weights (``gcn`` only).
                 (default: :obj:`None`)
@@ -131,7 +135,7 @@ class StageModel(nn.Module):
         else:
             if edge_index is None:
                 raise ValueError(f"a {self.kind} stage needs edge_index")
-            h = self.body(x, edge_index, edge_weight) if self.kind == "gcn" else self.body(x, edge_index)
+            h = run_conv(self.body, self.kind, x, edge_index, edge_weight)
             if num_targets is not None:
                 h = h[:num_targets]
         h = torch.relu(self.norm(h))

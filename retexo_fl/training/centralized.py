@@ -12,6 +12,7 @@ from retexo_fl.config import TrainConfig
 from retexo_fl.data.partition import Partition
 from retexo_fl.data.partitioners import split_graph
 from retexo_fl.metrics import RunRecorder
+from retexo_fl.models.adjacency import SPARSE_KINDS, sparse_adjacency
 from retexo_fl.models.gnn import GNN
 from retexo_fl.plan import BoundaryPlan, LocalGraph
 from retexo_fl.seeding import derive_seed, resolve_device
@@ -57,6 +58,8 @@ def run_centralized(part: Partition, cfg: TrainConfig, rec: RunRecorder | None =
         ei, w = graph.edge_index, None
     ei = ei.to(device)
     w = w.to(device) if w is not None else None
+    if cfg.model in SPARSE_KINDS:  # one CSR matrix, built once: a sparse-dense product per layer
+        ei, w = sparse_adjacency(ei, w, graph.num_owned, graph.num_owned), None
     x = torch.from_numpy(np.array(part.x, dtype=np.float32)).to(device)
     y = torch.from_numpy(np.array(part.y)).to(device)
     masks = {

@@ -28,6 +28,7 @@ from retexo_fl.compress.payload import decode_rows, encode_rows
 from retexo_fl.compress.updates import UpdateCodec
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partition import Partition
+from retexo_fl.models.adjacency import SPARSE_KINDS, sparse_adjacency
 from retexo_fl.plan import BoundaryPlan, LocalGraph
 from retexo_fl.protocol import DEGREES, Records
 from retexo_fl.secure.boundary_noise import release_rows
@@ -99,6 +100,7 @@ class Client(ABC):
         self.given_train = self.masks["train"]
         self.halo_degree: Tensor | None = None
         self._edges: tuple[Tensor, Tensor | None] | None = None
+        self._adjacency: Tensor | None = None  # GCN / SAGE: the local graph as one CSR matrix
         self._model: tuple[object, torch.nn.Module] | None = None  # (model_key(), module)
         self._weights: dict[int, Tensor] | None = None
         self.encoder = BoundaryEncoder(cfg.compression)
@@ -307,7 +309,7 @@ class Client(ABC):
         """Take the halo nodes' global degrees (GCN's normalization needs them)."""
         blocks = self.complete_halo(incoming, 1, None, DEGREES, 0)
         self.halo_degree = self.plan.assemble_halo(blocks, 1).view(-1)
-        self._edges = None
+        self._edges = self._adjacency = None
         self._weights = None
 
     def boundary_weights(self) -> dict[int, Tensor]:
@@ -332,6 +334,21 @@ class Client(ABC):
             else:
                 self._edges = (self.graph.edge_index.to(self.device), None)
         return self._edges
+
+    def message_graph(self) -> tuple[Tensor, Tensor | None]:
+        """What a conv layer reads: for GCN and mean-SAGE the owned rows' CSR adjacency over
+        owned then halo rows (built once, GCN's weights folded in), else :meth:`conv_edges`.
+
+        Shapes:
+            - **output:** CSR ``[n, n + H]`` and ``None``, or ``[2, E]`` edges and ``[E]`` weights
+        """
+        if self.cfg.model not in SPARSE_KINDS:
+            return self.conv_edges()
+        if self._adjacency is None:
+            ei, w = self.conv_edges()
+            n = self.graph.num_owned
+            self._adjacency = sparse_adjacency(ei, w, n, n + self.graph.num_halo)
+        return self._adjacency, None
 
     # -- rounds -----------------------------------------------------------------------------
     def loaded_model(self, state: StateDict) -> torch.nn.Module:
@@ -557,7 +574,7 @@ class Client(ABC):
         self.view = state.view
         self.journal = state.journal
         self.boundary_releases = int(state.boundary_releases)
-        self._edges = None
+        self._edges = self._adjacency = None
         self._weights = None
         if state.channel:
             self.channel.load_state(state.channel, self.peers)

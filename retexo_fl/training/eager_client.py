@@ -101,7 +101,7 @@ class EagerClient(Client):
         return "layered"
 
     def forward(self, model: torch.nn.Module, rows: Tensor | None = None) -> Tensor:
-        ei, w = self.conv_edges() if self.layers > 1 else (None, None)
+        ei, w = self.message_graph() if self.layers > 1 else (None, None)
         logits, _ = model(self.owned, ei, w, self.halo_layers)
         return logits if rows is None else logits[rows]
 
@@ -113,7 +113,7 @@ class EagerClient(Client):
             return {}
         model = self.loaded_model(state)
         model.eval()
-        ei, w = self.conv_edges()
+        ei, w = self.message_graph()
         _, inputs = model(self.owned, ei, w, self.halo_layers)
         per_layer = [self.plan.rows_for(self.released(h.float().cpu())) for h in inputs]
         return {q: torch.cat([rows[q] for rows in per_layer]) for q in self.plan.send}

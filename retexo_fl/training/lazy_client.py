@@ -12,6 +12,7 @@ from retexo_fl.compress.boundary import ExchangeStats
 from retexo_fl.compress.payload import decode_rows
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partition import Partition
+from retexo_fl.models.adjacency import adjacency_rows, is_sparse
 from retexo_fl.models.factory import build_stage_model
 from retexo_fl.models.stage import StageModel
 from retexo_fl.protocol import HALO
@@ -82,10 +83,11 @@ class LazyClient(Client):
         return torch.cat([self.owned, self.halo])
 
     def edges(self) -> tuple[Tensor | None, Tensor | None]:
-        """The local graph's edges (and GCN weights) for a conv stage; ``(None, None)`` at layer 0."""
+        """What a conv stage's layer reads (:meth:`~Client.message_graph`: GCN and SAGE a CSR
+        adjacency, other kinds edges and weights); ``(None, None)`` at layer 0."""
         if self.layer == 0:
             return None, None
-        return self.conv_edges()
+        return self.message_graph()
 
     def make_model(self) -> StageModel:
         """This stage's model with its initial weights."""
@@ -126,16 +128,11 @@ class LazyClient(Client):
         if cached is not None and cached[0] is self.owned and cached[1] is self.halo:
             return cached[2]
         x = self.stage_input()
-        ei, w = self.edges()
-        assert ei is not None  # a conv stage
-        n = self.graph.num_owned
-        keep = ei[1] < n  # messages into owned rows
-        src, dst = ei[0][keep], ei[1][keep]
-        messages = x[src] if w is None else x[src] * w[keep].unsqueeze(1)
-        total = x.new_zeros(n, x.shape[1]).index_add_(0, dst, messages)
-        if w is None:  # mean aggregation
-            count = torch.bincount(dst, minlength=n).clamp(min=1).to(x.dtype)
-            total = total / count.unsqueeze(1)
+        adj, _ = self.message_graph()  # GCN and SAGE: the CSR adjacency, weights folded in
+        total = torch.sparse.mm(adj, x)
+        if self.cfg.model == "sage":  # mean aggregation (a node without in-neighbours: zero)
+            ptr = adj.crow_indices()
+            total = total / (ptr[1:] - ptr[:-1]).clamp(min=1).to(x.dtype).unsqueeze(1)
         # The tensors it was computed from are kept with it: a new stage input is a new tensor.
         self._aggregated = (self.owned, self.halo, total)
         return total
@@ -165,10 +162,14 @@ class LazyClient(Client):
             return torch.cat(out)
         ei, w = self.edges()
         assert ei is not None  # a conv stage
-        x, dst = self.stage_input(), ei[1]
+        x = self.stage_input()
         for start in range(0, n, chunk):
             stop = min(n, start + chunk)
-            sel = (dst >= start) & (dst < stop)
+            if is_sparse(ei):  # the chunk's rows of the adjacency: outputs of those rows only
+                h, z = model(x, adjacency_rows(ei, start, stop))
+                out.append((h if hidden_out else z).float().cpu())
+                continue
+            sel = (ei[1] >= start) & (ei[1] < stop)
             h, z = model(x, ei[:, sel], None if w is None else w[sel], num_targets=stop)
             out.append((h if hidden_out else z)[start:stop].float().cpu())
         return torch.cat(out)

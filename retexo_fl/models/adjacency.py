@@ -1,0 +1,109 @@
+"""A local graph's aggregation as one cached sparse matrix: the fast path of GCN and SAGE layers.
+
+Message passing over an edge list gathers one row per edge and scatters it back, every layer,
+every step. GCN (with its normalization folded into the values) and mean-SAGE aggregate
+linearly, so the same layer is a sparse-dense product ``A X`` with ``A`` a CSR matrix built once
+per local graph: PyG's ``GCNConv`` and ``SAGEConv`` take it as their ``edge_index`` (PyG's
+``Adj``) and run ``torch.sparse.mm``. GAT (edge-wise attention) and max-SAGE keep the edge list.
+
+Rows are targets (the owned nodes), columns sources (owned rows, then halo rows): a client's
+layer computes its owned outputs only, and a row slice of ``A`` is a chunk of them.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor
+
+#: The conv kinds whose layer runs on a sparse adjacency (:func:`sparse_adjacency`).
+SPARSE_KINDS = ("gcn", "sage")
+
+
+def is_sparse(edge_index: object) -> bool:
+    """Whether ``edge_index`` is a sparse adjacency (CSR) rather than a ``[2, E]`` edge list."""
+    return isinstance(edge_index, Tensor) and edge_index.layout == torch.sparse_csr
+
+
+def sparse_adjacency(
+    edge_index: Tensor, edge_weight: Tensor | None, num_targets: int, num_sources: int
+) -> Tensor:
+    r"""The CSR matrix :math:`A` with :math:`A_{ij}` the weight of edge :math:`j \to i`.
+
+    Only edges into the first ``num_targets`` nodes are kept (every edge of a client's local
+    graph ends at an owned node). Without weights every entry is 1, which is what mean-SAGE
+    reads (``SAGEConv`` divides by the row's entry count).
+
+    Args:
+        edge_index (Tensor): ``(src, dst)`` pairs.
+        edge_weight (Tensor, optional): one weight per edge (GCN's normalization).
+        num_targets (int): rows: the target nodes ``[0, num_targets)``.
+        num_sources (int): columns: every node a message can come from.
+
+    Shapes:
+        - **input:** ``edge_index`` ``[2, E]``, ``edge_weight`` ``[E]``
+        - **output:** CSR ``[num_targets, num_sources]`` on ``edge_index``'s device
+
+    Raises:
+        ValueError: an edge from a node outside ``[0, num_sources)``.
+    """
+    src, dst = edge_index[0], edge_index[1]
+    keep = dst < num_targets
+    if not bool(keep.all()):
+        src, dst = src[keep], dst[keep]
+        edge_weight = None if edge_weight is None else edge_weight[keep]
+    if src.numel() and (int(src.min()) < 0 or int(src.max()) >= num_sources):
+        raise ValueError(f"an edge leaves a node outside the {num_sources} sources")
+    # Sorted by target, then source: CSR order (and a fixed summation order per row).
+    order = torch.argsort(dst * num_sources + src)
+    counts = torch.bincount(dst, minlength=num_targets)
+    crow = torch.zeros(num_targets + 1, dtype=torch.int64, device=src.device)
+    torch.cumsum(counts, 0, out=crow[1:])
+    values = torch.ones(src.numel(), device=src.device) if edge_weight is None else edge_weight[order].float()
+    return _csr(crow, src[order].to(torch.int64), values, (num_targets, num_sources))
+
+
+def _csr(crow: Tensor, col: Tensor, values: Tensor, size: tuple[int, int]) -> Tensor:
+    with warnings.catch_warnings():  # "CSR support is in beta": it is what PyG runs on
+        warnings.simplefilter("ignore", UserWarning)
+        # Built sorted and in range above: the invariant checks would only cost a pass.
+        return torch.sparse_csr_tensor(crow, col, values, size=size, check_invariants=False)
+
+
+def adjacency_rows(adj: Tensor, start: int, stop: int) -> Tensor:
+    """Rows ``[start, stop)`` of a CSR ``adj`` as a CSR matrix of their own (no copy of other rows).
+
+    Shapes:
+        - **input:** ``adj`` CSR ``[T, N]``
+        - **output:** CSR ``[stop - start, N]``
+    """
+    crow, col, values = adj.crow_indices(), adj.col_indices(), adj.values()
+    lo, hi = int(crow[start]), int(crow[stop])
+    return _csr(crow[start : stop + 1] - lo, col[lo:hi], values[lo:hi], (stop - start, adj.shape[1]))
+
+
+def run_conv(
+    conv: torch.nn.Module, kind: str, x: Tensor, edge_index: Tensor, edge_weight: Tensor | None
+) -> Tensor:
+    """One PyG conv layer over an edge list or a sparse adjacency.
+
+    Over a CSR adjacency ``[T, N]`` the output has the ``T`` target rows (SAGE's root weight
+    reads the first ``T`` rows of ``x``); over an edge list it has every row of ``x``.
+
+    Args:
+        conv (torch.nn.Module): the layer (:func:`~retexo_fl.models.stage.make_conv`).
+        kind (str): its kind (``gcn`` reads ``edge_weight``).
+        x (Tensor): the input rows (targets first).
+        edge_index (Tensor): ``[2, E]`` edges, or a CSR adjacency (:func:`sparse_adjacency`).
+        edge_weight (Tensor, optional): GCN weights of an edge list (in the values of a CSR one).
+
+    Shapes:
+        - **input:** ``x`` ``[N, d]``
+        - **output:** ``[T, out]`` over a CSR adjacency, ``[N, out]`` over an edge list
+    """
+    if is_sparse(edge_index):
+        if kind == "sage":
+            return conv((x, x[: edge_index.shape[0]]), edge_index)
+        return conv(x, edge_index)
+    return conv(x, edge_index, edge_weight) if kind == "gcn" else conv(x, edge_index)

@@ -1,6 +1,6 @@
 """Sparse (CSR) aggregation against edge-list message passing, side by side in one process.
 
-    python bench/kernels.py [--dataset sbm:2500,5,120,0.8] [--epochs 200] [--hidden 256]
+    python bench/kernels.py [--dataset sbm:2500,5,140,0.8] [--epochs 200] [--hidden 256]
         [--lazy-rounds 200] [--out bench/results/kernels-DATE.json]
 
 On one generated graph (at least 2,000 nodes and 150,000 edges by default), it times:
@@ -94,7 +94,7 @@ def pyg_loop(part, epochs: int, hidden: int, sparse: bool, seed: int = 0) -> flo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dataset", default="sbm:2500,5,120,0.8")
+    parser.add_argument("--dataset", default="sbm:2500,5,140,0.8")
     parser.add_argument("--epochs", type=int, default=200)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--lazy-rounds", type=int, default=200, help="rounds per lazy stage (default 200)")

@@ -57,3 +57,9 @@ def evaluate(msg: Message, context: Context) -> Message:
 def embed(msg: Message, context: Context) -> Message:
     """End of a lazy stage: the sealed boundary rows for peers."""
     return _answer(msg, context)
+
+
+@app.query("unmask")
+def unmask(msg: Message, context: Context) -> Message:
+    """Secure aggregation: shares and pair seeds that unmask the round's sum."""
+    return _answer(msg, context)

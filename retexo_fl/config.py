@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 from retexo_fl.compress.settings import CompressionSettings
 from retexo_fl.data.settings import DataSettings
 from retexo_fl.datacenter.settings import DatacenterSettings
-from retexo_fl.secure.settings import SecuritySettings
+from retexo_fl.secure.settings import SecuritySettings, min_threshold
 
 MODES = ("lazy", "eager", "local", "centralized", "datacenter")
 #: ``drift-correction``: none, or SCAFFOLD's control variates (:mod:`retexo_fl.training.drift`).
@@ -357,6 +357,10 @@ class TrainConfig:
     # standard deviation boundary-noise * boundary-clip on every row (0: off).
     boundary_clip: float = 0.0
     boundary_noise: float = 0.0
+    # Secure aggregation: masked round replies, the server learns only the survivors' sum.
+    secure_aggregation: bool = False
+    secagg_threshold: int = 0  # 0: the least safe threshold, (clients + 1) // 2 + 1
+    secagg_clip: float = 1.0  # bound of a weighted update coordinate in the field encoding
     # Client failures (Flower engines): how many clients a run needs, what replaces a lost
     # client's boundary rows (fail | zero | reuse-last), and how long the server waits per message.
     min_clients: int = 0  # 0: every client; a lost client ends the run
@@ -458,6 +462,18 @@ class TrainConfig:
                 "drift-correction scaffold trains federated modes (lazy, eager, local) without "
                 "dp-noise: control variates derived from clipped, noised updates are not supported"
             )
+        if self.secure_aggregation:
+            least = min_threshold(self.clients)
+            if not federated or self.drift_correction != "none" or self.clients < 3:
+                raise ValueError(
+                    "secure-aggregation runs federated modes (lazy, eager, local) with 3 or more "
+                    "clients and no drift-correction (control variates need each client's update)"
+                )
+            if self.secagg_threshold and not least <= self.secagg_threshold <= self.clients:
+                raise ValueError(
+                    f"secagg-threshold must be {least} to {self.clients} for {self.clients} clients "
+                    "(0: the least safe one)"
+                )
         # Only a data-center run needs procs to form the algorithm's process grid.
         self.datacenter.validate(grid=self.mode == "datacenter")
         return self

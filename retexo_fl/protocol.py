@@ -22,7 +22,8 @@ SETUP = "query.setup"  # load and validate the partition; report counts, plan di
 TRAIN = "train"  # validate the incoming state, then train on it; may carry halo deliveries
 EVALUATE = "evaluate"  # validation (or test) metrics of one state
 EMBED = "query.embed"  # compute the stage's embeddings with the kept state; return boundary rows
-MESSAGE_TYPES = (HELLO, SETUP, TRAIN, EVALUATE, EMBED)
+UNMASK = "query.unmask"  # secure aggregation: shares and pair seeds that unmask a round's sum
+MESSAGE_TYPES = (HELLO, SETUP, TRAIN, EVALUATE, EMBED, UNMASK)
 
 # Record names.
 CONFIG = "config"  # run config (RUN or RUN_DIGEST), RUN_KEY, STAGE, ROUND, SPLIT, ... ; replies: identity
@@ -36,11 +37,19 @@ MISSING = "missing"  # replies: expected payloads not delivered, JSON [[kind, st
 MODEL = "model"  # tensor name -> broadcast delta frame (broadcast-bits < 32)
 UPDATE = "update"  # tensor name -> compressed update frame (update-bits < 32)
 CONTROL = "control"  # train, drift-correction scaffold: the server's control variate (a state dict)
+MASKED = "masked"  # train replies, secure aggregation: VECTOR and outgoing_key(q) -> sealed share
+SHARES = "shares"  # unmask requests: share_key(src) -> the share src sealed to the recipient
+UNMASKED = "unmasked"  # unmask replies: share-<j> -> share of j's self seed, seed-<d> -> pair seed
 CONTROL_FRAMES = "control-frames"  # ... or its change since the last round as delta frames (broadcast-bits)
 #: Records whose values are tensors (Flower: ``ArrayRecord``); every other record holds scalars or bytes.
 ARRAY_RECORDS = (ARRAYS, CONTROL)
 
 # Keys of the CONFIG record.
+SECAGG_MEMBERS = "secagg-members"  # train, secure aggregation: JSON list of the round's masking set
+SECAGG_THRESHOLD = "secagg-threshold"  # ... the shares that rebuild a self seed
+SECAGG_BOUND = "secagg-weight-bound"  # ... the count a training weight is divided by
+SECAGG_SURVIVORS = "secagg-survivors"  # unmask: JSON list of the members whose masked vectors arrived
+VECTOR = "vector"  # in MASKED: the packed masked vector
 RUN_KEY = "run-key"  # the server's key for this run; it outlives Flower's run id on resume
 STAGE = "stage"
 ROUND = "round"
@@ -132,6 +141,23 @@ def parse_outgoing_key(key: str) -> int:
     if prefix != "to" or not dst.isdigit():
         raise ValueError(f"payload key {key!r}: expected 'to-<client id>'")
     return int(dst)
+
+
+def share_key(src: int) -> str:
+    """The :data:`SHARES` key of the share ``src`` sealed to an unmask request's recipient."""
+    return f"from-{int(src)}"
+
+
+def parse_share_key(key: str) -> int:
+    """The sender a :func:`share_key` names.
+
+    Raises:
+        ValueError: ``key`` is not ``"from-<int>"``.
+    """
+    prefix, _, src = key.partition("-")
+    if prefix != "from" or not src.isdigit():
+        raise ValueError(f"share key {key!r}: expected 'from-<client id>'")
+    return int(src)
 
 
 def delivery_key(kind: str, src: int) -> str:

@@ -16,7 +16,11 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from retexo_fl.secure.keys import public_bytes
 
 MAGIC = b"RXE2"
-KINDS = {"deg": 1, "halo": 2, "eager": 3}
+KINDS = {"deg": 1, "halo": 2, "eager": 3, "share": 4}
+#: Kinds a receiver numbers apart from the others: secure aggregation's shares are opened when a
+#: round is unmasked, before frames sealed earlier (setup's degrees, a round's halo rows) arrive.
+#: Both orders stay strict, and the authenticated kind keeps one order's payloads out of the other.
+SEPARATE_KINDS = ("share",)
 # magic, kind, stage, round, source, destination, channel counter: in clear, and authenticated.
 _HEAD = struct.Struct(">4sBHIIIQ")
 NONCE_BYTES = 12
@@ -134,12 +138,16 @@ class Envelopes:
         self._accepted: dict[int, tuple[int, str]] = {
             int(p): (int(v[0]), str(v[1])) for p, v in counters.get("accepted", {}).items()
         }
+        self._accepted_apart: dict[int, tuple[int, str]] = {
+            int(p): (int(v[0]), str(v[1])) for p, v in counters.get("accepted_apart", {}).items()
+        }
 
     def counters(self) -> dict:
         """Each direction's last number sent and last accepted (with its payload's digest)."""
         return {
             "sent": dict(self._sent),
             "accepted": {p: [n, d] for p, (n, d) in self._accepted.items()},
+            "accepted_apart": {p: [n, d] for p, (n, d) in self._accepted_apart.items()},
         }
 
     def accepted(self) -> dict[int, tuple[int, str]]:
@@ -207,7 +215,8 @@ class Envelopes:
         if src not in self._recv:
             raise EnvelopeError(f"{where}: client {src} is not in the key directory")
         digest = hashlib.sha256(blob).hexdigest()
-        last, last_digest = self._accepted.get(src, (0, ""))
+        order = self._accepted_apart if kind in SEPARATE_KINDS else self._accepted
+        last, last_digest = order.get(src, (0, ""))
         if counter < last or (counter == last and digest != last_digest):
             raise EnvelopeError(
                 f"{where}: replayed or reordered, numbered {counter} after number {last} was accepted"
@@ -217,5 +226,5 @@ class Envelopes:
             frame = self._recv[src].decrypt(nonce, blob[_HEAD.size + NONCE_BYTES :], self.transcript + head)
         except InvalidTag:
             raise EnvelopeError(f"{where}: failed authentication (tampered, truncated or forged)") from None
-        self._accepted[src] = (counter, digest)
+        order[src] = (counter, digest)
         return frame, rnd

@@ -10,6 +10,17 @@ import math
 from dataclasses import dataclass
 
 
+def min_threshold(members: int) -> int:
+    """The least secure-aggregation threshold ``t`` safe against a server that tells clients
+    different survivor sets: the smallest with ``2 t > members + 1`` (see
+    :mod:`retexo_fl.secure.secagg`).
+
+    Args:
+        members (int): the clients that mask together, >= 1.
+    """
+    return (members + 1) // 2 + 1
+
+
 @dataclass(frozen=True)
 class SecuritySettings:
     r"""What protects a run's data in flight: end-to-end encryption, audit records, DP-FedAvg.
@@ -41,6 +52,15 @@ class SecuritySettings:
         boundary_noise (float, optional): the Gaussian noise multiplier on released boundary
             rows (standard deviation ``boundary_noise * boundary_clip`` per entry); needs
             ``boundary_clip``. (default: :obj:`0.0`)
+        secure_aggregation (bool, optional): clients mask their round replies so that the server
+            learns only the survivors' sum (:mod:`retexo_fl.secure.secagg`); needs ``encrypt``.
+            (default: :obj:`False`)
+        secagg_threshold (int, optional): the shares that rebuild a client's self seed, also
+            the fewest survivors a round decodes with; :obj:`0` for the least safe one,
+            ``(clients + 1) // 2 + 1``. (default: :obj:`0`)
+        secagg_clip (float, optional): the largest magnitude of a client's weighted update
+            coordinate in the field encoding (larger ones are clipped and counted); with
+            ``dp-noise`` the bound follows from ``dp-clip`` instead. (default: :obj:`1.0`)
     """
 
     encrypt: bool = True
@@ -53,6 +73,9 @@ class SecuritySettings:
     dp_reproducible: bool = False
     boundary_clip: float = 0.0
     boundary_noise: float = 0.0
+    secure_aggregation: bool = False
+    secagg_threshold: int = 0
+    secagg_clip: float = 1.0
 
     def validate(self) -> SecuritySettings:
         """Raise :class:`ValueError` naming the first bad setting; return ``self`` otherwise."""
@@ -65,4 +88,10 @@ class SecuritySettings:
             raise ValueError("boundary-clip and boundary-noise must be >= 0")
         if self.boundary_noise > 0 and self.boundary_clip <= 0:
             raise ValueError("boundary-noise needs boundary-clip > 0 (the noise is scaled to the clip)")
+        if not (math.isfinite(self.secagg_clip) and self.secagg_clip > 0) or self.secagg_threshold < 0:
+            raise ValueError("secagg-clip must be a finite float > 0 and secagg-threshold >= 0")
+        if self.secure_aggregation and not self.encrypt:
+            raise ValueError(
+                "secure-aggregation needs encrypt: the self-seed shares travel sealed to their holders"
+            )
         return self

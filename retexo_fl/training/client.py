@@ -127,6 +127,9 @@ class Client(ABC):
         # sender): reported with the next reply, never filled in silently.
         self.missing: list[tuple[str, int, int]] = []
         self.boundary_releases = 0  # boundary row releases this party made (its own budget)
+        # Secure aggregation: {"answered": {"stage:round": survivors}, "sent": the last masked
+        # round's reply and own share} (retexo_fl.training.secure_round).
+        self.secagg: dict[str, Any] | None = None
         self.delay = 0.0  # emulated seconds per local step (eager / local: step-delay)
         self.last_steps = 0  # local steps the last round took
 
@@ -229,9 +232,17 @@ class Client(ABC):
         """
         # Peers lost at key setup are absent; they are tolerated where their rows may be missing.
         allow = self.cfg.on_missing_halo != "fail"
+        peers = self.channel_peers(directory)
         self.channel.connect(
-            directory, run_id, self.peers, contributions, allow_missing=allow, run_config=run_config
+            directory, run_id, peers, contributions, allow_missing=allow, run_config=run_config
         )
+
+    def channel_peers(self, directory: dict[int, Any]) -> set[int]:
+        """Whom this client seals frames to: its boundary peers, and under secure aggregation
+        every party in the key directory (each holds a share of its self seed)."""
+        if self.cfg.secure_aggregation:
+            return self.peers | ({int(q) for q in directory} - {self.id})
+        return self.peers
 
     # -- one-time setup exchange ------------------------------------------------------------
     def needs_degrees(self) -> bool:
@@ -563,6 +574,7 @@ class Client(ABC):
             channel=self.channel.to_state(),
             journal=self.journal,
             boundary_releases=self.boundary_releases,
+            secagg=self.secagg,
         )
 
     def load_snapshot(self, state: ClientState) -> None:
@@ -574,10 +586,11 @@ class Client(ABC):
         self.view = state.view
         self.journal = state.journal
         self.boundary_releases = int(state.boundary_releases)
+        self.secagg = state.secagg
         self._edges = self._adjacency = None
         self._weights = None
         if state.channel:
-            self.channel.load_state(state.channel, self.peers)
+            self.channel.load_state(state.channel, self.channel_peers(state.channel.get("directory") or {}))
 
     def save(self, folder: str | Path) -> None:
         """Write :meth:`snapshot` to a node-local ``folder`` (atomically, owner-only)."""

@@ -26,6 +26,7 @@ from retexo_fl.secure.keys import load_pins, pin_digest
 from retexo_fl.training.aggregate import check_state, state_nbytes
 from retexo_fl.training.client import EvalResult
 from retexo_fl.training.privacy import make_privacy
+from retexo_fl.training.secure_round import SecureAggregator
 from retexo_fl.training.selection import StageTracker
 from retexo_fl.training.state import StateDict
 from retexo_fl.training.transport import ClientFailure, Membership, Transport
@@ -64,6 +65,7 @@ class Federation:
         self.rec = rec
         self.members = Membership(cfg, rec)
         self.privacy = make_privacy(cfg, cfg.clients)
+        self.secure = SecureAggregator(cfg) if cfg.secure_aggregation else None
         # Clients key their node-local state and their channel keys on this, not on Flower's
         # run id, so a resumed run (a new Flower run) finds both again.
         self.run_key = secrets.randbits(62)
@@ -81,6 +83,11 @@ class Federation:
     def pids(self) -> list[int]:
         """The live clients' partition ids, in order."""
         return self.members.pids
+
+    @property
+    def bytes_secure(self) -> int:
+        """Secure aggregation's traffic besides the masked vectors: shares and unmask answers."""
+        return self.secure.bytes_extra if self.secure is not None else 0
 
     # -- messages ---------------------------------------------------------------------------
     def content(
@@ -343,6 +350,7 @@ class Federation:
             "missing_payloads": self.missing_payloads,
             "boundary_privacy": self.boundary_privacy(),
             "privacy": self.privacy.spent() if self.privacy else None,
+            "secure_aggregation": self.secure.summary() if self.secure else None,
             **self.transport.report(names),
         }
 

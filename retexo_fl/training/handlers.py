@@ -16,6 +16,7 @@ from retexo_fl import protocol as P
 from retexo_fl.compress.boundary import ExchangeStats
 from retexo_fl.protocol import Records
 from retexo_fl.secure.keys import KeyMaterialError, parse_public
+from retexo_fl.training import secure_round
 from retexo_fl.training.client import Client, EvalResult
 from retexo_fl.training.lazy_client import LazyClient
 
@@ -119,6 +120,10 @@ def train(client: Client, request: Records) -> Reply:
     val = client.evaluate(state, "val") if validate else EvalResult(0, 0, 0.0)
     round_ = int(config[P.ROUND])
     records: Records = {}
+    secure = client.cfg.secure_aggregation
+    # Shares are sealed before this round's rows, so that their holders open them (at unmasking)
+    # before the rows (with the next round): the channel accepts numbers in order only.
+    prep = secure_round.prepare(client, config) if secure else None
     sent = client.round_payloads(state, round_)
     if sent is not None:  # eager: this round's embeddings go to the peers' next round
         frames, stats = sent
@@ -131,15 +136,20 @@ def train(client: Client, request: Records) -> Reply:
     if control is not None:  # c_i from the update as the server decodes it, so both hold the same
         seen = new_state if update is None else client.decode_own_update(update, state)
         client.update_control(state, seen, control)
-    records[P.UPDATE if update is not None else P.ARRAYS] = update if update is not None else new_state
-    records[P.METRICS] = {
-        P.NUM_EXAMPLES: client.num_train,
-        P.TRAIN_LOSS: loss,
-        P.VAL_CORRECT: val.correct,
-        P.VAL_COUNT: val.count,
-        P.VAL_LOSS: val.loss_sum,
-        P.LOCAL_STEPS: client.last_steps,
-    }
+    if prep is not None:  # the update, weight, loss and validation travel masked, summed only
+        seen = new_state if update is None else client.decode_own_update(update, state)
+        records.update(secure_round.masked_records(client, prep, config, state, seen, loss, val))
+        records[P.METRICS] = {P.LOCAL_STEPS: client.last_steps}
+    else:
+        records[P.UPDATE if update is not None else P.ARRAYS] = update if update is not None else new_state
+        records[P.METRICS] = {
+            P.NUM_EXAMPLES: client.num_train,
+            P.TRAIN_LOSS: loss,
+            P.VAL_CORRECT: val.correct,
+            P.VAL_COUNT: val.count,
+            P.VAL_LOSS: val.loss_sum,
+            P.LOCAL_STEPS: client.last_steps,
+        }
     # Halo rows, the payload counters (rows sealed), the round journal, the update residual,
     # the control variate or the broadcast view changed: they must outlive the process.
     changed = (
@@ -149,6 +159,7 @@ def train(client: Client, request: Records) -> Reply:
         or update is not None
         or control is not None
         or client.cfg.broadcast_bits < 32
+        or secure
     )
     return Reply(records, changed)
 
@@ -185,12 +196,20 @@ def embed(client: Client, request: Records) -> Reply:
     return Reply(records, changed)
 
 
+def unmask(client: Client, request: Records) -> Reply:
+    """Secure aggregation: shares of the survivors' self seeds and pair seeds with the dropped
+    members, for the round this client masked last (:func:`~retexo_fl.training.secure_round.unmask`)."""
+    records, changed = secure_round.unmask(client, request)
+    return Reply(records, changed)
+
+
 HANDLERS: dict[str, Callable[[Client, Records], Reply]] = {
     P.HELLO: hello,
     P.SETUP: setup,
     P.TRAIN: train,
     P.EVALUATE: evaluate,
     P.EMBED: embed,
+    P.UNMASK: unmask,
 }
 
 

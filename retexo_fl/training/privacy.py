@@ -67,6 +67,7 @@ class UpdatePrivacy:
         # The released model is public: noise anyone could regenerate protects nothing.
         self.seed = seed if seed is not None else secrets.randbits(256)
         self.clipped = 0  # updates whose norm exceeded the clipping norm
+        self.distributed = False  # secure aggregation: clients clip and add the noise
 
     def aggregate(
         self, state: StateDict, view: StateDict, states: list[StateDict], tag: tuple[int, ...]
@@ -114,6 +115,25 @@ class UpdatePrivacy:
             for k, m in zip(keys, mean, strict=True)
         }
 
+    def account_distributed(self, survivors: int, members: int, clipped: int) -> None:
+        """Compose one round of distributed noise (secure aggregation): each of ``members``
+        clients added noise of standard deviation ``noise * clip / sqrt(members)`` to its clipped
+        update, and the server decoded the sum of ``survivors`` of them, whose noise is
+        ``noise * clip * sqrt(survivors / members)``: a Gaussian release over ``survivors`` equal-weight
+        updates with that smaller multiplier.
+
+        Args:
+            survivors (int): the updates summed.
+            members (int): the clients that masked the round.
+            clipped (int): how many of the summed updates were clipped (a sum the clients reported).
+        """
+        from flwr.supercore.privacy_accounting import GaussianPrivacyEvent
+
+        self.distributed = True
+        self.clipped += clipped
+        multiplier = self.noise * (survivors / members) ** 0.5
+        self.accountant.compose(GaussianPrivacyEvent(multiplier, survivors, self.clients))
+
     def __getstate__(self) -> dict:
         # The accountant holds modules; its own state_dict is what a checkpoint can keep.
         state = dict(self.__dict__)
@@ -131,8 +151,10 @@ class UpdatePrivacy:
 
         Returns:
             ``epsilon``, ``delta``, ``releases``, ``noise_multiplier``, ``clip``,
-            ``updates_clipped`` (updates whose norm exceeded ``clip``) and ``noise_seed``
-            (``"secret"``, or ``"run seed"`` when anyone with the run config can remove it).
+            ``updates_clipped`` (updates whose norm exceeded ``clip``), ``noise_seed``
+            (``"secret"``, or ``"run seed"`` when anyone with the run config can remove it) and
+            ``noise`` (``"central"``: the server adds it; ``"distributed"``: each client adds its
+            share under secure aggregation, and the server never holds a noiseless sum).
         """
         s = self.accountant.get_privacy_spent(self.delta)
         return {
@@ -143,6 +165,7 @@ class UpdatePrivacy:
             "clip": self.clip,
             "updates_clipped": self.clipped,
             "noise_seed": "run seed" if self.reproducible else "secret",
+            "noise": "distributed" if self.distributed else "central",
         }
 
 

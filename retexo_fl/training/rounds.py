@@ -162,6 +162,9 @@ class RoundLoop:
         for r in range(rs.round + 1, rounds + 1):
             rs.sent = r
             config = {P.STAGE: stage, P.ROUND: r, P.VALIDATE: r > 1}
+            members = fed.pids  # the round's masking set (secure aggregation)
+            if fed.secure is not None:
+                config.update(fed.secure.round_config(fed, members))
             requests = {
                 pid: fed.content(
                     rs.view,
@@ -184,10 +187,18 @@ class RoundLoop:
             metrics = [m[P.METRICS] for m in ordered]
             # Counted before the stop check: a round whose replies end the stage was still sent.
             down = rs.broadcast.nbytes() + extra_down
-            states, raw = fed.updates(ordered, rs.view, codec, rs.tracker, down)
+            if fed.secure is None:
+                states, raw = fed.updates(ordered, rs.view, codec, rs.tracker, down)
+                val = sum_val(metrics)
+            else:  # the server learns the sums only: one more message unmasks them
+                summed = fed.secure.aggregate(
+                    fed, stage, r, members, dict(zip(pids, ordered, strict=True)), rs.state, rs.view,
+                    rs.tracker, down, label,
+                )
+                raw, val = summed.raw, summed.val
             rs.model_raw += raw + extra_raw * len(ordered)
             if r > 1:  # each reply validated the state it received: the previous round's result
-                self._record(rs, r - 1, sum_val(metrics), refresh)
+                self._record(rs, r - 1, val, refresh)
                 if rs.tracker.should_stop:
                     self.rec.progress(f"{label}: no validation gain for {cfg.patience} rounds, stopping")
                     break
@@ -198,16 +209,19 @@ class RoundLoop:
                     pid: m[P.PAYLOADS] for pid, m in zip(pids, ordered, strict=True) if P.PAYLOADS in m
                 }
                 pending = fed.route(outgoing, P.HALO) if outgoing else None
-            weights = [m[P.NUM_EXAMPLES] for m in metrics]
-            rs.train_loss = sum(m[P.TRAIN_LOSS] * w for m, w in zip(metrics, weights, strict=True)) / sum(
-                weights
-            )
-            if rs.control is not None:
-                steps = [int(m[P.LOCAL_STEPS]) for m in metrics]
-                rs.control.step(pids, rs.view, states, steps, weights)
-            rs.state = rs.server.step(
-                aggregate_round(rs.state, rs.view, states, weights, fed.privacy, (stage, r))
-            )
+            if fed.secure is not None:
+                rs.train_loss = summed.train_loss
+                aggregate = summed.aggregate
+            else:
+                weights = [m[P.NUM_EXAMPLES] for m in metrics]
+                rs.train_loss = sum(
+                    m[P.TRAIN_LOSS] * w for m, w in zip(metrics, weights, strict=True)
+                ) / sum(weights)
+                if rs.control is not None:
+                    steps = [int(m[P.LOCAL_STEPS]) for m in metrics]
+                    rs.control.step(pids, rs.view, states, steps, weights)
+                aggregate = aggregate_round(rs.state, rs.view, states, weights, fed.privacy, (stage, r))
+            rs.state = rs.server.step(aggregate)
             rs.view = rs.broadcast.prepare(rs.state, r + 1)
             rs.round, rs.seconds = r, time.perf_counter() - t0
             if line := rs.tracker.progress_line(r, rounds):
@@ -283,7 +297,7 @@ class BaselineRun:
             "engine": fed.transport.engine,
             "test_accuracy": test.accuracy,
             "val_accuracy": figures["val_accuracy"],
-            "bytes_total": fed.bytes_boundary + figures["bytes_model"],
+            "bytes_total": fed.bytes_boundary + figures["bytes_model"] + fed.bytes_secure,
             "bytes_boundary": fed.bytes_boundary,
             "bytes_model": figures["bytes_model"],
             "local_steps": result.local_steps,

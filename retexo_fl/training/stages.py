@@ -120,7 +120,7 @@ class LazyStageMachine:
             "engine": fed.transport.engine,
             "test_accuracy": total(tests).accuracy,
             "val_accuracy": stages[-1]["val_accuracy"],
-            "bytes_total": fed.bytes_boundary + bytes_model,
+            "bytes_total": fed.bytes_boundary + bytes_model + fed.bytes_secure,
             "bytes_boundary": fed.bytes_boundary,
             "bytes_model": bytes_model,
             "clients": per_client(fed, tests),

@@ -53,6 +53,8 @@ class ClientState:
             starts from it.
         boundary_releases (int): boundary row releases this client made in the run (counted
             against its own ``max-boundary-epsilon``).
+        secagg (dict, optional): secure aggregation: the survivor set answered per round, and
+            the last masked round's reply with this client's own share of its self seed.
     """
 
     stage: int = 0
@@ -71,6 +73,7 @@ class ClientState:
     control_view: StateDict | None = None
     journal: list[Any] | None = None
     boundary_releases: int = 0
+    secagg: dict | None = None
 
     def save(self, folder: str | Path) -> Path:
         """Write to ``folder``/:data:`STATE_FILE` atomically, readable by this user alone.

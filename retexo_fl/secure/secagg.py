@@ -1,0 +1,477 @@
+r"""Secure aggregation of one round's replies: the server learns the sum of the survivors' vectors
+and nothing else (Bonawitz et al., 2017; Bell et al., 2020), over the Message API's round loop.
+
+A round under ``secure-aggregation`` (:mod:`retexo_fl.training.secure_round` drives it):
+
+1. **Masking (the train reply).** Client :math:`i` of the round's masking set :math:`M` (the
+   clients the server sent the round to, at least :math:`t`) encodes its reply as one vector of
+   integers modulo :math:`2^{32}` (:class:`VectorCodec`: its weighted update and its metrics) and
+   masks it (:func:`~retexo_fl.secure.masking.masked_update`): a fresh random self seed
+   :math:`b_i`, and a pair seed :math:`s_{ij}` with every other member, derived from the two
+   parties' identity keys of the sealed channel (X25519), bound to the run transcript, the stage
+   and the round (:func:`~retexo_fl.secure.masking.pairwise_mask_seed`). It splits :math:`b_i`
+   into Shamir shares, threshold :math:`t`, one per member of :math:`M` (itself included), and
+   seals each share to its holder through the authenticated channel. The reply carries the
+   masked vector and the sealed shares; the server cannot open the shares.
+2. **Unmasking (one more message).** The survivors :math:`S` (members that replied) are asked,
+   each with the shares sealed to it: every survivor returns its shares of the survivors' self
+   seeds, and, for each dropped member :math:`d`, its own pair seed :math:`s_{id}` of this round.
+   The server rebuilds each survivor's :math:`b_j` from :math:`t` shares, removes the self masks
+   and the dropped members' pair masks from the sum of the survivors' masked vectors
+   (:func:`~retexo_fl.secure.masking.unmask_sum`) and decodes it (:meth:`VectorCodec.decode`).
+
+Double masking: a survivor's self mask is removed only through shares, which honest clients give
+only for members they were told survived, and its pair seeds only for members they were told
+dropped. A client answers one survivor set per stage and round (:class:`UnmaskLedger`) and masks a
+stage's round once (a round sent again gets the first reply again), so a server that claims a
+slow client dropped, or asks twice with two stories, cannot get both halves of one client's
+masks. With self-shares, a server that tells different clients different survivor sets needs
+:math:`2(t-1) \le |M| - 1` to unmask anyone; clients refuse a threshold with :math:`2t \le |M| + 1`
+(:func:`min_threshold`) and a survivor set smaller than :math:`t`.
+
+What this does not hide: which clients replied, the sum itself, and the per-client counts the
+setup message reports (partition sizes, as without secure aggregation). A dropped member's pair
+seeds are revealed for that round only; they are one-way functions of the identity keys, so the
+sealed channel and other rounds stay closed. Every survivor must answer the unmask message when
+a member dropped after masking (its own pair seed with the dropped one is needed); without
+dropouts, any :math:`t` answers suffice.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from retexo_fl.secure import shamir
+from retexo_fl.secure.fixedpoint import DTYPE, FixedPoint, field_sum
+from retexo_fl.secure.masking import SEED_BYTES, masked_update, unmask_sum
+from retexo_fl.secure.settings import min_threshold
+
+#: The channel kind shares are sealed as (:data:`retexo_fl.secure.envelope.KINDS`).
+SHARE_KIND = "share"
+#: Encodings leave a sum at most this fraction of the field (1/4), so a vector unmasked with a
+#: wrong seed (uniform values) shows as out of range in about 3 of every 4 coordinates.
+HEADROOM = 4
+#: Losses above this are capped in the encoded metrics (a cross-entropy this high is divergence).
+LOSS_CAP = 100.0
+#: The metrics segment, in order: training weight, weighted training loss, validation correct,
+#: count and summed loss (over the weight bound), update coordinates clipped, updates L2-clipped.
+METRIC_NAMES = ("weight", "weighted_loss", "val_correct", "val_count", "val_loss", "clipped", "dp_clipped")
+_HEADER = struct.Struct(">4sQQI")
+_MAGIC = b"RXSA"
+
+
+class SecAggError(ValueError):
+    """A secure-aggregation message, share or setting that is refused; the text names the client."""
+
+
+def check_threshold(threshold: int, members: int, where: str) -> None:
+    """Refuse a threshold that lets a lying server unmask a client, or that no round can meet.
+
+    Raises:
+        SecAggError: ``threshold < min_threshold(members)`` or ``threshold > members``, naming ``where``.
+    """
+    least = min_threshold(members)
+    if not least <= threshold <= members:
+        raise SecAggError(
+            f"{where}: secure aggregation threshold {threshold} for {members} clients; it must be "
+            f"{least} to {members} (below {least} a server that lies about who dropped can unmask "
+            "a client)"
+        )
+
+
+@dataclass(frozen=True)
+class VectorCodec:
+    r"""One client's round reply as integers modulo :math:`2^{32}`: an update segment and a
+    metrics segment, each a :class:`~retexo_fl.secure.fixedpoint.FixedPoint` encoding.
+
+    The update segment holds :math:`w_i \Delta_i` (FedAvg) or the clipped, noised :math:`\Delta_i`
+    (DP); :math:`w_i` is the client's training nodes over ``weight_bound``, so no coordinate needs
+    a client's count in clear. The metrics segment (:data:`METRIC_NAMES`) holds values in
+    :math:`[0, 1]`: counts over ``weight_bound``, losses over :data:`LOSS_CAP` too.
+
+    Args:
+        size (int): coordinates of the update segment.
+        members (int): the most vectors summed (the masking set), >= 1.
+        update_clip (float): the bound of an update coordinate, > 0; larger ones are clipped.
+        weight_bound (float): the largest count any client reports (its nodes), > 0.
+    """
+
+    size: int
+    members: int
+    update_clip: float
+    weight_bound: float
+
+    def __post_init__(self) -> None:
+        if self.size < 0 or self.members < 1 or not self.weight_bound > 0:
+            raise SecAggError(
+                f"secure aggregation: bad vector layout (size {self.size}, members {self.members}, "
+                f"weight bound {self.weight_bound})"
+            )
+
+    @property
+    def update_fp(self) -> FixedPoint:
+        """The update segment's encoding."""
+        return FixedPoint(self.update_clip, HEADROOM * self.members)
+
+    @property
+    def metric_fp(self) -> FixedPoint:
+        """The metrics segment's encoding (values in [0, 1])."""
+        return FixedPoint(1.0, HEADROOM * self.members)
+
+    @property
+    def length(self) -> int:
+        """Coordinates of a whole vector."""
+        return self.size + len(METRIC_NAMES)
+
+    def encode(
+        self, update: np.ndarray, metrics: Mapping[str, float], rng: np.random.Generator
+    ) -> tuple[np.ndarray, int]:
+        """The ``uint32`` vector of ``update`` (already weighted or noised) and ``metrics``.
+
+        Args:
+            update (np.ndarray): the flat float update segment, ``size`` values.
+            metrics (Mapping[str, float]): raw values by :data:`METRIC_NAMES` (counts as counts,
+                losses as sums; this scales them).
+            rng (np.random.Generator): draws the stochastic rounding (need not be secret: the
+                vector is masked).
+
+        Returns:
+            tuple[np.ndarray, int]: the vector, and how many update coordinates were clipped.
+        """
+        update = np.asarray(update, dtype=np.float64).reshape(-1)
+        if update.size != self.size:
+            raise SecAggError(f"secure aggregation: an update of {update.size} values, layout {self.size}")
+        clipped = int(np.count_nonzero(np.abs(update) > self.update_clip))
+        m = dict(metrics)
+        m["clipped"] = float(clipped)
+        b, cap = self.weight_bound, LOSS_CAP
+        scaled = np.array(
+            [
+                m["weight"],
+                m["weighted_loss"] / cap,
+                m["val_correct"] / b,
+                m["val_count"] / b,
+                min(m["val_loss"] / (b * cap), 1.0),
+                min(m["clipped"] / max(self.size, 1), 1.0),
+                m.get("dp_clipped", 0.0),
+            ]
+        )
+        parts = [self.update_fp.encode(update, rng), self.metric_fp.encode(np.clip(scaled, 0.0, 1.0), rng)]
+        return np.concatenate(parts), clipped
+
+    def decode(self, total: np.ndarray, n: int) -> tuple[np.ndarray, dict[str, float]]:
+        """The float update sum and the summed metrics (raw units) of ``n`` encoded vectors.
+
+        Raises:
+            SecAggError: the sum is not a sum of ``n`` encodings (a wrong seed or share, or a
+                client that sent more than its share), naming the segment.
+        """
+        try:
+            update = self.update_fp.decode_sum(total[: self.size], n)
+            scaled = self.metric_fp.decode_sum(total[self.size :], n)
+        except ValueError as exc:
+            raise SecAggError(f"secure aggregation: the unmasked sum does not decode ({exc})") from None
+        b, cap = self.weight_bound, LOSS_CAP
+        metrics = {
+            "weight": float(scaled[0]),
+            "weighted_loss": float(scaled[1]) * cap,
+            "val_correct": float(round(scaled[2] * b)),
+            "val_count": float(round(scaled[3] * b)),
+            "val_loss": float(scaled[4]) * b * cap,
+            "clipped": float(round(scaled[5] * max(self.size, 1))),
+            "dp_clipped": float(round(scaled[6])),
+        }
+        return update, metrics
+
+    def sum_error(self, n: int) -> float:
+        """The largest error of one decoded update-sum coordinate: ``n * 2**-scale_bits``."""
+        return self.update_fp.sum_error(n)
+
+
+def pack_vector(vector: np.ndarray, stage: int, round_: int) -> bytes:
+    """A masked vector with its header (magic, stage, round, length), little-endian ``uint32``s."""
+    return _HEADER.pack(_MAGIC, stage, round_, vector.size) + vector.astype("<u4").tobytes()
+
+
+def unpack_vector(blob: bytes, stage: int, round_: int, length: int, where: str) -> np.ndarray:
+    """The masked vector in ``blob``, checked against the round it must answer.
+
+    Raises:
+        SecAggError: not a masked vector, one for another stage or round, or of the wrong length
+            (naming ``where``).
+    """
+    blob = bytes(blob)
+    if len(blob) < _HEADER.size:
+        raise SecAggError(f"{where}: {len(blob)} bytes is no masked vector")
+    magic, st, rnd, n = _HEADER.unpack_from(blob)
+    if magic != _MAGIC:
+        raise SecAggError(f"{where}: not a masked vector (magic {magic!r})")
+    if (st, rnd) != (stage, round_):
+        raise SecAggError(
+            f"{where}: a masked vector for stage {st} round {rnd}, expected stage {stage} round {round_}"
+        )
+    body = blob[_HEADER.size :]
+    if n != length or len(body) != 4 * length:
+        raise SecAggError(
+            f"{where}: a masked vector of {len(body)} bytes ({n} declared), expected {length} field "
+            "elements of 4 bytes"
+        )
+    return np.frombuffer(body, dtype="<u4").astype(DTYPE)
+
+
+def share_seed(own_id: int, members: list[int], threshold: int) -> tuple[bytes, dict[int, bytes]]:
+    """A fresh self seed and its Shamir shares, one per member of the masking set (this client
+    included): the first half of the client's step 1, before anything is sealed this round.
+
+    Args:
+        own_id (int): this client.
+        members (list[int]): the masking set the server announced.
+        threshold (int): shares that rebuild the seed.
+
+    Returns:
+        tuple[bytes, dict[int, bytes]]: the seed (secret, from the operating system) and
+        ``{holder: share}``.
+
+    Raises:
+        SecAggError: this client is not a member once, or the threshold is unsafe for the set.
+    """
+    where = f"client {own_id}"
+    if own_id not in members or len(set(members)) != len(members):
+        raise SecAggError(f"{where}: the masking set {sorted(members)} does not hold this client once")
+    check_threshold(threshold, len(members), where)
+    seed = os.urandom(SEED_BYTES)  # secret: never the run seed every party knows
+    return seed, shamir.split(seed, threshold, sorted(members))
+
+
+def mask_vector(
+    codec: VectorCodec,
+    update: np.ndarray,
+    metrics: Mapping[str, float],
+    own_id: int,
+    self_seed: bytes,
+    pair_seeds: Mapping[int, bytes],
+    stage: int,
+    round_: int,
+    rng: np.random.Generator,
+) -> tuple[bytes, int]:
+    """Encode and mask: the second half of the client's step 1.
+
+    Args:
+        codec (VectorCodec): the round's layout.
+        update (np.ndarray): the flat update segment (weighted, or clipped and noised).
+        metrics (Mapping[str, float]): the metrics by :data:`METRIC_NAMES`.
+        own_id (int): this client.
+        self_seed (bytes): the seed :func:`share_seed` made.
+        pair_seeds (Mapping[int, bytes]): ``{member: pair seed}`` for every other member.
+        stage (int): the stage.
+        round_ (int): the round.
+        rng (np.random.Generator): the stochastic rounding's generator.
+
+    Returns:
+        tuple[bytes, int]: the packed masked vector (:func:`pack_vector`), and the update
+        coordinates clipped (which stay on the client).
+    """
+    vector, clipped = codec.encode(update, metrics, rng)
+    masked = masked_update(vector, own_id, self_seed, dict(pair_seeds))
+    return pack_vector(masked, stage, round_), clipped
+
+
+@dataclass
+class UnmaskLedger:
+    """A client's record of the survivor sets it answered, one per (stage, round).
+
+    It refuses a second, different story about the same round: a server that has one client's
+    shares of a survivor's self seed must not also get that client's pair seed with it.
+    """
+
+    answered: dict[str, list[int]] = field(default_factory=dict)
+
+    def check(self, stage: int, round_: int, survivors: list[int], where: str) -> None:
+        """Record ``survivors`` for the round, or refuse it if another set was answered before."""
+        key = f"{stage}:{round_}"
+        before = self.answered.get(key)
+        if before is not None and before != sorted(survivors):
+            raise SecAggError(
+                f"{where}: unmasking stage {stage} round {round_} with survivors {sorted(survivors)} "
+                f"after answering it with {before}; refusing a second story"
+            )
+        self.answered[key] = sorted(survivors)
+
+
+def answer_unmask(
+    own_id: int,
+    members: list[int],
+    survivors: list[int],
+    threshold: int,
+    shares: Mapping[int, bytes],
+    pair_seeds: Mapping[int, bytes],
+    where: str,
+) -> tuple[dict[int, bytes], dict[int, bytes]]:
+    """A survivor's half of step 2: its shares of the survivors' self seeds, and its pair seeds
+    with the dropped members.
+
+    Args:
+        own_id (int): this client.
+        members (list[int]): the round's masking set, as this client masked with it.
+        survivors (list[int]): who the server says replied; this client among them.
+        threshold (int): the round's threshold.
+        shares (Mapping[int, bytes]): ``{survivor: the share it sealed to this client}``, opened.
+        pair_seeds (Mapping[int, bytes]): this client's pair seeds of the round, by member.
+        where (str): names the client in errors.
+
+    Returns:
+        tuple[dict[int, bytes], dict[int, bytes]]: ``{survivor: share}`` and ``{dropped: pair seed}``.
+
+    Raises:
+        SecAggError: survivors outside the masking set, this client not among them, fewer than
+            ``threshold`` of them, or a survivor's share missing.
+    """
+    s, m = set(survivors), set(members)
+    if not s <= m or own_id not in s:
+        raise SecAggError(
+            f"{where}: survivors {sorted(s)} are not a subset, holding this client, of the masking "
+            f"set {sorted(m)}"
+        )
+    if len(s) < threshold:
+        raise SecAggError(
+            f"{where}: {len(s)} survivors, fewer than the threshold {threshold}: refusing to unmask"
+        )
+    missing = sorted(s - set(shares))
+    if missing:
+        raise SecAggError(f"{where}: no share delivered from survivors {missing}")
+    return {j: bytes(shares[j]) for j in sorted(s)}, {d: bytes(pair_seeds[d]) for d in sorted(m - s)}
+
+
+def rebuild_seed(shares: dict[int, bytes], threshold: int, owner: int) -> bytes:
+    """``owner``'s self seed from its survivors' shares, cross-checked when more than ``threshold``
+    arrived (two different subsets must rebuild the same seed).
+
+    Raises:
+        SecAggError: too few shares, a malformed one, or shares that disagree (naming the owner
+            and the holders).
+    """
+    try:
+        seed = shamir.combine(shares, threshold)
+        if len(shares) > threshold:
+            high = dict(sorted(shares.items())[-threshold:])
+            if shamir.combine(high, threshold) != seed:
+                raise SecAggError(
+                    f"secure aggregation: the shares of client {owner}'s self seed from holders "
+                    f"{sorted(shares)} disagree; one of them is wrong"
+                )
+    except shamir.ShareError as exc:
+        raise SecAggError(f"secure aggregation: client {owner}'s self seed: {exc}") from None
+    return seed
+
+
+def unmask_round(
+    codec: VectorCodec,
+    vectors: dict[int, np.ndarray],
+    members: list[int],
+    threshold: int,
+    answers: dict[int, tuple[dict[int, bytes], dict[int, bytes]]],
+) -> tuple[np.ndarray, dict[str, float], int]:
+    """The server's half of step 2: rebuild, unmask and decode the survivors' sum.
+
+    Args:
+        codec (VectorCodec): the round's layout.
+        vectors (dict[int, np.ndarray]): each survivor's masked vector (unpacked).
+        members (list[int]): the round's masking set.
+        threshold (int): the round's threshold.
+        answers (dict[int, tuple]): each answering survivor's ``(shares, pair seeds)``.
+
+    Returns:
+        tuple[np.ndarray, dict[str, float], int]: the update sum, the summed metrics and the
+        number of vectors summed.
+
+    Raises:
+        SecAggError: fewer than ``threshold`` survivors or answers, a dropped member's pair seed
+            missing (a survivor that did not answer), or a sum that does not decode; never a
+            wrong result.
+    """
+    survivors = sorted(vectors)
+    dropped = sorted(set(members) - set(survivors))
+    if len(survivors) < threshold or len(answers) < threshold:
+        raise SecAggError(
+            f"secure aggregation: {len(survivors)} clients masked and {len(answers)} answered the "
+            f"unmasking, fewer than the threshold {threshold}; the round cannot be decoded"
+        )
+    self_seeds = {}
+    for j in survivors:
+        held = {h: a[0][j] for h, a in answers.items() if j in a[0]}
+        self_seeds[j] = rebuild_seed(held, threshold, j)
+    pair: dict[tuple[int, int], bytes] = {}
+    for d in dropped:
+        for i in survivors:
+            if i not in answers or d not in answers[i][1]:
+                raise SecAggError(
+                    f"secure aggregation: client {d} dropped after masking and client {i} gave no "
+                    f"pair seed with it; its masks cannot be removed"
+                )
+            seed = answers[i][1][d]
+            if len(seed) != SEED_BYTES:
+                raise SecAggError(f"secure aggregation: client {i} sent a {len(seed)}-byte pair seed")
+            pair[(i, d)] = seed
+    total = unmask_sum(field_sum(vectors[j] for j in survivors), self_seeds, pair)
+    update, metrics = codec.decode(total, len(survivors))
+    return update, metrics, len(survivors)
+
+
+def encode_answer(shares: dict[int, bytes], seeds: dict[int, bytes]) -> dict[str, bytes]:
+    """An unmask answer as record entries: ``share-<j>`` and ``seed-<d>``."""
+    out = {f"share-{j}": v for j, v in shares.items()}
+    out.update({f"seed-{d}": v for d, v in seeds.items()})
+    return out
+
+
+def decode_answer(entries: Mapping[str, object], where: str) -> tuple[dict[int, bytes], dict[int, bytes]]:
+    """The ``(shares, pair seeds)`` of :func:`encode_answer`'s entries.
+
+    Raises:
+        SecAggError: a key that is neither, a value that is not bytes, or a share or seed of the
+            wrong length (naming ``where``).
+    """
+    shares, seeds = {}, {}
+    for key, value in entries.items():
+        kind, _, who = str(key).partition("-")
+        if kind not in ("share", "seed") or not who.isdigit() or not isinstance(value, bytes | bytearray):
+            raise SecAggError(f"{where}: malformed unmask answer entry {key!r}")
+        want = shamir.SHARE_BYTES if kind == "share" else SEED_BYTES
+        if len(value) != want:
+            raise SecAggError(f"{where}: a {kind} of {len(value)} bytes, expected {want}")
+        (shares if kind == "share" else seeds)[int(who)] = bytes(value)
+    return shares, seeds
+
+
+def members_json(members: list[int]) -> str:
+    """A set of clients as it travels in a config value."""
+    return json.dumps(sorted(int(m) for m in members))
+
+
+def parse_members(text: object, where: str) -> list[int]:
+    """The client ids of :func:`members_json`.
+
+    Raises:
+        SecAggError: not a JSON list of distinct non-negative ints (naming ``where``).
+    """
+    try:
+        values = json.loads(str(text))
+        ids = [int(v) for v in values if not isinstance(v, bool) and int(v) == v and v >= 0]
+        if len(ids) != len(values) or len(set(ids)) != len(ids):
+            raise ValueError
+    except (ValueError, TypeError):
+        raise SecAggError(f"{where}: the client set is not a JSON list of distinct client ids") from None
+    return sorted(ids)
+
+
+def noise_share_std(noise: float, clip: float, members: int) -> float:
+    """Each client's Gaussian noise share: ``noise * clip / sqrt(members)``, so the full set's sum
+    carries the central noise ``noise * clip``."""
+    return noise * clip / math.sqrt(members)

@@ -1,0 +1,413 @@
+"""Secure aggregation in the round loop: the client's masked train reply and unmask answer, and
+the server's unmasking (protocol and security argument: :mod:`retexo_fl.secure.secagg`).
+
+With ``secure-aggregation`` a train reply carries no update, weight, loss or validation figure
+in clear: one masked vector holds them all, with the self-seed shares sealed to the other
+members. The server then sends the survivors one :data:`~retexo_fl.protocol.UNMASK` message,
+rebuilds the self seeds, removes the masks of members that dropped, and decodes the sum. Only
+the local step count stays in clear (time-based rounds report it).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from retexo_fl import protocol as P
+from retexo_fl.protocol import Records
+from retexo_fl.secure.masking import pairwise_mask_seed
+from retexo_fl.secure.secagg import (
+    SHARE_KIND,
+    SecAggError,
+    UnmaskLedger,
+    VectorCodec,
+    answer_unmask,
+    decode_answer,
+    encode_answer,
+    mask_vector,
+    members_json,
+    parse_members,
+    share_seed,
+    unmask_round,
+    unpack_vector,
+)
+from retexo_fl.secure.settings import min_threshold
+from retexo_fl.seeding import derive_seed
+from retexo_fl.training.client import Client, EvalResult
+from retexo_fl.training.state import StateDict
+from retexo_fl.training.transport import ClientFailure
+
+if TYPE_CHECKING:
+    from retexo_fl.training.federation import Federation
+    from retexo_fl.training.selection import StageTracker
+
+log = logging.getLogger(__name__)
+
+#: Seed tag of the field encoding's stochastic rounding (not secret: the vector is masked).
+ROUNDING_TAG = 0x5A
+#: Seed tag of a client's DP noise share under ``dp-reproducible``.
+NOISE_TAG = 0xD9
+#: How many noise-share standard deviations the field encoding leaves room for under DP.
+NOISE_SIGMAS = 8.0
+
+
+def flat_delta(base: StateDict, new: StateDict) -> np.ndarray:
+    """``new - base`` over ``base``'s tensors in sorted key order, as one float64 vector."""
+    return np.concatenate([(new[k].double() - base[k].double()).reshape(-1).numpy() for k in sorted(base)])
+
+
+def unflatten(flat: np.ndarray, like: StateDict) -> StateDict:
+    """A flat vector (:func:`flat_delta`'s order) back into ``like``'s shapes, float32."""
+    out, at = {}, 0
+    for k in sorted(like):
+        n = like[k].numel()
+        out[k] = torch.from_numpy(np.ascontiguousarray(flat[at : at + n])).float().reshape(like[k].shape)
+        at += n
+    return out
+
+
+def update_clip(cfg: Any, members: int) -> float:
+    """The bound of an update coordinate: ``secagg-clip``, or under DP the clipping norm plus
+    :data:`NOISE_SIGMAS` noise-share deviations."""
+    if cfg.dp_noise > 0:
+        return cfg.dp_clip * (1.0 + NOISE_SIGMAS * cfg.dp_noise / math.sqrt(members))
+    return float(cfg.secagg_clip)
+
+
+def _codec(cfg: Any, like: StateDict, members: int, bound: float) -> VectorCodec:
+    size = sum(t.numel() for t in like.values())
+    return VectorCodec(size, members, update_clip(cfg, members), bound)
+
+
+# -- the client's side ---------------------------------------------------------------------------
+@dataclass
+class Prepared:
+    """A train round's secure-aggregation start (:func:`prepare`): the stored reply of a round
+    masked before, or the new round's sealed shares and settings."""
+
+    stored: Records | None = None
+    members: list[int] = field(default_factory=list)
+    threshold: int = 0
+    bound: float = 1.0
+    self_seed: bytes = b""
+    own_share: bytes = b""
+    sealed: dict[int, bytes] = field(default_factory=dict)
+
+
+def _state(client: Client) -> dict[str, Any]:
+    if client.secagg is None:
+        client.secagg = {"answered": {}, "sent": None}
+    return client.secagg
+
+
+def _pair_seeds(client: Client, members: list[int], stage: int, round_: int) -> dict[int, bytes]:
+    channel, where = client.channel, f"client {client.id}"
+    if channel.identity is None or channel.directory is None or channel.transcript is None:
+        raise SecAggError(f"{where}: secure aggregation before key setup")
+    missing = sorted(set(members) - set(channel.directory))
+    if missing:
+        raise SecAggError(f"{where}: masking set members {missing} are not in the key directory")
+    return {
+        q: pairwise_mask_seed(
+            channel.identity, channel.directory[q], channel.transcript, client.id, q, stage, round_
+        )
+        for q in members
+        if q != client.id
+    }
+
+
+def prepare(client: Client, config: dict[str, Any]) -> Prepared:
+    """Start a train round's masking: share a fresh self seed and seal the shares, before any other
+    frame of the round is sealed (a holder opens them before the round's halo rows).
+
+    A stage's round masked before (a resumed server sending it again) gets its first reply again:
+    a client masks each round once, so two masked vectors under the same pair masks never exist.
+
+    Raises:
+        SecAggError: the settings are missing or unsafe (a masking set or threshold smaller than
+            a majority of the key directory), naming the client.
+    """
+    stage, round_ = int(config[P.STAGE]), int(config[P.ROUND])
+    where = f"client {client.id}"
+    sent = _state(client)["sent"]
+    if sent is not None and (sent["stage"], sent["round"]) == (stage, round_):
+        return Prepared(stored=sent["records"])
+    try:
+        members = parse_members(config[P.SECAGG_MEMBERS], where)
+        threshold = int(config[P.SECAGG_THRESHOLD])
+        bound = float(config[P.SECAGG_BOUND])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SecAggError(
+            f"{where}: a secure-aggregation train message without its settings ({exc})"
+        ) from None
+    directory = client.channel.directory or {}
+    least = min_threshold(len(directory))
+    if threshold < least:
+        raise SecAggError(
+            f"{where}: secure aggregation threshold {threshold} for a key directory of "
+            f"{len(directory)} clients; this client requires at least {least}"
+        )
+    if not (math.isfinite(bound) and bound >= 1):
+        raise SecAggError(f"{where}: secure aggregation weight bound {bound} is not a count >= 1")
+    self_seed, shares = share_seed(client.id, members, threshold)
+    others = {q: s for q, s in shares.items() if q != client.id}
+    sealed = client.channel.seal(others, SHARE_KIND, stage, round_)
+    return Prepared(None, members, threshold, bound, self_seed, shares[client.id], sealed)
+
+
+def masked_records(
+    client: Client,
+    prep: Prepared,
+    config: dict[str, Any],
+    base: StateDict,
+    seen: StateDict,
+    loss: float,
+    val: EvalResult,
+) -> Records:
+    """The train reply's :data:`~retexo_fl.protocol.MASKED` record: the masked vector of the
+    update as the server would have decoded it (``seen``, after ``update-bits``) and the round's
+    metrics, with the sealed shares; kept so that the same round sent again gets the same reply.
+    """
+    if prep.stored is not None:
+        return prep.stored
+    cfg = client.cfg
+    stage, round_ = int(config[P.STAGE]), int(config[P.ROUND])
+    members = prep.members
+    codec = _codec(cfg, base, len(members), prep.bound)
+    delta = flat_delta(base, seen)
+    weight = min(client.num_train / prep.bound, 1.0)
+    dp_clipped = 0.0
+    if cfg.dp_noise > 0:  # distributed DP: clipped here, and this client's share of the noise
+        norm = float(np.linalg.norm(delta))
+        if norm > cfg.dp_clip:
+            delta *= cfg.dp_clip / norm
+            dp_clipped = 1.0
+        gen = (
+            np.random.default_rng(derive_seed(cfg.seed, NOISE_TAG, stage, round_, client.id))
+            if cfg.dp_reproducible
+            else np.random.default_rng()
+        )
+        std = cfg.dp_noise * cfg.dp_clip / math.sqrt(len(members))
+        update = delta + gen.normal(0.0, std, delta.shape)
+    else:
+        update = weight * delta
+    metrics = {
+        "weight": weight,
+        "weighted_loss": weight * min(float(loss), 100.0),
+        "val_correct": val.correct,
+        "val_count": val.count,
+        "val_loss": val.loss_sum,
+        "dp_clipped": dp_clipped,
+    }
+    rng = np.random.default_rng(derive_seed(cfg.seed, ROUNDING_TAG, stage, round_, client.id))
+    pair = _pair_seeds(client, members, stage, round_)
+    vector, clipped = mask_vector(codec, update, metrics, client.id, prep.self_seed, pair, stage, round_, rng)
+    if clipped:
+        log.warning(
+            "client %s: %d update coordinates exceeded secagg-clip %s and were clipped",
+            client.id,
+            clipped,
+            codec.update_clip,
+        )
+    records: Records = {
+        P.MASKED: {P.VECTOR: vector, **{P.outgoing_key(q): b for q, b in prep.sealed.items()}}
+    }
+    _state(client)["sent"] = {
+        "stage": stage,
+        "round": round_,
+        "members": members,
+        "threshold": prep.threshold,
+        "own_share": prep.own_share,
+        "records": records,
+    }
+    return records
+
+
+def unmask(client: Client, request: Records) -> tuple[Records, bool]:
+    """Answer an :data:`~retexo_fl.protocol.UNMASK` message: this survivor's shares of the
+    survivors' self seeds and its pair seeds with the dropped members, for the round it masked
+    last, and for one survivor set only (:class:`~retexo_fl.secure.secagg.UnmaskLedger`).
+
+    Raises:
+        SecAggError: no such masked round, a malformed or unsafe survivor set, a second story, or
+            a share that is missing or fails to open (naming the client).
+    """
+    config = request[P.CONFIG]
+    stage, round_ = int(config[P.STAGE]), int(config[P.ROUND])
+    where = f"client {client.id}"
+    state = _state(client)
+    sent = state["sent"]
+    if sent is None or (sent["stage"], sent["round"]) != (stage, round_):
+        last = "none" if sent is None else f"stage {sent['stage']} round {sent['round']}"
+        raise SecAggError(
+            f"{where}: asked to unmask stage {stage} round {round_}; the round it masked last: {last}"
+        )
+    survivors = parse_members(config.get(P.SECAGG_SURVIVORS, ""), where)
+    blobs = {}
+    for key, blob in request.get(P.SHARES, {}).items():
+        try:
+            blobs[P.parse_share_key(key)] = bytes(blob)
+        except ValueError as exc:
+            raise SecAggError(f"{where}: {exc}") from None
+    opened, _ = client.channel.open(blobs, SHARE_KIND, stage, min_round=round_)
+    opened[client.id] = sent["own_share"]
+    members = list(sent["members"])
+    dropped = sorted(set(members) - set(survivors))
+    pair = _pair_seeds(client, [client.id, *dropped], stage, round_) if dropped else {}
+    shares, seeds = answer_unmask(client.id, members, survivors, int(sent["threshold"]), opened, pair, where)
+    UnmaskLedger(state["answered"]).check(stage, round_, survivors, where)
+    return {P.UNMASKED: encode_answer(shares, seeds)}, True
+
+
+# -- the server's side ---------------------------------------------------------------------------
+@dataclass
+class RoundSum:
+    """What the server learns of a secure round: the aggregate, and the sums it was built from.
+
+    Args:
+        aggregate (StateDict): the global state plus the mean update (before the server optimizer).
+        train_loss (float): the training-node-weighted training loss.
+        val (tuple[int, int, float]): summed validation (correct, count, loss).
+        raw (int): the bytes float32 updates would have taken (both ways).
+    """
+
+    aggregate: StateDict
+    train_loss: float
+    val: tuple[int, int, float]
+    raw: int
+
+
+class SecureAggregator:
+    """The server's side of secure aggregation for one run.
+
+    Args:
+        cfg (TrainConfig): the run configuration (``secagg-threshold``, ``secagg-clip``, DP).
+    """
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.threshold = int(cfg.secagg_threshold) or min_threshold(cfg.clients)
+        self.rounds = 0
+        self.unmask_messages = 0
+        self.bytes_extra = 0  # shares up, relayed shares down, unmask answers up
+        self.clipped = 0  # update coordinates clipped to the field encoding's bound, all clients
+        self.dropped_after_masking = 0
+        self.largest_error = 0.0  # the largest per-coordinate bound of a decoded sum's error
+
+    def round_config(self, fed: Federation, members: list[int]) -> dict[str, Any]:
+        """The train message's secure-aggregation settings for a round masked by ``members``."""
+        bound = max(int(c.counts.get("nodes", 1)) for c in fed.counts.values())
+        return {
+            P.SECAGG_MEMBERS: members_json(members),
+            P.SECAGG_THRESHOLD: self.threshold,
+            P.SECAGG_BOUND: max(bound, 1),
+        }
+
+    def aggregate(
+        self,
+        fed: Federation,
+        stage: int,
+        round_: int,
+        members: list[int],
+        replies: dict[int, Records],
+        state: StateDict,
+        view: StateDict,
+        tracker: StageTracker,
+        down: int,
+        label: str,
+    ) -> RoundSum:
+        """Unmask and decode a round from the survivors' masked replies.
+
+        Args:
+            fed (Federation): the run's clients.
+            stage (int): the stage.
+            round_ (int): the round.
+            members (list[int]): the masking set the round was sent to.
+            replies (dict[int, Records]): the survivors' train replies.
+            state (StateDict): the global state.
+            view (StateDict): the state the clients trained from.
+            tracker (StageTracker): counts the model bytes.
+            down (int): the broadcast's bytes per client.
+            label (str): names the round in messages.
+
+        Raises:
+            ClientFailure: a reply or answer is malformed (naming its client), fewer than the
+                threshold survive, or the sum does not decode; no model is produced.
+        """
+        config = self.round_config(fed, members)
+        codec = _codec(self.cfg, view, len(members), float(config[P.SECAGG_BOUND]))
+        vectors, outgoing = {}, {}
+        for pid, reply in sorted(replies.items()):
+            where = f"client {pid}"
+            try:
+                record = reply[P.MASKED]
+                vectors[pid] = unpack_vector(record[P.VECTOR], stage, round_, codec.length, where)
+                outgoing[pid] = {
+                    P.parse_outgoing_key(k): bytes(v) for k, v in record.items() if k != P.VECTOR
+                }
+            except (KeyError, ValueError) as exc:
+                raise ClientFailure(f"{where}: {exc}" if isinstance(exc, KeyError) else str(exc)) from None
+            tracker.model_bytes += down + len(record[P.VECTOR])
+            self.bytes_extra += sum(len(b) for b in outgoing[pid].values())
+        survivors = sorted(vectors)
+        if len(survivors) < self.threshold:
+            raise ClientFailure(
+                f"secure aggregation: {len(survivors)} of {len(members)} clients replied to {label} "
+                f"round {round_}, fewer than the threshold {self.threshold}; the round is not decoded"
+            )
+        requests = {}
+        for s in survivors:
+            shares = {P.share_key(j): outgoing[j][s] for j in survivors if s in outgoing[j]}
+            cfg_entries = {P.STAGE: stage, P.ROUND: round_, P.SECAGG_SURVIVORS: members_json(survivors)}
+            requests[s] = {**fed.content(by_digest=True, **cfg_entries), P.SHARES: shares}
+            self.bytes_extra += sum(len(b) for b in shares.values())
+        answered = fed.send(P.UNMASK, requests, f"{label} round {round_} unmasking", stage)
+        self.unmask_messages += len(requests)
+        answers = {}
+        for pid, reply in answered.items():
+            try:
+                answers[pid] = decode_answer(reply.get(P.UNMASKED, {}), f"client {pid}")
+            except SecAggError as exc:
+                raise ClientFailure(str(exc)) from None
+            self.bytes_extra += sum(len(v) for v in reply.get(P.UNMASKED, {}).values())
+        try:
+            total, metrics, n = unmask_round(codec, vectors, members, self.threshold, answers)
+        except SecAggError as exc:
+            raise ClientFailure(str(exc)) from None
+        self.rounds += 1
+        self.clipped += int(metrics["clipped"])
+        self.dropped_after_masking += len(members) - n
+        self.largest_error = max(self.largest_error, codec.sum_error(n))
+        privacy = fed.privacy
+        if privacy is not None:  # distributed DP: equal weights, the noise came from the clients
+            mean = total / n
+            privacy.account_distributed(n, len(members), int(metrics["dp_clipped"]))
+        else:
+            if metrics["weight"] <= 0:
+                raise ClientFailure(
+                    f"secure aggregation: {label} round {round_}: no training weight in the sum"
+                )
+            mean = total / metrics["weight"]
+        delta = unflatten(mean, view)
+        aggregate = {k: (state[k].float() + delta[k]).to(state[k].dtype) for k in state}
+        loss = metrics["weighted_loss"] / metrics["weight"] if metrics["weight"] > 0 else 0.0
+        val = (int(metrics["val_correct"]), int(metrics["val_count"]), float(metrics["val_loss"]))
+        raw = 2 * sum(t.numel() * t.element_size() for t in view.values()) * n
+        return RoundSum(aggregate, loss, val, raw)
+
+    def summary(self) -> dict[str, Any]:
+        """The run summary's ``secure_aggregation`` entry."""
+        return {
+            "threshold": self.threshold,
+            "rounds": self.rounds,
+            "unmask_messages": self.unmask_messages,
+            "bytes_extra": self.bytes_extra,
+            "coordinates_clipped": self.clipped,
+            "dropped_after_masking": self.dropped_after_masking,
+            "sum_error_bound": self.largest_error,
+        }

@@ -42,6 +42,9 @@ _HELP = {
     "procs": "data-center processes started on this host (torchrun sets its own)",
     "replication": "1.5d's replication factor c (divides procs)",
     "trusted_cluster": "let data-center mode pool partitions marked residency-bound",
+    "secure_aggregation": "mask every round reply so that the server learns only the survivors' sum",
+    "secagg_threshold": "shares that rebuild a self seed, and the fewest survivors a round decodes with "
+    "(0: (clients + 1) // 2 + 1)",
 }
 
 #: The entry-point group that names the engines ``train --engine`` offers besides ``in-process``

@@ -80,7 +80,9 @@ def _run_round(n, updates, threshold=None, dropped=(), stage=1, round_=3, answer
             held[h][p.id] = s
         pair = p.pair_seeds(publics, [q for q in members if q != p.id], stage, round_)
         rng = np.random.default_rng(p.id)
-        packed[p.id], _ = mask_vector(codec, updates[p.id], _metrics(p.id), p.id, seed, pair, stage, round_, rng)
+        packed[p.id], _ = mask_vector(
+            codec, updates[p.id], _metrics(p.id), p.id, seed, pair, stage, round_, rng
+        )
         own[p.id] = seed
     survivors = [i for i in members if i not in dropped]
     vectors = {i: unpack_vector(packed[i], stage, round_, codec.length, f"client {i}") for i in survivors}
@@ -102,7 +104,7 @@ def test_a_masked_reply_is_uniform_and_uncorrelated_with_its_update():
     # A structured update: a ramp and a constant block, nothing like uniform noise.
     update = np.concatenate([np.linspace(-0.5, 0.5, size // 2), np.full(size // 2, 0.25)])
     updates = np.stack([update * (i + 1) / n for i in range(n)])
-    codec, packed, vectors, *_ = _run_round(n, updates)
+    codec, _, vectors, *_ = _run_round(n, updates)
     plain, _ = codec.encode(updates[0], _metrics(0), np.random.default_rng(0))
     masked = vectors[0]
     # Uniformity: the top 8 bits of every element in 256 bins; 255 degrees of freedom, the
@@ -177,7 +179,9 @@ def test_fewer_than_the_threshold_never_decodes():
 def test_a_survivor_missing_from_the_unmasking_blocks_a_round_with_a_dropout():
     n = 7  # threshold 5: 6 survivors, 5 of them answer
     updates = np.random.default_rng(6).uniform(-0.5, 0.5, (n, 300))
-    codec, _, vectors, answers, members, t, _ = _run_round(n, updates, dropped=(6,), answering=[0, 1, 2, 3, 4])
+    codec, _, vectors, answers, members, t, _ = _run_round(
+        n, updates, dropped=(6,), answering=[0, 1, 2, 3, 4]
+    )
     with pytest.raises(SecAggError, match="client 5 gave no pair seed"):
         unmask_round(codec, vectors, members, t, answers)
     # Without a dropout, any t answers decode the round.
@@ -191,7 +195,9 @@ def test_bad_input_is_refused_naming_the_client():
     updates = np.random.default_rng(8).uniform(-0.5, 0.5, (n, 200))
     codec, packed, vectors, answers, members, t, _ = _run_round(n, updates)
     # A mask for the wrong round, a cut vector, a vector of 64-bit elements, no vector at all.
-    with pytest.raises(SecAggError, match="client 2: a masked vector for stage 1 round 3, expected stage 1 round 4"):
+    with pytest.raises(
+        SecAggError, match="client 2: a masked vector for stage 1 round 3, expected stage 1 round 4"
+    ):
         unpack_vector(packed[2], 1, 4, codec.length, "client 2")
     with pytest.raises(SecAggError, match="client 2: a masked vector of"):
         unpack_vector(packed[2][:-4], 1, 3, codec.length, "client 2")
@@ -218,7 +224,9 @@ def test_bad_input_is_refused_naming_the_client():
     # A wrong but well-formed share among more than t: the two subsets disagree.
     altered = bytearray(answers[3][0][0])
     altered[-1] ^= 1
-    bad = {h: ({**answers[h][0], 0: bytes(altered)} if h == 3 else answers[h][0], answers[h][1]) for h in answers}
+    bad = {
+        h: ({**answers[h][0], 0: bytes(altered)} if h == 3 else answers[h][0], answers[h][1]) for h in answers
+    }
     with pytest.raises(SecAggError, match="client 0's self seed from holders \\[0, 1, 2, 3\\] disagree"):
         unmask_round(codec, vectors, members, t, bad)
 

@@ -80,7 +80,9 @@ class DroppingTransport(InProcessTransport):
         config = next(iter(requests.values()))[P.CONFIG]
         if kind == P.TRAIN and (stage, int(config[P.ROUND])) == self.drop[:2]:
             lost = self.drop[2]
-            return Batch({a: r for a, r in batch.replies.items() if a != lost}, {lost: "did not reply in time"})
+            return Batch(
+                {a: r for a, r in batch.replies.items() if a != lost}, {lost: "did not reply in time"}
+            )
         return batch
 
 

@@ -244,9 +244,8 @@ def test_secure_aggregation_on_cora_matches_in_process_and_plain(tmp_path, data_
         out_dir=str(tmp_path / "sim"),
     )
     sim, ref = _both_engines(cfg)
-    plain = train(
-        TrainConfig(**{**cfg.to_dict(), "out_dir": "", "secure_aggregation": False}), RunRecorder(None, stream=None)
-    )
+    plain_cfg = TrainConfig(**{**cfg.to_dict(), "out_dir": "", "secure_aggregation": False})
+    plain = train(plain_cfg, RunRecorder(None, stream=None))
     # The field encoding's rounding is seeded and the masks cancel exactly: both engines agree
     # bit for bit, and the ~1e-7 decoding error moves no prediction against plain FedAvg.
     accuracies = (sim["test_accuracy"], ref["test_accuracy"], plain["test_accuracy"])

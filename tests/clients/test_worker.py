@@ -7,6 +7,7 @@ in-process engine's. Then a worker is SIGKILLed mid-stage, and two runs share th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -95,10 +96,9 @@ def _worker_pid(folder: Path, old: int | None = None, timeout: float = 60) -> in
     raise AssertionError(f"no worker listening in {folder}")
 
 
-@pytest.fixture(scope="module")
-def federation(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("workers")
-    cfg = TrainConfig(**CFG)
+@contextlib.contextmanager
+def _workers(tmp: Path, cfg: TrainConfig):
+    """One partition folder and one supervised node worker per client of ``cfg``."""
     parts = partition_graph(load_graph(cfg), cfg.clients, cfg.method, seed=cfg.seed)
     dirs = [save_partition(p, tmp / f"part-{i}") for i, p in enumerate(parts)]
     folders = [make_worker_dir(tmp) for _ in parts]
@@ -111,6 +111,12 @@ def federation(tmp_path_factory):
         for s in supervisors:
             s.stop()
             assert s.proc is not None and s.proc.poll() is not None
+
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory):
+    with _workers(tmp_path_factory.mktemp("workers"), TrainConfig(**CFG)) as fed:
+        yield fed
 
 
 def _summary(run: dict) -> tuple:
@@ -216,3 +222,26 @@ def test_two_runs_on_one_node_do_not_share_state(federation):
         t.join(timeout=300)
     assert _summary(runs["x"]) == _summary(run_lazy(parts, cfg))
     assert _summary(runs["y"]) == _summary(run_lazy(parts, other))
+
+
+def test_secure_aggregation_through_workers_survives_a_killed_worker(tmp_path):
+    """Masked replies, sealed shares and unmask answers through three node workers, one of them
+    killed between messages mid-stage: its ledger and last masked round come back from node-local
+    state, and the run equals the in-process one."""
+    cfg = TrainConfig(**{**CFG, "clients": 3, "secure_aggregation": True})
+    with _workers(tmp_path, cfg) as (cfg, parts, dirs, folders, tmp):
+        expected = run_lazy(parts, cfg)
+        transport = WorkerTransport(folders, dirs, tmp / "work")
+        killed: list[int] = []
+
+        def kill_once(sent: int) -> None:  # a train and an unmask message of stage 1 sent before
+            if sent == 14 and not killed:
+                pid = _worker_pid(folders[2])
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+
+        transport.before_send = kill_once
+        got = LazyStageMachine(transport, cfg, RunRecorder(None, stream=None)).run()
+    assert killed and expected["secure_aggregation"]["rounds"] == 12
+    assert _summary(got) == _summary(expected)
+    assert got["secure_aggregation"] == expected["secure_aggregation"]

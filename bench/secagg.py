@@ -1,0 +1,147 @@
+"""What secure aggregation costs, side by side with plain aggregation in one process: Cora, 4, 10
+and 50 clients.
+
+    python bench/secagg.py [--root ../shared/datasets] [--clients 4,10,50] [--rounds 10]
+        [--out bench/results/secagg-DATE.json]
+
+Each row is a lazy run (random partitions, 2 stages, hidden 64, 5 local steps a round, FedAvg)
+with ``--secure-aggregation`` off and on, in the in-process engine (one thread). Per round it
+reports:
+
+- the extra bytes: sealed self-seed shares up, the shares relayed down in the unmask message and
+  the unmask answers up (the masked vector itself is as large as the float32 update it replaces,
+  so masks cost no bytes);
+- the extra messages: one unmask request and its reply per survivor;
+- client compute: each client's share sealing, encoding and masking, and its unmask answer
+  (wall seconds, summed over clients, divided by clients);
+- server compute: unpacking, rebuilding the self seeds, unmasking and decoding;
+- accuracy with it on and off (the decoded sum is within ``sum_error_bound`` of the plain one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import DEFAULT_ROOT, private_planetoid
+
+from retexo_fl.config import TrainConfig
+from retexo_fl.metrics import RunRecorder
+from retexo_fl.runner import train
+from retexo_fl.training import secure_round
+
+
+class Timers:
+    """Wall seconds spent in the wrapped functions, by side."""
+
+    def __init__(self) -> None:
+        self.seconds = {"client": 0.0, "server": 0.0}
+        self._undo: list[tuple[object, str, object]] = []
+
+    def wrap(self, module: object, name: str, side: str) -> None:
+        original: Callable = getattr(module, name)
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds[side] += time.perf_counter() - t
+
+        setattr(module, name, timed)
+        self._undo.append((module, name, original))
+
+    def restore(self) -> None:
+        for module, name, original in reversed(self._undo):
+            setattr(module, name, original)
+
+
+def measure(cfg: TrainConfig) -> dict:
+    """One run; with secure aggregation, its client and server seconds."""
+    timers = Timers()
+    if cfg.secure_aggregation:
+        for name in ("prepare", "masked_records", "unmask"):
+            timers.wrap(secure_round, name, "client")
+        for name in ("unpack_vector", "unmask_round"):
+            timers.wrap(secure_round, name, "server")
+    t0 = time.perf_counter()
+    try:
+        out = train(cfg, RunRecorder(None, stream=None))
+    finally:
+        timers.restore()
+    out["wall"] = time.perf_counter() - t0
+    out["timers"] = timers.seconds
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--root", default=str(DEFAULT_ROOT))
+    parser.add_argument("--clients", default="4,10,50")
+    parser.add_argument("--rounds", type=int, default=10, help="rounds per stage (default 10)")
+    parser.add_argument("--out", default=f"bench/results/secagg-{datetime.date.today()}.json")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    root = private_planetoid(args.root, ("Cora",))
+    rows = []
+    for clients in (int(c) for c in args.clients.split(",")):
+        base = TrainConfig(
+            dataset="Cora", data_root=str(root), clients=clients, method="random", stages=2, hidden=64,
+            rounds=args.rounds, local_epochs=5, server_optimizer="avg", server_lr=1.0, norm="none",
+            seed=0, threads=1, device="cpu",
+        )  # fmt: skip
+        plain = measure(base)
+        secure = measure(dataclasses.replace(base, secure_aggregation=True))
+        sa = secure["secure_aggregation"]
+        rounds = sa["rounds"]
+        rows.append(
+            {
+                "clients": clients,
+                "threshold": sa["threshold"],
+                "rounds": rounds,
+                "model_bytes_per_round_plain": plain["bytes_model"] / rounds,
+                "model_bytes_per_round_secure": secure["bytes_model"] / rounds,
+                "extra_bytes_per_round": sa["bytes_extra"] / rounds,
+                "extra_messages_per_round": 2 * sa["unmask_messages"] / rounds,
+                "client_seconds_per_round": secure["timers"]["client"] / rounds / clients,
+                "server_seconds_per_round": secure["timers"]["server"] / rounds,
+                "wall_plain": plain["wall"],
+                "wall_secure": secure["wall"],
+                "test_plain": plain["test_accuracy"],
+                "test_secure": secure["test_accuracy"],
+                "val_plain": plain["val_accuracy"],
+                "val_secure": secure["val_accuracy"],
+                "sum_error_bound": sa["sum_error_bound"],
+                "coordinates_clipped": sa["coordinates_clipped"],
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    header = (
+        f"{'clients':>7} {'t':>3} {'model B/rd':>11} {'extra B/rd':>11} {'extra msg/rd':>12} "
+        f"{'client s/rd':>11} {'server s/rd':>11} {'wall off/on':>13} {'test off/on':>13}"
+    )
+    print(header)
+    for r in rows:
+        print(
+            f"{r['clients']:>7} {r['threshold']:>3} {r['model_bytes_per_round_secure']:>11,.0f} "
+            f"{r['extra_bytes_per_round']:>11,.0f} {r['extra_messages_per_round']:>12.0f} "
+            f"{r['client_seconds_per_round']:>11.4f} {r['server_seconds_per_round']:>11.4f} "
+            f"{r['wall_plain']:>6.1f}/{r['wall_secure']:<6.1f} "
+            f"{r['test_plain']:>6.3f}/{r['test_secure']:<6.3f}"
+        )
+    meta = {"dataset": "Cora", "method": "random", "stages": 2, "hidden": 64, "threads": 1}
+    Path(args.out).write_text(json.dumps({**meta, "rows": rows}, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

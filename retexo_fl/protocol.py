@@ -90,6 +90,7 @@ NODE_MIN_DP_NOISE = "min-dp-noise"  # policy: the least update DP noise multipli
 NODE_MAX_DP_CLIP = "max-dp-clip"  # policy: with min-dp-noise, the largest clipping norm accepted
 NODE_MIN_BOUNDARY_NOISE = "min-boundary-noise"  # policy: the least noise on released boundary rows
 NODE_MAX_BOUNDARY_EPSILON = "max-boundary-epsilon"  # policy: the party's own budget over its row releases
+NODE_SECURE_AGGREGATION = "secure-aggregation"  # policy: require masked round replies
 
 # Kinds of relayed frames (delivery keys and the envelopes' associated data).
 DEGREES = "deg"

@@ -26,6 +26,7 @@ from retexo_fl.protocol import (
     NODE_MIN_BOUNDARY_NOISE,
     NODE_MIN_DP_NOISE,
     NODE_PINNED_KEYS,
+    NODE_SECURE_AGGREGATION,
 )
 from retexo_fl.secure.boundary_noise import gaussian_epsilon
 from retexo_fl.secure.keys import load_pins, pin_digest
@@ -103,6 +104,9 @@ class PartyPolicy:
             it releases: the :math:`\varepsilon` (at :data:`BUDGET_DELTA`) each row's value may
             spend over the whole run, counted by the party itself, release by release. A
             release that would exceed it is refused. (default: ``inf``)
+        secure_aggregation (bool, optional): require masked round replies
+            (``secure-aggregation``), so that the server only ever learns sums of updates.
+            (default: :obj:`False`)
     """
 
     encrypt: bool = True
@@ -113,6 +117,7 @@ class PartyPolicy:
     max_dp_clip: float = math.inf
     min_boundary_noise: float = 0.0
     max_boundary_epsilon: float = math.inf
+    secure_aggregation: bool = False
 
     @classmethod
     def from_node_config(cls, node_config: Mapping[str, Any], where: str) -> PartyPolicy:
@@ -130,6 +135,10 @@ class PartyPolicy:
         values = asdict(base)
         if NODE_ENCRYPT in node_config:
             values["encrypt"] = _flag(node_config[NODE_ENCRYPT], NODE_ENCRYPT, where)
+        if NODE_SECURE_AGGREGATION in node_config:
+            values["secure_aggregation"] = _flag(
+                node_config[NODE_SECURE_AGGREGATION], NODE_SECURE_AGGREGATION, where
+            )
         for key, field in (
             (NODE_PINNED_KEYS, "pinned_keys"),
             (NODE_IDENTITY_KEY, "identity_key"),
@@ -171,6 +180,7 @@ class PartyPolicy:
             min_dp_noise=required,
             max_dp_clip=security.dp_clip if required > 0 else math.inf,
             min_boundary_noise=security.boundary_noise,
+            secure_aggregation=security.secure_aggregation,
         )
 
     def identity_file(self, party: int) -> str:
@@ -220,6 +230,12 @@ class PartyPolicy:
         if self.encrypt and not cfg.encrypt:
             raise PolicyError(
                 where, "encrypt", "the run config turns payload encryption off; this party requires it"
+            )
+        if self.secure_aggregation and not cfg.secure_aggregation:
+            raise PolicyError(
+                where,
+                "secure-aggregation",
+                "the run config sends round updates in clear; this party requires secure aggregation",
             )
         if cfg.dp_noise < self.min_dp_noise:
             raise PolicyError(

@@ -132,3 +132,16 @@ def test_a_nan_setting_is_refused_not_waved_through():
         policy.check(nan_cfg, "client 0")
     with pytest.raises(ValueError, match="must be finite"):
         TrainConfig(boundary_clip=1.0, boundary_noise=float("nan")).validate()
+
+
+def test_a_party_that_requires_secure_aggregation_refuses_updates_in_clear(monkeypatch):
+    monkeypatch.delenv(POLICY_ENV, raising=False)
+    policy = PartyPolicy.from_node_config({P.NODE_SECURE_AGGREGATION: "true"}, "client 3")
+    assert policy.secure_aggregation
+    policy.check(TrainConfig(secure_aggregation=True), "client 3")
+    with pytest.raises(PolicyError, match="client 3: refusing the run, secure-aggregation: the run config"):
+        policy.check(TrainConfig(), "client 3")
+    # A party started with it on its own command line requires it too, and the setting travels
+    # to simulated parties in the policy's JSON.
+    mine = PartyPolicy.from_settings(TrainConfig(secure_aggregation=True).security)
+    assert PartyPolicy.from_json(mine.to_json(), "client 3") == mine and mine.secure_aggregation

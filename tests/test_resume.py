@@ -106,6 +106,9 @@ CODECS = {
     # Compressed broadcasts and updates keep a view and an error-feedback residual on each client,
     # and SCAFFOLD control variates: all of it must come back exactly.
     "8-bit": dict(broadcast_bits=8, update_bits=8, bits=8, drift_correction="scaffold"),
+    # Masked replies and an unmask message a round: a round sent again gets the reply it got
+    # first, the same survivor set gets the same answer, and the shares open again.
+    "secure": dict(secure_aggregation=True, update_bits=8),
 }
 
 
@@ -166,9 +169,10 @@ def test_a_server_killed_at_any_phase_boundary_resumes_bit_for_bit(tmp_path, cod
     cfg = TrainConfig(**EVERY_BOUNDARY, **CODECS[codec])
     whole, messages = _run_on_disk(parts, cfg, tmp_path / "whole", None)
     assert whole is not None
-    # Per client: key setup and setup, each stage's train rounds and last validation, the
-    # exchange between the stages, then the test.
-    assert messages == 3 * (2 + cfg.stages * (2 + 1) + (cfg.stages - 1) + 1)
+    # Per client: key setup and setup, each stage's train rounds (and unmask messages) and last
+    # validation, the exchange between the stages, then the test.
+    per_round = 2 if cfg.secure_aggregation else 1
+    assert messages == 3 * (2 + cfg.stages * (2 * per_round + 1) + (cfg.stages - 1) + 1)
     # It can fail: a server that asks for a stage's last validation or its exchange again, once
     # clients moved on, finds them a stage ahead; a round sent again whose deliveries were opened
     # before is refused as a replay; one that died in the test has no weights to test.
@@ -187,4 +191,5 @@ def test_a_server_killed_at_any_phase_boundary_resumes_bit_for_bit(tmp_path, cod
         assert summary["bytes_boundary"] == whole["bytes_boundary"], where
         assert summary["bytes_model"] == whole["bytes_model"], where
         assert [s["rounds_sent"] for s in summary["stages"]] == [s["rounds_sent"] for s in whole["stages"]]
+        assert summary["bytes_total"] == whole["bytes_total"], where
     assert resumed == messages - 6

@@ -77,6 +77,7 @@ class Checkpoint:
         round_state (RoundState, optional): the stage's rounds so far.
         exchange_stats (dict[int, ExchangeStats]): each exchange's compression figures.
         privacy (UpdatePrivacy, optional): the DP accountant so far.
+        secure (SecureAggregator, optional): secure aggregation's figures so far.
         transport (Any): the transport's own accounting (:meth:`Transport.snapshot`).
         boundary_releases (int): boundary row releases so far (``boundary-noise`` accounting).
         missing_payloads (dict): payloads clients reported missing so far, by stage and pair.
@@ -100,6 +101,7 @@ class Checkpoint:
     round_state: RoundState | None = None
     exchange_stats: dict[int, ExchangeStats] = field(default_factory=dict)
     privacy: UpdatePrivacy | None = None
+    secure: Any = None
     transport: Any = None
     boundary_releases: int = 0
     missing_payloads: dict[str, dict[str, int]] = field(default_factory=dict)

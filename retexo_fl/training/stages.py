@@ -189,6 +189,7 @@ class LazyStageMachine:
             fed.transport.snapshot(),
         )
         ck.boundary_releases, ck.missing_payloads = fed.boundary_releases, fed.missing_payloads
+        ck.secure = fed.secure
         self.store.save(ck)
 
     def _resume(self) -> Checkpoint:
@@ -200,6 +201,8 @@ class LazyStageMachine:
         fed.run_key, fed.keys, fed.counts = ck.run_key, ck.keys, ck.counts
         fed.members.lost, fed.bytes_boundary, fed.privacy = ck.lost, ck.bytes_boundary, ck.privacy
         fed.boundary_releases, fed.missing_payloads = ck.boundary_releases, ck.missing_payloads
+        if ck.secure is not None:
+            fed.secure = ck.secure
         self.model_bytes_done, self.exchange_stats = ck.model_bytes_done, ck.exchange_stats
         fed.transport.restore(ck.transport)
         fed.reconnect(ck.pids)

@@ -260,6 +260,9 @@ def unmask(client: Client, request: Records) -> tuple[Records, bool]:
     dropped = sorted(set(members) - set(survivors))
     pair = _pair_seeds(client, [client.id, *dropped], stage, round_) if dropped else {}
     shares, seeds = answer_unmask(client.id, members, survivors, int(sent["threshold"]), opened, pair, where)
+    # Only the round masked last can be unmasked, so only its story needs keeping.
+    key = f"{stage}:{round_}"
+    state["answered"] = {k: v for k, v in state["answered"].items() if k == key}
     UnmaskLedger(state["answered"]).check(stage, round_, survivors, where)
     return {P.UNMASKED: encode_answer(shares, seeds)}, True
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -39,12 +39,10 @@ from retexo_fl.secure.secagg import (
 from retexo_fl.secure.settings import min_threshold
 from retexo_fl.seeding import derive_seed
 from retexo_fl.training.client import Client, EvalResult
+from retexo_fl.training.privacy import UpdatePrivacy
+from retexo_fl.training.selection import StageTracker
 from retexo_fl.training.state import StateDict
 from retexo_fl.training.transport import ClientFailure
-
-if TYPE_CHECKING:
-    from retexo_fl.training.federation import Federation
-    from retexo_fl.training.selection import StageTracker
 
 log = logging.getLogger(__name__)
 
@@ -268,6 +266,25 @@ def unmask(client: Client, request: Records) -> tuple[Records, bool]:
 
 
 # -- the server's side ---------------------------------------------------------------------------
+class Federation(Protocol):
+    """What the server's unmasking needs of :class:`~retexo_fl.training.federation.Federation`
+    (which holds a :class:`SecureAggregator`, so this module cannot import it)."""
+
+    counts: dict[int, Any]
+    privacy: UpdatePrivacy | None
+
+    def content(self, state: StateDict | None = None, payloads: Any = None, model: Any = None,
+                by_digest: bool = False, **config: Any) -> Records:  # fmt: skip
+        """A message's records (:meth:`Federation.content`)."""
+        ...
+
+    def send(
+        self, kind: str, requests: dict[int, Records], phase: str, stage: int = -1
+    ) -> dict[int, Records]:
+        """Send by partition id; replies by partition id (:meth:`Federation.send`)."""
+        ...
+
+
 @dataclass
 class RoundSum:
     """What the server learns of a secure round: the aggregate, and the sums it was built from.

@@ -163,7 +163,9 @@ class VectorCodec:
                 m.get("dp_clipped", 0.0),
             ]
         )
-        parts = [self.update_fp.encode(update, rng), self.metric_fp.encode(np.clip(scaled, 0.0, 1.0), rng)]
+        # A diverged loss (inf or NaN) counts at the cap: the metrics stay decodable.
+        scaled = np.clip(np.nan_to_num(scaled, nan=1.0, posinf=1.0, neginf=0.0), 0.0, 1.0)
+        parts = [self.update_fp.encode(update, rng), self.metric_fp.encode(scaled, rng)]
         return np.concatenate(parts), clipped
 
     def decode(self, total: np.ndarray, n: int) -> tuple[np.ndarray, dict[str, float]]:

@@ -22,6 +22,7 @@ from retexo_fl import protocol as P
 from retexo_fl.protocol import Records
 from retexo_fl.secure.masking import pairwise_mask_seed
 from retexo_fl.secure.secagg import (
+    LOSS_CAP,
     SHARE_KIND,
     SecAggError,
     UnmaskLedger,
@@ -75,6 +76,10 @@ def update_clip(cfg: Any, members: int) -> float:
     if cfg.dp_noise > 0:
         return cfg.dp_clip * (1.0 + NOISE_SIGMAS * cfg.dp_noise / math.sqrt(members))
     return float(cfg.secagg_clip)
+
+
+def _finite(value: float, otherwise: float) -> float:
+    return float(value) if math.isfinite(float(value)) else otherwise
 
 
 def _codec(cfg: Any, like: StateDict, members: int, bound: float) -> VectorCodec:
@@ -196,7 +201,8 @@ def masked_records(
         update = weight * delta
     metrics = {
         "weight": weight,
-        "weighted_loss": weight * min(float(loss), 100.0),
+        # No training nodes: no loss (PyG's empty mean is NaN); a diverged one counts as the cap.
+        "weighted_loss": 0.0 if weight == 0 else weight * min(_finite(loss, LOSS_CAP), LOSS_CAP),
         "val_correct": val.correct,
         "val_count": val.count,
         "val_loss": val.loss_sum,

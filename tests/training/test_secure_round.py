@@ -183,3 +183,13 @@ def test_a_round_sent_twice_gets_one_masked_reply_and_one_story(sbm):
     first, again = transport.seen["first"], transport.seen["again"]
     assert first[P.VECTOR] == again[P.VECTOR] and first == again
     assert "refusing a second story" in transport.seen["refused"]
+
+
+def test_a_client_without_training_nodes_adds_nothing_and_breaks_nothing(sbm):
+    """Its training loss is undefined (an empty mean); it weighs nothing in the masked sum, as in
+    plain FedAvg, and the round still decodes (found on Cora with 50 random clients)."""
+    parts = partition_graph(sbm, 4, "metis", seed=0)
+    parts[1] = dataclasses.replace(parts[1], train_mask=np.zeros_like(parts[1].train_mask))
+    plain = run_lazy(parts, BASE)
+    secure = run_lazy(parts, dataclasses.replace(BASE, secure_aggregation=True))
+    assert secure["test_accuracy"] == plain["test_accuracy"] > 1 / 3  # 0.43 measured, 3 classes

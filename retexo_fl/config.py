@@ -360,7 +360,7 @@ class TrainConfig:
     # Secure aggregation: masked round replies, the server learns only the survivors' sum.
     secure_aggregation: bool = False
     secagg_threshold: int = 0  # 0: the least safe threshold, (clients + 1) // 2 + 1
-    secagg_clip: float = 1.0  # bound of a weighted update coordinate in the field encoding
+    secagg_clip: float = 10.0  # bound of a weighted update coordinate in the field encoding
     # Client failures (Flower engines): how many clients a run needs, what replaces a lost
     # client's boundary rows (fail | zero | reuse-last), and how long the server waits per message.
     min_clients: int = 0  # 0: every client; a lost client ends the run

@@ -60,7 +60,7 @@ class SecuritySettings:
             ``(clients + 1) // 2 + 1``. (default: :obj:`0`)
         secagg_clip (float, optional): the largest magnitude of a client's weighted update
             coordinate in the field encoding (larger ones are clipped and counted); with
-            ``dp-noise`` the bound follows from ``dp-clip`` instead. (default: :obj:`1.0`)
+            ``dp-noise`` the bound follows from ``dp-clip`` instead. (default: :obj:`10.0`)
     """
 
     encrypt: bool = True
@@ -75,7 +75,7 @@ class SecuritySettings:
     boundary_noise: float = 0.0
     secure_aggregation: bool = False
     secagg_threshold: int = 0
-    secagg_clip: float = 1.0
+    secagg_clip: float = 10.0
 
     def validate(self) -> SecuritySettings:
         """Raise :class:`ValueError` naming the first bad setting; return ``self`` otherwise."""

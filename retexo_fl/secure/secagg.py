@@ -39,6 +39,7 @@ dropouts, any :math:`t` answers suffice.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -287,24 +288,38 @@ def mask_vector(
 
 @dataclass
 class UnmaskLedger:
-    """A client's record of the survivor sets it answered, one per (stage, round).
+    """A client's record of the unmask request it answered for a round: the survivor set and a
+    digest of the shares relayed with it.
 
     It refuses a second, different story about the same round: a server that has one client's
-    shares of a survivor's self seed must not also get that client's pair seed with it.
+    shares of a survivor's self seed must not also get that client's pair seed with it, nor
+    swap in shares sealed for another purpose under the same survivor set.
     """
 
-    answered: dict[str, list[int]] = field(default_factory=dict)
+    answered: dict[str, dict] = field(default_factory=dict)
 
-    def check(self, stage: int, round_: int, survivors: list[int], where: str) -> None:
-        """Record ``survivors`` for the round, or refuse it if another set was answered before."""
+    def check(self, stage: int, round_: int, survivors: list[int], shares: str, where: str) -> None:
+        """Record the story (``survivors`` and the relayed shares' digest ``shares``) for the round,
+        or refuse it if another one was answered before."""
         key = f"{stage}:{round_}"
+        story = {"survivors": sorted(survivors), "shares": shares}
         before = self.answered.get(key)
-        if before is not None and before != sorted(survivors):
+        if before is not None and before != story:
             raise SecAggError(
                 f"{where}: unmasking stage {stage} round {round_} with survivors {sorted(survivors)} "
-                f"after answering it with {before}; refusing a second story"
+                f"after answering it with survivors {before['survivors']}"
+                f"{' and other shares' if before['survivors'] == story['survivors'] else ''}; "
+                "refusing a second story"
             )
-        self.answered[key] = sorted(survivors)
+        self.answered[key] = story
+
+
+def shares_digest(blobs: Mapping[int, bytes]) -> str:
+    """A digest of the relayed shares of an unmask request (sender -> sealed bytes)."""
+    h = hashlib.sha256()
+    for src in sorted(blobs):
+        h.update(struct.pack(">QQ", src, len(blobs[src])) + bytes(blobs[src]))
+    return h.hexdigest()
 
 
 def answer_unmask(

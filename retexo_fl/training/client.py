@@ -174,6 +174,11 @@ class Client(ABC):
     def seed_stage(self) -> int:
         """The stage number that seeds this client's update rounding and boundary codecs."""
 
+    @property
+    def message_stage(self) -> int:
+        """The stage number the server's train messages carry for this client's rounds."""
+        return self.seed_stage
+
     @abstractmethod
     def receive_deliveries(self, frames: dict[int, bytes]) -> None:
         """Take the halo frames the server relayed (source -> frame), sealed by their senders."""

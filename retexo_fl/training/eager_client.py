@@ -83,6 +83,10 @@ class EagerClient(Client):
     def seed_stage(self) -> int:
         return EAGER_SEED_STAGE
 
+    @property
+    def message_stage(self) -> int:
+        return 0  # one stage: the server numbers it 0
+
     def layer_index(self) -> int:
         return 1  # every conv layer at once: the conv layers' per-stage settings
 

@@ -34,6 +34,7 @@ from retexo_fl.secure.secagg import (
     members_json,
     parse_members,
     share_seed,
+    shares_digest,
     unmask_round,
     unpack_vector,
 )
@@ -128,8 +129,9 @@ def prepare(client: Client, config: dict[str, Any]) -> Prepared:
     """Start a train round's masking: share a fresh self seed and seal the shares, before any other
     frame of the round is sealed (a holder opens them before the round's halo rows).
 
-    A stage's round masked before (a resumed server sending it again) gets its first reply again:
-    a client masks each round once, so two masked vectors under the same pair masks never exist.
+    A stage's round masked before (a resumed server sending it again) gets its first reply again,
+    and an earlier round, or another stage than the client's own, is refused: a client masks each
+    (stage, round) once and in order, so two masked vectors under the same pair masks never exist.
 
     Raises:
         SecAggError: the settings are missing or unsafe (a masking set or threshold smaller than
@@ -137,9 +139,18 @@ def prepare(client: Client, config: dict[str, Any]) -> Prepared:
     """
     stage, round_ = int(config[P.STAGE]), int(config[P.ROUND])
     where = f"client {client.id}"
+    if stage != client.message_stage:  # pair seeds bind the stage: it must be the client's own
+        raise SecAggError(
+            f"{where}: a train message for stage {stage}; this client is at stage {client.message_stage}"
+        )
     sent = _state(client)["sent"]
     if sent is not None and (sent["stage"], sent["round"]) == (stage, round_):
         return Prepared(stored=sent["records"])
+    if sent is not None and (stage, round_) < (sent["stage"], sent["round"]):
+        raise SecAggError(
+            f"{where}: asked to mask stage {stage} round {round_} after stage {sent['stage']} round "
+            f"{sent['round']}; a client masks each round once, in order"
+        )
     try:
         members = parse_members(config[P.SECAGG_MEMBERS], where)
         threshold = int(config[P.SECAGG_THRESHOLD])
@@ -258,7 +269,15 @@ def unmask(client: Client, request: Records) -> tuple[Records, bool]:
             blobs[P.parse_share_key(key)] = bytes(blob)
         except ValueError as exc:
             raise SecAggError(f"{where}: {exc}") from None
-    opened, _ = client.channel.open(blobs, SHARE_KIND, stage, min_round=round_)
+    opened = {}
+    for src, blob in blobs.items():  # each share must have been sealed in this very round
+        frame, sealed_in = client.channel.open({src: blob}, SHARE_KIND, stage, min_round=round_)
+        if sealed_in != round_:
+            raise SecAggError(
+                f"{where}: the share from client {src} was sealed in round {sealed_in}, not in the "
+                f"round being unmasked ({round_})"
+            )
+        opened[src] = frame[src]
     opened[client.id] = sent["own_share"]
     members = list(sent["members"])
     dropped = sorted(set(members) - set(survivors))
@@ -267,7 +286,7 @@ def unmask(client: Client, request: Records) -> tuple[Records, bool]:
     # Only the round masked last can be unmasked, so only its story needs keeping.
     key = f"{stage}:{round_}"
     state["answered"] = {k: v for k, v in state["answered"].items() if k == key}
-    UnmaskLedger(state["answered"]).check(stage, round_, survivors, where)
+    UnmaskLedger(state["answered"]).check(stage, round_, survivors, shares_digest(blobs), where)
     return {P.UNMASKED: encode_answer(shares, seeds)}, True
 
 

@@ -253,11 +253,13 @@ def test_thresholds_and_survivor_sets_that_would_unmask_a_client_are_refused():
     with pytest.raises(SecAggError, match="not a subset"):
         answer_unmask(0, members, [0, 1, 5], 3, {}, {}, "client 0")
     ledger = UnmaskLedger()
-    ledger.check(1, 3, [0, 1, 2], "client 0")
-    ledger.check(1, 3, [2, 1, 0], "client 0")  # the same story again (a resumed server): answered
+    ledger.check(1, 3, [0, 1, 2], "d1", "client 0")
+    ledger.check(1, 3, [2, 1, 0], "d1", "client 0")  # the same story again (a resumed server): answered
     with pytest.raises(SecAggError, match="refusing a second story"):
-        ledger.check(1, 3, [0, 1, 3], "client 0")
-    ledger.check(1, 4, [0, 1, 3], "client 0")  # another round is another story
+        ledger.check(1, 3, [0, 1, 3], "d1", "client 0")
+    with pytest.raises(SecAggError, match="and other shares; refusing a second story"):
+        ledger.check(1, 3, [0, 1, 2], "d2", "client 0")  # the same survivors, other shares
+    ledger.check(1, 4, [0, 1, 3], "d2", "client 0")  # another round is another story
 
 
 def _unmasks(n: int, t: int, v: int, views: dict[int, list[int]]) -> bool:

@@ -193,3 +193,54 @@ def test_a_client_without_training_nodes_adds_nothing_and_breaks_nothing(sbm):
     plain = run_lazy(parts, BASE)
     secure = run_lazy(parts, dataclasses.replace(BASE, secure_aggregation=True))
     assert secure["test_accuracy"] == plain["test_accuracy"] > 1 / 3  # 0.43 measured, 3 classes
+
+
+class DetourTransport(InProcessTransport):
+    """An honest run, with a malicious server's detour after stage 0's round 1 is unmasked (the
+    two attacks an attack review of this code found, both of which recovered client 0's update)."""
+
+    def __init__(self, clients) -> None:
+        super().__init__(clients)
+        self.refusals: dict[str, str] = {}
+        self.train: dict = {}
+        self.first: dict = {}
+        self.same = False
+
+    def _refused(self, name: str, kind: str, address: int, request) -> None:
+        try:
+            handle(self.clients[address], kind, request)
+        except SecAggError as exc:
+            self.refusals[name] = str(exc)
+
+    def send(self, kind, requests, phase, stage):
+        batch = super().send(kind, requests, phase, stage)
+        config = next(iter(requests.values()))[P.CONFIG]
+        if stage != 0 or int(config.get(P.ROUND, 0)) != 1 or self.refusals:
+            return batch
+        if kind == P.TRAIN:
+            self.train, self.first = requests, {a: r[P.MASKED] for a, r in batch.replies.items()}
+            return batch
+        if kind != P.UNMASK:
+            return batch
+        # 1. Round 2 to client 0 alone; its round-2 share relayed in round 1's unmask (same story).
+        ahead = {**self.train[0], P.CONFIG: {**self.train[0][P.CONFIG], P.ROUND: 2, P.VALIDATE: True}}
+        masked = handle(self.clients[0], P.TRAIN, ahead).records[P.MASKED]
+        shares = {**requests[1][P.SHARES], P.share_key(0): masked[P.outgoing_key(1)]}
+        self._refused("newer share", P.UNMASK, 1, {**requests[1], P.SHARES: shares})
+        # 2. Round 1 again as another stage, to mask its pair seeds a second time.
+        other = {**self.train[1], P.CONFIG: {**self.train[1][P.CONFIG], P.STAGE: 99}}
+        self._refused("other stage", P.TRAIN, 1, other)
+        # 3. Round 1 again without client 0: the reply masked first comes back, byte for byte.
+        fewer = {**self.train[2], P.CONFIG: {**self.train[2][P.CONFIG], P.SECAGG_MEMBERS: "[1, 2, 3]"}}
+        self.same = handle(self.clients[2], P.TRAIN, fewer).records[P.MASKED] == self.first[2]
+        return batch
+
+
+def test_a_server_cannot_reuse_shares_or_pair_seeds_across_rounds(sbm):
+    parts = partition_graph(sbm, 4, "metis", seed=0)
+    cfg = dataclasses.replace(BASE, secure_aggregation=True, clients=4, stages=1, rounds=3)
+    transport = DetourTransport([LazyClient(p, cfg) for p in parts])
+    LazyStageMachine(transport, cfg, RunRecorder(None, stream=None)).run()
+    assert "sealed in round 2, not in the round being unmasked (1)" in transport.refusals["newer share"]
+    assert "a train message for stage 99; this client is at stage 0" in transport.refusals["other stage"]
+    assert transport.same

@@ -16,7 +16,9 @@ mask with :math:`d` stays in the sum; the server removes it with :math:`s_{id}`
 together with its self seed, and never the long-term identity key a seed was agreed with.
 
 A seed masks one vector only: two vectors under the same mask differ by their plain difference.
-Pair seeds bind the run's transcript, the stage and the round, so they never repeat.
+Pair seeds bind the run's transcript, the stage and the round, so they repeat only if a client
+masks the same stage and round twice, which the protocol must refuse
+(:func:`retexo_fl.training.secure_round.prepare` does).
 """
 
 from __future__ import annotations

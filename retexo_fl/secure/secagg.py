@@ -22,12 +22,15 @@ A round under ``secure-aggregation`` (:mod:`retexo_fl.training.secure_round` dri
 
 Double masking: a survivor's self mask is removed only through shares, which honest clients give
 only for members they were told survived, and its pair seeds only for members they were told
-dropped. A client answers one survivor set per stage and round (:class:`UnmaskLedger`) and masks a
-stage's round once (a round sent again gets the first reply again), so a server that claims a
-slow client dropped, or asks twice with two stories, cannot get both halves of one client's
-masks. With self-shares, a server that tells different clients different survivor sets needs
-:math:`2(t-1) \le |M| - 1` to unmask anyone; clients refuse a threshold with :math:`2t \le |M| + 1`
-(:func:`min_threshold`) and a survivor set smaller than :math:`t`.
+dropped. A client answers one story per stage and round (the survivor set and the relayed
+shares' digest: :class:`UnmaskLedger`), opens a share only in the round it was sealed in, and
+masks each of its own stage's rounds once and in order (a round sent again gets the first reply
+again; the caller, :mod:`retexo_fl.training.secure_round`, enforces it), so a server that claims a
+slow client dropped, asks twice with two stories, or carries shares or pair seeds from one round
+into another cannot get both halves of one client's masks. With self-shares, a server that tells
+different clients different survivor sets needs :math:`2(t-1) \le |M| - 1` to unmask anyone;
+clients refuse a threshold with :math:`2t \le |M| + 1` (:func:`min_threshold`) and a survivor
+set smaller than :math:`t`.
 
 What this does not hide: which clients replied, the sum itself, and the per-client counts the
 setup message reports (partition sizes, as without secure aggregation). A dropped member's pair
@@ -61,9 +64,11 @@ SHARE_KIND = "share"
 HEADROOM = 4
 #: Losses above this are capped in the encoded metrics (a cross-entropy this high is divergence).
 LOSS_CAP = 100.0
-#: The metrics segment, in order: training weight, weighted training loss, validation correct,
-#: count and summed loss (over the weight bound), update coordinates clipped, updates L2-clipped.
-METRIC_NAMES = ("weight", "weighted_loss", "val_correct", "val_count", "val_loss", "clipped", "dp_clipped")
+#: The metrics, in order: training weight, weighted training loss and summed validation loss
+#: (fractions, in the float segment), then validation correct and count, update coordinates
+#: clipped and updates L2-clipped (integers, in the count segment, summed exactly).
+METRIC_NAMES = ("weight", "weighted_loss", "val_loss", "val_correct", "val_count", "clipped", "dp_clipped")
+_FRACTIONS = 3
 _HEADER = struct.Struct(">4sQQI")
 _MAGIC = b"RXSA"
 
@@ -94,8 +99,10 @@ class VectorCodec:
 
     The update segment holds :math:`w_i \Delta_i` (FedAvg) or the clipped, noised :math:`\Delta_i`
     (DP); :math:`w_i` is the client's training nodes over ``weight_bound``, so no coordinate needs
-    a client's count in clear. The metrics segment (:data:`METRIC_NAMES`) holds values in
-    :math:`[0, 1]`: counts over ``weight_bound``, losses over :data:`LOSS_CAP` too.
+    a client's count in clear. The metrics (:data:`METRIC_NAMES`) follow in two segments: the
+    weight and losses as fractions in :math:`[0, 1]` (losses over :data:`LOSS_CAP`, the validation
+    loss also over ``weight_bound``), then the counts as integers at scale 1, so that their sum
+    is exact whatever the clients and sizes (bounded by the larger of ``weight_bound`` and ``size``).
 
     Args:
         size (int): coordinates of the update segment.
@@ -123,8 +130,16 @@ class VectorCodec:
 
     @property
     def metric_fp(self) -> FixedPoint:
-        """The metrics segment's encoding (values in [0, 1])."""
+        """The fractions segment's encoding (values in [0, 1])."""
         return FixedPoint(1.0, HEADROOM * self.members)
+
+    @property
+    def count_fp(self) -> FixedPoint:
+        """The counts segment's encoding: integers up to ``max(weight_bound, size)``, exactly."""
+        try:
+            return FixedPoint(float(max(self.weight_bound, self.size, 1)), HEADROOM * self.members, 0)
+        except ValueError as exc:
+            raise SecAggError(f"secure aggregation: counts this large do not fit the field ({exc})") from None
 
     @property
     def length(self) -> int:
@@ -153,20 +168,15 @@ class VectorCodec:
         m = dict(metrics)
         m["clipped"] = float(clipped)
         b, cap = self.weight_bound, LOSS_CAP
-        scaled = np.array(
-            [
-                m["weight"],
-                m["weighted_loss"] / cap,
-                m["val_correct"] / b,
-                m["val_count"] / b,
-                min(m["val_loss"] / (b * cap), 1.0),
-                min(m["clipped"] / max(self.size, 1), 1.0),
-                m.get("dp_clipped", 0.0),
-            ]
-        )
+        fractions = np.array([m["weight"], m["weighted_loss"] / cap, m["val_loss"] / (b * cap)])
         # A diverged loss (inf or NaN) counts at the cap: the metrics stay decodable.
-        scaled = np.clip(np.nan_to_num(scaled, nan=1.0, posinf=1.0, neginf=0.0), 0.0, 1.0)
-        parts = [self.update_fp.encode(update, rng), self.metric_fp.encode(scaled, rng)]
+        fractions = np.clip(np.nan_to_num(fractions, nan=1.0, posinf=1.0, neginf=0.0), 0.0, 1.0)
+        counts = np.array([m["val_correct"], m["val_count"], m["clipped"], m.get("dp_clipped", 0.0)])
+        parts = [
+            self.update_fp.encode(update, rng),
+            self.metric_fp.encode(fractions, rng),
+            self.count_fp.encode(np.round(counts), rng),  # integers: rounding never moves them
+        ]
         return np.concatenate(parts), clipped
 
     def decode(self, total: np.ndarray, n: int) -> tuple[np.ndarray, dict[str, float]]:
@@ -176,20 +186,22 @@ class VectorCodec:
             SecAggError: the sum is not a sum of ``n`` encodings (a wrong seed or share, or a
                 client that sent more than its share), naming the segment.
         """
+        split = self.size + _FRACTIONS
         try:
             update = self.update_fp.decode_sum(total[: self.size], n)
-            scaled = self.metric_fp.decode_sum(total[self.size :], n)
+            fractions = self.metric_fp.decode_sum(total[self.size : split], n)
+            counts = self.count_fp.decode_sum(total[split:], n)
         except ValueError as exc:
             raise SecAggError(f"secure aggregation: the unmasked sum does not decode ({exc})") from None
         b, cap = self.weight_bound, LOSS_CAP
         metrics = {
-            "weight": float(scaled[0]),
-            "weighted_loss": float(scaled[1]) * cap,
-            "val_correct": float(round(scaled[2] * b)),
-            "val_count": float(round(scaled[3] * b)),
-            "val_loss": float(scaled[4]) * b * cap,
-            "clipped": float(round(scaled[5] * max(self.size, 1))),
-            "dp_clipped": float(round(scaled[6])),
+            "weight": float(fractions[0]),
+            "weighted_loss": float(fractions[1]) * cap,
+            "val_loss": float(fractions[2]) * b * cap,
+            "val_correct": float(counts[0]),
+            "val_count": float(counts[1]),
+            "clipped": float(counts[2]),
+            "dp_clipped": float(counts[3]),
         }
         return update, metrics
 

@@ -32,6 +32,7 @@ from retexo_fl.secure.secagg import (
     encode_answer,
     mask_vector,
     members_json,
+    noise_share_std,
     parse_members,
     share_seed,
     shares_digest,
@@ -206,7 +207,7 @@ def masked_records(
             if cfg.dp_reproducible
             else np.random.default_rng()
         )
-        std = cfg.dp_noise * cfg.dp_clip / math.sqrt(len(members))
+        std = noise_share_std(cfg.dp_noise, cfg.dp_clip, len(members))
         update = delta + gen.normal(0.0, std, delta.shape)
     else:
         update = weight * delta

@@ -299,3 +299,24 @@ def test_no_story_told_to_honest_clients_unmasks_one_at_the_threshold(n):
     t = min_threshold(n)
     assert not any(_unmasks(n, t, v, dict(enumerate(vs))) for vs in views(t))
     assert any(_unmasks(n, t - 1, v, dict(enumerate(vs))) for vs in views(t - 1))
+
+
+def test_counts_sum_exactly_at_scale():
+    """Validation counts are integers in a segment of their own: 200 clients of up to 500,000
+    nodes sum them exactly (as fractions of the node bound, an attack review found every round's
+    count decoded wrong at this size)."""
+    members, bound = 200, 500_000.0
+    codec = VectorCodec(16, members, update_clip=10.0, weight_bound=bound)
+    gen = np.random.default_rng(11)
+    total, want = np.zeros(codec.length, dtype=np.uint32), {"val_correct": 0, "val_count": 0}
+    for i in range(members):
+        count = int(gen.integers(0, 500_000))
+        correct = int(gen.integers(0, count + 1))
+        metrics = {**_metrics(i), "weight": 1 / members, "val_correct": correct, "val_count": count}
+        vector, _ = codec.encode(gen.uniform(-1, 1, 16), metrics, np.random.default_rng(i))
+        total += vector
+        want["val_correct"] += correct
+        want["val_count"] += count
+    _, metrics = codec.decode(total, members)
+    assert metrics["val_correct"] == want["val_correct"] and metrics["val_count"] == want["val_count"]
+    assert metrics["weight"] == pytest.approx(1.0, abs=members * 2.0**-codec.metric_fp.scale_bits)

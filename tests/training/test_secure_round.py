@@ -12,7 +12,10 @@ from retexo_fl import protocol as P
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.metrics import RunRecorder
-from retexo_fl.secure.secagg import SecAggError
+from retexo_fl.secure.envelope import ENVELOPE_BYTES
+from retexo_fl.secure.secagg import METRIC_NAMES, SecAggError
+from retexo_fl.secure.shamir import SHARE_BYTES
+from retexo_fl.training import secure_round
 from retexo_fl.training.eager import run_eager
 from retexo_fl.training.handlers import handle
 from retexo_fl.training.inprocess import InProcessTransport
@@ -59,12 +62,18 @@ def test_secure_aggregation_trains_what_plain_aggregation_trains(sbm):
     # The decoded sums differ from the plain ones by ~1e-7 a coordinate: no prediction moves.
     assert secure["test_accuracy"] == plain["test_accuracy"] > 0.6
     assert [s["best_round"] for s in secure["stages"]] == [s["best_round"] for s in plain["stages"]]
-    # The masked vector costs what the float32 update costs; the shares and the unmask message
-    # are the extra traffic, counted in bytes_total.
+    # Byte for byte: a masked vector is the float32 update's 4 bytes a coordinate plus a 24-byte
+    # header and 4 bytes for each metric; each round, every client seals a share to every other
+    # (up, then relayed down) and each survivor answers with a share of every survivor's seed.
     figures = secure["secure_aggregation"]
-    assert figures["rounds"] == 16 and figures["unmask_messages"] == 64
-    assert secure["bytes_total"] == secure["bytes_boundary"] + secure["bytes_model"] + figures["bytes_extra"]
-    assert figures["bytes_extra"] > 0 and figures["coordinates_clipped"] == 0
+    n, rounds = 4, 16
+    assert figures["rounds"] == rounds and figures["unmask_messages"] == n * rounds
+    vector_extra = 24 + 4 * len(METRIC_NAMES)
+    assert secure["bytes_model"] - plain["bytes_model"] == rounds * n * vector_extra
+    sealed = SHARE_BYTES + ENVELOPE_BYTES
+    assert figures["bytes_extra"] == rounds * (2 * n * (n - 1) * sealed + n * n * SHARE_BYTES)
+    assert secure["bytes_total"] == plain["bytes_total"] + rounds * n * vector_extra + figures["bytes_extra"]
+    assert figures["coordinates_clipped"] == 0
 
 
 class DroppingTransport(InProcessTransport):
@@ -137,7 +146,7 @@ def test_compressed_updates_and_the_baselines_compose(sbm):
     cfg = dataclasses.replace(BASE, update_bits=8, broadcast_bits=8)
     plain = run_lazy(parts, cfg)
     secure = run_lazy(parts, dataclasses.replace(cfg, secure_aggregation=True))
-    assert secure["test_accuracy"] == plain["test_accuracy"]
+    assert secure["test_accuracy"] == plain["test_accuracy"] and secure["secure_aggregation"]["rounds"] == 16
     for local in (False, True):
         eager = dataclasses.replace(BASE, mode="local" if local else "eager", rounds=10)
         a = run_eager(parts, eager, local=local)
@@ -244,3 +253,38 @@ def test_a_server_cannot_reuse_shares_or_pair_seeds_across_rounds(sbm):
     assert "sealed in round 2, not in the round being unmasked (1)" in transport.refusals["newer share"]
     assert "a train message for stage 99; this client is at stage 0" in transport.refusals["other stage"]
     assert transport.same
+
+
+def test_each_client_clips_its_update_and_adds_its_noise_share(sbm, monkeypatch):
+    """Distributed DP from the clients' side: what each one masks is its update clipped to
+    dp-clip plus Gaussian noise of standard deviation noise * clip / sqrt(members)."""
+    parts = partition_graph(sbm, 4, "metis", seed=0)
+    masked: list[np.ndarray] = []
+    real = secure_round.mask_vector
+
+    def spy(codec, update, *args):
+        masked.append(np.array(update, copy=True))
+        return real(codec, update, *args)
+
+    monkeypatch.setattr(secure_round, "mask_vector", spy)
+    size = {}
+
+    def updates(value: float):
+        def delta(base, new):
+            size["n"] = sum(t.numel() for t in base.values())
+            return np.full(size["n"], value)
+
+        return delta
+
+    cfg = dataclasses.replace(BASE, stages=1, rounds=1, hidden=64, secure_aggregation=True, dp_clip=0.5)
+    monkeypatch.setattr(secure_round, "flat_delta", updates(0.0))  # no signal: the noise alone
+    run_lazy(parts, dataclasses.replace(cfg, dp_noise=2.0))
+    assert len(masked) == 4 and size["n"] > 1000
+    for u in masked:
+        assert float(u.mean()) == pytest.approx(0.0, abs=0.1)
+        assert float(u.std()) == pytest.approx(2.0 * 0.5 / np.sqrt(4), rel=0.1)
+    masked.clear()
+    monkeypatch.setattr(secure_round, "flat_delta", updates(100.0))  # far beyond the clip, no noise
+    out = run_lazy(parts, dataclasses.replace(cfg, dp_noise=1e-9))
+    assert all(float(np.linalg.norm(u)) == pytest.approx(0.5, rel=1e-6) for u in masked)
+    assert out["privacy"]["updates_clipped"] == 4  # counted in the masked sum, not per client

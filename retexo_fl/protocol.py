@@ -132,16 +132,20 @@ def outgoing_key(dst: int) -> str:
     return f"to-{int(dst)}"
 
 
+def _client_after(key: str, prefix: str, what: str) -> int:
+    head, _, client = key.partition("-")
+    if head != prefix or not client.isdigit():
+        raise ValueError(f"{what} key {key!r}: expected '{prefix}-<client id>'")
+    return int(client)
+
+
 def parse_outgoing_key(key: str) -> int:
     """The peer an :func:`outgoing_key` names.
 
     Raises:
         ValueError: ``key`` is not ``"to-<int>"``.
     """
-    prefix, _, dst = key.partition("-")
-    if prefix != "to" or not dst.isdigit():
-        raise ValueError(f"payload key {key!r}: expected 'to-<client id>'")
-    return int(dst)
+    return _client_after(key, "to", "payload")
 
 
 def share_key(src: int) -> str:
@@ -155,10 +159,7 @@ def parse_share_key(key: str) -> int:
     Raises:
         ValueError: ``key`` is not ``"from-<int>"``.
     """
-    prefix, _, src = key.partition("-")
-    if prefix != "from" or not src.isdigit():
-        raise ValueError(f"share key {key!r}: expected 'from-<client id>'")
-    return int(src)
+    return _client_after(key, "from", "share")
 
 
 def delivery_key(kind: str, src: int) -> str:

@@ -119,6 +119,20 @@ def federation(tmp_path_factory):
         yield fed
 
 
+def _kill_once(transport: WorkerTransport, folder: Path, at: int) -> list[int]:
+    """SIGKILL ``folder``'s worker once, before the transport's message number ``at``; the pids killed."""
+    killed: list[int] = []
+
+    def kill(sent: int) -> None:
+        if sent == at and not killed:
+            pid = _worker_pid(folder)
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    transport.before_send = kill
+    return killed
+
+
 def _summary(run: dict) -> tuple:
     stages = [(s["best_round"], s["val_accuracy"], s["rounds_sent"]) for s in run["stages"]]
     return run["test_accuracy"], run["val_accuracy"], run["bytes_boundary"], run["bytes_model"], stages
@@ -192,15 +206,8 @@ def test_a_worker_killed_mid_stage_restarts_from_node_state(federation):
     cfg, parts, dirs, folders, tmp = federation
     expected = run_lazy(parts, cfg)
     transport = WorkerTransport(folders, dirs, tmp / "work-b")
-    killed: list[int] = []
-
-    def kill_once(sent: int) -> None:  # after stage 0 and a round of stage 1 (message 12 or so)
-        if sent == 12 and not killed:
-            pid = _worker_pid(folders[1])
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
-
-    transport.before_send = kill_once
+    # After stage 0 and a round of stage 1 (message 12 or so).
+    killed = _kill_once(transport, folders[1], at=12)
     got = LazyStageMachine(transport, cfg, RunRecorder(None, stream=None)).run()
     assert killed and _worker_pid(folders[1], old=killed[0]) != killed[0]  # a new worker answered
     assert _summary(got) == _summary(expected)
@@ -232,15 +239,7 @@ def test_secure_aggregation_through_workers_survives_a_killed_worker(tmp_path):
     with _workers(tmp_path, cfg) as (cfg, parts, dirs, folders, tmp):
         expected = run_lazy(parts, cfg)
         transport = WorkerTransport(folders, dirs, tmp / "work")
-        killed: list[int] = []
-
-        def kill_once(sent: int) -> None:  # a train and an unmask message of stage 1 sent before
-            if sent == 14 and not killed:
-                pid = _worker_pid(folders[2])
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-
-        transport.before_send = kill_once
+        killed = _kill_once(transport, folders[2], at=14)  # after stage 1's first train and unmask
         got = LazyStageMachine(transport, cfg, RunRecorder(None, stream=None)).run()
     assert killed and expected["secure_aggregation"]["rounds"] == 12
     assert _summary(got) == _summary(expected)

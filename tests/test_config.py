@@ -29,7 +29,8 @@ USER_KEYS = {
     "chunk-rows", "bits", "bit-policy", "byte-budget", "link-bandwidths", "time-budget",
     "rate-schedule", "update-bits", "broadcast-bits", "range-dtype", "encrypt", "identity-keys",
     "pinned-keys", "dp-noise", "dp-clip", "dp-delta", "dp-reproducible",
-    "boundary-clip", "boundary-noise", "min-clients", "on-missing-halo",
+    "boundary-clip", "boundary-noise", "secure-aggregation", "secagg-threshold", "secagg-clip",
+    "min-clients", "on-missing-halo",
     "client-timeout", "resume", "audit", "algorithm", "procs", "replication", "trusted-cluster",
     "out-dir",
 }  # fmt: skip
@@ -98,6 +99,8 @@ def test_from_mapping_reads_kebab_keys_and_per_stage_lists():
         ({"bit_policy": "adaptive-bandwidth"}, "compression", "needs link-bandwidths"),
         ({"dp_delta": 1.0}, "security", "dp-delta"),
         ({"boundary_noise": 1.0}, "security", "boundary-noise needs boundary-clip"),
+        ({"secure_aggregation": True, "encrypt": False}, "security", "secure-aggregation needs encrypt"),
+        ({"secagg_clip": 0.0}, "security", "secagg-clip must be"),
         ({"on_missing_halo": "guess"}, "failures", "on-missing-halo"),
         ({"algorithm": "4d"}, "datacenter", "algorithm must be one of"),
     ],
@@ -142,3 +145,16 @@ def test_section_defaults_are_the_flat_defaults():
     flat = TrainConfig()
     for name, cls in SECTIONS.items():
         assert getattr(flat, name) == cls(), name
+
+
+def test_secure_aggregation_settings_that_cannot_work_are_refused_by_name():
+    TrainConfig(secure_aggregation=True, clients=4, secagg_threshold=3).validate()
+    for values, message in (
+        ({"clients": 2}, "3 or more clients"),
+        ({"mode": "centralized"}, "federated modes"),
+        ({"drift_correction": "scaffold"}, "no drift-correction"),
+        ({"clients": 4, "secagg_threshold": 2}, "secagg-threshold must be 3 to 4 for 4 clients"),
+        ({"clients": 4, "secagg_threshold": 5}, "secagg-threshold must be 3 to 4 for 4 clients"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            TrainConfig(**{"secure_aggregation": True, **values}).validate()

@@ -396,8 +396,10 @@ class SecureAggregator:
                 outgoing[pid] = {
                     P.parse_outgoing_key(k): bytes(v) for k, v in record.items() if k != P.VECTOR
                 }
-            except (KeyError, ValueError) as exc:
-                raise ClientFailure(f"{where}: {exc}" if isinstance(exc, KeyError) else str(exc)) from None
+            except KeyError as exc:
+                raise ClientFailure(f"{where}: a secure-aggregation train reply without {exc}") from None
+            except ValueError as exc:
+                raise ClientFailure(str(exc)) from None
             tracker.model_bytes += down + len(record[P.VECTOR])
             self.bytes_extra += sum(len(b) for b in outgoing[pid].values())
         survivors = sorted(vectors)

@@ -51,6 +51,13 @@ def simulate(
 
     if cfg.resume:  # the federation's size comes from the run being resumed
         cfg = resumed_config(cfg)
+    elif not cfg.partitions:
+        # Every virtual node cuts the dataset itself. On a first use PyG writes processed/ beside
+        # raw/, and Ray actors that did so at once read each other's half-written file (seen as
+        # "PytorchStreamReader failed reading file data/1" at key setup): process it here, once.
+        from retexo_fl.data.loading import load_graph
+
+        load_graph(cfg)
 
     result: dict = {}
     server_app = ServerApp()

@@ -154,7 +154,8 @@ class UpdatePrivacy:
             ``updates_clipped`` (updates whose norm exceeded ``clip``), ``noise_seed``
             (``"secret"``, or ``"run seed"`` when anyone with the run config can remove it) and
             ``noise`` (``"central"``: the server adds it; ``"distributed"``: each client adds its
-            share under secure aggregation, and the server never holds a noiseless sum).
+            share under secure aggregation, and the server holds no noiseless sum unless
+            ``dp-reproducible`` seeds the shares from the run's seed).
         """
         s = self.accountant.get_privacy_spent(self.delta)
         return {

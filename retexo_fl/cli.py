@@ -30,6 +30,8 @@ _HELP = {
     "pseudo_threshold": "softmax confidence a prediction needs to become a self-training label",
     "pseudo_per_class": "the most self-training labels a client takes per predicted class, most "
     "confident first (0: no cap)",
+    "pass_init": "where a self-training pass's stages start: warm (the previous pass's kept "
+    "weights) or fresh (new initial weights)",
     "patience": "early stopping: rounds without a validation gain before a stage stops (0: never)",
     "min_rounds": "rounds a stage runs before early stopping may end it",
     "precompute": "gcn and sage stages aggregate their frozen inputs once a stage, so a round is "

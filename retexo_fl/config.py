@@ -134,6 +134,9 @@ class TrainingSettings:
             self-training label. (default: :obj:`0.9`)
         pseudo_per_class (int, optional): the most self-training labels per predicted class and
             client; :obj:`0` for no cap. (default: :obj:`0`)
+        pass_init (str, optional): where a self-training pass's stages start: ``"warm"`` from the
+            previous pass's kept weights of the same layer (a pass then needs a few rounds a
+            stage), or ``"fresh"`` from new initial weights. (default: :obj:`"warm"`)
         profile (str, optional): ``"default"``, or ``"edge"`` for small clients (CPU, one thread,
             chunked embeddings, 8-bit payloads where those are left at their defaults).
             (default: :obj:`"default"`)
@@ -167,6 +170,7 @@ class TrainingSettings:
     self_training: int = 0
     pseudo_threshold: float = 0.9
     pseudo_per_class: int = 0
+    pass_init: str = "warm"
     profile: str = "default"
     device: str = "auto"
     threads: int = 0
@@ -191,6 +195,8 @@ class TrainingSettings:
             )
         if self.self_training and self.mode not in ("lazy", "centralized"):
             raise ValueError(f"self-training applies to lazy and centralized mode, not {self.mode}")
+        if self.pass_init not in ("warm", "fresh"):
+            raise ValueError(f"pass-init must be warm or fresh, got {self.pass_init!r}")
         if self.server_optimizer not in ("avg", "adam"):
             raise ValueError(f"server-optimizer must be avg or adam, got {self.server_optimizer!r}")
         if self.optimizer not in ("adam", "sgd"):
@@ -305,6 +311,8 @@ class TrainConfig:
     self_training: int = 0  # extra passes
     pseudo_threshold: float = 0.9
     pseudo_per_class: int = 0  # at most this many new labels per predicted class and client; 0: no cap
+    # A pass's stages start from the previous pass's kept weights ("warm") or new ones ("fresh").
+    pass_init: str = "warm"
     rounds: int | list[int] = 200
     local_epochs: int | list[int] = 1
     # One local SGD step (lr 1) per round makes the averaged update the exact full-graph

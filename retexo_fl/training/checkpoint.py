@@ -83,6 +83,8 @@ class Checkpoint:
         missing_payloads (dict): payloads clients reported missing so far, by stage and pair.
         kept (StateDict, optional): the last finished stage's kept weights (after the last stage:
             what the test evaluates).
+        pass_weights (dict[int, StateDict]): kept weights by layer of the stages that a later
+            self-training pass starts from (``pass-init warm``).
     """
 
     config: dict[str, Any]
@@ -106,6 +108,7 @@ class Checkpoint:
     boundary_releases: int = 0
     missing_payloads: dict[str, dict[str, int]] = field(default_factory=dict)
     kept: StateDict | None = None
+    pass_weights: dict[int, StateDict] = field(default_factory=dict)
 
 
 class CheckpointStore(Protocol):

@@ -80,6 +80,8 @@ class LazyStageMachine:
         state: StateDict = ck.kept or {}  # resumed after the last stage: the test is all that is left
         for stage in range(ck.stage, last + 1):
             state, figures = self._train_stage(stage, ck)
+            if cfg.pass_init == "warm" and stage + cfg.stages <= last:
+                ck.pass_weights[cfg.layer(stage)] = state  # the next pass's same layer starts here
             self.model_bytes_done += figures["bytes_model"]
             deliveries = None
             if stage < last:
@@ -139,8 +141,11 @@ class LazyStageMachine:
         if rs is None:
             ref = fed.reference
             in_dim = stage_input_dim(cfg, stage, ref.num_features, ref.num_classes)
-            model = build_stage_model(cfg, stage, in_dim, ref.num_classes)
-            state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            if stage >= cfg.stages and cfg.pass_init == "warm":
+                state = {k: v.detach().clone() for k, v in ck.pass_weights[layer].items()}
+            else:
+                model = build_stage_model(cfg, stage, in_dim, ref.num_classes)
+                state = {k: v.detach().clone() for k, v in model.state_dict().items()}
             tracker = StageTracker(stage, cfg.patience, cfg.min_rounds)
             tracker.bytes_offset = fed.bytes_boundary + self.model_bytes_done
             rs = self.loop.start(state, layer, tracker, derive_seed(cfg.seed, stage, BROADCAST_TAG))

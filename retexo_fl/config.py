@@ -62,13 +62,14 @@ class ModelSettings:
         model (str, optional): the conv of stages :math:`\geq 1`: ``"gcn"``, ``"sage"``,
             ``"sage-max"`` or ``"gat"``. (default: :obj:`"gcn"`)
         stages (int, optional): stages of a lazy run (stage 0 is the MLP; ``K`` stages are
-            ``K - 1`` GNN layers). (default: :obj:`5`)
+            ``K - 1`` GNN layers). (default: :obj:`3`)
         central_layers (int, optional): layers of the centralized (end-to-end) reference GNN.
             (default: :obj:`2`)
-        hidden (int, optional): hidden width. (default: :obj:`256`)
+        hidden (int, optional): hidden width. (default: :obj:`32`)
         pass_embedding (str, optional): what the next stage receives, ``"hidden"`` or
             ``"logits"``. (default: :obj:`"hidden"`)
-        norm (str, optional): the normalization after each layer. (default: :obj:`"layer"`)
+        norm (str, optional): the normalization after each layer, ``"layer"`` or ``"none"``.
+            (default: :obj:`"none"`)
         heads (int, optional): attention heads of ``gat``. (default: :obj:`4`)
         dropout (float or list[float], optional): dropout, one value or one per stage.
             (default: :obj:`0.5`)
@@ -77,11 +78,11 @@ class ModelSettings:
     """
 
     model: str = "gcn"
-    stages: int = 5
+    stages: int = 3
     central_layers: int = 2
-    hidden: int = 256
+    hidden: int = 32
     pass_embedding: str = "hidden"
-    norm: str = "layer"
+    norm: str = "none"
     heads: int = 4
     dropout: float | list[float] = 0.5
     input_dropout: float | list[float] = 0.5
@@ -107,21 +108,22 @@ class TrainingSettings:
             ``"datacenter"``. (default: :obj:`"lazy"`)
         seed (int, optional): the run's root seed; every other seed derives from it.
             (default: :obj:`0`)
-        rounds (int or list[int], optional): rounds per stage. (default: :obj:`200`)
-        local_epochs (int or list[int], optional): local epochs per round. (default: :obj:`1`)
+        rounds (int or list[int], optional): rounds per stage (at most: early stopping ends a
+            stage sooner). (default: :obj:`16`)
+        local_epochs (int or list[int], optional): local epochs per round. (default: :obj:`5`)
         optimizer (str, optional): the clients' optimizer, ``"sgd"`` or ``"adam"``.
             (default: :obj:`"sgd"`)
         momentum (float, optional): the clients' SGD momentum. (default: :obj:`0.0`)
         lr (float or list[float], optional): the clients' learning rate. (default: :obj:`1.0`)
         server_optimizer (str, optional): ``"avg"`` (FedAvg) or ``"adam"`` (FedAdam on the
-            averaged update). (default: :obj:`"adam"`)
+            averaged update). (default: :obj:`"avg"`)
         server_lr (float or list[float], optional): the server optimizer's learning rate.
-            (default: :obj:`0.01`)
+            (default: :obj:`1.0`)
         weight_decay (float, optional): L2 weight decay. (default: :obj:`5e-4`)
         patience (int, optional): rounds without a better validation accuracy before a stage
-            stops early; :obj:`0` never stops. (default: :obj:`0`)
+            stops early; :obj:`0` never stops. (default: :obj:`5`)
         min_rounds (int, optional): rounds a stage runs before early stopping may end it.
-            (default: :obj:`0`)
+            (default: :obj:`4`)
         precompute (bool, optional): GCN and SAGE stages aggregate their frozen inputs once per
             stage, so every round is a dense step (exact without input dropout; with it, the
             dropout hits aggregated rows). (default: :obj:`False`)
@@ -129,7 +131,7 @@ class TrainingSettings:
             step by SCAFFOLD's control variates (one more state sent down a round).
             (default: :obj:`"none"`)
         self_training (int, optional): extra passes over all stages on each client's own confident
-            predictions (lazy, centralized). (default: :obj:`0`)
+            predictions (lazy, centralized). (default: :obj:`1`)
         pseudo_threshold (float, optional): softmax confidence a prediction needs to become a
             self-training label. (default: :obj:`0.9`)
         pseudo_per_class (int, optional): the most self-training labels per predicted class and
@@ -137,8 +139,10 @@ class TrainingSettings:
         pass_init (str, optional): where a self-training pass's stages start: ``"warm"`` from the
             previous pass's kept weights of the same layer (a pass then needs a few rounds a
             stage), or ``"fresh"`` from new initial weights. (default: :obj:`"warm"`)
-        profile (str, optional): ``"default"``, or ``"edge"`` for small clients (CPU, one thread,
-            chunked embeddings, 8-bit payloads where those are left at their defaults).
+        profile (str, optional): ``"default"``; ``"edge"`` for small clients (CPU, one thread,
+            chunked embeddings, 8-bit payloads where those are left at their defaults); or
+            ``"exact"``, the exact mode (one full-batch step a round, server Adam, 5 stages x
+            200 rounds, 32-bit; :data:`EXACT_PROFILE`) wherever the defaults are left.
             (default: :obj:`"default"`)
         device (str, optional): ``"auto"``, ``"cpu"`` or ``"cuda[:i]"``. (default: :obj:`"auto"`)
         threads (int, optional): torch threads per client; :obj:`0` for torch's default.
@@ -155,19 +159,19 @@ class TrainingSettings:
 
     mode: str = "lazy"
     seed: int = 0
-    rounds: int | list[int] = 200
-    local_epochs: int | list[int] = 1
+    rounds: int | list[int] = 16
+    local_epochs: int | list[int] = 5
     optimizer: str = "sgd"
     momentum: float = 0.0
     lr: float | list[float] = 1.0
-    server_optimizer: str = "adam"
-    server_lr: float | list[float] = 0.01
+    server_optimizer: str = "avg"
+    server_lr: float | list[float] = 1.0
     weight_decay: float = 5e-4
-    patience: int = 0
-    min_rounds: int = 0
+    patience: int = 5
+    min_rounds: int = 4
     precompute: bool = False
     drift_correction: str = "none"
-    self_training: int = 0
+    self_training: int = 1
     pseudo_threshold: float = 0.9
     pseudo_per_class: int = 0
     pass_init: str = "warm"
@@ -201,8 +205,8 @@ class TrainingSettings:
             raise ValueError(f"server-optimizer must be avg or adam, got {self.server_optimizer!r}")
         if self.optimizer not in ("adam", "sgd"):
             raise ValueError(f"optimizer must be adam or sgd, got {self.optimizer!r}")
-        if self.profile not in ("default", "edge"):
-            raise ValueError(f"profile must be default or edge, got {self.profile!r}")
+        if self.profile not in ("default", "edge", "exact"):
+            raise ValueError(f"profile must be default, edge or exact, got {self.profile!r}")
         if self.threads < 0 or self.chunk_rows < 0:
             raise ValueError("threads and chunk-rows must be >= 0")
         if self.drift_correction not in DRIFT_CORRECTIONS:
@@ -279,6 +283,60 @@ SECTIONS: dict[str, type] = {
 }
 
 
+#: ``--profile exact``: the exact mode, the defaults before round-efficient training. Five stages
+#: of one full-batch SGD step (lr 1) a round for 200 rounds, so the averaged update is the whole
+#: graph's gradient and the server's Adam follows centralized Adam; 32-bit everything, no early
+#: stopping, no self-training.
+EXACT_PROFILE: dict[str, Any] = {
+    "stages": 5,
+    "hidden": 256,
+    "rounds": 200,
+    "local_epochs": 1,
+    "lr": 1.0,
+    "server_optimizer": "adam",
+    "server_lr": 0.01,
+    "patience": 0,
+    "min_rounds": 0,
+    "self_training": 0,
+    "update_bits": 32,
+    "broadcast_bits": 32,
+    "norm": "layer",
+}
+
+#: What the end-to-end modes change from the lazy defaults (chosen on validation; see
+#: ``bench/README.md``, "Round-efficient defaults"). Centralized and data-center training run
+#: full-batch Adam epochs (``rounds`` x ``local-epochs`` of them at ``server-lr``).
+_END_TO_END: dict[str, Any] = {
+    "hidden": 64,
+    "rounds": 200,
+    "local_epochs": 1,
+    "server_optimizer": "adam",
+    "server_lr": 0.01,
+    "patience": 0,
+    "min_rounds": 0,
+    "self_training": 0,
+}
+
+#: Each mode's own defaults, applied wherever a run left the lazy defaults.
+MODE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "centralized": _END_TO_END,
+    "datacenter": _END_TO_END,
+    "eager": {
+        "stages": 2,
+        "hidden": 64,
+        "rounds": 100,
+        "local_epochs": 1,
+        "server_optimizer": "adam",
+        "server_lr": 0.01,
+        "patience": 0,
+        "min_rounds": 0,
+        "self_training": 0,
+        "norm": "layer",
+    },
+}
+MODE_DEFAULTS["local"] = MODE_DEFAULTS["eager"]
+
+
 @dataclass
 class TrainConfig:
     """Every setting of a training run; kebab-case names are the run-config / CLI keys.
@@ -301,34 +359,35 @@ class TrainConfig:
     partitions: str = ""
     seed: int = 0
     model: str = "gcn"
-    stages: int = 5
+    stages: int = 3
     central_layers: int = 2
-    hidden: int = 256
+    hidden: int = 32
     pass_embedding: str = "hidden"
     # Self-training (lazy and centralized): after the last stage, every client labels its own
     # unlabeled nodes predicted with at least this confidence (never validation nodes), and the
     # whole stack is trained again on them, once per pass. The labels never leave the client.
-    self_training: int = 0  # extra passes
+    self_training: int = 1  # extra passes
     pseudo_threshold: float = 0.9
     pseudo_per_class: int = 0  # at most this many new labels per predicted class and client; 0: no cap
     # A pass's stages start from the previous pass's kept weights ("warm") or new ones ("fresh").
     pass_init: str = "warm"
-    rounds: int | list[int] = 200
-    local_epochs: int | list[int] = 1
-    # One local SGD step (lr 1) per round makes the averaged update the exact full-graph
-    # gradient; the server's Adam then follows centralized Adam (see ServerOptimizer).
+    # Round-efficient defaults (issue 16): a few rounds of 5 local SGD steps a stage, FedAvg,
+    # early stopping, 4-bit updates and broadcasts, one warm self-training pass. ``profile="exact"`` restores one full-batch
+    # step a round with the server's Adam, which follows centralized Adam (see EXACT_PROFILE).
+    rounds: int | list[int] = 16
+    local_epochs: int | list[int] = 5
     optimizer: str = "sgd"
     momentum: float = 0.0
     lr: float | list[float] = 1.0
-    server_optimizer: str = "adam"
-    server_lr: float | list[float] = 0.01
+    server_optimizer: str = "avg"
+    server_lr: float | list[float] = 1.0
     weight_decay: float = 5e-4
     dropout: float | list[float] = 0.5
     input_dropout: float | list[float] = 0.5
-    norm: str = "layer"
+    norm: str = "none"
     heads: int = 4
-    patience: int = 0  # early stopping: rounds without a validation gain (0: never stop)
-    min_rounds: int = 0  # rounds a stage runs before early stopping may end it
+    patience: int = 5  # early stopping: rounds without a validation gain (0: never stop)
+    min_rounds: int = 4  # rounds a stage runs before early stopping may end it
     # GCN / SAGE stages: aggregate the frozen stage input once, then every round is dense.
     precompute: bool = False
     # Many local steps a round: "scaffold" corrects client drift with control variates.
@@ -349,8 +408,8 @@ class TrainConfig:
     link_bandwidths: str = ""
     time_budget: float = 0.0
     rate_schedule: str = "fixed"
-    update_bits: int = 32
-    broadcast_bits: int = 32  # the server's model broadcast as b-bit deltas (32: whole state)
+    update_bits: int = 4
+    broadcast_bits: int = 4  # the server's model broadcast as b-bit deltas (32: whole state)
     range_dtype: str = "fp16"
     # End-to-end encryption of boundary payloads between clients (DESIGN section 6).
     encrypt: bool = True
@@ -385,6 +444,11 @@ class TrainConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        # A profile or a mode replaces only what the run left at the lazy defaults, so that an
+        # explicit setting always wins (one equal to a lazy default is taken as left alone).
+        if self.profile == "exact":
+            self._fill(EXACT_PROFILE)
+        self._fill(MODE_DEFAULTS.get(self.mode, {}))
         if self.profile == "edge":
             self.device = "cpu" if self.device == "auto" else self.device
             self.threads = self.threads or 1
@@ -392,6 +456,12 @@ class TrainConfig:
             self.bits = 8 if self.bits == 32 else self.bits
             self.update_bits = 8 if self.update_bits == 32 else self.update_bits
             self.broadcast_bits = 8 if self.broadcast_bits == 32 else self.broadcast_bits
+
+    def _fill(self, values: dict[str, Any]) -> None:
+        """Set each of ``values`` whose field still holds its class default."""
+        for f in dataclasses.fields(self):
+            if f.name in values and getattr(self, f.name) == f.default:
+                setattr(self, f.name, values[f.name])
 
     def _section(self, cls: type[_Section]) -> _Section:
         return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})

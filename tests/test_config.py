@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 USER_KEYS = {
     "mode", "dataset", "data-root", "split", "split-index", "clients", "method", "partitions",
     "seed", "model", "stages", "central-layers", "hidden", "pass-embedding", "self-training",
-    "pseudo-threshold", "pseudo-per-class", "rounds", "local-epochs", "optimizer", "momentum",
+    "pseudo-threshold", "pseudo-per-class", "pass-init", "rounds", "local-epochs", "optimizer", "momentum",
     "lr", "server-optimizer", "server-lr", "weight-decay", "dropout", "input-dropout", "norm",
     "heads", "patience", "min-rounds", "drift-correction", "precompute",
     "device", "round-seconds", "step-delay",

@@ -44,9 +44,9 @@ class CompressionSettings:
         rate_schedule (str, optional): ``"fixed"``, ``"linear:LO,HI"`` or ``"step:R0,R1,..."``
             (bits per value over exchanges). (default: :obj:`"fixed"`)
         update_bits (int, optional): bits per value of model updates (deltas with error feedback
-            below 32). (default: :obj:`32`)
+            below 32). (default: :obj:`4`)
         broadcast_bits (int, optional): bits per value of the server's model broadcast (deltas
-            below 32, the whole state at 32). (default: :obj:`32`)
+            below 32, the whole state at 32). (default: :obj:`4`)
         range_dtype (str, optional): dtype of the per-row ranges and of 16-bit passthrough,
             ``"fp16"`` or ``"bf16"``. (default: :obj:`"fp16"`)
     """
@@ -57,8 +57,8 @@ class CompressionSettings:
     link_bandwidths: str = ""
     time_budget: float = 0.0
     rate_schedule: str = "fixed"
-    update_bits: int = 32
-    broadcast_bits: int = 32
+    update_bits: int = 4
+    broadcast_bits: int = 4
     range_dtype: str = "fp16"
 
     def validate(self) -> CompressionSettings:

@@ -443,9 +443,14 @@ class TrainConfig:
     out_dir: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> TrainConfig:
+        # The settings given by name: a profile or a mode's defaults never replace them.
+        self = super().__new__(cls)
+        self._given = frozenset(kwargs)
+        return self
+
     def __post_init__(self) -> None:
-        # A profile or a mode replaces only what the run left at the lazy defaults, so that an
-        # explicit setting always wins (one equal to a lazy default is taken as left alone).
+        # A profile or a mode sets what the run did not give (see ``__new__``).
         if self.profile == "exact":
             self._fill(EXACT_PROFILE)
         self._fill(MODE_DEFAULTS.get(self.mode, {}))
@@ -458,10 +463,11 @@ class TrainConfig:
             self.broadcast_bits = 8 if self.broadcast_bits == 32 else self.broadcast_bits
 
     def _fill(self, values: dict[str, Any]) -> None:
-        """Set each of ``values`` whose field still holds its class default."""
-        for f in dataclasses.fields(self):
-            if f.name in values and getattr(self, f.name) == f.default:
-                setattr(self, f.name, values[f.name])
+        """Set each of ``values`` that the constructor was not given."""
+        given = getattr(self, "_given", frozenset())
+        for name, value in values.items():
+            if name not in given:
+                setattr(self, name, value)
 
     def _section(self, cls: type[_Section]) -> _Section:
         return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
@@ -571,6 +577,25 @@ class TrainConfig:
                 raise ValueError(f"unknown setting {key!r}")
             kwargs[name] = parse_list(value) if name in PER_STAGE else value
         return cls(**kwargs).validate()
+
+    @classmethod
+    def from_run_config(cls, values: dict[str, Any]) -> TrainConfig:
+        """Build from a Flower run config, in which a key equal to its default counts as not given.
+
+        Flower merges ``[tool.flwr.app.config]`` into every run config, so every key arrives;
+        those still at the lazy defaults must leave room for the mode's and profile's own
+        defaults (``--run-config "mode='eager'"`` gets eager's). A value given on purpose that
+        equals the lazy default is taken as the mode's default: give another value to pin it.
+        """
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        kept = {}
+        for key, value in values.items():
+            name = key.replace("-", "_")
+            parsed = parse_list(value) if name in PER_STAGE else value
+            if name in defaults and parsed == defaults[name] and name not in ("mode", "profile"):
+                continue
+            kept[key] = value
+        return cls.from_mapping(kept)
 
     @classmethod
     def from_sections(cls, extra: dict[str, Any] | None = None, **sections: Any) -> TrainConfig:

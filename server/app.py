@@ -57,4 +57,4 @@ def run_server(grid: Grid, cfg: TrainConfig) -> dict[str, Any]:
 def main(grid: Grid, context: Context) -> None:
     """The ServerApp's entry point: the run config is the federation's ``[tool.flwr.app.config]``."""
     shorten_object_pulls()  # replies' objects: retry after 20 ms, not Flower's 1 s
-    run_server(grid, TrainConfig.from_mapping(dict(context.run_config)))
+    run_server(grid, TrainConfig.from_run_config(dict(context.run_config)))

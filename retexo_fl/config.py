@@ -397,7 +397,8 @@ class TrainConfig:
     round_seconds: float = 0.0
     step_delay: str = ""  # "P:seconds,...": slow client P down by that much per step (emulation)
     # Small clients: profile "edge" means CPU, bounded threads, embeddings in row chunks and
-    # 8-bit boundary rows, updates and broadcasts wherever those were left at their defaults.
+    # 8-bit boundary rows, updates and broadcasts wherever those were 32-bit (model deltas are
+    # 4-bit by default).
     profile: str = "default"
     threads: int = 0  # torch threads per client (0: torch's default)
     chunk_rows: int = 0  # embeddings for this many target rows at a time (0: all at once)

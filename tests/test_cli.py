@@ -56,6 +56,8 @@ def test_partition_then_train(tmp_path, capsys):
                 "3",
                 "--rounds",
                 "20,10",
+                "--profile",
+                "exact",
                 "--out",
                 str(run),
             ]

@@ -49,7 +49,7 @@ _CHILD = textwrap.dedent(
 def test_edge_profile_defaults():
     cfg = TrainConfig(profile="edge")
     assert (cfg.device, cfg.threads, cfg.chunk_rows) == ("cpu", 1, 4096)
-    assert (cfg.bits, cfg.update_bits, cfg.broadcast_bits) == (8, 8, 8)
+    assert (cfg.bits, cfg.update_bits, cfg.broadcast_bits) == (8, 4, 4)  # model deltas are 4-bit by default
     assert TrainConfig(profile="edge", bits=4, chunk_rows=100).bits == 4  # what the user set stays
     assert TrainConfig.from_mapping(TrainConfig(profile="edge").to_dict()).chunk_rows == 4096
     with pytest.raises(ValueError, match="profile"):

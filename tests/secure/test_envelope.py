@@ -123,7 +123,7 @@ def test_clients_refuse_a_directory_that_disagrees_with_the_pins(sbm, tmp_path):
 
 def test_encryption_changes_bytes_by_envelopes_only(sbm):
     parts = partition_graph(sbm, 3, "random", seed=0)
-    cfg = TrainConfig(model="gcn", stages=3, hidden=16, rounds=20, seed=0)
+    cfg = TrainConfig(model="gcn", stages=3, hidden=16, rounds=20, seed=0, profile="exact")
     sealed = run_lazy(parts, cfg)
     plain = run_lazy(parts, dataclasses.replace(cfg, encrypt=False))
     assert sealed["test_accuracy"] == plain["test_accuracy"]

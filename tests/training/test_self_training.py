@@ -125,3 +125,33 @@ def test_centralized_self_training_pass(sbm):
     first, second = summary["stages"]
     assert second["train_nodes"] > first["train_nodes"] == int(sbm.train_mask.sum())
     assert summary["test_accuracy"] >= 0.9
+
+
+@pytest.mark.parametrize("pass_init", ["warm", "fresh"])
+def test_a_warm_pass_starts_from_the_previous_pass_kept_weights(sbm, pass_init, monkeypatch):
+    # What each stage's rounds start from (RoundLoop.start's state: the first broadcast, sent
+    # whole) against what each stage kept (on_stage). Warm, a pass's stage starts at the previous
+    # pass's kept weights of its layer; fresh, at new initial weights, as the first pass does.
+    from retexo_fl.training.rounds import RoundLoop
+
+    starts: list[dict[str, torch.Tensor]] = []
+    original = RoundLoop.start
+
+    def recording_start(self, state, *args, **kwargs):
+        starts.append({k: v.clone() for k, v in state.items()})
+        return original(self, state, *args, **kwargs)
+
+    monkeypatch.setattr(RoundLoop, "start", recording_start)
+    cfg = TrainConfig(
+        stages=2, hidden=8, rounds=6, seed=0, self_training=1, pass_init=pass_init, pseudo_threshold=0.6
+    )
+    kept: dict[int, dict[str, torch.Tensor]] = {}
+    run_lazy(partition_graph(sbm, 3, "metis", seed=0), cfg, on_stage=lambda s, state: kept.update({s: state}))
+    assert len(starts) == 4
+    for layer in (0, 1):
+        same = all(torch.equal(starts[2 + layer][k], kept[layer][k]) for k in kept[layer])
+        assert same == (pass_init == "warm")
+        # Fresh passes rebuild the first pass's architecture, with their own initial weights.
+        assert starts[2 + layer].keys() == kept[layer].keys()
+    with pytest.raises(ValueError, match="pass-init"):
+        TrainConfig(pass_init="hot").validate()

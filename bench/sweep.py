@@ -29,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_ROOT, run_jobs
 
+
 def private_root(root: str, datasets: list[str]) -> Path:
     """Copy the shared datasets' raw files into a temporary folder and process each one once.
 
@@ -126,7 +127,9 @@ def print_summary(rows: list[dict]) -> None:
         )
     errors = [r for r in rows if "error" in r]
     for r in errors:
-        print(f"error: {r['name']} {r['dataset']}:{r['method']}:{r['clients']} seed {r['seed']}: {r['error']}")
+        print(
+            f"error: {r['name']} {r['dataset']}:{r['method']}:{r['clients']} seed {r['seed']}: {r['error']}"
+        )
 
 
 def main() -> int:
@@ -153,7 +156,15 @@ def main() -> int:
     cells = cells_from(args.cells)
     root = private_root(args.root, [d for d, _, _ in cells])
     jobs = [
-        {"phase": args.phase, "name": name, "flags": flags, "dataset": d, "method": m, "clients": k, "seed": int(s)}
+        {
+            "phase": args.phase,
+            "name": name,
+            "flags": flags,
+            "dataset": d,
+            "method": m,
+            "clients": k,
+            "seed": int(s),
+        }
         for d, m, k in cells
         for name, flags in candidates.items()
         for s in args.seeds.split(",")
@@ -166,9 +177,15 @@ def main() -> int:
         str(root),
         partial,
         args.workers,
-        lambda r: f"{r['name']} {r['dataset']}:{r['method']}:{r['clients']} s{r['seed']} "
-        + (r["error"] if "error" in r else f"val {r['val_accuracy']:.3f} test {r['test_accuracy']:.3f} "
-           f"rounds {r['rounds']} {r['bytes_total'] / 1e6:.1f} MB {r['wall_seconds']:.0f}s"),
+        lambda r: (
+            f"{r['name']} {r['dataset']}:{r['method']}:{r['clients']} s{r['seed']} "
+            + (
+                r["error"]
+                if "error" in r
+                else f"val {r['val_accuracy']:.3f} test {r['test_accuracy']:.3f} "
+                f"rounds {r['rounds']} {r['bytes_total'] / 1e6:.1f} MB {r['wall_seconds']:.0f}s"
+            )
+        ),
     )
     with open(out, "a") as f:
         for r in rows:

@@ -372,8 +372,9 @@ class TrainConfig:
     # A pass's stages start from the previous pass's kept weights ("warm") or new ones ("fresh").
     pass_init: str = "warm"
     # Round-efficient defaults (issue 16): a few rounds of 5 local SGD steps a stage, FedAvg,
-    # early stopping, 4-bit updates and broadcasts, one warm self-training pass. ``profile="exact"`` restores one full-batch
-    # step a round with the server's Adam, which follows centralized Adam (see EXACT_PROFILE).
+    # early stopping, 4-bit updates and broadcasts, one warm self-training pass.
+    # ``profile="exact"`` restores one full-batch step a round with the server's Adam, which
+    # follows centralized Adam (see EXACT_PROFILE).
     rounds: int | list[int] = 16
     local_epochs: int | list[int] = 5
     optimizer: str = "sgd"

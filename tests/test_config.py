@@ -130,7 +130,11 @@ def test_checks_across_sections():
 def test_edge_profile_fills_only_what_was_left_at_its_default():
     edge = TrainConfig(profile="edge", bits=4)
     assert (edge.device, edge.threads, edge.chunk_rows) == ("cpu", 1, 4096)
-    assert (edge.bits, edge.update_bits, edge.broadcast_bits) == (4, 4, 4)  # updates and broadcasts: already 4-bit by default
+    assert (edge.bits, edge.update_bits, edge.broadcast_bits) == (
+        4,
+        4,
+        4,
+    )  # updates and broadcasts: already 4-bit by default
 
 
 def test_the_apps_run_config_is_a_valid_train_config():

@@ -47,7 +47,15 @@ from retexo_fl.training.transport import Batch
 
 pytestmark = pytest.mark.slow  # each worker is a process that imports torch (about 3 s)
 
-CFG = {"dataset": "sbm:400,4", "clients": 2, "method": "random", "stages": 3, "rounds": 4, "hidden": 16, "profile": "exact"}
+CFG = {
+    "dataset": "sbm:400,4",
+    "clients": 2,
+    "method": "random",
+    "stages": 3,
+    "rounds": 4,
+    "hidden": 16,
+    "profile": "exact",
+}
 
 
 class WorkerTransport(InProcessTransport):

@@ -36,7 +36,9 @@ from retexo_fl.training.stages import LazyStageMachine
 from retexo_fl.training.transport import Batch, ClientFailure
 
 Tamper = Callable[[str, int, Records], Records]
-CFG = dict(clients=3, model="gcn", stages=2, hidden=8, rounds=3, patience=0, min_rounds=0, seed=0, self_training=0)
+CFG = dict(
+    clients=3, model="gcn", stages=2, hidden=8, rounds=3, patience=0, min_rounds=0, seed=0, self_training=0
+)
 
 
 class ClientAppTransport(InProcessTransport):

@@ -33,7 +33,7 @@ from retexo_fl.runner import train  # noqa: E402
 from server.checkpoint import FileCheckpoints  # noqa: E402
 
 pytestmark = pytest.mark.slow
-RUN = "stages=2 rounds='3' hidden=16 seed=1"
+RUN = "profile='exact' stages=2 rounds='3' hidden=16 seed=1"
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,11 @@ def test_unregistered_supernode_is_refused(federation):
 def _simulated(parts: Path, rounds: int = 3) -> dict:
     from server.simulation import simulate
 
-    return simulate(TrainConfig(partitions=str(parts), clients=3, stages=2, rounds=rounds, hidden=16, seed=1))
+    return simulate(
+        TrainConfig(
+            profile="exact", partitions=str(parts), clients=3, stages=2, rounds=rounds, hidden=16, seed=1
+        )
+    )
 
 
 def _run_and_wait_for_stage_1(fed, out: Path, extra: str = "") -> int:
@@ -173,7 +177,9 @@ def test_plain_flower_supernode_still_works_beside_retexo_supernodes(data_root, 
     deployed = json.loads((out / "summary.json").read_text())
     # In process, not in Ray: the engines agree (tested above and in tests/test_resume.py), and
     # a second simulation would add half a minute to the slowest test of the suite.
-    cfg = TrainConfig(partitions=str(parts), clients=3, stages=2, rounds=1, hidden=16, seed=1)
+    cfg = TrainConfig(
+        profile="exact", partitions=str(parts), clients=3, stages=2, rounds=1, hidden=16, seed=1
+    )
     in_process = train(cfg, RunRecorder(None, stream=None))
     assert deployed["test_accuracy"] == pytest.approx(in_process["test_accuracy"], abs=0.005)
     assert deployed["bytes_boundary"] == in_process["bytes_boundary"]

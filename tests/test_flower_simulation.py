@@ -23,6 +23,7 @@ def _both_engines(cfg: TrainConfig, rec: RunRecorder | None = None) -> tuple[dic
 @pytest.mark.slow
 def test_simulation_matches_in_process(tmp_path):
     cfg = TrainConfig(
+        profile="exact",  # the settings below as given; the rest as before the round-efficient defaults
         dataset="sbm:500,3,8,0.85",
         clients=3,
         method="metis",
@@ -94,7 +95,7 @@ def test_failing_client_ends_the_run_with_its_name(tmp_path):
     x = np.load(parts / "part-2" / "x.npy")
     x[0, 0] = np.nan
     np.save(parts / "part-2" / "x.npy", x)
-    cfg = TrainConfig(partitions=str(parts), clients=3, stages=2, hidden=8, rounds=2)
+    cfg = TrainConfig(partitions=str(parts), clients=3, stages=2, hidden=8, rounds=2, profile="exact")
     with pytest.raises(
         ClientFailure,
         match=r"failed during (key )?setup: client 2: PartitionError: .*part-2/x\.npy: field 'checksum'",
@@ -131,7 +132,9 @@ def test_client_failing_mid_stage_ends_the_run_with_its_name(tmp_path, node_work
 
     watcher = threading.Thread(target=corrupt_when_stage_1_starts, daemon=True)
     watcher.start()
-    cfg = TrainConfig(dataset="sbm:300,3", clients=3, stages=2, hidden=8, rounds=[2, 40], seed=0)
+    cfg = TrainConfig(
+        dataset="sbm:300,3", clients=3, stages=2, hidden=8, rounds=[2, 40], seed=0, profile="exact"
+    )
     try:
         with pytest.raises(ClientFailure, match=r"client 2 failed during stage 1 round \d+: client 2: "):
             simulate(cfg)
@@ -144,6 +147,7 @@ def test_client_failing_mid_stage_ends_the_run_with_its_name(tmp_path, node_work
 @pytest.mark.parametrize("mode", ["eager", "local"])
 def test_baselines_match_in_process(tmp_path, mode):
     cfg = TrainConfig(
+        profile="exact",  # the settings below as given; the rest as before the round-efficient defaults
         mode=mode,
         dataset="sbm:300,3,8,0.85",
         clients=3,
@@ -179,6 +183,7 @@ def test_time_based_rounds_in_simulation(tmp_path):
     from server.simulation import simulate
 
     cfg = TrainConfig(
+        profile="exact",  # the settings below as given; the rest as before the round-efficient defaults
         mode="local",
         dataset="sbm:300,3,8,0.85",
         clients=3,
@@ -199,6 +204,7 @@ def test_time_based_rounds_in_simulation(tmp_path):
 @pytest.mark.slow
 def test_self_training_in_simulation_matches_in_process(tmp_path):
     cfg = TrainConfig(
+        profile="exact",  # the settings below as given; the rest as before the round-efficient defaults
         dataset="sbm:400,3,8,0.85",
         clients=3,
         method="metis",
@@ -227,6 +233,7 @@ def test_secure_aggregation_on_cora_matches_in_process_and_plain(tmp_path, data_
     """Masked replies, sealed shares and the unmask message through Flower's simulation engine:
     the same weights as in process, and the accuracy of plain aggregation on Cora."""
     cfg = TrainConfig(
+        profile="exact",  # the settings below as given; the rest as before the round-efficient defaults
         dataset="Cora",
         data_root=str(data_root),
         clients=4,

@@ -36,6 +36,7 @@ SETTINGS = {
     "hidden": 16,
     "rounds": "4,12,12",
     "seed": 0,
+    "profile": "exact",
 }
 # Killed in the second pass of self-training: the clients' own labels must come back from their
 # node-local state, or the resumed pass would train on other labels.
@@ -82,7 +83,7 @@ def test_killed_run_resumes_to_the_uninterrupted_accuracy(tmp_path, settings, ki
     assert killed_at is not None, f"the run ended or stalled before stage, round {kill_at}"
     assert killed_at[0] == kill_at[0] and not (run / "summary.json").exists()
 
-    resumed = simulate(TrainConfig(resume=str(run)))
+    resumed = simulate(TrainConfig(profile="exact", resume=str(run)))
     assert resumed["resumed"] is True
     cfg = TrainConfig.from_mapping(settings)
     assert [s["stage"] for s in resumed["stages"]] == list(range(cfg.total_stages))

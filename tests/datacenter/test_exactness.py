@@ -47,6 +47,7 @@ def config(algorithm: str, procs: int) -> TrainConfig:
     # Three layers: 3D's products alternate orientation, so both orientations and both
     # transposed orientations run. Widths 10 / 8 / 3 split unevenly over 2D/3D column groups.
     return TrainConfig(
+        profile="exact",
         mode="datacenter",
         algorithm=algorithm,
         procs=procs,

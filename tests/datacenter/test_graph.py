@@ -45,7 +45,7 @@ def test_pooling_needs_every_node_once(sbm):
 
 def test_residency_bound_partitions_are_refused(sbm, tmp_path):
     root = _write(partition_graph(sbm, 2, "metis", seed=0), tmp_path, bound=True)
-    cfg = TrainConfig(mode="datacenter", partitions=str(root), procs=2)
+    cfg = TrainConfig(profile="exact", mode="datacenter", partitions=str(root), procs=2)
     with pytest.raises(ResidencyError, match=r"part-0, part-1 are residency-bound.*--trusted-cluster"):
         check_residency(cfg)
     with pytest.raises(ResidencyError):
@@ -57,18 +57,20 @@ def test_residency_bound_partitions_are_refused(sbm, tmp_path):
 
 def test_manifest_without_the_field_is_bound(sbm, tmp_path):
     root = _write(partition_graph(sbm, 2, "metis", seed=0), tmp_path, bound=False)
-    check_residency(TrainConfig(mode="datacenter", partitions=str(root), procs=2))  # free: fine
+    check_residency(
+        TrainConfig(profile="exact", mode="datacenter", partitions=str(root), procs=2)
+    )  # free: fine
     manifest = root / "part-1" / "manifest.json"
     data = json.loads(manifest.read_text())
     del data["residency_bound"]
     manifest.write_text(json.dumps(data))
     with pytest.raises(ResidencyError, match="part-1"):
-        check_residency(TrainConfig(mode="datacenter", partitions=str(root), procs=2))
+        check_residency(TrainConfig(profile="exact", mode="datacenter", partitions=str(root), procs=2))
 
 
 def test_adjacency_is_the_centralized_normalization(sbm):
     """The matrix the processes cut is what the centralized GCN propagates with."""
-    cfg = TrainConfig(dataset="unused")
+    cfg = TrainConfig(profile="exact", dataset="unused")
     part = whole_graph_partition(sbm)
     graph = LocalGraph.build(part, BoundaryPlan.from_partition(part))
     ei, w = graph.gcn_weights(torch.zeros(0))
@@ -83,10 +85,10 @@ def test_adjacency_is_the_centralized_normalization(sbm):
 
 def test_process_grids_are_checked():
     with pytest.raises(ValueError, match="square"):
-        TrainConfig(mode="datacenter", algorithm="2d", procs=6).validate()
+        TrainConfig(profile="exact", mode="datacenter", algorithm="2d", procs=6).validate()
     with pytest.raises(ValueError, match="cube"):
-        TrainConfig(mode="datacenter", algorithm="3d", procs=4).validate()
+        TrainConfig(profile="exact", mode="datacenter", algorithm="3d", procs=4).validate()
     with pytest.raises(ValueError, match="replication factor 3"):
-        TrainConfig(mode="datacenter", algorithm="1.5d", procs=4, replication=3).validate()
+        TrainConfig(profile="exact", mode="datacenter", algorithm="1.5d", procs=4, replication=3).validate()
     with pytest.raises(ValueError, match="algorithm"):
-        TrainConfig(mode="datacenter", algorithm="4d").validate()
+        TrainConfig(profile="exact", mode="datacenter", algorithm="4d").validate()

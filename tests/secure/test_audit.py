@@ -28,7 +28,15 @@ def test_audit_passes_on_a_federated_run(parts_dir, tmp_path, capsys):
     root, _ = parts_dir
     audit = tmp_path / "audit"
     cfg = TrainConfig(
-        partitions=str(root), clients=3, model="gcn", hidden=16, stages=3, rounds=3, seed=0, audit=str(audit)
+        profile="exact",
+        partitions=str(root),
+        clients=3,
+        model="gcn",
+        hidden=16,
+        stages=3,
+        rounds=3,
+        seed=0,
+        audit=str(audit),
     )
     simulate(cfg)
     figures, findings = check_audit(audit)

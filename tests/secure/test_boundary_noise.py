@@ -43,7 +43,9 @@ def test_epsilon_matches_the_closed_form_of_gaussian_rdp():
 
 
 def test_peers_get_noised_rows_and_the_owner_keeps_its_own(sbm):
-    cfg = TrainConfig(clients=3, stages=3, hidden=8, encrypt=False, boundary_clip=1.0, boundary_noise=0.5)
+    cfg = TrainConfig(
+        profile="exact", clients=3, stages=3, hidden=8, encrypt=False, boundary_clip=1.0, boundary_noise=0.5
+    )
     part = partition_graph(sbm, 3, "random", seed=0)[0]
     client = LazyClient(part, cfg)
     emb = torch.rand(part.num_nodes, 8)

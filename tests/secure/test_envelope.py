@@ -111,7 +111,9 @@ def test_pins_catch_a_swapped_key(tmp_path):
 
 def test_clients_refuse_a_directory_that_disagrees_with_the_pins(sbm, tmp_path):
     main(["keys", "--clients", "3", "--out", str(tmp_path)])
-    cfg = TrainConfig(clients=3, identity_keys=str(tmp_path), pinned_keys=str(tmp_path / "pins.json"))
+    cfg = TrainConfig(
+        profile="exact", clients=3, identity_keys=str(tmp_path), pinned_keys=str(tmp_path / "pins.json")
+    )
     clients = [LazyClient(p, cfg) for p in partition_graph(sbm, 3, "random", seed=0)]
     Federation(InProcessTransport(clients), cfg, RunRecorder(None, stream=None)).setup()  # honest: pins match
     directory = {c.id: c.public_key() for c in clients}

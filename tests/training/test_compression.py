@@ -68,6 +68,6 @@ def test_bandwidth_specs(tmp_path):
     with pytest.raises(ValueError, match="must be > 0"):
         parse_bandwidths("0:0")
     with pytest.raises(ValueError, match="adaptive-bandwidth needs link-bandwidths"):
-        TrainConfig(bit_policy="adaptive-bandwidth").validate()
+        TrainConfig(profile="exact", bit_policy="adaptive-bandwidth").validate()
     with pytest.raises(ValueError, match="bits and update-bits"):
-        TrainConfig(bits=3).validate()
+        TrainConfig(profile="exact", bits=3).validate()

@@ -66,7 +66,7 @@ def test_one_local_step_is_unchanged_by_the_correction():
 
 @pytest.mark.parametrize("update_bits", [32, 8])
 def test_client_and_server_derive_the_same_control_variates(sbm, update_bits):
-    cfg = TrainConfig(
+    cfg = TrainConfig(profile="exact",
         clients=3, stages=1, hidden=8, local_epochs=3, lr=0.3, drift_correction="scaffold",
         update_bits=update_bits,
     )  # fmt: skip
@@ -81,9 +81,7 @@ def test_client_and_server_derive_the_same_control_variates(sbm, update_bits):
                     for c in clients}  # fmt: skip
         replies = {pid: handle(clients[pid], P.TRAIN, req).records for pid, req in requests.items()}
         states, _ = fed.updates([replies[c.id] for c in clients], state, codec, StageTracker(0), 0)
-        server.step(
-            [c.id for c in clients], state, states, [3] * 3, [float(c.num_train) for c in clients]
-        )
+        server.step([c.id for c in clients], state, states, [3] * 3, [float(c.num_train) for c in clients])
         for c in clients:
             assert all(torch.allclose(c.control[k], server.clients[c.id][k], atol=1e-6) for k in state)
         state = {k: sum(s[k] for s in states) / 3 for k in state}
@@ -103,11 +101,11 @@ def test_next_client_control_with_one_step_is_the_local_gradient():
 
 def test_scaffold_with_dp_or_centralized_is_refused():
     with pytest.raises(ValueError, match=r"drift-correction scaffold .* without dp-noise"):
-        TrainConfig(drift_correction="scaffold", dp_noise=1.0).validate()
+        TrainConfig(profile="exact", drift_correction="scaffold", dp_noise=1.0).validate()
     with pytest.raises(ValueError, match="drift-correction scaffold"):
-        TrainConfig(drift_correction="scaffold", mode="centralized").validate()
+        TrainConfig(profile="exact", drift_correction="scaffold", mode="centralized").validate()
     with pytest.raises(ValueError, match="drift-correction must be one of"):
-        TrainConfig(drift_correction="fedprox").validate()
+        TrainConfig(profile="exact", drift_correction="fedprox").validate()
 
 
 def test_compressed_control_variates_cost_less_and_still_correct():

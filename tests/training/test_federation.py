@@ -21,7 +21,9 @@ STATE = {"lin.weight": torch.zeros(4, 3), "lin.bias": torch.zeros(4)}
 
 
 def _federation(cfg: TrainConfig | None = None, clients=()) -> Federation:
-    return Federation(InProcessTransport(list(clients)), cfg or TrainConfig(), RunRecorder(None, stream=None))
+    return Federation(
+        InProcessTransport(list(clients)), cfg or TrainConfig(profile="exact"), RunRecorder(None, stream=None)
+    )
 
 
 def _one_client() -> Federation:
@@ -73,7 +75,7 @@ def test_bad_compressed_updates():
 
 
 def test_route_relays_to_live_clients_and_counts_every_byte():
-    fed = _federation(TrainConfig(clients=3))
+    fed = _federation(TrainConfig(profile="exact", clients=3))
     for pid in range(3):
         fed.members.claim(pid, pid)
     out = fed.route({0: {"to-1": b"abc", "to-2": b"de"}, 1: {"to-0": b"f"}, 2: {"to-9": b"lost"}}, P.HALO)
@@ -84,7 +86,7 @@ def test_route_relays_to_live_clients_and_counts_every_byte():
 
 
 def test_setup_claims_every_partition_and_relays_sealed_degrees(sbm):
-    cfg = TrainConfig(clients=3, stages=2, hidden=8)
+    cfg = TrainConfig(profile="exact", clients=3, stages=2, hidden=8)
     clients = [LazyClient(p, cfg) for p in partition_graph(sbm, 3, "random", seed=0)]
     fed = _federation(cfg, clients)
     degrees = fed.setup()

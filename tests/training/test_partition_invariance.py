@@ -24,6 +24,7 @@ def test_same_stage_weights_on_1_and_4_partitions(cora, server_optimizer):
     # the averaged update is then exactly the whole-graph gradient step, if (and only if) halo
     # exchange and global-degree normalization are right.
     cfg = TrainConfig(
+        profile="exact",
         model="gcn",
         stages=3,
         hidden=32,
@@ -65,6 +66,7 @@ def test_invariance_detects_a_wrong_normalization(cora):
     from retexo_fl.training import client as client_mod
 
     cfg = TrainConfig(
+        profile="exact",
         model="gcn",
         stages=2,
         hidden=16,

@@ -17,7 +17,9 @@ from retexo_fl.training.lazy_client import LazyClient
 def _stage_one_client(sbm, model: str, precompute: bool) -> LazyClient:
     """Client 0 of 3 random partitions at stage 1, its owned and halo rows set by hand-free
     means: the rows are random but fixed, the edges (and GCN weights) the client's own."""
-    cfg = TrainConfig(clients=3, stages=2, hidden=8, model=model, input_dropout=0.0, precompute=precompute)
+    cfg = TrainConfig(
+        profile="exact", clients=3, stages=2, hidden=8, model=model, input_dropout=0.0, precompute=precompute
+    )
     part = partition_graph(sbm, 3, "random", seed=0)[0]
     client = LazyClient(part, cfg)
     client.stage = 1
@@ -78,6 +80,8 @@ def test_the_cli_key_reaches_the_clients():
     cfg = TrainConfig.from_mapping({"precompute": True, "model": "sage"})
     assert cfg.precompute and cfg.training.precompute
     quiet = RunRecorder(None, stream=None)
-    cfg = TrainConfig(dataset="sbm:300,3", clients=2, stages=2, hidden=8, rounds=3, precompute=True)
+    cfg = TrainConfig(
+        profile="exact", dataset="sbm:300,3", clients=2, stages=2, hidden=8, rounds=3, precompute=True
+    )
     summary = train(cfg, quiet)
     assert summary["config"]["precompute"] is True and 0 <= summary["test_accuracy"] <= 1

@@ -113,11 +113,19 @@ def test_epsilon_follows_the_gaussian_mechanism():
 def test_private_lazy_training_reports_its_budget(sbm):
     parts = partition_graph(sbm, 3, "metis", seed=0)
     cfg = TrainConfig(
-        model="gcn", stages=2, hidden=16, rounds=30, seed=0, dp_noise=0.3, dp_clip=1.0, dp_reproducible=True
+        profile="exact",
+        model="gcn",
+        stages=2,
+        hidden=16,
+        rounds=30,
+        seed=0,
+        dp_noise=0.3,
+        dp_clip=1.0,
+        dp_reproducible=True,
     )
     out = run_lazy(parts, cfg)
     assert out["privacy"]["releases"] == 60 and 0 < out["privacy"]["epsilon"] < math.inf
-    plain = run_lazy(parts, TrainConfig(model="gcn", stages=2, hidden=16, rounds=30, seed=0))
+    plain = run_lazy(parts, TrainConfig(profile="exact", model="gcn", stages=2, hidden=16, rounds=30, seed=0))
     assert plain["privacy"] is None
     # 3 classes: the noisy run still learns (well above chance), and pays for its privacy.
     assert 0.45 < out["test_accuracy"] < plain["test_accuracy"]
@@ -130,6 +138,7 @@ def test_private_training_is_the_same_in_flower():
     from server.simulation import simulate
 
     cfg = TrainConfig(
+        profile="exact",
         dataset="sbm:400,3,8,0.85",
         clients=3,
         model="gcn",

@@ -24,7 +24,7 @@ from retexo_fl.training.lazy_client import LazyClient
 from retexo_fl.training.stages import LazyStageMachine
 from retexo_fl.training.transport import Batch
 
-BASE = TrainConfig(model="gcn", stages=2, hidden=16, rounds=8, seed=0)
+BASE = TrainConfig(profile="exact", model="gcn", stages=2, hidden=16, rounds=8, seed=0)
 
 
 def _kept(parts, cfg) -> tuple[dict, dict]:

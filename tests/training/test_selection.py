@@ -52,7 +52,7 @@ def test_settings_that_cannot_work_are_refused(values, message):
 
 
 def test_zero_local_epochs_is_fine_with_a_time_budget():
-    TrainConfig(mode="local", local_epochs=0, round_seconds=0.5).validate()
+    TrainConfig(profile="exact", mode="local", local_epochs=0, round_seconds=0.5).validate()
 
 
 def test_a_stopped_stage_counts_exactly_the_rounds_it_sent():

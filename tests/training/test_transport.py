@@ -21,7 +21,7 @@ from retexo_fl.training.transport import ClientFailure, Membership
 
 
 def _members(**kw) -> Membership:
-    m = Membership(TrainConfig(clients=4, **kw), RunRecorder(None, stream=None))
+    m = Membership(TrainConfig(profile="exact", clients=4, **kw), RunRecorder(None, stream=None))
     for pid in range(4):
         m.claim(pid, 10 + pid)
     return m
@@ -51,7 +51,8 @@ def test_fail_halo_policy_ends_a_run_that_would_miss_boundary_rows():
 
 def test_a_node_lost_before_it_said_its_partition_is_dropped_as_the_policy_says():
     m = Membership(
-        TrainConfig(clients=4, min_clients=3, on_missing_halo="zero"), RunRecorder(None, stream=None)
+        TrainConfig(profile="exact", clients=4, min_clients=3, on_missing_halo="zero"),
+        RunRecorder(None, stream=None),
     )
     assert m.name(99) == "node 99"
     m.lose(None, "key setup", "node 99 did not reply to key setup within 5s")  # nobody claimed yet
@@ -72,6 +73,7 @@ def test_min_clients_covers_key_setup_and_setup(sbm, phase, encrypt):
     if phase == P.HELLO and not encrypt:
         pytest.skip("without encryption there is no key setup")
     cfg = TrainConfig(
+        profile="exact",
         clients=3,
         stages=2,
         hidden=8,
@@ -99,7 +101,9 @@ def test_min_clients_covers_key_setup_and_setup(sbm, phase, encrypt):
     pairs = {pair for stage in out["missing_payloads"].values() for pair in stage}
     assert pairs == {"2->0", "2->1"}
     with pytest.raises(ClientFailure, match="did not reply"):
-        strict = TrainConfig(clients=3, stages=2, hidden=8, rounds=3, encrypt=encrypt, seed=0)
+        strict = TrainConfig(
+            profile="exact", clients=3, stages=2, hidden=8, rounds=3, encrypt=encrypt, seed=0
+        )
         LazyStageMachine(
             SilentAt([LazyClient(p, strict) for p in partition_graph(sbm, 3, "random", seed=0)]),
             strict,
@@ -115,7 +119,7 @@ def test_two_nodes_claiming_one_partition_end_the_run():
 @pytest.mark.parametrize("policy", ["fail", "zero", "reuse-last"])
 def test_clients_fill_a_lost_peers_halo_as_the_policy_says(sbm, policy):
     parts = partition_graph(sbm, 3, "random", seed=0)
-    client = LazyClient(parts[0], TrainConfig(on_missing_halo=policy, hidden=4))
+    client = LazyClient(parts[0], TrainConfig(profile="exact", on_missing_halo=policy, hidden=4))
     client.advance(torch.randn(parts[0].num_nodes, 4))  # stage 1: 4-wide inputs
     k = {q: int(ids.size) for q, ids in client.plan.recv.items()}
     full = {q: torch.full((k[q], 4), float(q + 1)) for q in k}
@@ -156,6 +160,7 @@ def test_a_client_dying_mid_stage_is_dropped_and_the_run_finishes(node_work_dir)
     )
     watcher.start()
     cfg = TrainConfig(
+        profile="exact",
         dataset="sbm:300,3",
         clients=3,
         stages=3,
@@ -183,6 +188,7 @@ def test_a_client_that_hangs_is_timed_out_and_dropped():
 
     started = time.time()
     cfg = TrainConfig(
+        profile="exact",
         mode="eager",
         dataset="sbm:300,3",
         clients=3,

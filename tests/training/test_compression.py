@@ -14,7 +14,9 @@ from retexo_fl.training.lazy_client import LazyClient
 
 
 def _cfg(**kw) -> TrainConfig:
-    return TrainConfig(**{"model": "gcn", "hidden": 16, "stages": 3, "rounds": 40, "seed": 0, **kw})
+    return TrainConfig(
+        **{"profile": "exact", "model": "gcn", "hidden": 16, "stages": 3, "rounds": 40, "seed": 0, **kw}
+    )
 
 
 def test_eight_bit_boundary_and_updates_keep_accuracy(sbm):

@@ -24,6 +24,7 @@ from retexo_fl.training.selection import StageTracker
 # the setting in which K local steps of FedAvg are K steps of gradient descent but for drift.
 # Label-skew partitions give every client a different optimum.
 SKEWED = dict(
+    profile="exact",
     dataset="sbm:600,4,10,0.4", clients=4, method="label-skew", hidden=16, stages=1, seed=0,
     dropout=0.0, input_dropout=0.0, weight_decay=0.0, optimizer="sgd", lr=0.5,
     server_optimizer="avg", server_lr=1.0, threads=1,

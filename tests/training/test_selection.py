@@ -56,7 +56,9 @@ def test_zero_local_epochs_is_fine_with_a_time_budget():
 
 
 def test_a_stopped_stage_counts_exactly_the_rounds_it_sent():
-    base = dict(dataset="sbm:400,3,8,0.8", clients=3, method="metis", hidden=8, stages=3, seed=0)
+    base = dict(
+        profile="exact", dataset="sbm:400,3,8,0.8", clients=3, method="metis", hidden=8, stages=3, seed=0
+    )
     quiet = RunRecorder(None, stream=None)
     # One round per stage gives each stage's model bytes per round (32-bit: every round the same).
     per_round = [s["bytes_model"] for s in train(TrainConfig(**base, rounds=1), quiet)["stages"]]

@@ -61,7 +61,9 @@ def test_config_refuses_self_training_where_it_does_not_apply():
 
 
 def test_lazy_self_training_pass(sbm):
-    cfg = TrainConfig(stages=2, hidden=16, rounds=30, seed=0, self_training=1)
+    cfg = TrainConfig(
+        profile="exact", stages=2, hidden=16, rounds=30, seed=0, self_training=1, pass_init="fresh"
+    )
     parts = partition_graph(sbm, 3, "metis", seed=0)
     seen: list[int] = []
     summary = run_lazy(parts, cfg, on_stage=lambda stage, state: seen.append(stage))

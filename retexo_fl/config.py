@@ -303,8 +303,8 @@ EXACT_PROFILE: dict[str, Any] = {
     "norm": "layer",
 }
 
-#: What the end-to-end modes change from the lazy defaults (chosen on validation; see
-#: ``bench/README.md``, "Round-efficient defaults"). Centralized and data-center training run
+#: What the end-to-end modes change from the lazy defaults: the 2-layer reference's settings of
+#: earlier benchmarks, not yet tuned on validation (issue 16). Centralized and data-center training run
 #: full-batch Adam epochs (``rounds`` x ``local-epochs`` of them at ``server-lr``).
 _END_TO_END: dict[str, Any] = {
     "hidden": 64,

@@ -54,6 +54,12 @@ RUN_KEY = "run-key"  # the server's key for this run; it outlives Flower's run i
 STAGE = "stage"
 ROUND = "round"
 VALIDATE = "validate"  # train: validate the received state first (all but a stage's first round)
+# train and evaluate (broadcast-bits < 32): the model held before this message's delta is the
+# stage's best so far; the client keeps a copy, so that the kept state never travels again.
+KEEP = "keep"
+# evaluate and embed (broadcast-bits < 32), instead of ARRAYS: the state_digest() of a state the
+# client holds (its view, or the copy KEEP made); a client that holds none answers NOT_HELD.
+HELD = "held"
 SPLIT = "split"  # evaluate: "val" or "test"
 KEYS = "keys"  # setup: JSON {client id: public key hex}, the key directory
 PARTITION_ID = "partition-id"  # replies to hello and setup: which partition this client holds
@@ -74,6 +80,7 @@ VAL_COUNT = "val-count"
 VAL_LOSS = "val-loss"
 LOCAL_STEPS = "local-steps"  # train: steps taken (time-based rounds take as many as fit)
 CORRECT = "correct"  # evaluate
+NOT_HELD = "not-held"  # evaluate and embed replies: no state with the HELD digest; send it whole
 COUNT = "count"
 LOSS = "loss"
 

@@ -40,6 +40,8 @@ class RoundState:
             stopping ended the stage).
         finished (bool): the stage's rounds are over and its last validation recorded; a resumed
             server goes straight on to the exchange (clients may have moved on already).
+        keep (bool): the view clients hold is the stage's best so far: the next message tells them
+            to keep it (:data:`~retexo_fl.protocol.KEEP`).
     """
 
     round: int
@@ -54,6 +56,7 @@ class RoundState:
     control: ServerControl | None = None
     sent: int = 0
     finished: bool = False
+    keep: bool = False
 
 
 @dataclass

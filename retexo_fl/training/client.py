@@ -36,7 +36,7 @@ from retexo_fl.secure.channel import PeerChannel
 from retexo_fl.secure.policy import PartyPolicy
 from retexo_fl.seeding import derive_seed, resolve_device, seed_dropout
 from retexo_fl.training.drift import next_client_control, zeros_like_state
-from retexo_fl.training.state import ClientState, StateDict
+from retexo_fl.training.state import ClientState, StateDict, state_digest
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,7 @@ class Client(ABC):
         self.control: StateDict | None = None  # drift correction: this client's c_i, this stage
         self.control_view: StateDict | None = None  # ... and the server's c as broadcast
         self.view: StateDict | None = None  # the model as the compressed broadcast left it
+        self.kept: StateDict | None = None  # a view the server named the stage's best so far (KEEP)
         # [[stage, round], {name: state}]: what the last round found (view, residual, control
         # variates), so that a round a resumed server sends again starts from there, not from
         # what that round already left (a delta applied twice, a residual counted twice).
@@ -470,7 +471,7 @@ class Client(ABC):
         correct = int((logits.argmax(1) == self.y[mask]).sum())
         return EvalResult(correct, count, float(loss))
 
-    _ROUND_STATE = ("view", "residual", "control", "control_view")
+    _ROUND_STATE = ("view", "kept", "residual", "control", "control_view")
 
     def begin_round(self, round_: int) -> bool:
         """Mark the start of train round ``round_``: remember what it finds or, for a round seen
@@ -507,11 +508,24 @@ class Client(ABC):
         self.journal = [key, {k: None if v is None else dict(v) for k, v in found.items()}, accepted]
         return any(v is not None for v in found.values()) or bool(accepted)
 
-    def receive_model(self, state: StateDict | None, frames: dict[str, bytes] | None) -> StateDict:
-        """The round's model: ``state`` sent whole, or ``frames`` of a delta from the last one."""
+    def receive_model(
+        self, state: StateDict | None, frames: dict[str, bytes] | None, keep: bool = False
+    ) -> StateDict:
+        """The round's model: ``state`` sent whole, or ``frames`` of a delta from the last one.
+
+        Args:
+            state (StateDict, optional): the model sent whole.
+            frames (dict[str, bytes], optional): the model as a broadcast delta from the view held.
+            keep (bool, optional): the view held before this message is the stage's best so far
+                (:data:`~retexo_fl.protocol.KEEP`): keep a copy. (default: :obj:`False`)
+        """
+        if keep and self.view is not None:
+            self.kept = self.view  # views are never modified in place once made
         if frames is None:
             if state is None:
                 raise ValueError(f"client {self.id}: a model message with neither state nor delta")
+            if not keep:
+                self.kept = None  # a stage's first state: what was kept belongs to the last stage
             self.view = state
             return state
         if self.view is None:
@@ -519,6 +533,14 @@ class Client(ABC):
         codec = UpdateCodec(self.cfg.broadcast_bits, self.cfg.range_dtype)
         self.view = codec.decode(frames, self.view, "server broadcast")
         return self.view
+
+    def held_state(self, digest: str) -> StateDict | None:
+        """The state this client holds whose :func:`~retexo_fl.training.state.state_digest` is
+        ``digest`` (its view, or the one it kept), or ``None``: the server then sends it whole."""
+        for state in (self.view, self.kept):
+            if state is not None and state_digest(state) == digest:
+                return state
+        return None
 
     def encode_update(self, new: StateDict, base: StateDict, round_: int) -> dict[str, bytes] | None:
         """``new``'s update from ``base`` as frames (``update-bits``), or ``None`` when uncompressed."""
@@ -576,6 +598,7 @@ class Client(ABC):
             control=self.control,
             control_view=self.control_view,
             view=self.view if self.cfg.broadcast_bits < 32 else None,
+            kept=self.kept if self.cfg.broadcast_bits < 32 else None,
             channel=self.channel.to_state(),
             journal=self.journal,
             boundary_releases=self.boundary_releases,
@@ -589,6 +612,7 @@ class Client(ABC):
         self.control = state.control
         self.control_view = state.control_view
         self.view = state.view
+        self.kept = state.kept
         self.journal = state.journal
         self.boundary_releases = int(state.boundary_releases)
         self.secagg = state.secagg

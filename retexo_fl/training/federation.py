@@ -28,7 +28,7 @@ from retexo_fl.training.client import EvalResult
 from retexo_fl.training.privacy import make_privacy
 from retexo_fl.training.secure_round import SecureAggregator
 from retexo_fl.training.selection import StageTracker
-from retexo_fl.training.state import StateDict
+from retexo_fl.training.state import StateDict, state_digest
 from retexo_fl.training.transport import ClientFailure, Membership, Transport
 
 Frames = dict[str, bytes]
@@ -166,6 +166,41 @@ class Federation:
             kind, {nodes[p]: r for p, r in requests.items() if p in nodes}, phase, stage
         )
         return {p: by_address[a] for p, a in list(nodes.items()) if a in by_address}
+
+    def send_state(
+        self,
+        kind: str,
+        state: StateDict,
+        phase: str,
+        stage: int,
+        config: dict[str, Any],
+        payloads: dict[int, Frames] | None = None,
+    ) -> dict[int, Records]:
+        """``state`` to every live client with ``config`` (:data:`~retexo_fl.protocol.CONFIG`
+        entries); replies by partition id.
+
+        With compressed broadcasts (``broadcast-bits`` < 32) clients hold the views they were
+        broadcast, and the one the server named the stage's best (:data:`~retexo_fl.protocol.KEEP`),
+        so the state goes by its digest (:data:`~retexo_fl.protocol.HELD`, 16 bytes) instead of
+        whole; a client that holds no such state (a node restarted without its folder) answers
+        :data:`~retexo_fl.protocol.NOT_HELD` and is sent the state whole. Messages that carry
+        ``payloads`` always carry the state whole: their frames are opened once.
+        """
+        held = self.cfg.broadcast_bits < 32 and payloads is None
+        named = {P.HELD: state_digest(state)} if held else {}
+
+        def request(pid: int, whole: bool) -> Records:
+            frames = payloads.get(pid) if payloads else None
+            if whole:
+                return self.content(state, frames, **config)
+            return self.content(None, frames, **config, **named)
+
+        replies = self.send(kind, {pid: request(pid, not held) for pid in self.pids}, phase, stage)
+        again = [pid for pid, r in replies.items() if P.NOT_HELD in r.get(P.METRICS, {})]
+        if again:
+            self.rec.event("state-resent", stage=stage, message=kind, clients=again)
+            replies.update(self.send(kind, {pid: request(pid, True) for pid in again}, phase, stage))
+        return replies
 
     def broadcast(self, kind: str, phase: str, stage: int = -1, **content: Any) -> dict[int, Records]:
         """The same content (see :meth:`content`) to every live client; replies by partition id."""
@@ -312,16 +347,37 @@ class Federation:
         return states, raw
 
     def evaluate(
-        self, state: StateDict, split: str, stage: int, deliveries: dict[int, Frames] | None = None
+        self,
+        state: StateDict,
+        split: str,
+        stage: int,
+        deliveries: dict[int, Frames] | None = None,
+        model: ModelBroadcast | None = None,
+        **config: Any,
     ) -> dict[int, EvalResult]:
-        """Every live client's evaluation of ``state`` on ``split``, by partition id."""
-        requests = {
-            pid: self.content(
-                state, deliveries.get(pid) if deliveries else None, **{P.SPLIT: split, P.STAGE: stage}
-            )
-            for pid in self.pids
-        }
-        replies = self.send(P.EVALUATE, requests, f"{split} evaluation", stage)
+        """Every live client's evaluation of ``state`` on ``split``, by partition id.
+
+        Args:
+            state (StateDict): the state evaluated (sent whole or by digest, see :meth:`send_state`).
+            split (str): ``"val"`` or ``"test"``.
+            stage (int): the stage (tags the messages).
+            deliveries (dict[int, Frames], optional): relayed frames to open first (eager: the
+                last round's halo rows). (default: :obj:`None`)
+            model (ModelBroadcast, optional): ``state`` is this broadcast's prepared view: send
+                its delta frames (a stage's last validation; ``config`` then names the round).
+                (default: :obj:`None`)
+            **config: further :data:`~retexo_fl.protocol.CONFIG` entries (``round``, ``keep``).
+        """
+        config = {P.SPLIT: split, P.STAGE: stage, **config}
+        phase = f"{split} evaluation"
+        if model is not None and model.frames is not None:
+            requests = {
+                pid: self.content(None, deliveries.get(pid) if deliveries else None, model=model, **config)
+                for pid in self.pids
+            }
+            replies = self.send(P.EVALUATE, requests, phase, stage)
+        else:
+            replies = self.send_state(P.EVALUATE, state, phase, stage, config, deliveries)
         return {
             pid: EvalResult(int(m[P.CORRECT]), int(m[P.COUNT]), float(m[P.LOSS]))
             for pid, m in ((p, r[P.METRICS]) for p, r in replies.items())

@@ -19,6 +19,7 @@ from retexo_fl.secure.keys import KeyMaterialError, parse_public
 from retexo_fl.training import secure_round
 from retexo_fl.training.client import Client, EvalResult
 from retexo_fl.training.lazy_client import LazyClient
+from retexo_fl.training.state import StateDict
 
 
 @dataclass
@@ -111,10 +112,7 @@ def train(client: Client, request: Records) -> Reply:
     journaled = client.begin_round(int(request[P.CONFIG][P.ROUND]))  # sent again: starts as it did
     delivered = _deliver(client, request)
     client.check_deliveries(int(request[P.CONFIG][P.ROUND]), _halo_senders(request))
-    if P.MODEL in request:  # a compressed broadcast: a delta from the model held since
-        state = client.receive_model(None, {k: bytes(v) for k, v in request[P.MODEL].items()})
-    else:
-        state = client.receive_model(request[P.ARRAYS], None)
+    state = _received_model(client, request)
     config = request[P.CONFIG]
     validate = bool(config.get(P.VALIDATE, True))
     val = client.evaluate(state, "val") if validate else EvalResult(0, 0, 0.0)
@@ -164,12 +162,48 @@ def train(client: Client, request: Records) -> Reply:
     return Reply(records, changed)
 
 
+def _received_model(client: Client, request: Records) -> StateDict:
+    """The model a train (or a stage's last evaluate) message brings: a broadcast delta from the
+    model held since, or a state sent whole."""
+    keep = bool(request[P.CONFIG].get(P.KEEP, False))
+    if P.MODEL in request:
+        return client.receive_model(None, {k: bytes(v) for k, v in request[P.MODEL].items()}, keep)
+    return client.receive_model(request[P.ARRAYS], None, keep)
+
+
+def _named_state(client: Client, request: Records) -> StateDict | None:
+    """The state an evaluate or embed message sends whole, or names by digest (``None``: this
+    client does not hold it, and says so)."""
+    if P.ARRAYS in request:
+        return request[P.ARRAYS]
+    return client.held_state(str(request[P.CONFIG][P.HELD]))
+
+
+def _not_held() -> Reply:
+    """The answer to a digest this client holds no state for: the server sends the state whole."""
+    return Reply({P.METRICS: {P.NOT_HELD: 1}}, changed=False)
+
+
 def evaluate(client: Client, request: Records) -> Reply:
-    """Metrics of the received state on the requested split (eager: after the last halo rows)."""
+    """Metrics of the received state on the requested split (eager: after the last halo rows).
+
+    The state comes whole, by digest (:data:`~retexo_fl.protocol.HELD`), or, for a stage's last
+    validation, as the next broadcast delta, journaled like a train round's so that a resumed
+    server's second asking decodes it once.
+    """
+    config = request[P.CONFIG]
+    decoded = P.MODEL in request  # the view changes: it must outlive the process
+    if decoded:
+        client.begin_round(int(config[P.ROUND]))
     delivered = _deliver(client, request)
-    result = client.evaluate(request[P.ARRAYS], str(request[P.CONFIG][P.SPLIT]))
+    state = _received_model(client, request) if decoded else _named_state(client, request)
+    if state is None:
+        reply = _not_held()
+        reply.changed = delivered
+        return reply
+    result = client.evaluate(state, str(config[P.SPLIT]))
     metrics = {P.CORRECT: result.correct, P.COUNT: result.count, P.LOSS: result.loss_sum}
-    return Reply({P.METRICS: metrics}, changed=delivered)
+    return Reply({P.METRICS: metrics}, changed=delivered or decoded)
 
 
 def embed(client: Client, request: Records) -> Reply:
@@ -184,7 +218,10 @@ def embed(client: Client, request: Records) -> Reply:
     if client.sent is not None and client.sent[0] == stage:  # asked again by a resumed server
         frames, stats = client.sent[1], ExchangeStats.from_dict(client.sent[2])
     else:
-        frames, stats = client.encode_boundary(client.next_stage(request[P.ARRAYS]))
+        state = _named_state(client, request)
+        if state is None:
+            return _not_held()
+        frames, stats = client.encode_boundary(client.next_stage(state))
         client.sent = (stage, frames, stats.to_dict())
         changed = True
     records: Records = {

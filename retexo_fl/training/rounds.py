@@ -161,7 +161,7 @@ class RoundLoop:
         pending = deliveries
         for r in range(rs.round + 1, rounds + 1):
             rs.sent = r
-            config = {P.STAGE: stage, P.ROUND: r, P.VALIDATE: r > 1}
+            config = {P.STAGE: stage, P.ROUND: r, P.VALIDATE: r > 1, **self._keep(rs)}
             members = fed.pids  # the round's masking set (secure aggregation)
             if fed.secure is not None:
                 config.update(fed.secure.round_config(fed, members))
@@ -230,8 +230,17 @@ class RoundLoop:
             if on_round is not None:
                 on_round(rs)
         else:  # the last state still needs its validation (eager: with the last round's halo rows)
-            val = total(fed.evaluate(rs.view, "val", stage, pending))
+            # It goes as the next broadcast delta, so that clients hold it too (embed, test).
+            extra = {P.ROUND: rounds + 1, **self._keep(rs)}
+            val = total(fed.evaluate(rs.view, "val", stage, pending, model=rs.broadcast, **extra))
             self._record(rs, rounds, (val.correct, val.count, val.loss_sum), refresh)
+
+    def _keep(self, rs: RoundState) -> dict[str, bool]:
+        """The :data:`~retexo_fl.protocol.KEEP` entry of the next message to clients (compressed
+        broadcasts only: clients persist their views then), and clear it."""
+        keep = getattr(rs, "keep", False) and self.cfg.broadcast_bits < 32  # older checkpoints lack it
+        rs.keep = False
+        return {P.KEEP: True} if keep else {}
 
     def _record(self, rs: RoundState, round_: int, val: tuple[int, int, float], refresh: bool) -> None:
         if refresh:  # bytes so far include this run's relayed rows
@@ -240,6 +249,7 @@ class RoundLoop:
         acc = correct / count if count else 0.0
         val_loss = loss / count if count else 0.0
         rs.tracker.record(round_, rs.view, acc, train_loss=rs.train_loss, val_loss=val_loss)
+        rs.keep = rs.tracker.stale == 0  # a new best: the view clients hold now
         self.rec.event(
             "round", stage=rs.tracker.stage, round=round_, train_loss=rs.train_loss, val_accuracy=acc
         )

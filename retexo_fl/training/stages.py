@@ -165,8 +165,7 @@ class LazyStageMachine:
     def _embed(self, state: StateDict, stage: int) -> dict[int, Frames]:
         """Clients move on from ``stage`` with ``state``; their sealed boundary rows, relayed."""
         fed = self.fed
-        requests = {pid: fed.content(state, **{P.STAGE: stage}) for pid in fed.pids}
-        replies = fed.send(P.EMBED, requests, f"stage {stage} embed", stage)
+        replies = fed.send_state(P.EMBED, state, f"stage {stage} embed", stage, {P.STAGE: stage})
         stats = ExchangeStats()
         fed.add_stats(stats, list(replies.values()))
         self.exchange_stats[stage] = stats

@@ -8,6 +8,7 @@ is written to the node-local work folder after a message that changed it.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,20 @@ StateDict = dict[str, Tensor]
 STATE_FILE = "client-state.pt"
 
 
+def state_digest(state: StateDict) -> str:
+    """SHA-256 of a state's names, dtypes, shapes and values, 16 bytes in hex.
+
+    Equal on server and client exactly when both hold the same bits: a message can name a state
+    the client holds by this digest instead of carrying it (:data:`~retexo_fl.protocol.HELD`).
+    """
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
 @dataclass
 class ClientState:
     """A client's node-local state between messages.
@@ -37,6 +52,8 @@ class ClientState:
         halo_degree (Tensor, optional): GCN: the halo nodes' global in-degrees, ``[h]``.
         residual (StateDict, optional): error feedback of compressed updates, this stage.
         view (StateDict, optional): the model as the compressed broadcast left it.
+        kept (StateDict, optional): a view the server named the stage's best so far (a later
+            message names it by digest instead of sending it again).
         channel (dict, optional): the sealed channels (:meth:`PeerChannel.to_state`): the X25519
             private key, which never leaves this folder, the key directory, the run transcript
             and each direction's payload counters.
@@ -64,6 +81,7 @@ class ClientState:
     halo_degree: Tensor | None = None
     residual: StateDict | None = None
     view: StateDict | None = None
+    kept: StateDict | None = None
     channel: dict | None = None
     halo_round: int = 0
     sent: list[Any] | None = None

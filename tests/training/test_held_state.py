@@ -1,0 +1,106 @@
+"""A stage's kept state never travels twice: with compressed broadcasts, embed and evaluate
+messages name it by digest (the client's view, or the copy a KEEP message told it to make), the
+stage's last validation goes as the next broadcast delta, and a client that does not hold a named
+state is sent it whole. The run ends exactly as when every state travels whole."""
+
+from __future__ import annotations
+
+import torch
+
+from retexo_fl import protocol as P
+from retexo_fl.config import TrainConfig
+from retexo_fl.data.partitioners import partition_graph
+from retexo_fl.metrics import RunRecorder
+from retexo_fl.training.client import Client
+from retexo_fl.training.inprocess import InProcessTransport
+from retexo_fl.training.lazy_client import LazyClient
+from retexo_fl.training.stages import LazyStageMachine
+from retexo_fl.training.state import state_digest
+from retexo_fl.training.transport import Batch
+
+# Early stopping on (its best round is rarely the last), one self-training pass, 4-bit deltas.
+CFG = dict(clients=3, model="gcn", stages=2, hidden=16, rounds=8, seed=0, patience=2, min_rounds=2)
+
+
+class Recording(InProcessTransport):
+    """Records, per message type, how each request carried its state, and the NOT_HELD replies."""
+
+    def __init__(self, clients: list[Client]) -> None:
+        super().__init__(clients)
+        self.carried: list[tuple[str, str]] = []  # (message type, "whole" | "held" | "delta" | "-")
+        self.not_held = 0
+
+    def send(self, kind: str, requests: dict, phase: str, stage: int) -> Batch:
+        for r in requests.values():
+            held = P.HELD in r[P.CONFIG]
+            how = "whole" if P.ARRAYS in r else "delta" if P.MODEL in r else "held" if held else "-"
+            self.carried.append((kind, how))
+        batch = super().send(kind, requests, phase, stage)
+        self.not_held += sum(P.NOT_HELD in r.get(P.METRICS, {}) for r in batch.replies.values())
+        return batch
+
+
+def _run(parts, **over) -> tuple[dict, Recording]:
+    cfg = TrainConfig(**{**CFG, **over})
+    transport = Recording([LazyClient(p, cfg) for p in parts])
+    summary = LazyStageMachine(transport, cfg, RunRecorder(None, stream=None)).run()
+    return summary, transport
+
+
+def _curve(summary: dict) -> list[float]:
+    return [h[k] for s in summary["stages"] for h in s["history"] for k in ("val_accuracy", "train_loss")]
+
+
+def test_state_digest_sees_every_bit():
+    state = {"w": torch.arange(6, dtype=torch.float32).view(2, 3), "b": torch.tensor(0.5)}
+    same = {k: v.clone() for k, v in state.items()}
+    assert state_digest(state) == state_digest(same)
+    same["w"][1, 2] = torch.nextafter(same["w"][1, 2], torch.tensor(10.0))  # one ulp
+    assert state_digest(state) != state_digest(same)
+    assert state_digest(state) != state_digest({"w": state["w"].view(3, 2), "b": state["b"]})
+
+
+def test_kept_states_go_by_digest_and_the_run_ends_as_when_sent_whole(sbm, monkeypatch):
+    parts = partition_graph(sbm, 3, "random", seed=0)
+    held, t_held = _run(parts)
+    assert t_held.not_held == 0, "every client held the state the server named"
+    embeds = {how for kind, how in t_held.carried if kind == P.EMBED}
+    evaluates = {how for kind, how in t_held.carried if kind == P.EVALUATE}
+    assert embeds == {"held"}
+    assert evaluates <= {"held", "delta"} and "held" in evaluates  # the test split: by digest
+
+    # Every named state refused: each goes again, whole; the run must not change by a bit.
+    monkeypatch.setattr(Client, "held_state", lambda self, digest: None)
+    whole, t_whole = _run(parts)
+    assert t_whole.not_held == sum(how == "held" for _, how in t_held.carried)
+    assert whole["test_accuracy"] == held["test_accuracy"]
+    assert _curve(whole) == _curve(held)
+    assert [s["best_round"] for s in whole["stages"]] == [s["best_round"] for s in held["stages"]]
+
+
+def test_a_wrong_kept_state_is_never_used(sbm, monkeypatch):
+    """The test can fail: were the KEEP copy taken from the wrong message (the new view instead of
+    the one held before it), the digest would not match and every embed would go again, whole."""
+    parts = partition_graph(sbm, 3, "random", seed=0)
+    original = Client.receive_model
+
+    def keeps_the_new_view(self: Client, state, frames, keep: bool = False):
+        view = original(self, state, frames, False)
+        if keep:
+            self.kept = view
+        return view
+
+    monkeypatch.setattr(Client, "receive_model", keeps_the_new_view)
+    summary, transport = _run(parts)
+    assert transport.not_held > 0  # caught by the digest, and sent whole instead
+    monkeypatch.undo()
+    reference, _ = _run(parts)
+    assert summary["test_accuracy"] == reference["test_accuracy"]
+
+
+def test_whole_broadcasts_send_whole_states(sbm):
+    """With 32-bit broadcasts clients do not persist views: nothing is named by digest."""
+    parts = partition_graph(sbm, 3, "random", seed=0)
+    _, transport = _run(parts, broadcast_bits=32, update_bits=32)
+    assert {how for kind, how in transport.carried if kind in (P.EMBED, P.EVALUATE)} == {"whole"}
+    assert transport.not_held == 0

@@ -318,6 +318,10 @@ _END_TO_END: dict[str, Any] = {
 }
 
 #: Each mode's own defaults, applied wherever a run left the lazy defaults.
+#: Eager and local: the best validation of eight candidates in 100 rounds (Cora, 10 random
+#: clients, seeds 0-2; ``bench/results/sweep-2026-11-24.jsonl``, phase D): one SGD step a round
+#: with the server's Adam, as the centralized reference trains, and whole 32-bit updates and
+#: broadcasts (val 0.709; the same with 4-bit deltas: 0.699; see docs/baselines.md for the gap).
 MODE_DEFAULTS: dict[str, dict[str, Any]] = {
     "centralized": _END_TO_END,
     "datacenter": _END_TO_END,
@@ -332,6 +336,8 @@ MODE_DEFAULTS: dict[str, dict[str, Any]] = {
         "min_rounds": 0,
         "self_training": 0,
         "norm": "layer",
+        "update_bits": 32,
+        "broadcast_bits": 32,
     },
 }
 MODE_DEFAULTS["local"] = MODE_DEFAULTS["eager"]

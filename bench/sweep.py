@@ -41,9 +41,11 @@ def private_root(root: str, datasets: list[str]) -> Path:
 
     tmp = Path(tempfile.mkdtemp(prefix="retexo-sweep-"))
     shutil.copytree(root, tmp, ignore=shutil.ignore_patterns("processed"), dirs_exist_ok=True)
+    # Any split will do: this only processes the raw files (graphs such as Airports have no split
+    # of their own, and a candidate's flags give theirs).
     load = (
         "import sys; from retexo_fl.data.datasets import load_dataset\n"
-        "for n in sys.argv[2:]: load_dataset(n, sys.argv[1])"
+        "for n in sys.argv[2:]: load_dataset(n, sys.argv[1], split='random:0.6,0.2,0.2')"
     )
     names = sorted({d for d in datasets if not d.startswith("sbm:")})
     subprocess.run([sys.executable, "-c", load, str(tmp), *names], check=True)

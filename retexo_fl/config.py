@@ -303,9 +303,11 @@ EXACT_PROFILE: dict[str, Any] = {
     "norm": "layer",
 }
 
-#: What the end-to-end modes change from the lazy defaults: the 2-layer reference's settings of
-#: earlier benchmarks, not yet tuned on validation (issue 16). Centralized and data-center training run
-#: full-batch Adam epochs (``rounds`` x ``local-epochs`` of them at ``server-lr``).
+#: What the end-to-end modes change from the lazy defaults: the 2-layer reference's settings.
+#: Centralized and data-center training run full-batch Adam epochs (``rounds`` x
+#: ``local-epochs`` of them at ``server-lr``). Of eight centralized candidates (phase D of
+#: ``bench/results/sweep-2026-11-24.jsonl``) one self-training pass has the best validation on
+#: Cora and CiteSeer, but loses on cornell and wisconsin: the default stays without it.
 _END_TO_END: dict[str, Any] = {
     "hidden": 64,
     "rounds": 200,
@@ -319,22 +321,17 @@ _END_TO_END: dict[str, Any] = {
 
 #: Each mode's own defaults, applied wherever a run left the lazy defaults.
 #: Eager and local: the best validation of eight candidates in 100 rounds (Cora, 10 random
-#: clients, seeds 0-2; ``bench/results/sweep-2026-11-24.jsonl``, phase D): one SGD step a round
-#: with the server's Adam, as the centralized reference trains, and whole 32-bit updates and
-#: broadcasts (val 0.709; the same with 4-bit deltas: 0.699; see docs/baselines.md for the gap).
+#: clients, seeds 0-2; phase D): the end-to-end settings (one SGD step a round with the
+#: server's Adam, as the centralized reference trains) over 2 stages, with layer norm and whole
+#: 32-bit updates and broadcasts (val 0.709; the same with 4-bit deltas: 0.699; see
+#: docs/baselines.md for the gap to centralized).
 MODE_DEFAULTS: dict[str, dict[str, Any]] = {
     "centralized": _END_TO_END,
     "datacenter": _END_TO_END,
     "eager": {
+        **_END_TO_END,
         "stages": 2,
-        "hidden": 64,
         "rounds": 100,
-        "local_epochs": 1,
-        "server_optimizer": "adam",
-        "server_lr": 0.01,
-        "patience": 0,
-        "min_rounds": 0,
-        "self_training": 0,
         "norm": "layer",
         "update_bits": 32,
         "broadcast_bits": 32,

@@ -38,6 +38,8 @@ _HELP = {
     "a dense step (exact without input dropout)",
     "drift_correction": "none, or scaffold: correct each local step by control variates so many "
     "local steps a round do not drift on skewed partitions (one more state sent down a round)",
+    "halo_gradients": "eager: return each halo row's gradient to its owner, one round stale "
+    "(PipeGCN; on by default in eager mode; peers' gradients tell of the sender's labels)",
     "server_optimizer": "avg (FedAvg) or adam (FedAdam on the averaged update)",
     "out_dir": "run folder for config.json, events.jsonl and summary.json",
     "algorithm": "data-center product: 1d, 1.5d, 2d (P a square) or 3d (P a cube)",

@@ -173,6 +173,45 @@ def unpack_frame(
     return q
 
 
+def split_frames(data: bytes, source: str, count: int) -> list[bytes]:
+    """``count`` frames laid back to back -> the frames (each header fixes its own size).
+
+    An eager frame with halo gradients is two frames joined this way: the rows for the peer,
+    then the gradients of the peer's rows (either may have zero rows).
+
+    Args:
+        data (bytes): the joined frames.
+        source (str): who sent them, for error messages.
+        count (int): how many frames ``data`` must hold.
+
+    Raises:
+        PayloadError: naming ``source``: a frame is cut short, or bytes are left over.
+    """
+    out, offset = [], 0
+    for i in range(count):
+        if len(data) - offset < HEADER_BYTES:
+            raise PayloadError(f"payload from {source}: frame {i + 1} of {count} is cut short")
+        _, bits, _, _, k, d = _HEADER.unpack_from(data, offset)
+        if bits == 0:
+            if len(data) - offset < HEADER_BYTES + k:
+                raise PayloadError(f"payload from {source}: frame {i + 1} of {count} is cut short")
+            widths = np.frombuffer(data, np.uint8, k, offset + HEADER_BYTES)
+            if not np.isin(widths, QUANT_BITS).all():
+                raise PayloadError(f"payload from {source}: per-row widths outside {QUANT_BITS}")
+            size = frame_size(k, d, torch.from_numpy(widths.copy()))
+        elif bits in ALL_BITS:
+            size = frame_size(k, d, int(bits))
+        else:
+            raise PayloadError(f"payload from {source}: unknown bit width {bits} in frame {i + 1}")
+        if len(data) - offset < size:
+            raise PayloadError(f"payload from {source}: frame {i + 1} of {count} is cut short")
+        out.append(bytes(data[offset : offset + size]))
+        offset += size
+    if offset != len(data):
+        raise PayloadError(f"payload from {source}: {len(data) - offset} bytes after {count} frames")
+    return out
+
+
 def decode_rows(
     data: bytes, source: str, expect_rows: int | None = None, expect_cols: int | None = None
 ) -> Tensor:

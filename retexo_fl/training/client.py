@@ -419,9 +419,8 @@ class Client(ABC):
         losses: list[float] = []
         while deadline is not None or len(losses) < steps:
             opt.zero_grad()
-            logits = self.forward(model, mask)
-            loss = torch.nn.functional.cross_entropy(logits, self.train_y[mask])
-            loss.backward()
+            loss, objective = self.objective(model, mask, len(losses))
+            objective.backward()
             if correction:
                 for name, p in model.named_parameters():
                     if p.grad is not None and name in correction:
@@ -436,6 +435,20 @@ class Client(ABC):
         # A copy: the module is reused next round and would overwrite these tensors in place.
         new = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
         return new, losses[0] if losses else 0.0
+
+    def objective(self, model: torch.nn.Module, mask: Tensor, step: int) -> tuple[Tensor, Tensor]:
+        """One local step's training loss and the objective the step differentiates.
+
+        Both are the cross-entropy of the training rows here; eager adds the term through which
+        its peers' halo gradients reach the weights (:class:`EagerClient`).
+
+        Args:
+            model (torch.nn.Module): the model being trained.
+            mask (Tensor): the training rows.
+            step (int): the local step, from 0.
+        """
+        loss = torch.nn.functional.cross_entropy(self.forward(model, mask), self.train_y[mask])
+        return loss, loss
 
     def _correction(self, control: StateDict | None, round_: int) -> dict[str, Tensor] | None:
         """:math:`c - c_i` on this client's device, or ``None`` without drift correction."""

@@ -2,9 +2,14 @@
 
 Eager: every round the client trains the whole ``stages``-layer :class:`LayeredGNN` on its owned
 and halo rows; the halo rows of every conv layer are what peers computed in the previous round
-(one round stale; zeros in round 1). Local: the same model with every cross edge dropped,
-optionally with time-based rounds (``round-seconds``): the client trains until its time is up
-and reports how many steps it took, so a slow client never stalls a round.
+(one round stale; zeros in round 1). With ``halo-gradients`` (eager's default) each client also
+returns, with its rows, the gradient of its loss with respect to the halo rows it trained on, and
+the owner adds those to its own gradient a round later, as PipeGCN does: the weighted sum of the
+clients' gradients is then the whole-graph gradient up to one round of staleness.
+
+Local: the same model with every cross edge dropped, optionally with time-based rounds
+(``round-seconds``): the client trains until its time is up and reports how many steps it took,
+so a slow client never stalls a round.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import torch
 from torch import Tensor
 
 from retexo_fl.compress.boundary import ExchangeStats
-from retexo_fl.compress.payload import decode_rows
+from retexo_fl.compress.payload import PayloadError, decode_rows, encode_rows, frame_size, split_frames
+from retexo_fl.compress.quantize import snap_bits
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partition import Partition
 from retexo_fl.models.factory import build_layered_model
@@ -28,8 +34,8 @@ from retexo_fl.seeding import derive_seed
 from retexo_fl.training.client import Client
 from retexo_fl.training.state import ClientState, StateDict
 
-#: Seed tags of an eager client's dropout and boundary-row rounding.
-DROPOUT_TAG, BOUNDARY_TAG = 0xEA, 0xEB
+#: Seed tags of an eager client's dropout, boundary-row and halo-gradient rounding.
+DROPOUT_TAG, BOUNDARY_TAG, GRADIENT_TAG = 0xEA, 0xEB, 0xEC
 #: The stage number an eager run's update rounding is seeded with (one stage, numbered 1).
 EAGER_SEED_STAGE = 1
 
@@ -78,6 +84,17 @@ class EagerClient(Client):
         )
         self.halo_round = 0  # the newest round whose halo rows were accepted
         self.delay = step_delays(cfg.step_delay).get(self.id, 0.0)
+        # Halo gradients: per peer, what its loss's gradient says about the rows this client sent
+        # it (one block per conv layer), for this round's training; and what this round's
+        # training says about the peers' rows, for the reply. Both live within one message.
+        self.grads_in: dict[int, list[Tensor]] = {}
+        self.grads_out: dict[int, Tensor] = {}
+        self._halo_leaves: list[Tensor] | None = None
+
+    @property
+    def exchanges_gradients(self) -> bool:
+        """Whether this client returns halo gradients (``halo-gradients``, eager, a conv layer)."""
+        return bool(self.cfg.halo_gradients) and not self.local and self.layers > 1
 
     @property
     def seed_stage(self) -> int:
@@ -109,6 +126,57 @@ class EagerClient(Client):
         logits, _ = model(self.owned, ei, w, self.halo_layers)
         return logits if rows is None else logits[rows]
 
+    def objective(self, model: torch.nn.Module, mask: Tensor, step: int) -> tuple[Tensor, Tensor]:
+        r"""The cross-entropy of the training rows, and with halo gradients, that plus
+        :math:`\frac{1}{n}\sum_{q,l} \langle h^{(l)}_{S_q}, G^{(l)}_q \rangle`.
+
+        :math:`h^{(l)}_{S_q}` are the rows this client sent peer ``q`` for conv layer ``l`` (as
+        the model now computes them) and :math:`G^{(l)}_q` the gradient of ``q``'s summed loss
+        with respect to them, received this round; :math:`n` is this client's training-node
+        count, so that the FedAvg weights (training-node counts) turn the clients' gradients
+        into the whole graph's. At step 0 the halo rows become leaves whose gradients
+        (:meth:`train` returns them to their owners) are taken at the round's state.
+        """
+        if not self.exchanges_gradients:
+            return super().objective(model, mask, step)
+        ei, w = self.message_graph()
+        halo = self.halo_layers
+        if step == 0:
+            halo = [h.detach().clone().requires_grad_(True) for h in halo]
+            self._halo_leaves = halo
+        logits, inputs = model(self.owned, ei, w, halo)
+        loss = torch.nn.functional.cross_entropy(logits[mask], self.train_y[mask])
+        peer_term = loss.new_zeros(())
+        for q, blocks in self.grads_in.items():
+            idx = torch.from_numpy(self.plan.send[q]).to(self.device)
+            for layer, grad in enumerate(blocks):
+                peer_term = peer_term + (inputs[layer][idx] * grad).sum()
+        return loss, loss + peer_term / max(self.num_train, 1)
+
+    def train(
+        self, state: StateDict, round_: int, control: StateDict | None = None
+    ) -> tuple[StateDict, float]:
+        """:meth:`Client.train`, keeping (with halo gradients) the gradient of this client's
+        summed loss with respect to each peer's halo rows at the round's state, for the reply."""
+        self._halo_leaves = None
+        try:
+            new, loss = super().train(state, round_, control)
+        finally:
+            self.grads_in = {}  # they belong to this round's state only
+        leaves, self._halo_leaves = self._halo_leaves, None
+        self.grads_out = {}
+        if leaves is not None and self.plan.recv:
+            peers = sorted(self.plan.recv)
+            sizes = [int(self.plan.recv[q].size) for q in peers]
+            scale = max(self.num_train, 1)  # the summed loss's gradient: owners divide by theirs
+            per_layer = []
+            for leaf in leaves:
+                grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                blocks = torch.split(grad.detach().cpu() * scale, sizes)
+                per_layer.append(dict(zip(peers, blocks, strict=True)))
+            self.grads_out = {q: torch.cat([blocks[q] for blocks in per_layer]) for q in peers}
+        return new, loss
+
     @torch.no_grad()
     def boundary_rows(self, state: StateDict) -> dict[int, Tensor]:
         """Per peer, the conv inputs of its halo rows for every layer, stacked ``[(K - 1) k, hidden]``
@@ -123,35 +191,88 @@ class EagerClient(Client):
         return {q: torch.cat([rows[q] for rows in per_layer]) for q in self.plan.send}
 
     def encode_rows_for_round(
-        self, rows: dict[int, Tensor], round_: int
+        self, rows: dict[int, Tensor], round_: int, grads: dict[int, Tensor] | None = None
     ) -> tuple[dict[int, bytes], ExchangeStats]:
-        """Sealed frames of :meth:`boundary_rows`, compressed on the rate schedule over rounds."""
+        """Sealed frames of :meth:`boundary_rows`, compressed on the rate schedule over rounds.
+
+        With halo gradients every frame is two frames back to back: the rows for the peer, then
+        ``grads[peer]``, the gradients of the peer's rows this client trained on (at the same
+        width; either may have zero rows).
+        """
         weights = None
         if self.cfg.bit_policy != "fixed":  # every layer's block of a row weighs the same
             weights = {q: w.repeat(self.layers - 1) for q, w in self.boundary_weights().items()}
         gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, BOUNDARY_TAG, round_, self.id))
         rounds = int(self.cfg.per_stage("rounds", 1))
         frames, stats = self.encoder.encode(self.id, rows, weights, round_ - 1, rounds, gen)
+        if self.exchanges_gradients:
+            frames = self._with_gradients(frames, grads or {}, round_, rounds, stats)
         return self.channel.seal(frames, EAGER, 0, round_), stats
 
+    def _with_gradients(
+        self,
+        frames: dict[int, bytes],
+        grads: dict[int, Tensor],
+        round_: int,
+        rounds: int,
+        stats: ExchangeStats,
+    ) -> dict[int, bytes]:
+        """Each peer's row frame joined with its gradient frame (an empty frame where none)."""
+        bits = snap_bits(self.encoder.rate(round_ - 1, rounds))
+        gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, GRADIENT_TAG, round_, self.id))
+        half = self.cfg.range_dtype
+        empty = torch.zeros(0, self.cfg.hidden)
+        out = {}
+        for q in sorted(set(frames) | set(grads)):
+            block = grads.get(q, empty)
+            where = f"client {self.id}, round {round_}, halo gradients to client {q}"
+            grad_frame = encode_rows(block, bits, generator=gen, half=half, where=where)
+            row_frame = frames.get(q) or encode_rows(empty, bits, half=half, where=where)
+            out[q] = row_frame + grad_frame
+            stats.bytes_raw += frame_size(block.shape[0], block.shape[1], 32)
+            stats.bytes_sent += len(grad_frame)
+            stats.bits[bits] += block.shape[0]
+        return out
+
     def round_payloads(self, state: StateDict, round_: int) -> tuple[dict[int, bytes], dict] | None:
-        """This round's rows for the peers' next round (computed before training), and figures."""
+        """This round's rows for the peers' next round and, with halo gradients, what this
+        round's training found about the peers' rows (call it after :meth:`train`), and figures."""
         rows = self.boundary_rows(state)
-        if not rows:
+        grads, self.grads_out = self.grads_out, {}
+        if not rows and not grads:
             return {}, {}
-        frames, stats = self.encode_rows_for_round(rows, round_)
+        frames, stats = self.encode_rows_for_round(rows, round_, grads)
         return frames, stats.to_dict()
 
     def receive_deliveries(self, frames: dict[int, bytes]) -> None:
-        """Replace the halo of every layer with what peers sent (missing peers: as the policy says).
+        """Replace the halo of every layer with what peers sent (missing peers: as the policy says),
+        and take the halo gradients that came with them (a lost peer's: none this round).
 
         Sealed rows older than the newest already accepted are refused as replays.
         """
         frames, newest = self.channel.open(frames, EAGER, 0, self.halo_round + 1)
         self.halo_round = max(self.halo_round, newest)
+        self.grads_in = {}
         k_layers = self.layers - 1
         blocks: list[dict[int, Tensor]] = [{} for _ in range(k_layers)]
-        for p, blob in frames.items():
+        for p, joined in sorted(frames.items()):
+            blob = joined
+            if self.exchanges_gradients:
+                blob, grad_blob = split_frames(joined, f"client {p}", 2)
+                sent = self.plan.send.get(p)
+                k_sent = 0 if sent is None else int(sent.size)
+                where = f"client {p} (halo gradients)"
+                grads = decode_rows(grad_blob, where, None, self.cfg.hidden)
+                if grads.shape[0] not in (0, k_sent * k_layers):  # none, or one per row sent p
+                    raise PayloadError(
+                        f"payload from {where}: {grads.shape[0]} rows, boundary plan expects "
+                        f"{k_sent * k_layers} (or none)"
+                    )
+                if grads.shape[0]:
+                    self.grads_in[p] = [g.to(self.device) for g in grads.chunk(k_layers)]
+                if self.expected_rows(p) is None:
+                    decode_rows(blob, f"client {p}", 0)  # gradients only: p has no rows for us
+                    continue
             k = self.expected_rows(p)
             rows = decode_rows(blob, f"client {p}", None if k is None else k * k_layers, self.cfg.hidden)
             for layer, chunk in enumerate(rows.chunk(k_layers)):

@@ -107,8 +107,8 @@ def setup(client: Client, request: Records) -> Reply:
 
 
 def train(client: Client, request: Records) -> Reply:
-    """Validate the received state (unless it is a stage's first), send this round's rows (eager),
-    train, and return the update."""
+    """Validate the received state (unless it is a stage's first), train, send this round's rows
+    and halo gradients (eager), and return the update."""
     journaled = client.begin_round(int(request[P.CONFIG][P.ROUND]))  # sent again: starts as it did
     delivered = _deliver(client, request)
     client.check_deliveries(int(request[P.CONFIG][P.ROUND]), _halo_senders(request))
@@ -122,14 +122,16 @@ def train(client: Client, request: Records) -> Reply:
     # Shares are sealed before this round's rows, so that their holders open them (at unmasking)
     # before the rows (with the next round): the channel accepts numbers in order only.
     prep = secure_round.prepare(client, config) if secure else None
+    control = client.receive_control(request, state, round_)  # drift-correction scaffold: c
+    new_state, loss = client.train(state, round_, control)
+    # Eager: this round's embeddings (of the received state) go to the peers' next round, with
+    # the halo gradients this round's training found (so they are sealed after training).
     sent = client.round_payloads(state, round_)
-    if sent is not None:  # eager: this round's embeddings go to the peers' next round
+    if sent is not None:
         frames, stats = sent
         records[P.PAYLOADS] = {P.outgoing_key(q): f for q, f in frames.items()}
         if stats:
             records[P.STATS] = {P.STATS_JSON: json.dumps(stats)}
-    control = client.receive_control(request, state, round_)  # drift-correction scaffold: c
-    new_state, loss = client.train(state, round_, control)
     update = client.encode_update(new_state, state, round_)
     if control is not None:  # c_i from the update as the server decodes it, so both hold the same
         seen = new_state if update is None else client.decode_own_update(update, state)

@@ -24,6 +24,9 @@ _HELP = {
     "model": "conv of stages >= 1: gcn, sage, sage-max, gat",
     "stages": "number of stages (stage 0 is the MLP; K stages = K-1 GNN layers)",
     "central_layers": "layers of the centralized (end-to-end) reference GNN",
+    "eager_model": "eager / local model of stages-1 GNN layers: standard (the reference GNN, "
+    "split so peers get X W, never X; gcn, sage, 2+ layers), layered (MLP encoder, convs, head) "
+    "or auto (standard where it applies)",
     "pass_embedding": "what the next stage receives: hidden or logits",
     "self_training": "extra passes over all stages, each client training on its own confident "
     "predictions as labels (lazy, centralized)",

@@ -65,6 +65,12 @@ class ModelSettings:
             ``K - 1`` GNN layers). (default: :obj:`3`)
         central_layers (int, optional): layers of the centralized (end-to-end) reference GNN.
             (default: :obj:`2`)
+        eager_model (str, optional): the eager / local model of ``stages - 1`` GNN layers:
+            ``"standard"``, the centralized reference's GNN split at its linear maps (GCN and
+            mean-SAGE, 2 or more layers: :class:`~retexo_fl.models.split.SplitGNN`);
+            ``"layered"``, an MLP encoder, the conv layers and a linear head
+            (:class:`~retexo_fl.models.layered.LayeredGNN`); ``"auto"``, standard wherever it
+            applies. (default: :obj:`"auto"`)
         hidden (int, optional): hidden width. (default: :obj:`32`)
         pass_embedding (str, optional): what the next stage receives, ``"hidden"`` or
             ``"logits"``. (default: :obj:`"hidden"`)
@@ -80,6 +86,7 @@ class ModelSettings:
     model: str = "gcn"
     stages: int = 3
     central_layers: int = 2
+    eager_model: str = "auto"
     hidden: int = 32
     pass_embedding: str = "hidden"
     norm: str = "none"
@@ -93,7 +100,20 @@ class ModelSettings:
             raise ValueError(f"stages must be >= 1, got {self.stages}")
         if self.pass_embedding not in ("hidden", "logits"):
             raise ValueError(f"pass-embedding must be hidden or logits, got {self.pass_embedding!r}")
+        if self.eager_model not in ("auto", "standard", "layered"):
+            raise ValueError(f"eager-model must be auto, standard or layered, got {self.eager_model!r}")
+        if self.eager_model == "standard" and (self.model not in ("gcn", "sage") or self.stages < 3):
+            raise ValueError(
+                "eager-model standard splits 2 or more gcn or sage layers (stages >= 3), got "
+                f"model {self.model} with stages {self.stages}: use eager-model layered"
+            )
         return self
+
+    def split_eager_model(self) -> bool:
+        """Whether eager and local runs train the standard GNN split at its linear maps."""
+        if self.eager_model == "auto":
+            return self.model in ("gcn", "sage") and self.stages >= 3
+        return self.eager_model == "standard"
 
 
 @dataclass(frozen=True)
@@ -375,6 +395,7 @@ class TrainConfig:
     model: str = "gcn"
     stages: int = 3
     central_layers: int = 2
+    eager_model: str = "auto"  # standard (the reference GNN, split) | layered | auto
     hidden: int = 32
     pass_embedding: str = "hidden"
     # Self-training (lazy and centralized): after the last stage, every client labels its own

@@ -6,6 +6,7 @@ import torch
 
 from retexo_fl.config import TrainConfig
 from retexo_fl.models.layered import LayeredGNN
+from retexo_fl.models.split import SplitGNN
 from retexo_fl.models.stage import StageModel
 from retexo_fl.seeding import derive_seed
 
@@ -55,8 +56,11 @@ def build_stage_model(cfg: TrainConfig, stage: int, in_dim: int, num_classes: in
     )
 
 
-def build_layered_model(cfg: TrainConfig, num_features: int, num_classes: int) -> LayeredGNN:
-    """The eager / local baselines' ``stages``-layer GNN, with the run's initial weights.
+def build_layered_model(cfg: TrainConfig, num_features: int, num_classes: int) -> LayeredGNN | SplitGNN:
+    """The eager / local baselines' GNN of ``stages - 1`` conv layers, with the run's initial weights.
+
+    ``eager-model`` picks the centralized reference's GNN split at its linear maps
+    (:class:`SplitGNN`) or an MLP encoder, the convs and a head (:class:`LayeredGNN`).
 
     Seeds torch's global generator, so the server and every client build the same weights.
 
@@ -66,6 +70,16 @@ def build_layered_model(cfg: TrainConfig, num_features: int, num_classes: int) -
         num_classes (int): number of classes.
     """
     torch.manual_seed(derive_seed(cfg.seed, EAGER_INIT_TAG))
+    if cfg.architecture.split_eager_model():
+        return SplitGNN(
+            cfg.model,
+            num_features,
+            cfg.hidden,
+            num_classes,
+            layers=cfg.stages - 1,
+            dropout=float(cfg.per_stage("dropout", 1)),
+            norm=cfg.norm,
+        )
     return LayeredGNN(
         cfg.model,
         num_features,

@@ -1,8 +1,9 @@
 """One party of the baselines: eager (every layer every round, halo refreshed) and local (no cross edges).
 
-Eager: every round the client trains the whole ``stages``-layer :class:`LayeredGNN` on its owned
-and halo rows; the halo rows of every conv layer are what peers computed in the previous round
-(one round stale; zeros in round 1). With ``halo-gradients`` (eager's default) each client also
+Eager: every round the client trains the whole model of ``stages - 1`` conv layers (the standard
+GNN split at its linear maps, :class:`SplitGNN`, or :class:`LayeredGNN`) on its owned and halo
+rows; the halo rows of every conv layer are what peers computed in the previous round (one round
+stale; zeros in round 1). With ``halo-gradients`` (eager's default) each client also
 returns, with its rows, the gradient of its loss with respect to the halo rows it trained on, and
 the owner adds those to its own gradient a round later, as PipeGCN does: the weighted sum of the
 clients' gradients is then the whole-graph gradient up to one round of staleness.
@@ -28,6 +29,7 @@ from retexo_fl.config import TrainConfig
 from retexo_fl.data.partition import Partition
 from retexo_fl.models.factory import build_layered_model
 from retexo_fl.models.layered import LayeredGNN
+from retexo_fl.models.split import SplitGNN
 from retexo_fl.protocol import EAGER
 from retexo_fl.secure.policy import PartyPolicy
 from retexo_fl.seeding import derive_seed
@@ -115,7 +117,7 @@ class EagerClient(Client):
             return 0, time.perf_counter() + self.cfg.round_seconds
         return super().step_budget()
 
-    def make_model(self) -> LayeredGNN:
+    def make_model(self) -> LayeredGNN | SplitGNN:
         return build_layered_model(self.cfg, self.part.num_features, self.part.num_classes).to(self.device)
 
     def model_key(self) -> object:

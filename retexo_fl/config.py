@@ -360,13 +360,16 @@ _LOCAL: dict[str, Any] = {
     "broadcast_bits": 32,
 }
 
-#: Each mode's own defaults, applied wherever a run left the lazy defaults. Eager adds the
-#: backward exchange of halo gradients: without it a client's loss trains the encoder through
-#: its own nodes only, and eager stayed 10-16 points below centralized (docs/baselines.md).
+#: Each mode's own defaults, applied wherever a run left the lazy defaults. Eager trains the
+#: centralized reference's 2-layer GNN (3 stages, no norm; ``eager-model auto`` splits it at its
+#: linear maps) with the backward exchange of halo gradients: the best validation of eight
+#: candidates (phase H of ``bench/results/sweep-2026-11-24.jsonl``; docs/baselines.md). Without
+#: the gradients a client's loss trains the first layer through its own nodes only, and eager
+#: stayed 10-16 points below centralized.
 MODE_DEFAULTS: dict[str, dict[str, Any]] = {
     "centralized": _END_TO_END,
     "datacenter": _END_TO_END,
-    "eager": {**_LOCAL, "halo_gradients": True},
+    "eager": {**_LOCAL, "stages": 3, "norm": "none", "halo_gradients": True},
     "local": _LOCAL,
 }
 

@@ -61,6 +61,9 @@ KEEP = "keep"
 # client holds (its view, or the copy KEEP made); a client that holds none answers NOT_HELD.
 HELD = "held"
 SPLIT = "split"  # evaluate: "val" or "test"
+# evaluate (eager): after evaluating, reply with the rows of the received state for the peers
+# (sealed with ROUND), so that halos computed from later states are refreshed from it.
+REFRESH = "refresh"
 KEYS = "keys"  # setup: JSON {client id: public key hex}, the key directory
 PARTITION_ID = "partition-id"  # replies to hello and setup: which partition this client holds
 PUBLIC_KEY = "public-key"  # reply to hello: X25519 public key, hex

@@ -20,10 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # scripts and `flwr run --run-config`: a rename breaks them, so a rename must fail here.
 USER_KEYS = {
     "mode", "dataset", "data-root", "split", "split-index", "clients", "method", "partitions",
-    "seed", "model", "stages", "central-layers", "hidden", "pass-embedding", "self-training",
+    "seed", "model", "stages", "central-layers", "eager-model", "hidden", "pass-embedding", "self-training",
     "pseudo-threshold", "pseudo-per-class", "pass-init", "rounds", "local-epochs", "optimizer", "momentum",
     "lr", "server-optimizer", "server-lr", "weight-decay", "dropout", "input-dropout", "norm",
-    "heads", "patience", "min-rounds", "drift-correction", "precompute",
+    "heads", "patience", "min-rounds", "drift-correction", "halo-gradients", "precompute",
     "device", "round-seconds", "step-delay",
     "profile", "threads",
     "chunk-rows", "bits", "bit-policy", "byte-budget", "link-bandwidths", "time-budget",

@@ -187,7 +187,8 @@ def _not_held() -> Reply:
 
 
 def evaluate(client: Client, request: Records) -> Reply:
-    """Metrics of the received state on the requested split (eager: after the last halo rows).
+    """Metrics of the received state on the requested split (eager: after the last halo rows;
+    with :data:`~retexo_fl.protocol.REFRESH`, also the rows of the state for the peers).
 
     The state comes whole, by digest (:data:`~retexo_fl.protocol.HELD`), or, for a stage's last
     validation, as the next broadcast delta, journaled like a train round's so that a resumed
@@ -205,7 +206,14 @@ def evaluate(client: Client, request: Records) -> Reply:
         return reply
     result = client.evaluate(state, str(config[P.SPLIT]))
     metrics = {P.CORRECT: result.correct, P.COUNT: result.count, P.LOSS: result.loss_sum}
-    return Reply({P.METRICS: metrics}, changed=delivered or decoded)
+    records: Records = {P.METRICS: metrics}
+    sent = client.round_payloads(state, int(config[P.ROUND])) if config.get(P.REFRESH) else None
+    if sent:  # eager: the rows of this state, for the peers' halos (sealed: counters changed)
+        frames, stats = sent
+        records[P.PAYLOADS] = {P.outgoing_key(q): f for q, f in frames.items()}
+        if stats:
+            records[P.STATS] = {P.STATS_JSON: json.dumps(stats)}
+    return Reply(records, changed=delivered or decoded or bool(sent))
 
 
 def embed(client: Client, request: Records) -> Reply:

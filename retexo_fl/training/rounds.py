@@ -297,9 +297,10 @@ class BaselineRun:
         rs = self.loop.start(state, 1, tracker, derive_seed(cfg.seed, BROADCAST_TAG))
         rounds = int(cfg.per_stage("rounds", 1))
         result = self.loop.run(0, rounds, rs, degrees, refresh=True, label=cfg.mode)
+        deliveries = self.refresh_halos(result, rounds)
         figures = result.figures
         figures.update(bytes_boundary=fed.bytes_boundary, **exchange_figures(result.stats))
-        tests = fed.evaluate(result.best_state, "test", 0)
+        tests = fed.evaluate(result.best_state, "test", 0, deliveries)
         test = total(tests)
         return {
             **compression_totals([figures]),
@@ -317,6 +318,32 @@ class BaselineRun:
             "wall_seconds": time.perf_counter() - t0,
             "config": cfg.to_dict(),
         }
+
+
+    def refresh_halos(self, result: StageResult, rounds: int) -> dict[int, Frames] | None:
+        """Eager: the halo rows of the best state, for its test.
+
+        The rows clients hold were computed from the last rounds' states, not from the best one,
+        and the standard model's first-layer rows (``X W``) do not fit another state's weights.
+        One exchange per conv layer of rows computed from the best state settles every layer, so
+        the test evaluates the model the best validation named as the whole graph would. The
+        exchanges are counted as boundary bytes.
+
+        Returns:
+            dict[int, Frames] | None: the last exchange's frames, to deliver with the test.
+        """
+        cfg, fed = self.cfg, self.fed
+        if cfg.mode != "eager" or cfg.stages < 2:
+            return None
+        deliveries = None
+        for i in range(1, cfg.stages):
+            config = {P.STAGE: 0, P.ROUND: rounds + 1 + i, P.SPLIT: "val", P.REFRESH: True}
+            replies = fed.send_state(P.EVALUATE, result.best_state, "halo refresh", 0, config, deliveries)
+            ordered = [replies[pid] for pid in fed.pids]
+            fed.add_stats(result.stats, ordered)
+            outgoing = {pid: r[P.PAYLOADS] for pid, r in replies.items() if P.PAYLOADS in r}
+            deliveries = fed.route(outgoing, P.HALO) if outgoing else None
+        return deliveries
 
 
 def per_client(fed: Federation, tests: dict[int, Any]) -> list[dict[str, Any]]:

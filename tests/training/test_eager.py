@@ -30,9 +30,10 @@ def test_eager_trains_and_counts_every_round(sbm):
         for idx in BoundaryPlan.from_partition(p).send.values():
             per_round += HEADER_BYTES + (cfg.stages - 1) * idx.size * cfg.hidden * 4
             frames += 1
-    rounds = out["stages"][0]["rounds_run"]
-    assert out["bytes_boundary"] == rounds * (per_round + frames * ENVELOPE_BYTES)
-    assert out["bytes_boundary_raw"] == rounds * per_round
+    # Every round, and one refresh per conv layer before the test (rows of the best state).
+    exchanges = out["stages"][0]["rounds_run"] + cfg.stages - 1
+    assert out["bytes_boundary"] == exchanges * (per_round + frames * ENVELOPE_BYTES)
+    assert out["bytes_boundary_raw"] == exchanges * per_round
 
 
 def test_local_mode_sends_no_boundary_and_loses_the_cross_edges(sbm):
@@ -70,7 +71,8 @@ def test_time_based_rounds_end_on_time_and_slow_clients_do_fewer_steps(sbm):
         step_delays("1=0.1")
 
 
-def test_settled_halos_give_the_whole_graph_forward(sbm):
+@pytest.mark.parametrize("eager_model", ["standard", "layered"])
+def test_settled_halos_give_the_whole_graph_forward(sbm, eager_model: str):
     """With the state held fixed, two exchanges settle both layers' halos: every client's logits
     then equal the whole-graph model's, so eager's only approximation is staleness."""
     import torch
@@ -82,7 +84,7 @@ def test_settled_halos_give_the_whole_graph_forward(sbm):
     from retexo_fl.training.handlers import handle
     from retexo_fl.training.inprocess import InProcessTransport
 
-    cfg = _cfg(mode="eager", hidden=8, clients=3)
+    cfg = _cfg(mode="eager", hidden=8, clients=3, eager_model=eager_model)
     clients = [EagerClient(p, cfg) for p in partition_graph(sbm, 3, "random", seed=0)]
     fed = Federation(InProcessTransport(clients), cfg, RunRecorder(None, stream=None))
     degrees = fed.setup()  # key setup and the sealed GCN degrees, as a run does them

@@ -6,6 +6,7 @@ model, bytes to reach a target accuracy, wall seconds), writes ``compare.json`` 
 accuracy against total bytes. Example::
 
     python bench/compare.py --quick                        # Cora, 10 random clients, 1 seed (< 5 min)
+    python bench/compare.py --quick --mode-defaults        # each mode with its own tuned defaults
     python bench/compare.py --seeds 0,1 --out bench/results/compare.json
 
 "bytes to target" is the run's bytes up to the first round whose validation accuracy reaches
@@ -77,6 +78,13 @@ def split_datasets(spec: str) -> list[str]:
     return out
 
 
+def update_bits(bits: int, mode_defaults: bool) -> dict[str, int]:
+    """8-bit rows go with 8-bit updates; otherwise 32-bit ones, or the mode's own default."""
+    if bits == 8:
+        return {"update_bits": 8}
+    return {} if mode_defaults else {"update_bits": 32}
+
+
 def grid(args: argparse.Namespace) -> list[dict]:
     seeds = [int(v) for v in args.seeds.split(",")]
     if args.quick:
@@ -92,6 +100,13 @@ def grid(args: argparse.Namespace) -> list[dict]:
         if not big:
             depth["rounds"] = args.rounds
         split = "random:0.1,0.1,0.8" if big else "public"
+        central = {
+            "central_layers": depth["stages"],
+            "rounds": depth["rounds"],
+            "hidden": depth.get("hidden", 256),
+        }
+        if args.mode_defaults:  # every mode with its own tuned defaults (MODE_DEFAULTS)
+            depth, central = {}, {}
         jobs.append(
             {
                 "dataset": ds,
@@ -101,9 +116,7 @@ def grid(args: argparse.Namespace) -> list[dict]:
                 "clients": 1,
                 "method": "-",
                 "seed": seed,
-                "central_layers": depth["stages"],
-                "rounds": depth["rounds"],
-                "hidden": depth.get("hidden", 256),
+                **central,
             }
         )
         for spec in filter(None, args.datacenter.split(",")):
@@ -124,7 +137,7 @@ def grid(args: argparse.Namespace) -> list[dict]:
                     "split": split,
                     "mode": mode,
                     "bits": bits,
-                    "update_bits": 8 if bits == 8 else 32,
+                    **update_bits(bits, args.mode_defaults),
                     "clients": k,
                     "method": method,
                     "seed": seed,
@@ -303,6 +316,11 @@ def main() -> int:
         help="data-center rows beside the centralized one: ALG:PROCS,... (e.g. 1d:4,2d:4)",
     )
     parser.add_argument("--quick", action="store_true", help="Cora, 10 random clients, one seed")
+    parser.add_argument(
+        "--mode-defaults",
+        action="store_true",
+        help="run every mode with its own defaults instead of one depth, round count and width for all",
+    )
     parser.add_argument("--from-jsonl", default="", help="only rebuild table, JSON and PNG from saved runs")
     args = parser.parse_args()
 

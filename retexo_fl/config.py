@@ -496,6 +496,10 @@ class TrainConfig:
         if self.profile == "exact":
             self._fill(EXACT_PROFILE)
         self._fill(MODE_DEFAULTS.get(self.mode, {}))
+        if self.boundary_noise > 0 and "halo_gradients" not in self._given:
+            # Noised rows with raw gradients back would undo the noise's point: the default
+            # gives way (halo-gradients true with boundary-noise is refused by validate()).
+            self.halo_gradients = False
         if self.profile == "edge":
             self.device = "cpu" if self.device == "auto" else self.device
             self.threads = self.threads or 1

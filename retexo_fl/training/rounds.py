@@ -297,7 +297,9 @@ class BaselineRun:
         rs = self.loop.start(state, 1, tracker, derive_seed(cfg.seed, BROADCAST_TAG))
         rounds = int(cfg.per_stage("rounds", 1))
         result = self.loop.run(0, rounds, rs, degrees, refresh=True, label=cfg.mode)
+        before = fed.bytes_boundary
         deliveries = self.refresh_halos(result, rounds)
+        refreshed = fed.bytes_boundary - before  # after the last round of the curve
         figures = result.figures
         figures.update(bytes_boundary=fed.bytes_boundary, **exchange_figures(result.stats))
         tests = fed.evaluate(result.best_state, "test", 0, deliveries)
@@ -311,6 +313,7 @@ class BaselineRun:
             "bytes_total": fed.bytes_boundary + figures["bytes_model"] + fed.bytes_secure,
             "bytes_boundary": fed.bytes_boundary,
             "bytes_model": figures["bytes_model"],
+            "bytes_halo_refresh": refreshed,
             "local_steps": result.local_steps,
             "clients": per_client(fed, tests),
             **fed.summary(),
@@ -327,13 +330,15 @@ class BaselineRun:
         and the standard model's first-layer rows (``X W``) do not fit another state's weights.
         One exchange per conv layer of rows computed from the best state settles every layer, so
         the test evaluates the model the best validation named as the whole graph would. The
-        exchanges are counted as boundary bytes.
+        exchanges are counted as boundary bytes. Not with ``boundary-clip``: see below.
 
         Returns:
             dict[int, Frames] | None: the last exchange's frames, to deliver with the test.
         """
         cfg, fed = self.cfg, self.fed
-        if cfg.mode != "eager" or cfg.stages < 2:
+        # Clipped (and noised) rows are releases counted against each party's budget: a run that
+        # releases them makes no extra ones, and tests on the last rounds' halos.
+        if cfg.mode != "eager" or cfg.stages < 2 or cfg.boundary_clip > 0:
             return None
         deliveries = None
         for i in range(1, cfg.stages):

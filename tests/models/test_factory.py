@@ -147,7 +147,9 @@ def test_factory_stages_chain(embedding):
 
 @pytest.mark.parametrize("kind", ["gcn", "sage", "sage-max", "gat"])
 def test_layered_model_follows_the_config(kind):
-    cfg = _cfg(model=kind, stages=4, hidden=8, heads=3, dropout="0.1,0.35,0.2", norm="none")
+    cfg = _cfg(
+        model=kind, stages=4, hidden=8, heads=3, dropout="0.1,0.35,0.2", norm="none", eager_model="layered"
+    )
     model = build_layered_model(cfg, FEATURES, CLASSES)
     assert isinstance(model, LayeredGNN) and model.kind == kind
     assert model.num_convs == cfg.stages - 1
@@ -158,6 +160,22 @@ def test_layered_model_follows_the_config(kind):
     assert model.dropout.p == 0.35  # the conv layers' (stage 1's) dropout
     if kind == "gat":
         assert all(c.heads == 3 for c in model.convs)
+
+
+def test_eager_model_auto_splits_the_reference_gnn_where_it_can():
+    from retexo_fl.models.gnn import GNN
+    from retexo_fl.models.split import SplitGNN
+
+    split = build_layered_model(_cfg(model="gcn", stages=3, hidden=8), FEATURES, CLASSES)
+    assert isinstance(split, SplitGNN) and split.num_convs == 2
+    reference = GNN("gcn", FEATURES, 8, CLASSES, layers=2)
+    assert {k: v.shape for k, v in split.state_dict().items()} == {
+        k: v.shape for k, v in reference.state_dict().items()
+    }
+    assert isinstance(build_layered_model(_cfg(model="gat", stages=3), FEATURES, CLASSES), LayeredGNN)
+    assert isinstance(build_layered_model(_cfg(model="gcn", stages=2), FEATURES, CLASSES), LayeredGNN)
+    with pytest.raises(ValueError, match="eager-model standard splits 2 or more gcn or sage layers"):
+        _cfg(model="gat", stages=3, eager_model="standard").validate()
 
 
 def test_single_stage_layered_model_has_no_conv():
@@ -171,12 +189,12 @@ def test_single_stage_layered_model_has_no_conv():
 
 def test_layered_weights_are_the_same_everywhere_and_follow_the_seed():
     """The server and every client build the same initial weights from the run seed."""
-    cfg = _cfg(seed=3)
+    cfg = _cfg(seed=3, eager_model="layered")
     server = build_layered_model(cfg, FEATURES, CLASSES)
     torch.rand(1000)
     client = build_layered_model(cfg, FEATURES, CLASSES)
     assert _same(server, client)
-    assert not _same(server, build_layered_model(_cfg(seed=4), FEATURES, CLASSES))
+    assert not _same(server, build_layered_model(_cfg(seed=4, eager_model="layered"), FEATURES, CLASSES))
     # Independent of the lazy stages' seeds: the eager encoder is not stage 0's body.
     stage0 = build_stage_model(cfg, 0, FEATURES, CLASSES)
     assert not torch.equal(server.encoder.weight, stage0.body.weight)

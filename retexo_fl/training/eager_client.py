@@ -92,6 +92,8 @@ class EagerClient(Client):
         self.grads_in: dict[int, list[Tensor]] = {}
         self.grads_out: dict[int, Tensor] = {}
         self._halo_leaves: list[Tensor] | None = None
+        # The rows each peer holds of this client's, on the device once: every local step reads them.
+        self._send_index = {q: torch.from_numpy(idx).to(self.device) for q, idx in self.plan.send.items()}
 
     @property
     def exchanges_gradients(self) -> bool:
@@ -150,7 +152,7 @@ class EagerClient(Client):
         loss = torch.nn.functional.cross_entropy(logits[mask], self.train_y[mask])
         peer_term = loss.new_zeros(())
         for q, blocks in self.grads_in.items():
-            idx = torch.from_numpy(self.plan.send[q]).to(self.device)
+            idx = self._send_index[q]
             for layer, grad in enumerate(blocks):
                 peer_term = peer_term + (inputs[layer][idx] * grad).sum()
         return loss, loss + peer_term / max(self.num_train, 1)

@@ -133,5 +133,7 @@ def test_halo_gradient_settings_are_checked():
     assert not TrainConfig(mode="local").halo_gradients
     with pytest.raises(ValueError, match="halo-gradients applies to eager mode, not lazy"):
         TrainConfig(halo_gradients=True).validate()
+    # Eager's default gives way to noised rows; asked for with them, it is refused.
+    assert not TrainConfig(mode="eager", boundary_clip=1.0, boundary_noise=0.5).validate().halo_gradients
     with pytest.raises(ValueError, match="halo-gradients with boundary-noise"):
-        TrainConfig(mode="eager", boundary_clip=1.0, boundary_noise=0.5).validate()
+        TrainConfig(mode="eager", boundary_clip=1.0, boundary_noise=0.5, halo_gradients=True).validate()

@@ -13,7 +13,10 @@ SuperNodes are ``retexo-fl supernode`` (a node worker each); ``--flower-supernod
 Flower's plain SuperNode instead. The default settings are chosen so that both modes reach the
 target within a few deployed rounds (local Adam, 10 local epochs a round, plain averaging): a
 deployed round on Flower's plain SuperNode costs seconds of plumbing, and the comparison is
-about what the link adds on top.
+about what the link adds on top. ``--defaults`` runs each mode with its own default settings
+instead (``MODE_DEFAULTS``; whole runs, as a user gets them)::
+
+    sudo python bench/wan_compare.py --defaults --rates 5 --out bench/results/wan_compare-defaults.json
 """
 
 from __future__ import annotations
@@ -90,6 +93,11 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take")
     parser.add_argument("--out", default="bench/results/wan_compare.json")
     parser.add_argument(
+        "--defaults",
+        action="store_true",
+        help="each mode with its own default settings instead of the fixed short runs above",
+    )
+    parser.add_argument(
         "--flower-supernode",
         action="store_true",
         help="SuperNodes on Flower's plain flower-supernode instead of `retexo-fl supernode`",
@@ -110,7 +118,8 @@ def main() -> int:
     rows = []
     for rate in (float(r) for r in args.rates.split(",")):
         for mode in args.modes.split(","):
-            config = f"{MODES[mode]} {COMMON} {args.run_config}".strip()
+            base = f"mode='{mode}'" if args.defaults else f"{MODES[mode]} {COMMON}"
+            config = f"{base} {args.run_config}".strip()
             print(f"\n== {mode} at {rate:g} Mbit/s: {config}", flush=True)
             t0 = time.perf_counter()
             worker = not args.flower_supernode

@@ -65,11 +65,17 @@ def median_round_seconds(rounds: list[dict]) -> float:
 
 
 def deployed_run(
-    parts: list[Path], work: Path, rate: float, run_config: str, timeout: float, worker: bool = True
+    parts: list[Path],
+    work: Path,
+    rate: float,
+    run_config: str,
+    timeout: float,
+    worker: bool = True,
+    database: bool = True,
 ) -> Path:
     out = work / "run"
     with EmulatedWan(len(parts), rate) as wan:
-        fed = Federation(work, host=wan.host_address)
+        fed = Federation(work, host=wan.host_address, database=database)
         try:
             netns = [wan.netns(i) for i in range(len(parts))]
             record = fed.run_parties(parts, out, run_config, timeout, netns, worker=worker)
@@ -98,6 +104,11 @@ def main() -> int:
         help="each mode with its own default settings instead of the fixed short runs above",
     )
     parser.add_argument(
+        "--in-memory",
+        action="store_true",
+        help="the SuperLink keeps its state in memory, not in its SQLite file (less CPU on 2 cores)",
+    )
+    parser.add_argument(
         "--flower-supernode",
         action="store_true",
         help="SuperNodes on Flower's plain flower-supernode instead of `retexo-fl supernode`",
@@ -123,7 +134,8 @@ def main() -> int:
             print(f"\n== {mode} at {rate:g} Mbit/s: {config}", flush=True)
             t0 = time.perf_counter()
             worker = not args.flower_supernode
-            run = deployed_run(parts, tmp / f"{mode}-{rate:g}", rate, config, args.timeout, worker)
+            work = tmp / f"{mode}-{rate:g}"
+            run = deployed_run(parts, work, rate, config, args.timeout, worker, not args.in_memory)
             wall = time.perf_counter() - t0
             summary = json.loads((run / "summary.json").read_text())
             events = round_events(run)
@@ -134,6 +146,7 @@ def main() -> int:
                     "rate_mbit": rate,
                     "mode": mode,
                     "supernode": "retexo-fl supernode" if worker else "flower-supernode",
+                    "superlink_state": "in-memory" if args.in_memory else "sqlite",
                     "config": config,
                     "target": args.target,
                     "seconds_to_target": seconds,

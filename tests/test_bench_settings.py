@@ -1,0 +1,54 @@
+"""The benchmarks' fixed settings: what they claim to spell out, they spell out."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+from retexo_fl.cli import _config_from_args, build_parser
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+#: TrainConfig's training defaults at commit 6514f59 (2026-11-23), the "previous defaults" that
+#: bench/rounds.py compares against: 5 stages x 200 rounds, one SGD step a round, server Adam.
+#: Read from that commit's retexo_fl/config.py, not from a run.
+DEFAULTS_2026_11_23 = {
+    "model": "gcn", "stages": 5, "central_layers": 2, "hidden": 256, "pass_embedding": "hidden",
+    "self_training": 0, "pseudo_threshold": 0.9, "pseudo_per_class": 0, "rounds": 200,
+    "local_epochs": 1, "optimizer": "sgd", "momentum": 0.0, "lr": 1.0, "server_optimizer": "adam",
+    "server_lr": 0.01, "weight_decay": 0.0005, "dropout": 0.5, "input_dropout": 0.5,
+    "norm": "layer", "heads": 4, "patience": 0, "min_rounds": 0, "precompute": False,
+    "drift_correction": "none", "bits": 32, "bit_policy": "fixed", "update_bits": 32,
+    "broadcast_bits": 32, "range_dtype": "fp16",
+}  # fmt: skip
+
+#: Settings added since, whose defaults must still mean "off" for the previous defaults to hold.
+ADDED_SINCE_OFF = {
+    "halo_gradients": False, "boundary_noise": 0.0, "boundary_clip": 0.0,
+    "secure_aggregation": False,
+}  # fmt: skip
+
+
+def _load(name: str):
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_rounds_previous_flags_give_the_previous_defaults():
+    """A default that changes after PREVIOUS was written must be pinned in it, or this fails.
+
+    It failed once: PREVIOUS lacked ``--self-training 0`` and ``--norm layer`` after those defaults
+    changed, so the "previous" row ran 10 stages (2,000 rounds) with no norm.
+    """
+    rounds = _load("rounds")
+    args = build_parser().parse_args(["train", "--dataset", "Cora", *rounds.PREVIOUS])
+    config = _config_from_args(args)
+    got = {name: getattr(config, name) for name in DEFAULTS_2026_11_23 | ADDED_SINCE_OFF}
+    assert got == DEFAULTS_2026_11_23 | ADDED_SINCE_OFF

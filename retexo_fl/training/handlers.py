@@ -65,6 +65,16 @@ def hello(client: Client, request: Records) -> Reply:
     return Reply({P.CONFIG: info}, changed=True)  # the private key stays node-local
 
 
+def _add_payloads(records: Records, sent: tuple[dict[int, bytes], dict] | None) -> None:
+    """Put a client's sealed frames for its peers (and their figures) into its reply records."""
+    if not sent:
+        return
+    frames, stats = sent
+    records[P.PAYLOADS] = {P.outgoing_key(q): f for q, f in frames.items()}
+    if stats:
+        records[P.STATS] = {P.STATS_JSON: json.dumps(stats)}
+
+
 def _hex_map(text: object, what: str, where: str) -> dict[int, bytes]:
     try:
         values = json.loads(str(text))
@@ -127,11 +137,7 @@ def train(client: Client, request: Records) -> Reply:
     # Eager: this round's embeddings (of the received state) go to the peers' next round, with
     # the halo gradients this round's training found (so they are sealed after training).
     sent = client.round_payloads(state, round_)
-    if sent is not None:
-        frames, stats = sent
-        records[P.PAYLOADS] = {P.outgoing_key(q): f for q, f in frames.items()}
-        if stats:
-            records[P.STATS] = {P.STATS_JSON: json.dumps(stats)}
+    _add_payloads(records, sent)
     update = client.encode_update(new_state, state, round_)
     if control is not None:  # c_i from the update as the server decodes it, so both hold the same
         seen = new_state if update is None else client.decode_own_update(update, state)
@@ -208,12 +214,8 @@ def evaluate(client: Client, request: Records) -> Reply:
     metrics = {P.CORRECT: result.correct, P.COUNT: result.count, P.LOSS: result.loss_sum}
     records: Records = {P.METRICS: metrics}
     sent = client.round_payloads(state, int(config[P.ROUND])) if config.get(P.REFRESH) else None
-    if sent:  # eager: the rows of this state, for the peers' halos (sealed: counters changed)
-        frames, stats = sent
-        records[P.PAYLOADS] = {P.outgoing_key(q): f for q, f in frames.items()}
-        if stats:
-            records[P.STATS] = {P.STATS_JSON: json.dumps(stats)}
-    return Reply(records, changed=delivered or decoded or bool(sent))
+    _add_payloads(records, sent)  # eager: the rows of this state, for the peers' halos
+    return Reply(records, changed=delivered or decoded or bool(sent))  # sealed: counters changed
 
 
 def embed(client: Client, request: Records) -> Reply:

@@ -322,7 +322,6 @@ class BaselineRun:
             "config": cfg.to_dict(),
         }
 
-
     def refresh_halos(self, result: StageResult, rounds: int) -> dict[int, Frames] | None:
         """Eager: the halo rows of the best state, for its test.
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 from pathlib import Path
+from types import ModuleType
 
 from retexo_fl.cli import _config_from_args, build_parser
 
@@ -30,7 +31,9 @@ ADDED_SINCE_OFF = {
 }  # fmt: skip
 
 
-def _load(name: str):
+def _load(name: str) -> ModuleType:
+    """``bench/<name>.py`` as a module; ``sys.path`` as it was (the script adds ``bench/`` itself)."""
+    saved = list(sys.path)
     sys.path.insert(0, str(BENCH))
     try:
         spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
@@ -38,7 +41,7 @@ def _load(name: str):
         spec.loader.exec_module(module)
         return module
     finally:
-        sys.path.remove(str(BENCH))
+        sys.path[:] = saved
 
 
 def test_rounds_previous_flags_give_the_previous_defaults():

@@ -7,10 +7,13 @@ node's client itself is :mod:`clients.node_client`.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from flwr.app import Context, Message
@@ -24,11 +27,18 @@ from retexo_fl.secure.keys import private_folder
 WORK_DIR_ENV = "RETEXO_FL_WORK_DIR"
 
 
+def default_work_base() -> Path:
+    """The base of node work folders where no node config names one: ``$RETEXO_FL_WORK_DIR``, or
+    ``<temp>/retexo-fl``."""
+    base = os.environ.get(WORK_DIR_ENV)
+    return Path(base) if base else Path(tempfile.gettempdir()) / "retexo-fl"
+
+
 def work_base(context: Context) -> Path:
-    """The base of this node's work folders: node config ``work-dir``, ``$RETEXO_FL_WORK_DIR``,
-    or ``<temp>/retexo-fl``."""
-    base = context.node_config.get(P.NODE_WORK_DIR) or os.environ.get(WORK_DIR_ENV)
-    return Path(str(base)) if base else Path(tempfile.gettempdir()) / "retexo-fl"
+    """The base of this node's work folders: node config ``work-dir``, else
+    :func:`default_work_base`."""
+    base = context.node_config.get(P.NODE_WORK_DIR)
+    return Path(str(base)) if base else default_work_base()
 
 
 def work_dir(context: Context, run_key: int, slot: str) -> Path:
@@ -50,8 +60,31 @@ def partition_dir(context: Context, cfg: TrainConfig) -> Path:
     pid = int(context.node_config[P.NODE_PARTITION_ID])
     if cfg.partitions:  # simulation over partitions written earlier by `retexo-fl partition`
         return Path(cfg.partitions) / f"part-{pid}"
+    return cut_folder(work_base(context), cfg) / f"part-{pid}"
+
+
+def cut_folder(base: Path, cfg: TrainConfig) -> Path:
+    """Where a simulation keeps the cut of ``cfg``'s dataset under the work base ``base``: one
+    folder per (dataset, split, partitioning, clients, seed), holding every ``part-<i>``."""
     key = json.dumps([cfg.dataset, cfg.split, cfg.split_index, cfg.method, cfg.clients, cfg.seed])
-    return work_base(context) / "partitions" / hashlib.sha256(key.encode()).hexdigest()[:16] / f"part-{pid}"
+    return base / "partitions" / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+@contextmanager
+def cut_lock(folder: Path, exclusive: bool) -> Iterator[None]:
+    """Hold ``folder``'s lock: exclusive to write a cut, shared to read one.
+
+    The virtual nodes of a simulation run in several processes, and all of them must use one cut:
+    a node that finds none cuts the whole graph and writes every part under the exclusive lock,
+    and no node reads a part while another process (re)writes the cut.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def run_key(msg: Message) -> int:

@@ -8,10 +8,11 @@ worker is a new process per message and falls back to the node-local work folder
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from flwr.app import Context, Message, RecordDict
 
-from clients.node import cache_key, partition_dir, run_config, who, work_dir
+from clients.node import cache_key, cut_lock, partition_dir, run_config, who, work_dir
 from clients.records import from_flower, to_flower
 from retexo_fl import protocol as P
 from retexo_fl.config import TrainConfig
@@ -24,6 +25,9 @@ from retexo_fl.training.eager_client import EagerClient
 from retexo_fl.training.handlers import handle
 from retexo_fl.training.lazy_client import LazyClient
 
+if TYPE_CHECKING:
+    from torch_geometric.data import Data
+
 _CACHE: dict[tuple[int, str], Client] = {}
 #: Set by the node worker: no other process writes this node's state, so a cached client that
 #: this process loaded or answered with is current and is not loaded again before each message.
@@ -34,21 +38,35 @@ _CURRENT: set[tuple[int, str]] = set()
 
 
 def load_node_partition(context: Context, cfg: TrainConfig, work: Path) -> Partition:
-    """This node's partition: loaded and validated, or (simulation) cut from the dataset and kept."""
+    """This node's partition: loaded and validated, or (simulation) this run's cached cut."""
     part_dir = partition_dir(context, cfg)
-    given = P.NODE_PARTITION_DIR in context.node_config or cfg.partitions
-    if given or (part_dir / "manifest.json").is_file():
+    if P.NODE_PARTITION_DIR in context.node_config or cfg.partitions:
         return load_partition(part_dir, stamp=work / "partition-verified.json")
-    # Simulation: every virtual node cuts the same dataset deterministically and keeps its part.
+    # Simulation: the first node to find no cut writes every part of one; the others load theirs.
+    # Each node cutting for itself is not enough: two Ray actors' cuts of one graph have been seen
+    # to number its parts differently (METIS, 2026-11-24), and the boundary plans then disagree.
+    with cut_lock(part_dir.parent, exclusive=False):
+        if (part_dir / "manifest.json").is_file():
+            return load_partition(part_dir, stamp=work / "partition-verified.json")
+    with cut_lock(part_dir.parent, exclusive=True):
+        if not (part_dir / "manifest.json").is_file():
+            write_cut(cfg, part_dir.parent)
+        return load_partition(part_dir, stamp=work / "partition-verified.json")
+
+
+def write_cut(cfg: TrainConfig, folder: Path, graph: Data | None = None) -> None:
+    """Cut ``cfg``'s dataset (``graph`` if loaded already) and write every part into ``folder``.
+
+    The caller holds ``folder``'s exclusive :func:`~clients.node.cut_lock`.
+    """
     # Imported here: PyG's dataset and utility modules cost seconds, and a deployed ClientApp
     # (a new process per message) never cuts a dataset.
     from retexo_fl.data.loading import load_graph
     from retexo_fl.data.partitioners import partition_graph
 
-    pid = int(context.node_config[P.NODE_PARTITION_ID])
-    parts = partition_graph(load_graph(cfg), cfg.clients, cfg.method, seed=cfg.seed)
-    save_partition(parts[pid], part_dir)
-    return parts[pid]
+    graph = graph if graph is not None else load_graph(cfg)
+    for part in partition_graph(graph, cfg.clients, cfg.method, seed=cfg.seed):
+        save_partition(part, folder / f"part-{part.partition_id}")
 
 
 def node_policy(context: Context) -> PartyPolicy:

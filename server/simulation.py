@@ -9,7 +9,8 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import ServerApp
 
 from clients.app import app as default_client_app
-from clients.node import WORK_DIR_ENV
+from clients.node import WORK_DIR_ENV, cut_folder, cut_lock, default_work_base
+from clients.node_client import write_cut
 from retexo_fl.config import TrainConfig
 from retexo_fl.secure.policy import POLICY_ENV, PartyPolicy
 from server.app import run_server
@@ -52,12 +53,16 @@ def simulate(
     if cfg.resume:  # the federation's size comes from the run being resumed
         cfg = resumed_config(cfg)
     elif not cfg.partitions:
-        # Every virtual node cuts the dataset itself. On a first use PyG writes processed/ beside
-        # raw/, and Ray actors that did so at once read each other's half-written file (seen as
-        # "PytorchStreamReader failed reading file data/1" at key setup): process it here, once.
+        # The virtual nodes load their parts of one cut, written here: the cut this process's
+        # in-process engine would make, and no stale or half-written one that a node finds in
+        # the work folder. Loading the dataset here also means PyG writes processed/ once (Ray
+        # actors that did so at once read each other's half-written file).
         from retexo_fl.data.loading import load_graph
 
-        load_graph(cfg)
+        folder = cut_folder(Path(work_dir) if work_dir is not None else default_work_base(), cfg)
+        graph = load_graph(cfg)
+        with cut_lock(folder, exclusive=True):
+            write_cut(cfg, folder, graph)
 
     result: dict = {}
     server_app = ServerApp()

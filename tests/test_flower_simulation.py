@@ -206,7 +206,10 @@ def test_time_based_rounds_in_simulation(tmp_path):
 
 
 @pytest.mark.slow
-def test_self_training_in_simulation_matches_in_process(tmp_path):
+def test_self_training_in_simulation_matches_in_process(tmp_path, node_work_dir):
+    from clients.node import cut_folder
+    from clients.node_client import write_cut
+
     cfg = TrainConfig(
         profile="exact",  # the settings below as given; the rest as before the round-efficient defaults
         dataset="sbm:400,3,8,0.85",
@@ -220,6 +223,9 @@ def test_self_training_in_simulation_matches_in_process(tmp_path):
         pseudo_threshold=0.5,
         out_dir=str(tmp_path / "sim"),
     )
+    # A stale cut where the nodes look for theirs (another seed's, as an earlier version or a
+    # half-finished run could leave): the simulation writes its own cut over it.
+    write_cut(TrainConfig(**{**cfg.to_dict(), "seed": 1}), cut_folder(node_work_dir, cfg))
     sim, ref = _both_engines(cfg, RunRecorder(tmp_path / "ref", stream=None))
     events = [json.loads(line) for line in (tmp_path / "ref" / "events.jsonl").read_text().splitlines()]
     (relabel,) = [e for e in events if e["event"] == "relabel"]

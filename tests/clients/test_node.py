@@ -72,3 +72,61 @@ def test_the_work_folder_is_the_nodes_choice(tmp_path, monkeypatch):
     assert work_base(_Context({P.NODE_WORK_DIR: str(tmp_path / "node")})) == tmp_path / "node"
     monkeypatch.delenv(WORK_DIR_ENV)
     assert work_base(_Context()).name == "retexo-fl"
+
+
+def test_simulated_nodes_load_their_parts_of_one_cut(tmp_path, monkeypatch):
+    """Three virtual nodes (threads here; Ray actors in a simulation) cut a graph whose parts each
+    cut would number its own way: they still load disjoint parts of one cut, so their boundary
+    plans agree. Each node cutting for itself, as before, fails the plan check."""
+    import threading
+
+    import numpy as np
+
+    from clients.node import cut_folder
+    from clients.node_client import load_node_partition
+    from retexo_fl.data import partitioners
+    from retexo_fl.data.loading import load_graph
+    from retexo_fl.plan import BoundaryPlan, PlanMismatchError, check_plans
+
+    calls: list[int] = []
+
+    def renumbering_cut(data, nparts, method="metis", seed=0, **options):
+        """The real cut, with its parts numbered differently on every call."""
+        calls.append(1)
+        owner = (partitioners.assign_nodes(data, nparts, method, seed) + len(calls)) % nparts
+        return partitioners.split_graph(data, owner, nparts, method=method, seed=seed)
+
+    monkeypatch.setattr(partitioners, "partition_graph", renumbering_cut)
+    cfg = TrainConfig(dataset="sbm:300,3", clients=3, method="metis", seed=0)
+    parts, errors = {}, []
+
+    def node(pid: int) -> None:
+        try:
+            ctx = _Context({P.NODE_WORK_DIR: str(tmp_path), P.NODE_PARTITION_ID: pid}, node_id=pid)
+            parts[pid] = load_node_partition(ctx, cfg, tmp_path / f"work-{pid}")
+        except Exception as exc:  # reported below: a thread's exception is otherwise lost
+            errors.append(exc)
+
+    threads = [threading.Thread(target=node, args=(pid,)) for pid in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert len(calls) == 1  # one node cut, and wrote every part
+    assert sorted(p.partition_id for p in parts.values()) == [0, 1, 2]
+    ids = np.concatenate([p.node_ids for p in parts.values()])
+    assert np.array_equal(np.sort(ids), np.arange(300))
+    check_plans({pid: BoundaryPlan.from_partition(p).digests() for pid, p in parts.items()})
+    # A node finding a cut without its part (a writer killed mid-way) cuts again, whole.
+    folder = cut_folder(tmp_path, cfg)
+    for name in ("manifest.json", "x.npy"):
+        (folder / "part-2" / name).unlink()
+    ctx = _Context({P.NODE_WORK_DIR: str(tmp_path), P.NODE_PARTITION_ID: 2}, node_id=2)
+    again = load_node_partition(ctx, cfg, tmp_path / "work-2b")
+    assert len(calls) == 2 and again.partition_id == 2
+    # The old way, each node cutting for itself, numbers the parts differently: the check fails.
+    graph = load_graph(cfg)
+    own = {pid: renumbering_cut(graph, 3, cfg.method, cfg.seed)[pid] for pid in range(3)}
+    with pytest.raises(PlanMismatchError):
+        check_plans({pid: BoundaryPlan.from_partition(p).digests() for pid, p in own.items()})

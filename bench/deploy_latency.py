@@ -53,15 +53,16 @@ def import_seconds(module: str, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-def worker_peak_mb(work: Path, parties: int) -> list[float]:
-    """Peak resident memory (VmHWM) of each party's current node worker, from its SuperNode log."""
-    peaks = []
+def worker_memory_mb(work: Path, parties: int, field: str = "VmHWM") -> list[float]:
+    """Each party's current node worker's ``field`` of ``/proc/PID/status`` in MB (``VmHWM``: peak
+    resident memory; ``VmRSS``: now), the worker found in its SuperNode log."""
+    values = []
     for i in range(parties):
         found = re.findall(r"node worker (\d+) listening", (work / f"supernode-{i}.log").read_text())
         status = Path(f"/proc/{found[-1]}/status").read_text() if found else ""
-        hwm = re.search(r"VmHWM:\s+(\d+) kB", status)
-        peaks.append(int(hwm.group(1)) / 1024 if hwm else float("nan"))
-    return peaks
+        kb = re.search(rf"{field}:\s+(\d+) kB", status)
+        values.append(int(kb.group(1)) / 1024 if kb else float("nan"))
+    return values
 
 
 def deployed(
@@ -79,7 +80,7 @@ def deployed(
         if record.get("status") != "finished:completed":
             raise RuntimeError(f"deployed run ended {record.get('status')}; see {work}")
         if worker:
-            peaks = worker_peak_mb(fed.work, len(parties))
+            peaks = worker_memory_mb(fed.work, len(parties))
     finally:
         fed.stop_all()
     return round_latencies(out), wall, peaks

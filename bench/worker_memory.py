@@ -112,9 +112,7 @@ def main() -> int:
             **deployed_run(parts, tmp / profile, run_config, args.timeout),
         }
 
-    print(
-        f"\nnode worker memory over a whole deployed run ({args.parties} part(ies) of the edge test's graph)"
-    )
+    print(f"\nnode worker memory over a whole deployed run, {args.parties} part(s) of the edge test's graph")
     print(f"{'profile':<10} {'peak MB':>9} {'end MB':>8} {'ceiling':>8} {'rounds':>7} {'s':>6} {'test':>6}")
     for profile, r in rows.items():
         peak = max(r["worker_peak_mb"])

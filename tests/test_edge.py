@@ -91,3 +91,36 @@ def test_edge_client_stays_under_its_memory_ceiling(tmp_path):
     assert torch.allclose(edge_rows, full_rows, atol=1e-5)  # the same embeddings
     assert edge_peak < EDGE_CEILING_MB, f"edge client peaked at {edge_peak:.0f} MB"
     assert full_peak > edge_peak + 300, (full_peak, edge_peak)  # chunking is what keeps it down
+
+
+@pytest.mark.parametrize("model", ["gcn", "sage-max", "gat"])
+def test_rows_in_chunks_train_evaluate_and_embed_as_all_at_once(sbm, model):
+    """``chunk-rows``: a conv stage's step, evaluation and embeddings, a few rows at a time (the
+    step's dropout masks replayed for every chunk), equal those computed all at once."""
+    import torch
+
+    from retexo_fl.data.partitioners import partition_graph
+    from retexo_fl.training.lazy_client import LazyClient
+
+    part = partition_graph(sbm, 1, "random", seed=0)[0]
+    stage_input = torch.randn(part.num_nodes, 12, generator=torch.Generator().manual_seed(0))
+
+    def client(chunk: int) -> LazyClient:
+        c = LazyClient(part, TrainConfig(model=model, hidden=8, stages=2, chunk_rows=chunk, local_epochs=3))
+        c.advance(stage_input)
+        c.receive_degrees({})
+        c.receive_halo({})
+        return c
+
+    whole, chunked = client(0), client(37)
+    assert int(whole.masks["train"].sum()) > 3 * 37  # several chunks
+    state = whole.make_model().state_dict()
+    torch.testing.assert_close(chunked.embeddings(state), whole.embeddings(state))
+    a, b = chunked.evaluate(state, "val"), whole.evaluate(state, "val")
+    assert (a.correct, a.count) == (b.correct, b.count) and a.loss_sum == pytest.approx(b.loss_sum, rel=1e-5)
+    new_a, loss_a = chunked.train(state, 1)
+    new_b, loss_b = whole.train(state, 1)
+    assert loss_a == pytest.approx(loss_b, rel=1e-5)
+    for k in new_b:  # three steps with dropout: the same masks, or the weights would part
+        torch.testing.assert_close(new_a[k], new_b[k], rtol=1e-4, atol=1e-5)
+    assert any(not torch.equal(new_b[k], state[k]) for k in state)  # the step moved the weights

@@ -71,25 +71,44 @@ def _csr(crow: Tensor, col: Tensor, values: Tensor, size: tuple[int, int]) -> Te
         return torch.sparse_csr_tensor(crow, col, values, size=size, check_invariants=False)
 
 
-def adjacency_rows(adj: Tensor, start: int, stop: int) -> Tensor:
-    """Rows ``[start, stop)`` of a CSR ``adj`` as a CSR matrix of their own (no copy of other rows).
+def adjacency_select(adj: Tensor, rows: Tensor) -> Tensor:
+    """Rows ``rows`` of a CSR ``adj``, in that order, as a CSR matrix of their own.
+
+    Each row keeps its entries in their order, so a product with it gives those rows of the
+    whole product bit for bit.
+
+    Args:
+        adj (Tensor): the CSR adjacency.
+        rows (Tensor): int64 row indices.
 
     Shapes:
-        - **input:** ``adj`` CSR ``[T, N]``
-        - **output:** CSR ``[stop - start, N]``
+        - **input:** ``adj`` CSR ``[T, N]``, ``rows`` ``[R]``
+        - **output:** CSR ``[R, N]``
     """
     crow, col, values = adj.crow_indices(), adj.col_indices(), adj.values()
-    lo, hi = int(crow[start]), int(crow[stop])
-    return _csr(crow[start : stop + 1] - lo, col[lo:hi], values[lo:hi], (stop - start, adj.shape[1]))
+    starts, counts = crow[rows], crow[rows + 1] - crow[rows]
+    new_crow = torch.zeros(rows.numel() + 1, dtype=crow.dtype, device=crow.device)
+    torch.cumsum(counts, 0, out=new_crow[1:])
+    total = int(new_crow[-1])
+    # Entry k of selected row i sits at starts[i] + k in the whole matrix.
+    pos = torch.repeat_interleave(starts - new_crow[:-1], counts, output_size=total)
+    pos += torch.arange(total, dtype=crow.dtype, device=crow.device)
+    return _csr(new_crow, col[pos], values[pos], (rows.numel(), adj.shape[1]))
 
 
 def run_conv(
-    conv: torch.nn.Module, kind: str, x: Tensor, edge_index: Tensor, edge_weight: Tensor | None
+    conv: torch.nn.Module,
+    kind: str,
+    x: Tensor,
+    edge_index: Tensor,
+    edge_weight: Tensor | None,
+    targets: Tensor | None = None,
 ) -> Tensor:
     """One PyG conv layer over an edge list or a sparse adjacency.
 
     Over a CSR adjacency ``[T, N]`` the output has the ``T`` target rows (SAGE's root weight
-    reads the first ``T`` rows of ``x``); over an edge list it has every row of ``x``.
+    reads rows ``targets`` of ``x``, else its first ``T``); over an edge list it has every row of
+    ``x``.
 
     Args:
         conv (torch.nn.Module): the layer (:func:`~retexo_fl.models.stage.make_conv`).
@@ -97,13 +116,16 @@ def run_conv(
         x (Tensor): the input rows (targets first).
         edge_index (Tensor): ``[2, E]`` edges, or a CSR adjacency (:func:`sparse_adjacency`).
         edge_weight (Tensor, optional): GCN weights of an edge list (in the values of a CSR one).
+        targets (Tensor, optional): the rows of ``x`` a CSR adjacency's rows are
+            (:func:`adjacency_select`); :obj:`None` for its first ``T``. (default: :obj:`None`)
 
     Shapes:
-        - **input:** ``x`` ``[N, d]``
+        - **input:** ``x`` ``[N, d]``, ``targets`` ``[T]``
         - **output:** ``[T, out]`` over a CSR adjacency, ``[N, out]`` over an edge list
     """
     if is_sparse(edge_index):
         if kind == "sage":
-            return conv((x, x[: edge_index.shape[0]]), edge_index)
+            root = x[: edge_index.shape[0]] if targets is None else x[targets]
+            return conv((x, root), edge_index)
         return conv(x, edge_index)
     return conv(x, edge_index, edge_weight) if kind == "gcn" else conv(x, edge_index)

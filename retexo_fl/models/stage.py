@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from retexo_fl.models.adjacency import run_conv
+from retexo_fl.models.adjacency import adjacency_select, is_sparse, run_conv
 
 CONV_KINDS = ("gcn", "sage", "sage-max", "gat")
 
@@ -108,6 +108,7 @@ class StageModel(nn.Module):
         edge_index: Tensor | None = None,
         edge_weight: Tensor | None = None,
         num_targets: int | None = None,
+        rows: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """The stage's hidden representation and logits for the target rows.
 
@@ -120,26 +121,52 @@ class StageModel(nn.Module):
                 (default: :obj:`None`)
             num_targets (int | None, optional): compute outputs for the first ``num_targets`` rows
                 only (the owned nodes); ``None`` for all rows. (default: :obj:`None`)
+            rows (Tensor | None, optional): of those, compute only these (int64 indices below
+                ``num_targets``): messages travel along their in-edges alone, and the dropout
+                masks are drawn as for all ``num_targets`` rows, so each row equals its row of
+                the whole computation. Needs ``num_targets``. (default: :obj:`None`)
 
         Shapes:
-            - **input:** ``x`` ``[N_in, in_dim]``, ``edge_index`` ``[2, E]``, ``edge_weight`` ``[E]``
+            - **input:** ``x`` ``[N_in, in_dim]``, ``edge_index`` ``[2, E]``, ``edge_weight`` ``[E]``,
+              ``rows`` ``[R]``
             - **output:** ``hidden`` ``[n, hidden]`` (after ReLU, before dropout), ``logits``
-              ``[n, num_classes]``
+              ``[n, num_classes]``; ``n = R`` with ``rows``
 
         Raises:
-            ValueError: if a conv stage gets no ``edge_index``.
+            ValueError: if a conv stage gets no ``edge_index``, or ``rows`` come without
+                ``num_targets``.
         """
+        if rows is not None and num_targets is None:
+            raise ValueError("rows needs num_targets: the rows the dropout masks are drawn for")
         x = self.input_dropout(x)
         if self.kind == "mlp":
             h = self.body(x if num_targets is None else x[:num_targets])
+            if rows is not None:
+                h = h[rows]
         else:
             if edge_index is None:
                 raise ValueError(f"a {self.kind} stage needs edge_index")
-            h = run_conv(self.body, self.kind, x, edge_index, edge_weight)
-            if num_targets is not None:
-                h = h[:num_targets]
+            if rows is None:
+                h = run_conv(self.body, self.kind, x, edge_index, edge_weight)
+                if num_targets is not None:
+                    h = h[:num_targets]
+            elif is_sparse(edge_index):
+                h = run_conv(self.body, self.kind, x, adjacency_select(edge_index, rows), None, rows)
+            else:  # the edges into the rows: each target's messages, in their order
+                wanted = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+                wanted[rows] = True
+                keep = wanted[edge_index[1]]
+                weight = None if edge_weight is None else edge_weight[keep]
+                h = run_conv(self.body, self.kind, x, edge_index[:, keep], weight)[rows]
         h = torch.relu(self.norm(h))
-        return h, self.head(self.dropout(h))
+        if rows is None or not self.training or self.dropout.p == 0:
+            return h, self.head(self.dropout(h))
+        # The mask of all num_targets rows, as nn.Dropout draws it (CPU), then the rows': the same
+        # random stream, so a row's mask is the one it gets in the whole computation.
+        assert num_targets is not None  # checked above
+        p = self.dropout.p
+        keep_mask = torch.empty(num_targets, h.shape[1], dtype=h.dtype, device=h.device).bernoulli_(1 - p)
+        return h, self.head(h * keep_mask[rows].div_(1 - p))
 
     @property
     def aggregates_linearly(self) -> bool:

@@ -419,14 +419,13 @@ class Client(ABC):
         losses: list[float] = []
         while deadline is not None or len(losses) < steps:
             opt.zero_grad()
-            loss, objective = self.objective(model, mask, len(losses))
-            objective.backward()
+            loss = self.step_gradients(model, mask, len(losses))
             if correction:
                 for name, p in model.named_parameters():
                     if p.grad is not None and name in correction:
                         p.grad.add_(correction[name])
             opt.step()
-            losses.append(loss.item())
+            losses.append(loss)
             if self.delay:
                 time.sleep(self.delay)
             if deadline is not None and time.perf_counter() >= deadline:
@@ -435,6 +434,18 @@ class Client(ABC):
         # A copy: the module is reused next round and would overwrite these tensors in place.
         new = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
         return new, losses[0] if losses else 0.0
+
+    def step_gradients(self, model: torch.nn.Module, mask: Tensor, step: int) -> float:
+        """One local step's gradients, accumulated into ``model``'s parameters; its training loss.
+
+        Args:
+            model (torch.nn.Module): the model being trained.
+            mask (Tensor): the training rows.
+            step (int): the local step, from 0.
+        """
+        loss, objective = self.objective(model, mask, step)
+        objective.backward()
+        return loss.item()
 
     def objective(self, model: torch.nn.Module, mask: Tensor, step: int) -> tuple[Tensor, Tensor]:
         """One local step's training loss and the objective the step differentiates.

@@ -12,7 +12,6 @@ from retexo_fl.compress.boundary import ExchangeStats
 from retexo_fl.compress.payload import decode_rows
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partition import Partition
-from retexo_fl.models.adjacency import adjacency_rows, is_sparse
 from retexo_fl.models.factory import build_stage_model
 from retexo_fl.models.stage import StageModel
 from retexo_fl.protocol import HALO
@@ -100,8 +99,12 @@ class LazyClient(Client):
     def outputs(self, model: torch.nn.Module, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """``(hidden, logits)`` of the owned nodes, or only of boolean ``rows`` of them.
 
-        Stage 0 is row-wise, so it runs on the selected rows alone; a conv stage needs the whole
-        local graph and is sliced after.
+        Stage 0 is row-wise, so it runs on the selected rows alone. A conv stage passes messages
+        along the selected rows' in-edges only (a round's loss reads the training rows, often a
+        tenth of them), with the dropout masks of the whole computation, so the rows are those
+        of all rows sliced. Without gradients and with ``chunk-rows``, the rows are computed that
+        many at a time: a conv stage's messages, one per edge into the rows, are what dominates
+        a client's memory.
         """
         if self.layer == 0:
             hidden, logits = model(self.owned if rows is None else self.owned[rows])
@@ -111,8 +114,52 @@ class LazyClient(Client):
             hidden, logits = model.forward_aggregated(self.aggregated_input(), self.owned)
             return (hidden, logits) if rows is None else (hidden[rows], logits[rows])
         ei, w = self.edges()
-        hidden, logits = model(self.stage_input(), ei, w, num_targets=self.graph.num_owned)
-        return (hidden, logits) if rows is None else (hidden[rows], logits[rows])
+        n = self.graph.num_owned
+        chunk = self.cfg.chunk_rows if not torch.is_grad_enabled() else 0
+        if rows is None and not 0 < chunk < n:
+            return model(self.stage_input(), ei, w, num_targets=n)
+        x = self.stage_input()
+        index = torch.arange(n, device=self.device) if rows is None else rows.nonzero().squeeze(1)
+        step = chunk if chunk > 0 else max(1, index.numel())
+        pieces = [
+            model(x, ei, w, num_targets=n, rows=index[start : start + step])
+            for start in range(0, max(1, index.numel()), step)  # no rows: one empty piece
+        ]
+        if len(pieces) == 1:
+            return pieces[0]
+        return torch.cat([h for h, _ in pieces]), torch.cat([z for _, z in pieces])
+
+    def step_gradients(self, model: torch.nn.Module, mask: Tensor, step: int) -> float:
+        """A local step's gradients; on a conv stage with ``chunk-rows``, that many training rows
+        at a time.
+
+        Each chunk's graph is freed by its backward pass, so a step holds one chunk's per-edge
+        tensors, not every training row's (after self-training, most of a partition's rows). The
+        random state is replayed for every chunk: each draws the whole step's dropout masks and
+        uses its rows' (see :meth:`StageModel.forward`), so the summed gradient is the whole
+        step's, to float rounding.
+        """
+        chunk = self.cfg.chunk_rows
+        index = mask.nonzero().squeeze(1)
+        linear = self.cfg.precompute and isinstance(model, StageModel) and model.aggregates_linearly
+        if self.layer == 0 or linear or not 0 < chunk < index.numel():
+            return super().step_gradients(model, mask, step)
+        ei, w = self.edges()
+        x, labels, n = self.stage_input(), self.train_y[mask], self.graph.num_owned
+        cuda = self.device.type == "cuda"
+        start = torch.cuda.get_rng_state(self.device) if cuda else torch.random.get_rng_state()
+        total = 0.0
+        for lo in range(0, index.numel(), chunk):
+            if cuda:
+                torch.cuda.set_rng_state(start, self.device)
+            else:
+                torch.random.set_rng_state(start)
+            _, logits = model(x, ei, w, num_targets=n, rows=index[lo : lo + chunk])
+            part = torch.nn.functional.cross_entropy(logits, labels[lo : lo + chunk], reduction="sum")
+            part = part / index.numel()
+            part.backward()
+            total += part.item()
+        return total
 
     def aggregated_input(self) -> Tensor:
         r"""The stage input aggregated over each owned node's in-edges, once per stage input.
@@ -146,33 +193,8 @@ class LazyClient(Client):
         """This stage's output for every owned node, ``[n, d]``: what the next stage consumes."""
         model = self.loaded_model(state)
         model.eval()
-        hidden_out = self.cfg.pass_embedding == "hidden"
-        chunk = self.cfg.chunk_rows
-        n = self.graph.num_owned
-        if not chunk or chunk >= n:
-            hidden, logits = self.outputs(model)
-            return (hidden if hidden_out else logits).float().cpu()
-        # In row chunks: a conv stage's messages (one per edge into the chunk) are what dominates
-        # memory, and every target's incoming edges are all in its chunk, so the rows are exact.
-        out = []
-        if self.layer == 0:
-            for start in range(0, n, chunk):
-                h, z = model(self.owned[start : start + chunk])
-                out.append((h if hidden_out else z).float().cpu())
-            return torch.cat(out)
-        ei, w = self.edges()
-        assert ei is not None  # a conv stage
-        x = self.stage_input()
-        for start in range(0, n, chunk):
-            stop = min(n, start + chunk)
-            if is_sparse(ei):  # the chunk's rows of the adjacency: outputs of those rows only
-                h, z = model(x, adjacency_rows(ei, start, stop))
-                out.append((h if hidden_out else z).float().cpu())
-                continue
-            sel = (ei[1] >= start) & (ei[1] < stop)
-            h, z = model(x, ei[:, sel], None if w is None else w[sel], num_targets=stop)
-            out.append((h if hidden_out else z)[start:stop].float().cpu())
-        return torch.cat(out)
+        hidden, logits = self.outputs(model)
+        return (hidden if self.cfg.pass_embedding == "hidden" else logits).float().cpu()
 
     def advance(self, embeddings: Tensor) -> dict[int, Tensor]:
         """Make ``embeddings`` the owned input of the next stage; return the rows peers need."""

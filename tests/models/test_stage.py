@@ -132,6 +132,53 @@ def test_conv_stage_targets_need_only_their_in_edges():
         torch.testing.assert_close(z, want_z[:2], msg=kind)
 
 
+@pytest.mark.parametrize("layout", ["edges", "csr"])
+def test_selected_rows_equal_their_rows_of_the_whole_stage_dropout_included(layout):
+    """``rows=``: messages along the rows' in-edges only, and the dropout masks of the whole
+    computation (training mode, input and hidden dropout), so every row is bit for bit its row of
+    all targets computed and sliced. A mask drawn for the selected rows alone would differ."""
+    from retexo_fl.models.adjacency import sparse_adjacency
+
+    gen = torch.Generator().manual_seed(0)
+    n, halo = 40, 10
+    ei = torch.randint(n + halo, (2, 300), generator=gen)
+    ei[1] = ei[1] % n  # every edge ends at a target, as in a client's local graph
+    x = torch.randn(n + halo, 4, generator=gen)
+    rows = torch.tensor([3, 17, 0, 39, 22])
+    kinds = ["gcn", "sage"] if layout == "csr" else list(CONV_KINDS)
+    for kind in kinds:
+        torch.manual_seed(1)
+        model = StageModel(kind, 4, 6, 3, heads=2, dropout=0.5, input_dropout=0.3).train()
+        w = torch.rand(ei.shape[1], generator=gen) if kind == "gcn" else None
+        graph, weight = (sparse_adjacency(ei, w, n, n + halo), None) if layout == "csr" else (ei, w)
+        torch.manual_seed(5)
+        whole_h, whole_z = model(x, graph, weight, num_targets=n)
+        torch.manual_seed(5)
+        h, z = model(x, graph, weight, num_targets=n, rows=rows)
+        assert torch.equal(h, whole_h[rows]), kind
+        assert torch.equal(z, whole_z[rows]), kind
+        # Dropout drew a mask: a differently seeded whole computation gives other logits.
+        torch.manual_seed(6)
+        assert not torch.equal(model(x, graph, weight, num_targets=n)[1][rows], z), kind
+    with pytest.raises(ValueError, match="rows needs num_targets"):
+        model(x, ei, None, rows=rows)
+
+
+def test_adjacency_select_keeps_rows_and_their_entry_order():
+    from retexo_fl.models.adjacency import adjacency_select, sparse_adjacency
+
+    gen = torch.Generator().manual_seed(2)
+    ei = torch.randint(30, (2, 200), generator=gen)
+    ei[1] = ei[1] % 20
+    adj = sparse_adjacency(ei, torch.rand(200, generator=gen), 20, 30)
+    x = torch.randn(30, 5, generator=gen)
+    rows = torch.tensor([19, 0, 7, 7, 12])
+    picked = adjacency_select(adj, rows)
+    assert picked.shape == (5, 30)
+    assert torch.equal(torch.sparse.mm(picked, x), torch.sparse.mm(adj, x)[rows])
+    assert adjacency_select(adj, torch.tensor([], dtype=torch.long)).shape == (0, 30)
+
+
 def test_sage_stages_by_hand():
     torch.manual_seed(0)
     x = torch.randn(N, 4)

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,25 +66,44 @@ def worker_memory_mb(work: Path, parties: int, field: str = "VmHWM") -> list[flo
     return values
 
 
+@dataclass
+class DeployedRun:
+    """One deployed run's figures.
+
+    Args:
+        out (Path): the run folder (``events.jsonl``, ``summary.json``).
+        work (Path): the federation's work folder (the SuperNodes' logs).
+        wall (float): seconds from submit to finish.
+        peak_mb (list[float]): each node worker's peak resident memory (worker runs only).
+        end_mb (list[float]): each node worker's resident memory at the end (worker runs only).
+    """
+
+    out: Path
+    work: Path
+    wall: float
+    peak_mb: list[float] = field(default_factory=list)
+    end_mb: list[float] = field(default_factory=list)
+
+
 def deployed(
     parts: Path, work: Path, run_config: str, worker: bool, timeout: float = 1800, database: bool = True
-) -> tuple[list[float], float, list[float]]:
-    """Round latencies, wall seconds of the whole run (submit to finish) and worker peaks (MB)."""
+) -> DeployedRun:
+    """A whole deployed run of ``run_config`` on SuperNodes holding ``parts``' partitions."""
     fed = Federation(work, database=database)
-    out = work / "run"
     parties = sorted(parts.glob("part-*"))
-    peaks: list[float] = []
+    run = DeployedRun(work / "run", fed.work, 0.0)
     try:
         t0 = time.monotonic()
-        record = fed.run_parties(parties, out, run_config, timeout, worker=worker)
-        wall = time.monotonic() - t0
+        record = fed.run_parties(parties, run.out, run_config, timeout, worker=worker)
+        run.wall = time.monotonic() - t0
         if record.get("status") != "finished:completed":
             raise RuntimeError(f"deployed run ended {record.get('status')}; see {work}")
-        if worker:
-            peaks = worker_memory_mb(fed.work, len(parties))
+        if worker:  # read before the workers stop with their SuperNodes
+            run.peak_mb = worker_memory_mb(fed.work, len(parties))
+            run.end_mb = worker_memory_mb(fed.work, len(parties), "VmRSS")
     finally:
         fed.stop_all()
-    return round_latencies(out), wall, peaks
+    return run
 
 
 def main() -> int:
@@ -115,9 +135,12 @@ def main() -> int:
     simulate(cfg)
     sim = round_latencies(sim_dir)
     run_config = f"stages=1 rounds='{args.rounds}' hidden=64"
-    plain, plain_wall, _ = deployed(parts, tmp / "flower-supernode", run_config, worker=False)
-    ours, ours_wall, peaks = deployed(parts, tmp / "retexo-supernode", run_config, worker=True)
-    memory, memory_wall, _ = deployed(parts, tmp / "in-memory", run_config, worker=True, database=False)
+    plain_run = deployed(parts, tmp / "flower-supernode", run_config, worker=False)
+    ours_run = deployed(parts, tmp / "retexo-supernode", run_config, worker=True)
+    memory_run = deployed(parts, tmp / "in-memory", run_config, worker=True, database=False)
+    plain, ours, memory = (round_latencies(r.out) for r in (plain_run, ours_run, memory_run))
+    plain_wall, ours_wall, memory_wall = plain_run.wall, ours_run.wall, memory_run.wall
+    peaks = ours_run.peak_mb
     imports = {
         "flwr.clientapp": import_seconds("flwr.clientapp"),
         "ClientApp shim (clients.app, no torch)": import_seconds("clients.app"),
@@ -132,7 +155,8 @@ def main() -> int:
     whole = {}
     if args.whole_run:  # on both SuperLink stores: the SQLite file is most of its CPU on 2 cores
         for store, database in (("sqlite", True), ("in-memory", False)):
-            lat, wall, _ = deployed(parts, tmp / f"whole-{store}", args.whole_config, True, 3600, database)
+            whole_run = deployed(parts, tmp / f"whole-{store}", args.whole_config, True, 3600, database)
+            lat, wall = round_latencies(whole_run.out), whole_run.wall
             whole[store] = {
                 "rounds": len(lat) + 1,
                 "wall_seconds": wall,

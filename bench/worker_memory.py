@@ -19,14 +19,12 @@ import json
 import re
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "deploy"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from deploy_latency import worker_memory_mb  # noqa: E402
-from federation import Federation  # noqa: E402
+from deploy_latency import deployed  # noqa: E402
 
 #: The ceiling ``--profile edge`` states (docs/deployment.md, tests/test_edge.py).
 EDGE_CEILING_MB = 900
@@ -49,31 +47,20 @@ def edge_graph_partitions(out: Path, parties: int) -> dict:
 
 def deployed_run(parts: Path, work: Path, run_config: str, timeout: float) -> dict:
     """One whole deployed run on ``retexo-fl supernode``: its figures and the workers' memory."""
-    fed = Federation(work, database=False)
-    out = work / "run"
-    parties = sorted(parts.glob("part-*"))
-    try:
-        t0 = time.monotonic()
-        record = fed.run_parties(parties, out, run_config, timeout, worker=True)
-        wall = time.monotonic() - t0
-        if record.get("status") != "finished:completed":
-            raise RuntimeError(f"deployed run ended {record.get('status')}; see {work}")
-        peaks = worker_memory_mb(fed.work, len(parties))
-        current = worker_memory_mb(fed.work, len(parties), "VmRSS")
-        restarts = [
-            len(re.findall(r"node worker \d+ listening", (fed.work / f"supernode-{i}.log").read_text())) - 1
-            for i in range(len(parties))
-        ]
-    finally:
-        fed.stop_all()
-    summary = json.loads((out / "summary.json").read_text())
+    run = deployed(parts, work, run_config, worker=True, timeout=timeout, database=False)
+    parties = len(run.peak_mb)
+    restarts = [
+        len(re.findall(r"node worker \d+ listening", (run.work / f"supernode-{i}.log").read_text())) - 1
+        for i in range(parties)
+    ]
+    summary = json.loads((run.out / "summary.json").read_text())
     return {
-        "wall_seconds": wall,
+        "wall_seconds": run.wall,
         "test_accuracy": summary.get("test_accuracy"),
         "rounds": sum(int(s.get("rounds_sent", 0)) for s in summary.get("stages", [])),
         "stages": len(summary.get("stages", [])),
-        "worker_peak_mb": peaks,
-        "worker_end_mb": current,
+        "worker_peak_mb": run.peak_mb,
+        "worker_end_mb": run.end_mb,
         "worker_restarts": restarts,
     }
 

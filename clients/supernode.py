@@ -47,7 +47,7 @@ MAX_RESTARTS, RESTART_WINDOW = 5, 60.0
 #: 4 MiB and more (a conv stage's per-edge tensors) get mappings of their own, handed back to the
 #: system when freed. With glibc's sliding default they stay in the heap, and the worker's
 #: resident memory keeps every stage's peak: 1,027 MB at the peak of a whole run on the edge
-#: test's graph (40,000 nodes, 2 million edges, ``--profile edge``), 876 MB with these, at some
+#: test's graph (40,000 nodes, 2 million edges, ``--profile edge``), 876-884 MB with these, at some
 #: seconds of page faults (`bench/worker_memory.py`, 2026-11-24).
 WORKER_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4194304", "MALLOC_TRIM_THRESHOLD_": "4194304"}
 

@@ -96,6 +96,11 @@ class LazyClient(Client):
     def model_key(self) -> object:
         return self.stage
 
+    def precomputes(self, model: torch.nn.Module) -> bool:
+        """Whether ``model``'s stage runs on inputs aggregated once (``--precompute``, GCN and
+        mean-SAGE) instead of passing messages."""
+        return self.cfg.precompute and isinstance(model, StageModel) and model.aggregates_linearly
+
     def outputs(self, model: torch.nn.Module, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """``(hidden, logits)`` of the owned nodes, or only of boolean ``rows`` of them.
 
@@ -109,7 +114,7 @@ class LazyClient(Client):
         if self.layer == 0:
             hidden, logits = model(self.owned if rows is None else self.owned[rows])
             return hidden, logits
-        if self.cfg.precompute and isinstance(model, StageModel) and model.aggregates_linearly:
+        if self.precomputes(model):
             # All owned rows, then sliced, like message passing: the same dropout masks.
             hidden, logits = model.forward_aggregated(self.aggregated_input(), self.owned)
             return (hidden, logits) if rows is None else (hidden[rows], logits[rows])
@@ -141,8 +146,7 @@ class LazyClient(Client):
         """
         chunk = self.cfg.chunk_rows
         index = mask.nonzero().squeeze(1)
-        linear = self.cfg.precompute and isinstance(model, StageModel) and model.aggregates_linearly
-        if self.layer == 0 or linear or not 0 < chunk < index.numel():
+        if self.layer == 0 or self.precomputes(model) or not 0 < chunk < index.numel():
             return super().step_gradients(model, mask, step)
         ei, w = self.edges()
         x, labels, n = self.stage_input(), self.train_y[mask], self.graph.num_owned

@@ -227,7 +227,7 @@ def main() -> int:
         help="self-training labels per class and client (0: no cap)",
     )
     parser.add_argument(
-        "--pseudo-threshold", type=float, default=None, help="self-training confidence floor (default 0.9)"
+        "--pseudo-threshold", type=float, default=None, help="self-training confidence floor (default 0.6)"
     )
     parser.add_argument(
         "--by-validation",

@@ -47,7 +47,7 @@ PREVIOUS = [
     "--stages", "5", "--hidden", "256", "--rounds", "200", "--local-epochs", "1",
     "--optimizer", "sgd", "--lr", "1.0", "--server-optimizer", "adam", "--server-lr", "0.01",
     "--patience", "0", "--min-rounds", "0", "--bits", "32", "--update-bits", "32",
-    "--broadcast-bits", "32", "--norm", "layer", "--self-training", "0",
+    "--broadcast-bits", "32", "--norm", "layer", "--self-training", "0", "--pseudo-threshold", "0.9",
 ]  # fmt: skip
 
 

@@ -43,13 +43,23 @@ from retexo_fl import protocol as P
 #: again: something is wrong with the node, not with one message.
 MAX_RESTARTS, RESTART_WINDOW = 5, 60.0
 
-#: glibc's malloc settings for the worker, unless the node's environment sets them: blocks of
-#: 4 MiB and more (a conv stage's per-edge tensors) get mappings of their own, handed back to the
-#: system when freed. With glibc's sliding default they stay in the heap, and the worker's
-#: resident memory keeps every stage's peak: 1,027 MB at the peak of a whole run on the edge
-#: test's graph (40,000 nodes, 2 million edges, ``--profile edge``), 876-884 MB with these, at some
-#: seconds of page faults (`bench/worker_memory.py`, 2026-11-24).
-WORKER_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4194304", "MALLOC_TRIM_THRESHOLD_": "4194304"}
+#: The worker's environment, wherever the node's own does not set these.
+#:
+#: - glibc's malloc: blocks of 4 MiB and more (a conv stage's per-edge tensors) get mappings of
+#:   their own, handed back to the system when freed. With glibc's sliding default they stay in
+#:   the heap, and the worker's resident memory keeps every stage's peak: 1,027 MB at the peak of
+#:   a whole run on the edge test's graph (40,000 nodes, 2 million edges, ``--profile edge``),
+#:   876-884 MB with these, at some seconds of page faults (`bench/worker_memory.py`, 2026-11-24).
+#: - OpenMP's wait policy: torch's CPU threads otherwise spin after every parallel region, waiting
+#:   for the next one. A worker waits for messages most of the time, and shares the host with
+#:   the SuperNode, its SuperExec and the ClientApps it starts. Measured with three nodes on the
+#:   same 2 cores (Cora, 12 rounds): the workers used 41 s of CPU with spinning threads and 14 s
+#:   passive, and the median deployed round went from 1.86 to 0.91 s (`bench/deploy_latency.py`).
+WORKER_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": "4194304",
+    "MALLOC_TRIM_THRESHOLD_": "4194304",
+    "OMP_WAIT_POLICY": "PASSIVE",
+}
 
 
 class WorkerSupervisor:
@@ -88,7 +98,7 @@ class WorkerSupervisor:
                     flush=True,
                 )
                 return
-            self.proc = subprocess.Popen(self.command, env={**WORKER_MALLOC_ENV, **os.environ})
+            self.proc = subprocess.Popen(self.command, env={**WORKER_ENV, **os.environ})
             code = self.proc.wait()
             if not self._stopping.is_set():
                 print(

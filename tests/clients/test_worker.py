@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from clients.records import from_flower, to_flower
-from clients.supernode import WorkerSupervisor, with_node_config
+from clients.supernode import WORKER_ENV, WorkerSupervisor, with_node_config
 from clients.worker_link import (
     SECRET_NAME,
     SOCKET_NAME,
@@ -176,6 +176,19 @@ def test_no_worker_is_one_line_naming_the_socket(tmp_path):
     with pytest.raises(WorkerError, match=r"no node worker at .*worker.sock after 0s") as err:
         call(folder, {}, to_flower({}), wait=0.2)
     assert "\n" not in str(err.value)
+
+
+def test_the_worker_starts_with_passive_threads_and_a_returning_malloc(federation):
+    """The supervisor's worker gets :data:`WORKER_ENV` wherever the node's environment is silent.
+
+    Spinning OpenMP threads doubled the deployed round on a shared host, and the malloc settings
+    keep the worker within the edge ceiling; both only act from the process's start.
+    """
+    _, _, _, folders, _ = federation
+    raw = Path(f"/proc/{_worker_pid(folders[0])}/environ").read_bytes()
+    env = dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
+    for key, value in WORKER_ENV.items():
+        assert env.get(key) == os.environ.get(key, value), key
 
 
 def test_the_channel_refuses_a_caller_without_the_secret(federation):

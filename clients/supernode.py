@@ -53,9 +53,9 @@ MAX_RESTARTS, RESTART_WINDOW = 5, 60.0
 #: - OpenMP's wait policy: torch's CPU threads otherwise spin after every parallel region, waiting
 #:   for the next one. A worker waits for messages most of the time, and shares the host with
 #:   the SuperNode, its SuperExec and the ClientApps it starts. Sampled with three nodes on the
-#:   same 2 cores (Cora, 12 rounds), the workers used 41 s of CPU with spinning threads and 14 s
-#:   passive; `bench/deploy_latency.py`'s median round went from 1.70 to 0.87 s with an in-memory
-#:   SuperLink (bench/README.md, 2026-11-24).
+#:   same 2 cores (Cora, 12 rounds, one run each), the workers used 41 s of CPU with spinning
+#:   threads and 14 s passive, and the median round went from 1.86 to 0.91 s (bench/README.md,
+#:   2026-11-24).
 WORKER_ENV = {
     "MALLOC_MMAP_THRESHOLD_": "4194304",
     "MALLOC_TRIM_THRESHOLD_": "4194304",

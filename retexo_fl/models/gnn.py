@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from retexo_fl.models.adjacency import run_conv
+from retexo_fl.models.dropout import Dropout
 from retexo_fl.models.stage import make_conv, make_norm
 
 
@@ -48,7 +49,7 @@ class GNN(nn.Module):
         self.kind = kind
         self.convs = nn.ModuleList(make_conv(kind, a, b, heads=heads) for a, b in itertools.pairwise(dims))
         self.norms = nn.ModuleList(make_norm(norm, hidden) for _ in range(layers - 1))
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, x: Tensor, edge_index: Tensor, edge_weight: Tensor | None = None) -> Tensor:
         """Class logits for every node.

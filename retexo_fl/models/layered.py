@@ -6,6 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from retexo_fl.models.adjacency import run_conv
+from retexo_fl.models.dropout import Dropout
 from retexo_fl.models.stage import make_conv, make_norm
 
 
@@ -58,7 +59,7 @@ class LayeredGNN(nn.Module):
         self.convs = nn.ModuleList(make_conv(kind, hidden, hidden, heads=heads) for _ in range(layers - 1))
         self.norms = nn.ModuleList(make_norm(norm, hidden) for _ in range(layers))
         self.head = nn.Linear(hidden, num_classes)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     @property
     def num_convs(self) -> int:

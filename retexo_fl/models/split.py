@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from retexo_fl.models.adjacency import SPARSE_KINDS, is_sparse, run_conv
+from retexo_fl.models.dropout import Dropout
 from retexo_fl.models.stage import make_conv, make_norm
 
 
@@ -66,7 +67,7 @@ class SplitGNN(nn.Module):
         self.kind = kind
         self.convs = nn.ModuleList(make_conv(kind, a, b) for a, b in itertools.pairwise(dims))
         self.norms = nn.ModuleList(make_norm(norm, hidden) for _ in range(layers - 1))
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     @property
     def num_convs(self) -> int:

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from retexo_fl.models.adjacency import adjacency_select, is_sparse, run_conv
+from retexo_fl.models.dropout import Dropout, keep_mask
 
 CONV_KINDS = ("gcn", "sage", "sage-max", "gat")
 
@@ -99,8 +100,8 @@ class StageModel(nn.Module):
         )
         self.norm = make_norm(norm, hidden)
         self.head = nn.Linear(hidden, num_classes)
-        self.dropout = nn.Dropout(dropout)
-        self.input_dropout = nn.Dropout(input_dropout)
+        self.dropout = Dropout(dropout)
+        self.input_dropout = Dropout(input_dropout)
 
     def forward(
         self,
@@ -161,12 +162,13 @@ class StageModel(nn.Module):
         h = torch.relu(self.norm(h))
         if rows is None or not self.training or self.dropout.p == 0:
             return h, self.head(self.dropout(h))
-        # The mask of all num_targets rows, as nn.Dropout draws it (CPU), then the rows': the same
-        # random stream, so a row's mask is the one it gets in the whole computation.
+        # The mask of all num_targets rows, as the whole computation draws it, then the rows': the
+        # same random stream, so a row's mask is the one it gets in the whole computation.
         assert num_targets is not None  # checked above
-        p = self.dropout.p
-        keep_mask = torch.empty(num_targets, h.shape[1], dtype=h.dtype, device=h.device).bernoulli_(1 - p)
-        return h, self.head(h * keep_mask[rows].div_(1 - p))
+        if self.dropout.p >= 1.0:
+            return h, self.head(h * 0.0)
+        mask = keep_mask((num_targets, h.shape[1]), self.dropout.p, dtype=h.dtype, device=h.device)
+        return h, self.head(h * mask[rows])
 
     @property
     def aggregates_linearly(self) -> bool:

@@ -126,6 +126,26 @@ def tree_pss_mb(pid: int) -> float:
     return total / 2**20
 
 
+def tree_rss_mb(pid: int) -> float:
+    """Summed RSS of ``pid`` and its descendants, in MB: cheaper than :func:`tree_pss_mb`, whose
+    ``smaps`` walk costs a third of a core at 0.2 s on a process of 8 GB; it counts shared pages
+    once per process."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return total / 2**20
+
+
 def run_measured(cmd: list[str], log: Path) -> tuple[float, float, int]:
     """Run ``cmd``; returns (wall seconds, peak tree memory MB, exit code)."""
     peak = 0.0

@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 import torch_geometric.datasets as pygd
 from torch_geometric.data import Data
-from torch_geometric.utils import coalesce, remove_self_loops, to_undirected
+
+from retexo_fl.data.edges import undirected_coalesced
 
 _FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     # class name -> names it serves (lower case)
@@ -279,18 +280,27 @@ def synthetic_sbm(
     counts = torch.bincount(y, minlength=num_classes)
     starts = torch.cumsum(counts, 0) - counts
     m = int(num_nodes * avg_degree / 2)
+    # The draws are those of one [m] tensor each, in this order (the graph stays a function of
+    # the seed); temporaries are narrow and freed early, so a products-sized graph (62M pairs)
+    # peaks at a few copies of its edge list, not a dozen.
     src = torch.randint(num_nodes, (m,), generator=gen)
     same = torch.rand(m, generator=gen) < homophily
-    cls = y[src]
-    offset = (torch.rand(m, generator=gen) * counts[cls]).long()
-    dst_same = order[starts[cls] + offset]
+    cls = y.to(torch.int32)[src]  # class ids index as int32 (half the bytes)
+    offset = torch.rand(m, generator=gen).mul_(counts.float()[cls]).long()  # float32, as before
+    offset += starts[cls]
+    del cls
+    dst = order[offset]
+    del offset
     dst_any = torch.randint(num_nodes, (m,), generator=gen)
-    dst = torch.where(same, dst_same, dst_any)
-    edge_index = torch.stack([src, dst])
-    edge_index, _ = remove_self_loops(edge_index)
-    edge_index = coalesce(to_undirected(edge_index, num_nodes=num_nodes), num_nodes=num_nodes)
+    dst.masked_scatter_(~same, dst_any[~same])
+    del dst_any, same
+    edge_index = undirected_coalesced(torch.stack([src, dst]), num_nodes)
+    del src, dst
     mu = torch.randn(num_classes, num_features, generator=gen)
-    x = feature_signal * mu[y] + torch.randn(num_nodes, num_features, generator=gen)
+    x = torch.randn(num_nodes, num_features, generator=gen)
+    chunk = max(1, (1 << 22) // max(num_features, 1))
+    for start in range(0, num_nodes, chunk):  # x = signal * mu[y] + noise, a block of rows at a time
+        x[start : start + chunk] += feature_signal * mu[y[start : start + chunk]]
     data = Data(x=x, y=y, edge_index=edge_index)
     data.name = f"sbm-{num_nodes}-{num_classes}"
     return data

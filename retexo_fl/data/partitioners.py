@@ -7,8 +7,8 @@ from collections.abc import Callable
 import numpy as np
 import pymetis
 import torch
-from torch_geometric.utils import coalesce, is_undirected, remove_self_loops, to_undirected
 
+from retexo_fl.data.edges import coalesced, coalesced_facts, undirected_coalesced
 from retexo_fl.data.partition import CROSS_BOTH, CROSS_IN, CROSS_OUT, Partition
 
 PARTITIONERS: dict[str, Callable[..., np.ndarray]] = {}
@@ -23,12 +23,13 @@ def _register(name: str):
 
 
 def _undirected_csr(edge_index: torch.Tensor, num_nodes: int) -> tuple[np.ndarray, np.ndarray]:
-    ei, _ = remove_self_loops(edge_index)
-    ei = coalesce(to_undirected(ei, num_nodes=num_nodes), num_nodes=num_nodes)
+    _, undirected = coalesced_facts(edge_index, num_nodes)
+    # A graph that is already symmetric and coalesced (every generated one) is used as it is.
+    ei = edge_index if undirected else undirected_coalesced(edge_index, num_nodes)
     counts = torch.bincount(ei[0], minlength=num_nodes)
     xadj = torch.zeros(num_nodes + 1, dtype=torch.long)
     xadj[1:] = torch.cumsum(counts, 0)
-    return xadj.numpy(), ei[1].numpy()
+    return xadj.numpy(), ei[1].numpy().astype(np.int64, copy=False)
 
 
 def _metis(edge_index: torch.Tensor, num_nodes: int, nparts: int, seed: int) -> np.ndarray:
@@ -249,10 +250,12 @@ def split_graph(data, owner: np.ndarray, nparts: int, *, method: str = "", seed:
         )
     if owner.shape != (n,):
         raise ValueError(f"owner must have one entry per node ({n}), got shape {owner.shape}")
-    ei, _ = remove_self_loops(data.edge_index)
-    ei = coalesce(ei, num_nodes=n)
-    directed = not is_undirected(ei, num_nodes=n)
-    src, dst = ei[0].numpy(), ei[1].numpy()
+    is_coalesced, undirected = coalesced_facts(data.edge_index, n)
+    ei = data.edge_index if is_coalesced else coalesced(data.edge_index, n)
+    directed = not (undirected if is_coalesced else coalesced_facts(ei, n)[1])
+    src, dst = ei[0].numpy().astype(np.int64, copy=False), ei[1].numpy().astype(np.int64, copy=False)
+    # Owners as the narrowest integer that holds them: two per-edge arrays of them are held.
+    owner = owner.astype(np.int16 if nparts <= np.iinfo(np.int16).max else np.int64)
     own_src, own_dst = owner[src], owner[dst]
     x, y = data.x.numpy(), data.y.view(-1).numpy()
     name = str(getattr(data, "name", "unknown"))

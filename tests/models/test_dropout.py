@@ -1,4 +1,4 @@
-"""The uniform-comparison dropout: nn.Dropout's distribution, scaling and modes."""
+"""The 16-bit-lane dropout: nn.Dropout's distribution (p on a 2^-16 grid), scaling and modes."""
 
 from __future__ import annotations
 
@@ -16,11 +16,14 @@ def test_elements_are_kept_with_probability_one_minus_p_and_scaled(p):
     n = 400_000
     out = dropout(torch.ones(n), p)
     kept = out != 0
-    # Binomial(n, 1 - p): 5 standard deviations, so a wrong comparison (u > 1 - p, u < p) fails
-    # for every p but 0.5, and a missing scale fails for all.
+    # Binomial(n, 1 - p): 5 standard deviations, so a wrong comparison (keeping w < threshold)
+    # fails for every p but 0.5, and a missing or wrong scale fails for all.
     sd = math.sqrt(n * p * (1 - p))
     assert abs(int(kept.sum()) - n * (1 - p)) < 5 * sd
-    torch.testing.assert_close(out[kept], torch.full((int(kept.sum()),), 1 / (1 - p)))
+    # Kept elements carry 1 / (1 - p'), p' being p on the 2^-16 grid the 16-bit lanes give.
+    p_grid = round(p * 65536) / 65536
+    assert abs(p_grid - p) <= 2**-17
+    torch.testing.assert_close(out[kept], torch.full((int(kept.sum()),), 1 / (1 - p_grid)))
 
 
 def test_the_output_is_unbiased_and_masks_are_independent_draws():

@@ -146,7 +146,11 @@ def test_compressed_updates_and_the_baselines_compose(sbm):
     cfg = dataclasses.replace(BASE, update_bits=8, broadcast_bits=8)
     plain = run_lazy(parts, cfg)
     secure = run_lazy(parts, dataclasses.replace(cfg, secure_aggregation=True))
-    assert secure["test_accuracy"] == plain["test_accuracy"] and secure["secure_aggregation"]["rounds"] == 16
+    # Each round's decoded sum differs from the plain mean by the fixed-point error (first test),
+    # so the weights differ in their last bits. On 300 test nodes that moved one prediction
+    # (0.717 against 0.713) with the dropout masks and GCN order of 2026-11-25: one point at most.
+    assert abs(secure["test_accuracy"] - plain["test_accuracy"]) <= 0.01
+    assert secure["secure_aggregation"]["rounds"] == 16
     for local in (False, True):
         eager = dataclasses.replace(BASE, mode="local" if local else "eager", rounds=10)
         a = run_eager(parts, eager, local=local)

@@ -1,6 +1,7 @@
 """Partitioning and a lazy run on a 200,000-node generated graph stay within memory bounds derived
-from the graph's sizes: an accidental dense ``n x n`` object, a per-pair table or a whole-graph
-copy per client would break them.
+from the graph's sizes: an accidental dense ``n x n`` object or per-pair table would break them
+many times over (4.7 GB for an ``n x n`` bitmap). A few extra copies of the edge list would not:
+the bounds leave about 4x the graph of room over what was measured.
 
 Each phase runs in a child process of its own, which reports its resident memory after its
 imports (the baseline) and its peak (``VmHWM``); the bound is on the difference.

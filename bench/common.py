@@ -107,8 +107,13 @@ def run_jobs(
     return rows
 
 
-def tree_pss_mb(pid: int) -> float:
-    """Summed PSS (RSS where PSS is unreadable) of ``pid`` and its descendants, in MB."""
+def tree_pss_mb(pid: int, pss: bool = True) -> float:
+    """Summed PSS (RSS where PSS is unreadable) of ``pid`` and its descendants, in MB.
+
+    With ``pss=False``, their summed RSS: shared pages count once per process, but it costs
+    far less, where the ``smaps`` walk behind PSS took a third of a core at 0.2 s on an 8 GB
+    process.
+    """
     import psutil
 
     try:
@@ -119,35 +124,21 @@ def tree_pss_mb(pid: int) -> float:
     total = 0
     for p in procs:
         try:
-            mem = p.memory_full_info()
-            total += getattr(mem, "pss", mem.rss)
+            if pss:
+                mem = p.memory_full_info()
+                total += getattr(mem, "pss", mem.rss)
+            else:
+                total += p.memory_info().rss
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return total / 2**20
 
 
-def tree_rss_mb(pid: int) -> float:
-    """Summed RSS of ``pid`` and its descendants, in MB: cheaper than :func:`tree_pss_mb`, whose
-    ``smaps`` walk costs a third of a core at 0.2 s on a process of 8 GB; it counts shared pages
-    once per process."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0.0
-    total = 0
-    for p in procs:
-        try:
-            total += p.memory_info().rss
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return total / 2**20
-
-
-def run_measured(cmd: list[str], log: Path) -> tuple[float, float, int]:
-    """Run ``cmd``; returns (wall seconds, peak tree memory MB, exit code)."""
+def run_measured(
+    cmd: list[str], log: Path, pss: bool = True, interval: float = 0.2
+) -> tuple[float, float, int]:
+    """Run ``cmd`` with its output in ``log``; returns (wall seconds, peak tree memory MB, exit
+    code), the memory sampled every ``interval`` seconds by :func:`tree_pss_mb` (``pss``)."""
     peak = 0.0
     t0 = time.perf_counter()
     with open(log, "w") as out:
@@ -156,8 +147,8 @@ def run_measured(cmd: list[str], log: Path) -> tuple[float, float, int]:
 
         def sample() -> None:
             nonlocal peak
-            while not done.wait(0.2):
-                peak = max(peak, tree_pss_mb(proc.pid))
+            while not done.wait(interval):
+                peak = max(peak, tree_pss_mb(proc.pid, pss))
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()

@@ -29,16 +29,14 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import tree_rss_mb  # noqa: E402
+from common import run_measured  # noqa: E402
 
 #: ogbn-products (OGB's node property prediction table).
 PRODUCTS = {"nodes": 2_449_029, "undirected_edges": 61_859_140, "features": 100, "classes": 47}
@@ -152,24 +150,8 @@ def run_phase(phase: str, args: argparse.Namespace, work: Path) -> dict:
         sys.executable, __file__, "--phase", phase, "--nodes", str(args.nodes), "--seed", str(args.seed),
         "--work", str(work),
     ]  # fmt: skip
-    peak = 0.0
-    t0 = time.perf_counter()
     log = work / f"{phase}.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-        done = threading.Event()
-
-        def sample() -> None:
-            nonlocal peak
-            while not done.wait(0.5):
-                peak = max(peak, tree_rss_mb(proc.pid))
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        rc = proc.wait()
-        done.set()
-        sampler.join()
-    wall = time.perf_counter() - t0
+    wall, peak, rc = run_measured(cmd, log, pss=False, interval=0.5)  # RSS: PSS walks cost a core
     row = {"phase": phase, "wall_s": wall, "peak_tree_mb": peak, "rc": rc}
     if rc == 0 and result.is_file():
         row.update(json.loads(result.read_text()))

@@ -19,6 +19,13 @@ def _check_key_range(n: int) -> None:
         raise ValueError(f"{n} nodes: edge keys i * n + j overflow int64")
 
 
+def _endpoints(edge_index: Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """``(src, dst)`` as int64 NumPy arrays (views of a CPU int64 edge list, no copy)."""
+    return edge_index[0].numpy().astype(np.int64, copy=False), edge_index[1].numpy().astype(
+        np.int64, copy=False
+    )
+
+
 def _sorted_unique(keys: np.ndarray) -> np.ndarray:
     """``keys`` sorted in place, duplicates dropped (a new, smaller array only when there are any)."""
     keys.sort()
@@ -54,8 +61,7 @@ def undirected_coalesced(edge_index: Tensor, num_nodes: int) -> Tensor:
         ValueError: if ``n * n`` overflows int64 (over 3 billion nodes).
     """
     _check_key_range(num_nodes)
-    src = edge_index[0].numpy().astype(np.int64, copy=False)
-    dst = edge_index[1].numpy().astype(np.int64, copy=False)
+    src, dst = _endpoints(edge_index)
     loops = src == dst
     if bool(loops.any()):
         src, dst = src[~loops], dst[~loops]
@@ -86,8 +92,7 @@ def coalesced(edge_index: Tensor, num_nodes: int) -> Tensor:
         ValueError: if ``n * n`` overflows int64 (over 3 billion nodes).
     """
     _check_key_range(num_nodes)
-    src = edge_index[0].numpy().astype(np.int64, copy=False)
-    dst = edge_index[1].numpy().astype(np.int64, copy=False)
+    src, dst = _endpoints(edge_index)
     keep = src != dst
     keys = src[keep] * num_nodes + dst[keep]
     del keep
@@ -111,8 +116,7 @@ def coalesced_facts(edge_index: Tensor, num_nodes: int) -> tuple[bool, bool]:
         ``(coalesced, undirected)``; ``undirected`` is False whenever ``coalesced`` is.
     """
     _check_key_range(num_nodes)
-    src = edge_index[0].numpy().astype(np.int64, copy=False)
-    dst = edge_index[1].numpy().astype(np.int64, copy=False)
+    src, dst = _endpoints(edge_index)
     if src.size == 0:
         return True, True
     if bool((src == dst).any()):

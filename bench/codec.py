@@ -1,7 +1,9 @@
 """Codec throughput: encode + decode of a 1,000,000 x 64 float32 block at each width, against torch.clone.
 
 The clone of the same tensor, timed in the same run, is the memory-bandwidth limit; the table
-gives each width's encode + decode time as a multiple of it. Writes JSON. Example::
+gives each width's encode + decode time as a multiple of it, with the compiled CPU loops
+(``retexo_fl/compress/native.py``) and, beside them, with torch ops alone (``RETEXO_FL_NATIVE=0``,
+what a machine without a C compiler runs). Writes JSON. Example::
 
     python bench/codec.py --out bench/results/codec.json
     python bench/codec.py --rows 100000 --device cuda
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -18,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from retexo_fl.compress import native
 from retexo_fl.compress.payload import frame_size
 from retexo_fl.compress.quantize import ALL_BITS, dequantize_rows, quantize_rows
 
@@ -50,31 +54,42 @@ def main() -> int:
     gen = torch.Generator(device=device).manual_seed(0)
     gb = x.numel() * 4 / 1e9
     clone = _time(lambda: x.clone(), args.repeats, device)
+    compiled = native.usable(x)
     rows = []
     for bits in ALL_BITS:
-        enc = _time(lambda b=bits: quantize_rows(x, b, generator=gen), args.repeats, device)
-        q = quantize_rows(x, bits, generator=gen)
-        dec = _time(lambda q=q: dequantize_rows(q), args.repeats, device)
-        rows.append(
-            {
-                "bits": bits,
-                "encode_s": enc,
-                "decode_s": dec,
-                "encode_gbps": gb / enc,
-                "decode_gbps": gb / dec,
-                "vs_clone": (enc + dec) / clone,
-                "frame_bytes": frame_size(args.rows, args.cols, bits),
-            }
-        )
-    head = f"{'bits':>4} {'encode GB/s':>12} {'decode GB/s':>12} {'enc+dec / clone':>16} {'frame MB':>9}"
+        row = {"bits": bits, "frame_bytes": frame_size(args.rows, args.cols, bits)}
+        for path in ("native", "torch") if compiled else ("torch",):
+            os.environ[native.NATIVE_ENV] = "1" if path == "native" else "0"
+            enc = _time(lambda b=bits: quantize_rows(x, b, generator=gen), args.repeats, device)
+            q = quantize_rows(x, bits, generator=gen)
+            dec = _time(lambda q=q: dequantize_rows(q), args.repeats, device)
+            prefix = "" if path == ("native" if compiled else "torch") else "torch_ops_"
+            row.update(
+                {
+                    f"{prefix}encode_s": enc,
+                    f"{prefix}decode_s": dec,
+                    f"{prefix}encode_gbps": gb / enc,
+                    f"{prefix}decode_gbps": gb / dec,
+                    f"{prefix}vs_clone": (enc + dec) / clone,
+                }
+            )
+        os.environ.pop(native.NATIVE_ENV)
+        rows.append(row)
+    head = (
+        f"{'bits':>4} {'encode GB/s':>12} {'decode GB/s':>12} {'enc+dec / clone':>16} "
+        f"{'torch ops alone':>16} {'frame MB':>9}"
+    )
     threads = torch.get_num_threads()
-    print(f"{args.rows} x {args.cols} float32 on {device} ({threads} threads); clone {gb / clone:.2f} GB/s")
+    loops = "compiled loops" if compiled else "torch ops (no compiled loops here)"
+    where = f"{device} ({threads} threads, {loops})"
+    print(f"{args.rows} x {args.cols} float32 on {where}; clone {gb / clone:.2f} GB/s")
     print(head)
     print("-" * len(head))
     for r in rows:
+        alone = f"{r['torch_ops_vs_clone']:>15.2f}x" if compiled else f"{'':>16}"
         print(
             f"{r['bits']:>4} {r['encode_gbps']:>12.2f} {r['decode_gbps']:>12.2f} {r['vs_clone']:>15.2f}x "
-            f"{r['frame_bytes'] / 1e6:>9.1f}"
+            f"{alone} {r['frame_bytes'] / 1e6:>9.1f}"
         )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -83,6 +98,7 @@ def main() -> int:
         "cols": args.cols,
         "device": str(device),
         "threads": torch.get_num_threads(),
+        "compiled_loops": compiled,
         "clone_s": clone,
         "clone_gbps": gb / clone,
         "codecs": rows,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "datasets"
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+# The compiled codec loops of this run (and of the servers it starts) go to a folder of its own.
+os.environ.setdefault("RETEXO_FL_KERNEL_CACHE", tempfile.mkdtemp(prefix="retexo-fl-kernels-"))
 
 
 @pytest.fixture(autouse=True)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from retexo_fl.compress import native
 from retexo_fl.compress.settings import ALL_BITS, PASS_BITS, QUANT_BITS, RANGE_DTYPE_NAMES
 
 RANGE_DTYPES = dict(zip(RANGE_DTYPE_NAMES, (torch.float16, torch.bfloat16), strict=True))
@@ -89,16 +90,17 @@ def _round_out(values: Tensor, dtype: torch.dtype, down: bool) -> Tensor:
     """``values`` in ``dtype``, rounded toward -inf (``down``) or +inf, so the range stays a bound."""
     out = values.to(dtype)
     bad = out.float() > values if down else out.float() < values
-    if bool(bad.any()):
-        toward = torch.full_like(out[bad], float("-inf") if down else float("inf"))
-        out[bad] = torch.nextafter(out[bad], toward)
-    return out
+    toward = torch.full((), float("-inf") if down else float("inf"), dtype=dtype, device=out.device)
+    # where() over the whole block: indexing the half of the rows that need a step costs 3x more.
+    return torch.where(bad, torch.nextafter(out, toward.expand_as(out)), out)
 
 
 def _pack(codes: Tensor, bits: int) -> Tensor:
     """Flat uint8 codes < 2^bits -> ``ceil(n * bits / 8)`` bytes, first value in the low bits."""
     if bits == 8:
         return codes
+    if native.usable(codes):
+        return native.pack(codes, bits)
     per = 8 // bits
     n = codes.numel()
     pad = (-n) % per
@@ -114,6 +116,8 @@ def _pack(codes: Tensor, bits: int) -> Tensor:
 def _unpack(packed: Tensor, bits: int, count: int) -> Tensor:
     if bits == 8:
         return packed[:count]
+    if native.usable(packed):
+        return native.unpack(packed, bits, count)
     per = 8 // bits
     mask = (1 << bits) - 1
     out = torch.empty(packed.numel(), per, dtype=torch.uint8, device=packed.device)
@@ -138,14 +142,32 @@ def _quantize_group(
     # needs; rows stay pairwise independent column by column.
     table = torch.rand(block, d, generator=generator, device=x.device)
     shift = torch.rand(k, generator=generator, device=x.device)
+    if native.usable(x):
+        return native.quantize(x, table, shift, inv, offset, levels).view(-1)
+    # The same single-rounding float32 operations as the compiled loop, in its order, so codes
+    # are equal with and without a compiler (native.py).
     codes = torch.empty(k, d, dtype=torch.uint8, device=x.device)
     for start in range(0, k, block):
         stop = min(k, start + block)
-        v = torch.add(table[: stop - start], shift[start:stop, None]).frac_()
+        u = torch.add(table[: stop - start], shift[start:stop, None]).frac_()
         # v = (x - lo) / step + u, floored by the uint8 cast (v >= 0); clamp guards round-off.
-        v.addcmul_(x[start:stop], inv[start:stop, None]).sub_(offset[start:stop, None])
+        v = torch.mul(x[start:stop], inv[start:stop, None]).add_(u).sub_(offset[start:stop, None])
         codes[start:stop] = v.clamp_(0.0, levels)
     return codes.view(-1)
+
+
+def _width_groups(row_bits: Tensor, uniform: int | None) -> list[tuple[int, Tensor | None]]:
+    """``(bits, rows)`` per width present, in increasing width; ``rows`` is ``None`` for all rows."""
+    if uniform is not None:
+        return [(uniform, None)]  # one width: no per-width scans of the row widths
+    groups = []
+    for b in QUANT_BITS:
+        sel = (row_bits == b).nonzero().view(-1)
+        if sel.numel() == row_bits.numel():
+            return [(b, None)]
+        if sel.numel():
+            groups.append((b, sel))
+    return groups
 
 
 def _refuse_nonfinite(x: Tensor, bad_rows: Tensor, where: str) -> None:
@@ -196,11 +218,21 @@ def quantize_rows(
             raise CodecError(f"{where}: bit width must be one of {ALL_BITS}, got {bits}")
         if bits in PASS_BITS:
             dtype = torch.float32 if bits == 32 else RANGE_DTYPES[half]
-            values = x.to(dtype).contiguous()
-            bad_rows = ~torch.isfinite(values).all(dim=1)  # also catches fp16 overflow
-            if bits == 16 and bool(bad_rows.any()) and bool(torch.isfinite(x[bad_rows]).all()):
-                raise CodecError(f"{where}: values overflow {half}; use bf16 or 32 bits")
-            _refuse_nonfinite(x, bad_rows, where)
+            overflow = CodecError(f"{where}: values overflow {half}; use bf16 or 32 bits")
+            if native.usable(x):
+                x = x.contiguous()
+                mn, mx, bad_rows = native.row_extremes(x)
+                _refuse_nonfinite(x, bad_rows, where)
+                # Rounding is monotonic: a row overflows exactly when one of its extremes does.
+                if bits == 16 and not bool(torch.isfinite(torch.cat([mn, mx]).to(dtype)).all()):
+                    raise overflow
+                values = x.to(dtype)
+            else:
+                values = x.to(dtype).contiguous()
+                bad_rows = ~torch.isfinite(values).all(dim=1)  # also catches fp16 overflow
+                if bits == 16 and bool(bad_rows.any()) and bool(torch.isfinite(x[bad_rows]).all()):
+                    raise overflow
+                _refuse_nonfinite(x, bad_rows, where)
             data = values.view(-1).view(torch.uint8)
             return QuantizedRows((k, d), torch.full((k,), bits, dtype=torch.uint8), empty, empty, data, half)
         row_bits = torch.full((k,), bits, dtype=torch.uint8, device=x.device)
@@ -213,19 +245,22 @@ def quantize_rows(
     if k == 0 or d == 0:
         lo = hi = torch.zeros(k, dtype=RANGE_DTYPES[half], device=x.device)
         return QuantizedRows((k, d), row_bits, lo, hi, torch.empty(0, dtype=torch.uint8), half)
-    mn, mx = torch.aminmax(x, dim=1)  # NaN and Inf propagate into the row extremes
-    _refuse_nonfinite(x, ~(torch.isfinite(mn) & torch.isfinite(mx)), where)
+    if native.usable(x):
+        x = x.contiguous()
+        mn, mx, bad_rows = native.row_extremes(x)
+    else:
+        mn, mx = torch.aminmax(x, dim=1)  # NaN and Inf propagate into the row extremes
+        bad_rows = ~(torch.isfinite(mn) & torch.isfinite(mx))
+    _refuse_nonfinite(x, bad_rows, where)
+    # -0.0 becomes 0.0: which zero a row's extreme is depends on the reduction order.
+    mn, mx = mn + 0.0, mx + 0.0
     lo = _round_out(mn, RANGE_DTYPES[half], down=True)
     hi = _round_out(mx, RANGE_DTYPES[half], down=False)
     if not (bool(torch.isfinite(lo).all()) and bool(torch.isfinite(hi).all())):
         raise CodecError(f"{where}: values exceed the {half} range; use bf16 ranges or 32 bits")
     parts = []
-    for b in QUANT_BITS:
-        sel = (row_bits == b).nonzero().view(-1)
-        if sel.numel() == 0:
-            continue
-        whole = sel.numel() == k
-        xs, ls, hs = (x, lo, hi) if whole else (x[sel], lo[sel], hi[sel])
+    for b, sel in _width_groups(row_bits, bits if isinstance(bits, int) else None):
+        xs, ls, hs = (x, lo, hi) if sel is None else (x[sel], lo[sel], hi[sel])
         parts.append(_pack(_quantize_group(xs, ls, hs, b, generator), b))
     return QuantizedRows((k, d), row_bits, lo, hi, torch.cat(parts) if len(parts) > 1 else parts[0], half)
 
@@ -248,26 +283,27 @@ def dequantize_rows(q: QuantizedRows) -> Tensor:
         return q.data.view(dtype).float().view(k, d)
     out = torch.empty(k, d, dtype=torch.float32, device=q.data.device)
     offset = 0
-    for b in QUANT_BITS:
-        sel = (q.bits == b).nonzero().view(-1)
-        if sel.numel() == 0:
-            continue
-        n = sel.numel() * d
+    for b, sel in _width_groups(q.bits, width if width in QUANT_BITS else None):
+        n = (k if sel is None else sel.numel()) * d
         size = packed_size(n, b)
         codes = _unpack(q.data[offset : offset + size], b, n).view(-1, d)
         offset += size
-        lo, hi = q.lo[sel].float(), q.hi[sel].float()
+        lo, hi = (q.lo, q.hi) if sel is None else (q.lo[sel], q.hi[sel])
+        lo, hi = lo.float(), hi.float()
         step = (hi - lo) / float((1 << b) - 1)
-        if sel.numel() == k:
+        if native.usable(codes):
+            rows = native.dequantize(codes, lo, step)
+            if sel is None:
+                out = rows
+            else:
+                out[sel] = rows
+        elif sel is None:
             block = max(1, _BLOCK_VALUES // max(d, 1))
             for start in range(0, k, block):  # blockwise, so the float codes stay in cache
                 stop = min(k, start + block)
-                torch.addcmul(
-                    lo[start:stop, None],
-                    codes[start:stop].float(),
-                    step[start:stop, None],
-                    out=out[start:stop],
-                )
+                # codes * step + lo, one rounding each, as the compiled loop does it
+                torch.mul(codes[start:stop].float(), step[start:stop, None], out=out[start:stop])
+                out[start:stop].add_(lo[start:stop, None])
         else:
-            out[sel] = torch.addcmul(lo[:, None], codes.float(), step[:, None])
+            out[sel] = torch.mul(codes.float(), step[:, None]).add_(lo[:, None])
     return out

@@ -68,4 +68,3 @@ class RateSchedule:
             return self.rates[min(t, len(self.rates) - 1)]
         lo, hi = self.rates
         return lo if total <= 1 else lo + (hi - lo) * min(t, total - 1) / (total - 1)
-

@@ -157,4 +157,3 @@ class ModelBroadcast:
         if self.frames is None:
             return sum(t.numel() * t.element_size() for t in (self.view or {}).values())
         return UpdateCodec.nbytes(self.frames)
-

@@ -1,0 +1,398 @@
+"""Fused CPU loops for the row codec, compiled from C on first use, with torch ops as the fallback.
+
+Encoding a row block in torch ops takes about seven passes over it (extremes, dither, scale,
+offset, clamp, cast), each a separate kernel. The loops below do the same arithmetic in two
+passes whose rows stay in L1: one for the row extremes, one for the codes, and one for decoding.
+They are compiled with the machine's C compiler (``cc``) into a shared library, cached per user,
+and called through :mod:`ctypes`, which releases the GIL, so row chunks run on
+``torch.get_num_threads()`` Python threads at once.
+
+**Same numbers either way.** The C loops perform the fallback's float32 operations in the same
+order, each rounded once (compiled with ``-ffp-contract=off``, so no fused multiply-add), and the
+fallback in :mod:`retexo_fl.compress.quantize` is written as those single operations. Codes,
+ranges and decoded values are therefore bit for bit equal with and without a compiler (checked by
+``tests/compress/test_native.py``), and a run is reproducible across the two.
+
+**When the loops are not used:** on tensors that are not on the CPU, when no compiler is found
+or compiling fails (logged once at debug level), and when ``RETEXO_FL_NATIVE=0``. The library
+is cached in ``$RETEXO_FL_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/retexo-fl/kernels``, else
+``~/.cache/retexo-fl/kernels``, named by a digest of the source, the compiler and the CPU's flags.
+The folder must belong to the user and be writable by nobody else: a library loaded from it
+runs as the user's code. Otherwise the library is built in a private temporary folder for the
+process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+NATIVE_ENV = "RETEXO_FL_NATIVE"
+CACHE_ENV = "RETEXO_FL_KERNEL_CACHE"
+# Blocks smaller than this run on one thread: handing chunks to the pool costs more.
+_PARALLEL_VALUES = 1 << 16
+
+SOURCE = r"""
+#include <stdint.h>
+
+/* lo[i], hi[i]: the extremes of row i of a [k, d] float32 block; bad[i] = 1 when the row holds
+   NaN or Inf (read from the exponent bits, so the finite-math hint below cannot hide them). */
+__attribute__((optimize("finite-math-only", "no-signed-zeros")))
+void row_extremes(const float *x, int64_t k, int64_t d, float *lo, float *hi, uint8_t *bad) {
+    for (int64_t i = 0; i < k; ++i) {
+        const float *r = x + i * d;
+        const uint32_t *u = (const uint32_t *)r;
+        float mn = r[0], mx = r[0];
+        uint32_t nonfinite = 0;
+        for (int64_t j = 0; j < d; ++j) {
+            float v = r[j];
+            mn = v < mn ? v : mn;
+            mx = v > mx ? v : mx;
+            nonfinite |= (uint32_t)((u[j] & 0x7f800000u) == 0x7f800000u);
+        }
+        lo[i] = mn;
+        hi[i] = mx;
+        bad[i] = (uint8_t)nonfinite;
+    }
+}
+
+/* codes[i, j] = (uint8) clamp(frac(table[(row0 + i) % block, j] + shift[i]) + x[i, j] * inv[i]
+                               - offset[i], 0, levels), one rounding per operation. */
+void quantize(const float *x, int64_t k, int64_t d, int64_t row0, const float *table,
+              int64_t block, const float *shift, const float *inv, const float *offset,
+              float levels, uint8_t *codes) {
+    for (int64_t i = 0; i < k; ++i) {
+        const float *r = x + i * d;
+        const float *t = table + ((row0 + i) % block) * d;
+        const float s = shift[i], a = inv[i], o = offset[i];
+        uint8_t *c = codes + i * d;
+        for (int64_t j = 0; j < d; ++j) {
+            float u = t[j] + s;
+            u = u - (float)(int32_t)u;       /* frac: u is in [0, 2) */
+            float v = r[j] * a;
+            v = u + v;
+            v = v - o;
+            v = v < 0.0f ? 0.0f : v;
+            v = v > levels ? levels : v;
+            c[j] = (uint8_t)(int32_t)v;      /* truncation is the floor: v >= 0 */
+        }
+    }
+}
+
+/* Bytes [b0, b1) of n codes < 2^bits packed densely, the first code in the low bits. The loop
+   is written once per width so that its inner loop has a constant trip count and unrolls. */
+#define PACK_LOOP(BITS)                                                            \
+    for (int64_t b = b0; b < b1; ++b) {                                            \
+        uint32_t v = 0;                                                            \
+        if ((b + 1) * (8 / BITS) <= n) {                                           \
+            for (int i = 0; i < 8 / BITS; ++i)                                     \
+                v |= (uint32_t)codes[b * (8 / BITS) + i] << (i * BITS);            \
+        } else {                                                                   \
+            for (int i = 0; b * (8 / BITS) + i < n; ++i)                           \
+                v |= (uint32_t)codes[b * (8 / BITS) + i] << (i * BITS);            \
+        }                                                                          \
+        out[b] = (uint8_t)v;                                                       \
+    }
+void pack(const uint8_t *codes, int64_t n, int64_t b0, int64_t b1, int bits, uint8_t *out) {
+    if (bits == 1) { PACK_LOOP(1) } else if (bits == 2) { PACK_LOOP(2) } else { PACK_LOOP(4) }
+}
+
+/* Codes of bytes [b0, b1) of a packed block, (8 / bits) per byte, into codes[b0 * 8 / bits...]. */
+#define UNPACK_LOOP(BITS)                                                          \
+    for (int64_t b = b0; b < b1; ++b) {                                            \
+        const uint32_t v = packed[b];                                              \
+        for (int i = 0; i < 8 / BITS; ++i)                                         \
+            codes[b * (8 / BITS) + i] = (uint8_t)((v >> (i * BITS)) & ((1u << BITS) - 1u)); \
+    }
+void unpack(const uint8_t *packed, int64_t b0, int64_t b1, int bits, uint8_t *codes) {
+    if (bits == 1) { UNPACK_LOOP(1) } else if (bits == 2) { UNPACK_LOOP(2) } else { UNPACK_LOOP(4) }
+}
+
+/* out[i, j] = lo[i] + codes[i, j] * step[i], one rounding per operation. */
+void dequantize(const uint8_t *codes, int64_t k, int64_t d, const float *lo, const float *step,
+                float *out) {
+    for (int64_t i = 0; i < k; ++i) {
+        const uint8_t *c = codes + i * d;
+        float *o = out + i * d;
+        const float l = lo[i], s = step[i];
+        for (int64_t j = 0; j < d; ++j) {
+            float v = (float)c[j] * s;
+            o[j] = l + v;
+        }
+    }
+}
+"""
+
+_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared")
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_pool: ThreadPoolExecutor | None = None
+_pool_threads = 0
+
+
+def _forget_pool() -> None:
+    # A forked child inherits the executor but not its threads: submitting would hang.
+    global _pool
+    _pool = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def _private_folder(folder: Path) -> bool:
+    """Whether ``folder`` is the user's own and nobody else can write into it."""
+    st = folder.stat()
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
+def cache_folder() -> Path:
+    """Where compiled loops are kept: ``$RETEXO_FL_KERNEL_CACHE``, else the user's cache folder."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "retexo-fl" / "kernels"
+
+
+def _build(cc: str, folder: Path) -> Path:
+    """Compile :data:`SOURCE` into ``folder`` (once: the name is a digest) and return the library."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    digest = hashlib.sha256("\0".join([SOURCE, cc, version, " ".join(_FLAGS), _cpu_flags()]).encode())
+    target = folder / f"rows-{digest.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        src = Path(tmp) / "rows.c"
+        src.write_text(SOURCE)
+        built = Path(tmp) / "rows.so"
+        done = subprocess.run(
+            [cc, *_FLAGS, str(src), "-o", str(built)], capture_output=True, text=True, timeout=120
+        )
+        if done.returncode != 0:
+            raise OSError(f"{cc} failed: {done.stderr.strip()[:500]}")
+        os.replace(built, target)  # atomic: processes compiling at once each land a whole file
+    return target
+
+
+def _load() -> ctypes.CDLL | None:
+    cc = _compiler()
+    if cc is None:
+        log.debug("native row codec: no C compiler found; using torch ops")
+        return None
+    folder = cache_folder()
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if not _private_folder(folder):
+            log.debug("native row codec: %s is not private to this user; building in a temp folder", folder)
+            folder = Path(tempfile.mkdtemp(prefix="retexo-fl-kernels-"))
+        lib = ctypes.CDLL(str(_build(cc, folder)))
+    except (OSError, subprocess.SubprocessError) as err:
+        log.debug("native row codec unavailable (%s); using torch ops", err)
+        return None
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.row_extremes.argtypes = [p, i64, i64, p, p, p]
+    lib.quantize.argtypes = [p, i64, i64, i64, p, i64, p, p, p, ctypes.c_float, p]
+    lib.dequantize.argtypes = [p, i64, i64, p, p, p]
+    lib.pack.argtypes = [p, i64, i64, i64, ctypes.c_int, p]
+    lib.unpack.argtypes = [p, i64, i64, ctypes.c_int, p]
+    for fn in (lib.row_extremes, lib.quantize, lib.dequantize, lib.pack, lib.unpack):
+        fn.restype = None
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled loops, or ``None`` when they are switched off or cannot be built."""
+    global _lib, _tried
+    if os.environ.get(NATIVE_ENV, "1") == "0":
+        return None
+    with _lock:
+        if not _tried:
+            _tried = True
+            _lib = _load()
+    return _lib
+
+
+def usable(*tensors: Tensor) -> bool:
+    """Whether the compiled loops can serve these tensors (all on the CPU, loops available)."""
+    return all(t.device.type == "cpu" for t in tensors) and library() is not None
+
+
+def _over_rows(k: int, d: int, run: Callable[[int, int], None]) -> None:
+    """Call ``run(start, stop)`` on row chunks, on up to ``torch.get_num_threads()`` threads."""
+    global _pool, _pool_threads
+    threads = max(1, torch.get_num_threads())
+    if threads == 1 or k * d < _PARALLEL_VALUES or k < 2:
+        run(0, k)
+        return
+    with _lock:
+        if _pool is None or _pool_threads != threads:
+            _pool = ThreadPoolExecutor(threads, thread_name_prefix="retexo-rows")
+            _pool_threads = threads
+        pool = _pool
+    chunk = -(-k // threads)
+    for future in [pool.submit(run, s, min(k, s + chunk)) for s in range(0, k, chunk)]:
+        future.result()
+
+
+def _required() -> ctypes.CDLL:
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the native row codec is not available here; check usable() first")
+    return lib
+
+
+def _ptr(t: Tensor, offset: int = 0) -> int:
+    return t.data_ptr() + offset * t.element_size()
+
+
+def row_extremes(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Each row's minimum and maximum, and whether it holds NaN or Inf.
+
+    Args:
+        x (Tensor): a float32 CPU block.
+
+    Shapes:
+        - **input:** ``[k, d]``, ``d >= 1``
+        - **output:** ``[k]`` float32, ``[k]`` float32, ``[k]`` bool
+    """
+    lib = _required()
+    x = x.contiguous()
+    k, d = x.shape
+    lo, hi = torch.empty(k), torch.empty(k)
+    bad = torch.empty(k, dtype=torch.uint8)
+
+    def run(s: int, e: int) -> None:
+        lib.row_extremes(_ptr(x, s * d), e - s, d, _ptr(lo, s), _ptr(hi, s), _ptr(bad, s))
+
+    _over_rows(k, d, run)
+    return lo, hi, bad.bool()
+
+
+def quantize(x: Tensor, table: Tensor, shift: Tensor, inv: Tensor, offset: Tensor, levels: float) -> Tensor:
+    """uint8 codes of a block, with the dither ``frac(table[i % block] + shift[i])``.
+
+    Args:
+        x (Tensor): a float32 CPU block.
+        table (Tensor): the dither table, float32 ``[block, d]``.
+        shift (Tensor): one dither shift per row.
+        inv (Tensor): one ``1 / step`` per row (0 for a constant row).
+        offset (Tensor): one ``lo / step`` per row.
+        levels (float): the largest code, ``2^bits - 1``.
+
+    Shapes:
+        - **input:** ``x`` ``[k, d]``; ``shift``, ``inv``, ``offset`` ``[k]`` float32
+        - **output:** ``[k, d]`` uint8
+    """
+    lib = _required()
+    x, table = x.contiguous(), table.contiguous()
+    k, d = x.shape
+    block = table.shape[0]
+    codes = torch.empty(k, d, dtype=torch.uint8)
+    shift, inv, offset = (t.contiguous().float() for t in (shift, inv, offset))
+
+    def run(s: int, e: int) -> None:
+        lib.quantize(
+            _ptr(x, s * d), e - s, d, s, _ptr(table), block,
+            _ptr(shift, s), _ptr(inv, s), _ptr(offset, s), levels, _ptr(codes, s * d),
+        )  # fmt: skip
+
+    _over_rows(k, d, run)
+    return codes
+
+
+def dequantize(codes: Tensor, lo: Tensor, step: Tensor) -> Tensor:
+    """``lo[i] + codes[i, j] * step[i]`` as float32.
+
+    Args:
+        codes (Tensor): uint8 CPU codes.
+        lo (Tensor): one float32 lower end per row.
+        step (Tensor): one float32 step per row.
+
+    Shapes:
+        - **input:** ``codes`` ``[k, d]``; ``lo``, ``step`` ``[k]``
+        - **output:** ``[k, d]`` float32
+    """
+    lib = _required()
+    codes = codes.contiguous()
+    k, d = codes.shape
+    out = torch.empty(k, d)
+    lo, step = lo.contiguous().float(), step.contiguous().float()
+
+    def run(s: int, e: int) -> None:
+        lib.dequantize(_ptr(codes, s * d), e - s, d, _ptr(lo, s), _ptr(step, s), _ptr(out, s * d))
+
+    _over_rows(k, d, run)
+    return out
+
+
+def pack(codes: Tensor, bits: int) -> Tensor:
+    """Flat uint8 codes below ``2^bits`` packed densely, the first code in the low bits.
+
+    Args:
+        codes (Tensor): flat uint8 CPU codes.
+        bits (int): 1, 2 or 4.
+
+    Shapes:
+        - **input:** ``[n]``
+        - **output:** ``[ceil(n * bits / 8)]`` uint8
+    """
+    lib = _required()
+    codes = codes.contiguous()
+    n = codes.numel()
+    out = torch.empty((n * bits + 7) // 8, dtype=torch.uint8)
+    _over_rows(out.numel(), 8 // bits, lambda s, e: lib.pack(_ptr(codes), n, s, e, bits, _ptr(out)))
+    return out
+
+
+def unpack(packed: Tensor, bits: int, count: int) -> Tensor:
+    """The first ``count`` codes of a densely packed block (:func:`pack`'s inverse).
+
+    Args:
+        packed (Tensor): uint8 CPU bytes, at least ``ceil(count * bits / 8)`` of them.
+        bits (int): 1, 2 or 4.
+        count (int): codes to read.
+
+    Shapes:
+        - **input:** ``[m]``
+        - **output:** ``[count]`` uint8
+    """
+    lib = _required()
+    per = 8 // bits
+    size = -(-count // per)
+    if packed.numel() < size:
+        raise ValueError(f"{packed.numel()} bytes hold fewer than {count} codes of {bits} bits")
+    packed = packed[:size].contiguous()
+    codes = torch.empty(size * per, dtype=torch.uint8)  # whole bytes; the padding is cut off
+    _over_rows(size, per, lambda s, e: lib.unpack(_ptr(packed), s, e, bits, _ptr(codes)))
+    codes = codes[:count]
+    return codes

@@ -1,0 +1,171 @@
+"""The compiled row-codec loops: bit-equal to the torch ops, a private cache, a clean fallback."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import os
+import shutil
+import stat
+
+import pytest
+import torch
+
+from retexo_fl.compress import native
+from retexo_fl.compress.quantize import CodecError, dequantize_rows, quantize_rows
+
+HAVE_CC = native._compiler() is not None
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """The module as if never loaded, caching into a folder of this test's own."""
+    cache = tmp_path / "kernels"
+    monkeypatch.setenv(native.CACHE_ENV, str(cache))
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_tried", False)
+    return cache
+
+
+def _encode_both(x, bits, monkeypatch, seed=3):
+    """The same block encoded and decoded with the compiled loops and with torch ops alone."""
+    out = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv(native.NATIVE_ENV, flag)
+        q = quantize_rows(x, bits, generator=torch.Generator().manual_seed(seed))
+        out.append((q, dequantize_rows(q)))
+    monkeypatch.delenv(native.NATIVE_ENV)
+    return out
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # Compares bit patterns, so 0.0 against -0.0 or two NaNs are told apart.
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+    a, b = a.view(as_int[a.element_size()]), b.view(as_int[b.element_size()])
+    return a.shape == b.shape and torch.equal(a, b)
+
+
+def test_a_machine_with_a_compiler_builds_the_loops():
+    if not HAVE_CC:
+        pytest.skip("no C compiler on this machine: the torch ops serve")
+    # A compiler that is present but fails to build must not pass unnoticed as "no compiler".
+    assert native.library() is not None
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+@pytest.mark.parametrize("bits", [1, 2, 4, 8, "mixed"])
+@pytest.mark.parametrize("shape", [(1, 1), (7, 3), (4_099, 37), (70_000, 16)])
+def test_codes_ranges_and_decoded_values_equal_the_torch_ops(bits, shape, monkeypatch):
+    gen = torch.Generator().manual_seed(sum(shape))
+    k, d = shape
+    x = torch.randn(k, d, generator=gen) * torch.rand(k, 1, generator=gen) * 50
+    x[0] = -0.0  # a constant row, and a signed zero the reductions may order either way
+    if k > 2:
+        x[1] = 3.25
+        x[2, 0] = 0.0
+        x[2, -1] = -0.0
+    widths = torch.tensor([1, 2, 4, 8])[torch.randint(0, 4, (k,), generator=gen)] if bits == "mixed" else bits
+    (qn, yn), (qt, yt) = _encode_both(x, widths, monkeypatch)
+    assert _bits_equal(qn.data, qt.data)
+    assert _bits_equal(qn.lo, qt.lo) and _bits_equal(qn.hi, qt.hi)
+    assert _bits_equal(yn, yt)
+    # Equal, and right: within one step of the input.
+    step = (qn.hi.float() - qn.lo.float()) / (2.0 ** qn.bits.float() - 1.0)
+    assert ((yn - x).abs() <= step[:, None] * (1 + 1e-5)).all()
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+def test_the_result_does_not_depend_on_threads_or_layout(monkeypatch):
+    x = torch.randn(64, 50_000).t()  # not contiguous; 50,000 rows, so the rows are split
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = quantize_rows(x, 8, generator=torch.Generator().manual_seed(0))
+        torch.set_num_threads(3)
+        three = quantize_rows(x.contiguous(), 8, generator=torch.Generator().manual_seed(0))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one.data, three.data) and torch.equal(one.lo, three.lo)
+    assert torch.equal(dequantize_rows(one), dequantize_rows(three))
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_rows_are_found_by_the_loops(bad):
+    x = torch.randn(40_000, 8)
+    x[31_337, 5] = bad
+    assert native.usable(x)
+    with pytest.raises(CodecError, match=r"client 2: 1 row\(s\) hold NaN or Inf \(first row 31337\)"):
+        quantize_rows(x, 8, where="client 2")
+
+
+def test_the_switch_and_a_missing_compiler_fall_back_to_the_torch_ops(fresh, monkeypatch):
+    x = torch.randn(300, 9)
+    monkeypatch.setenv(native.NATIVE_ENV, "0")
+    assert native.library() is None and not native.usable(x)
+    monkeypatch.delenv(native.NATIVE_ENV)
+    monkeypatch.setenv("CC", str(fresh / "no-such-compiler"))
+    assert native.library() is None
+    q = quantize_rows(x, 4, generator=torch.Generator().manual_seed(0))
+    step = (q.hi.float() - q.lo.float()) / 15
+    assert ((dequantize_rows(q) - x).abs() <= step[:, None] * (1 + 1e-5)).all()
+    assert not fresh.exists() or not list(fresh.glob("*.so"))
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+def test_the_library_is_cached_once_in_a_private_folder(fresh, monkeypatch):
+    lib = native.library()
+    assert lib is not None
+    built = list(fresh.glob("rows-*.so"))
+    assert len(built) == 1 and stat.S_IMODE(fresh.stat().st_mode) == 0o700
+    first = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_lib", None)
+    assert native.library() is not None
+    assert built[0].stat().st_mtime_ns == first  # reused, not rebuilt
+    assert [p.name for p in fresh.iterdir()] == [built[0].name]  # no build folders left behind
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+def test_a_folder_others_can_write_is_never_loaded_from(fresh, monkeypatch):
+    fresh.mkdir(mode=0o700)
+    os.chmod(fresh, 0o777)  # anyone could have planted a library here
+    planted = fresh / "planted.so"
+    shutil.copy(native._build(native._compiler(), fresh.parent), planted)
+    assert native.library() is not None
+    assert sorted(p.name for p in fresh.iterdir()) == ["planted.so"]  # nothing built or read there
+    assert not native._lib._name.startswith(str(fresh))
+
+
+def _codes_digest(args) -> str:
+    return hashlib.sha256(native.quantize(*args).numpy().tobytes()).hexdigest()
+
+
+def _encode_in_child(queue, args) -> None:
+    queue.put(_codes_digest(args))
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="no fork here")
+def test_a_forked_child_encodes_after_its_parent_used_the_thread_pool():
+    k, d = 100_000, 16
+    gen = torch.Generator().manual_seed(0)
+    args = (torch.randn(k, d, generator=gen), torch.rand(64, d, generator=gen), torch.rand(k, generator=gen),
+            torch.full((k,), 20.0), torch.full((k,), -80.0), 255.0)  # fmt: skip
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        expected = _codes_digest(args)  # the parent's pool now has threads
+        # The child calls the loops alone: torch's own OpenMP regions can hang after a fork
+        # (libgomp), whatever this module does, so the child runs none.
+        ctx = multiprocessing.get_context("fork")
+        queue = ctx.Queue()
+        child = ctx.Process(target=_encode_in_child, args=(queue, args))
+        child.start()
+        child.join(timeout=60)
+    finally:
+        torch.set_num_threads(threads)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("a forked child hung on the thread pool it inherited")
+    assert child.exitcode == 0 and queue.get(timeout=5) == expected

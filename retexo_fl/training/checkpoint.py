@@ -88,6 +88,8 @@ class Checkpoint:
             what the test evaluates).
         pass_weights (dict[int, StateDict]): kept weights by layer of the stages that a later
             self-training pass starts from (``pass-init warm``).
+        passes (list[dict]): each finished self-training pass but the last: its last stage's
+            validation and test accuracy (the run keeps the pass with the best validation).
     """
 
     config: dict[str, Any]
@@ -112,6 +114,7 @@ class Checkpoint:
     missing_payloads: dict[str, dict[str, int]] = field(default_factory=dict)
     kept: StateDict | None = None
     pass_weights: dict[int, StateDict] = field(default_factory=dict)
+    passes: list[dict[str, Any]] = field(default_factory=list)
 
 
 class CheckpointStore(Protocol):

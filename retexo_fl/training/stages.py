@@ -84,6 +84,10 @@ class LazyStageMachine:
                 ck.pass_weights[cfg.layer(stage)] = state  # the next pass's same layer starts here
             self.model_bytes_done += figures["bytes_model"]
             deliveries = None
+            if cfg.ends_pass(stage):
+                # The pass's model is tested now, while clients still hold its stage inputs; the
+                # run keeps the pass with the best validation accuracy (see _kept_pass).
+                ck.passes.append(self._pass_result(state, stage, figures["val_accuracy"]))
             if stage < last:
                 # Clients embed, or after a pass's last stage label their own nodes (nothing to relay).
                 deliveries = self._embed(state, stage)
@@ -113,19 +117,20 @@ class LazyStageMachine:
                 state,
             )
             self._save(ck)
-        tests = fed.evaluate(state, "test", last)
         stages = ck.stages
+        kept, passes = self._kept_pass(ck, self._pass_result(state, last, stages[-1]["val_accuracy"]))
         bytes_model = sum(s["bytes_model"] for s in stages)
         return {
             **compression_totals(stages),
             "mode": "lazy",
             "engine": fed.transport.engine,
-            "test_accuracy": total(tests).accuracy,
-            "val_accuracy": stages[-1]["val_accuracy"],
+            "test_accuracy": kept["test_accuracy"],
+            "val_accuracy": kept["val_accuracy"],
             "bytes_total": fed.bytes_boundary + bytes_model + fed.bytes_secure,
             "bytes_boundary": fed.bytes_boundary,
             "bytes_model": bytes_model,
-            "clients": per_client(fed, tests),
+            "clients": kept["clients"],
+            **passes,
             **fed.summary(),
             "stages": stages,
             "wall_seconds": time.perf_counter() - t0,
@@ -161,6 +166,36 @@ class LazyStageMachine:
         if self.on_stage is not None:
             self.on_stage(stage, result.best_state)
         return result.best_state, result.figures
+
+    def _pass_result(self, state: StateDict, stage: int, val: float) -> dict[str, Any]:
+        """The test of a self-training pass's last stage (``state``), beside its validation accuracy."""
+        tests = self.fed.evaluate(state, "test", stage)
+        return {
+            "pass": stage // self.cfg.stages,
+            "stage": stage,
+            "val_accuracy": val,
+            "test_accuracy": total(tests).accuracy,
+            "clients": per_client(self.fed, tests),
+        }
+
+    def _kept_pass(self, ck: Checkpoint, last: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The pass whose model the run keeps, chosen on validation, and the summary's pass figures.
+
+        A self-training pass can lower validation accuracy (its labels are the previous pass's
+        guesses), so the last pass is kept only if no earlier one beats it; ties go to the later.
+        """
+        results = [*ck.passes, last]
+        kept = max(reversed(results), key=lambda r: r["val_accuracy"])
+        if len(results) == 1:
+            return kept, {}
+        if kept is not last:
+            self.rec.progress(
+                f"kept self-training pass {kept['pass']}: validation {kept['val_accuracy']:.4f}, "
+                f"the last pass's {last['val_accuracy']:.4f}"
+            )
+        figures = [{k: r[k] for k in ("pass", "stage", "val_accuracy", "test_accuracy")} for r in results]
+        self.rec.event("passes", kept=kept["pass"], passes=figures)
+        return kept, {"kept_pass": kept["pass"], "passes": figures}
 
     def _embed(self, state: StateDict, stage: int) -> dict[int, Frames]:
         """Clients move on from ``stage`` with ``state``; their sealed boundary rows, relayed."""
@@ -201,6 +236,8 @@ class LazyStageMachine:
         if self.store is None:
             raise ValueError("resume needs a checkpoint store (the run folder of a lazy run)")
         ck = self.store.load()
+        if not hasattr(ck, "passes"):  # a checkpoint written before passes were kept by validation
+            ck.passes = []
         fed = self.fed
         fed.run_key, fed.keys, fed.counts = ck.run_key, ck.keys, ck.counts
         fed.members.lost, fed.bytes_boundary, fed.privacy = ck.lost, ck.bytes_boundary, ck.privacy

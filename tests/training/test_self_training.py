@@ -76,6 +76,43 @@ def test_lazy_self_training_pass(sbm):
     assert first_pass == [{k: s[k] for k in keys} for s in plain["stages"]]  # the plain run
     assert summary["bytes_boundary"] == 2 * plain["bytes_boundary"] - _degree_bytes(plain)
     assert summary["test_accuracy"] >= 0.85
+    # The first pass was tested before its clients relabelled: the plain run's figures exactly.
+    first, second = summary["passes"]
+    assert (first["pass"], first["stage"], second["pass"], second["stage"]) == (0, 1, 1, 3)
+    assert (first["val_accuracy"], first["test_accuracy"]) == (plain["val_accuracy"], plain["test_accuracy"])
+    kept = summary["passes"][summary["kept_pass"]]
+    assert kept["val_accuracy"] == max(first["val_accuracy"], second["val_accuracy"])
+    assert summary["val_accuracy"] == kept["val_accuracy"]
+    assert summary["test_accuracy"] == kept["test_accuracy"]
+
+
+def _wrong_labels(logits, y, train_mask, val_mask, threshold, per_class=0):
+    """A self-training pass gone bad: every node but validation's labelled with a wrong class."""
+    labels = (logits.argmax(1) + 1) % logits.shape[1]
+    return labels, ~val_mask
+
+
+@pytest.mark.parametrize("mode", ["lazy", "centralized"])
+def test_a_pass_that_lowers_validation_is_not_kept(sbm, mode, monkeypatch):
+    import retexo_fl.training.centralized as centralized
+    import retexo_fl.training.lazy_client as lazy_client
+
+    monkeypatch.setattr(lazy_client if mode == "lazy" else centralized, "pseudo_labels", _wrong_labels)
+    cfg = {"stages": 2, "hidden": 16, "rounds": 20, "seed": 0, "pass_init": "fresh"}
+    if mode == "lazy":
+        parts = partition_graph(sbm, 3, "metis", seed=0)
+        summary, plain = (run_lazy(parts, TrainConfig(**cfg, self_training=n)) for n in (1, 0))
+        bad = summary["passes"][1]
+    else:
+        whole = whole_graph_partition(sbm)
+        summary, plain = (run_centralized(whole, TrainConfig(**cfg, self_training=n)) for n in (1, 0))
+        bad = summary["stages"][1]
+    # Trained on wrong labels, the second pass loses validation accuracy; the first is kept,
+    # and the run reports what the plain run does.
+    assert bad["val_accuracy"] < plain["val_accuracy"] - 0.2
+    assert summary["kept_pass"] == 0
+    assert summary["val_accuracy"] == plain["val_accuracy"]
+    assert summary["test_accuracy"] == plain["test_accuracy"]
 
 
 def _degree_bytes(summary: dict) -> int:

@@ -41,7 +41,24 @@ def resolve_device(name: str) -> torch.device:
 
     Args:
         name (str): ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+
+    Raises:
+        ValueError: a name torch does not know, or a CUDA device this machine does not have
+            (said here, not at the first tensor moved there).
     """
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise ValueError(f"device {name!r}: not a device name (auto, cpu, cuda or cuda:N)") from err
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(
+                f"device {name!r}: torch {torch.__version__} sees no CUDA device on this machine; "
+                "use --device auto or cpu"
+            )
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"device {name!r}: this machine has {count} CUDA device(s), from cuda:0")
+    return device

@@ -288,6 +288,8 @@ def row_extremes(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     lib = _required()
     x = x.contiguous()
     k, d = x.shape
+    if x.dtype != torch.float32 or d == 0:
+        raise ValueError(f"row extremes need non-empty float32 rows, not {x.dtype} {tuple(x.shape)}")
     lo, hi = torch.empty(k), torch.empty(k)
     bad = torch.empty(k, dtype=torch.uint8)
 
@@ -316,6 +318,8 @@ def quantize(x: Tensor, table: Tensor, shift: Tensor, inv: Tensor, offset: Tenso
     lib = _required()
     x, table = x.contiguous(), table.contiguous()
     k, d = x.shape
+    if x.dtype != torch.float32 or table.dtype != torch.float32 or table.shape[1:] != (d,):
+        raise ValueError(f"quantize needs float32 rows and a [block, {d}] float32 table")
     block = table.shape[0]
     codes = torch.empty(k, d, dtype=torch.uint8)
     shift, inv, offset = (t.contiguous().float() for t in (shift, inv, offset))

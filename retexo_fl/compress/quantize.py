@@ -219,7 +219,7 @@ def quantize_rows(
         if bits in PASS_BITS:
             dtype = torch.float32 if bits == 32 else RANGE_DTYPES[half]
             overflow = CodecError(f"{where}: values overflow {half}; use bf16 or 32 bits")
-            if native.usable(x):
+            if x.numel() and native.usable(x):
                 x = x.contiguous()
                 mn, mx, bad_rows = native.row_extremes(x)
                 _refuse_nonfinite(x, bad_rows, where)

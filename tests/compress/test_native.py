@@ -99,6 +99,28 @@ def test_non_finite_rows_are_found_by_the_loops(bad):
         quantize_rows(x, 8, where="client 2")
 
 
+@pytest.mark.parametrize("flag", ["1", "0"])
+def test_passthrough_widths_refuse_overflow_and_non_finite_rows_either_way(flag, monkeypatch):
+    monkeypatch.setenv(native.NATIVE_ENV, flag)
+    x = torch.randn(70_000, 4)
+    x[50_000, 1] = 7e4  # past fp16's largest value, 65504
+    with pytest.raises(CodecError, match="values overflow fp16"):
+        quantize_rows(x, 16)
+    assert torch.equal(dequantize_rows(quantize_rows(x, 16, half="bf16")), x.bfloat16().float())
+    assert torch.equal(dequantize_rows(quantize_rows(x, 32)), x)
+    x[60_000, 2] = float("nan")
+    for bits in (16, 32):
+        with pytest.raises(CodecError, match=r"1 row\(s\) hold NaN or Inf \(first row 60000\)"):
+            quantize_rows(x, bits, half="bf16")
+
+
+@pytest.mark.parametrize("bits", [1, 4, 8, 16, 32])
+def test_empty_blocks_either_way(bits, monkeypatch):
+    for shape in ((3, 0), (0, 3)):
+        (qn, yn), (qt, yt) = _encode_both(torch.empty(*shape), bits, monkeypatch)
+        assert yn.shape == yt.shape == shape and qn.nbytes == qt.nbytes
+
+
 def test_the_switch_and_a_missing_compiler_fall_back_to_the_torch_ops(fresh, monkeypatch):
     x = torch.randn(300, 9)
     monkeypatch.setenv(native.NATIVE_ENV, "0")

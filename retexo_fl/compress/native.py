@@ -14,12 +14,19 @@ ranges and decoded values are therefore bit for bit equal with and without a com
 ``tests/compress/test_native.py``), and a run is reproducible across the two.
 
 **When the loops are not used:** on tensors that are not on the CPU, when no compiler is found
-or compiling fails (logged once at debug level), and when ``RETEXO_FL_NATIVE=0``. The library
-is cached in ``$RETEXO_FL_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/retexo-fl/kernels``, else
-``~/.cache/retexo-fl/kernels``, named by a digest of the source, the compiler and the CPU's flags.
-The folder must belong to the user and be writable by nobody else: a library loaded from it
-runs as the user's code. Otherwise the library is built in a private temporary folder for the
-process.
+or compiling fails (logged once at debug level), while torch flushes denormals
+(``torch.set_flush_denormal(True)``, which the loops' threads would not follow), on systems
+other than POSIX ones, and when ``RETEXO_FL_NATIVE=0``.
+
+**Where the library is kept, and why it is trusted.** In ``$RETEXO_FL_KERNEL_CACHE``, else
+``$XDG_CACHE_HOME/retexo-fl/kernels``, else ``~/.cache/retexo-fl/kernels``, named by a digest of
+the source, the compiler and the CPU's flags. A library loaded from there runs as the user's
+code, so it is loaded from there only if the folder is the user's and nobody else can write to
+it, every folder above it belongs to the user or root and is writable by nobody else or sticky,
+and the file itself is a regular file of the user's that nobody else can write (opened without
+following links and checked). A file that fails is built over;
+a folder that fails is not used: the library is built in a private temporary folder, loaded,
+and the folder removed.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -137,7 +145,9 @@ void dequantize(const uint8_t *codes, int64_t k, int64_t d, const float *lo, con
 }
 """
 
-_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared")
+# -ffp-contract=off: no fused multiply-add, so each operation rounds once, as torch's do.
+# -fno-strict-aliasing: row_extremes reads the floats' bits through a uint32_t pointer.
+_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-strict-aliasing", "-fPIC", "-shared")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -146,14 +156,16 @@ _pool: ThreadPoolExecutor | None = None
 _pool_threads = 0
 
 
-def _forget_pool() -> None:
-    # A forked child inherits the executor but not its threads: submitting would hang.
-    global _pool
+def _after_fork_in_child() -> None:
+    # A forked child inherits the executor but not its threads (submitting would hang), and a
+    # lock another thread held at the fork stays held forever: both start afresh.
+    global _pool, _lock
     _pool = None
+    _lock = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool)
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _compiler() -> str | None:
@@ -170,10 +182,36 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
-def _private_folder(folder: Path) -> bool:
-    """Whether ``folder`` is the user's own and nobody else can write into it."""
-    st = folder.stat()
-    return st.st_uid == os.getuid() and not st.st_mode & 0o022
+def _trusted_folder(folder: Path) -> bool:
+    """Whether only this user (and root) can change what ``folder`` holds.
+
+    The folder must be the user's own and writable by nobody else; every folder above it must
+    belong to the user or root and be writable by nobody else, or be sticky (``/tmp``), so that
+    no one can swap a component of the path between this check and the load.
+    """
+    real = folder.resolve()
+    uid = os.getuid()
+    st = real.stat()
+    if st.st_uid != uid or st.st_mode & 0o022:
+        return False
+    for parent in real.parents:
+        st = parent.stat()
+        if st.st_uid not in (uid, 0) or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
+            return False
+    return True
+
+
+def _open_trusted(path: Path) -> int | None:
+    """A descriptor of ``path`` if it is a regular file of this user's that nobody else can write."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        os.close(fd)
+        return None
+    return fd
 
 
 def cache_folder() -> Path:
@@ -185,11 +223,16 @@ def cache_folder() -> Path:
 
 
 def _build(cc: str, folder: Path) -> Path:
-    """Compile :data:`SOURCE` into ``folder`` (once: the name is a digest) and return the library."""
+    """Compile :data:`SOURCE` into ``folder`` (once: the name is a digest) and return the library.
+
+    A file of that name that is not the user's own, or that others can write, is built over.
+    """
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest = hashlib.sha256("\0".join([SOURCE, cc, version, " ".join(_FLAGS), _cpu_flags()]).encode())
     target = folder / f"rows-{digest.hexdigest()[:16]}.so"
-    if target.exists():
+    fd = _open_trusted(target)
+    if fd is not None:
+        os.close(fd)
         return target
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         src = Path(tmp) / "rows.c"
@@ -200,22 +243,39 @@ def _build(cc: str, folder: Path) -> Path:
         )
         if done.returncode != 0:
             raise OSError(f"{cc} failed: {done.stderr.strip()[:500]}")
+        os.chmod(built, 0o700)
         os.replace(built, target)  # atomic: processes compiling at once each land a whole file
     return target
 
 
+def _open_library(path: Path) -> ctypes.CDLL:
+    """Load ``path``, a file of this user's that nobody else can write, in a trusted folder.
+
+    Loaded by its path, not through ``/proc/self/fd``: the loader takes a name it has loaded
+    before for that library, and descriptor numbers are reused. The folders above it being
+    trusted, nobody else can swap the file between the check and the load.
+    """
+    fd = _open_trusted(path)
+    if fd is None:
+        raise OSError(f"{path} is not a file of this user's that only this user can write")
+    os.close(fd)
+    return ctypes.CDLL(str(path))
+
+
 def _load() -> ctypes.CDLL | None:
     cc = _compiler()
-    if cc is None:
-        log.debug("native row codec: no C compiler found; using torch ops")
+    if cc is None or not hasattr(os, "getuid"):
+        log.debug("native row codec: no C compiler found (or not a POSIX system); using torch ops")
         return None
     folder = cache_folder()
     try:
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        if not _private_folder(folder):
-            log.debug("native row codec: %s is not private to this user; building in a temp folder", folder)
-            folder = Path(tempfile.mkdtemp(prefix="retexo-fl-kernels-"))
-        lib = ctypes.CDLL(str(_build(cc, folder)))
+        if _trusted_folder(folder):
+            lib = _open_library(_build(cc, folder))
+        else:
+            log.debug("native row codec: others can write to %s; building in a temp folder", folder)
+            with tempfile.TemporaryDirectory(prefix="retexo-fl-kernels-") as tmp:
+                lib = _open_library(_build(cc, Path(tmp)))  # loaded, the file can go
     except (OSError, subprocess.SubprocessError) as err:
         log.debug("native row codec unavailable (%s); using torch ops", err)
         return None
@@ -242,9 +302,23 @@ def library() -> ctypes.CDLL | None:
     return _lib
 
 
+def _flushing_denormals() -> bool:
+    # torch.set_flush_denormal(True) flushes in torch's threads, not in the pool's: results
+    # would then differ in rows with denormal values, so the torch ops serve.
+    return bool(_DENORMAL.mul(1.0).item() == 0.0)
+
+
+_DENORMAL = torch.tensor(1e-40)
+
+
 def usable(*tensors: Tensor) -> bool:
-    """Whether the compiled loops can serve these tensors (all on the CPU, loops available)."""
-    return all(t.device.type == "cpu" for t in tensors) and library() is not None
+    """Whether the compiled loops can serve these tensors.
+
+    They can when every tensor is on the CPU, the loops are built, and torch does not flush
+    denormals (``torch.set_flush_denormal``), which the loops' threads would not follow.
+    """
+    on_cpu = all(t.device.type == "cpu" for t in tensors)
+    return on_cpu and library() is not None and not _flushing_denormals()
 
 
 def _over_rows(k: int, d: int, run: Callable[[int, int], None]) -> None:
@@ -275,6 +349,22 @@ def _ptr(t: Tensor, offset: int = 0) -> int:
     return t.data_ptr() + offset * t.element_size()
 
 
+def _per_row(k: int, **vectors: Tensor) -> list[Tensor]:
+    """Contiguous float32 CPU copies (or views) of per-row vectors, each checked to hold ``k`` values."""
+    out = []
+    for name, v in vectors.items():
+        if v.device.type != "cpu" or v.numel() != k:
+            raise ValueError(f"{name}: {v.numel()} values on {v.device}, expected {k} on the CPU")
+        out.append(v.contiguous().float().view(-1))
+    return out
+
+
+def _cpu_block(t: Tensor, dtype: torch.dtype, name: str) -> Tensor:
+    if t.device.type != "cpu" or t.dtype != dtype or t.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D {dtype} CPU block, got {t.dim()}-D {t.dtype} on {t.device}")
+    return t.contiguous()
+
+
 def row_extremes(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Each row's minimum and maximum, and whether it holds NaN or Inf.
 
@@ -286,10 +376,10 @@ def row_extremes(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         - **output:** ``[k]`` float32, ``[k]`` float32, ``[k]`` bool
     """
     lib = _required()
-    x = x.contiguous()
+    x = _cpu_block(x, torch.float32, "rows")
     k, d = x.shape
-    if x.dtype != torch.float32 or d == 0:
-        raise ValueError(f"row extremes need non-empty float32 rows, not {x.dtype} {tuple(x.shape)}")
+    if d == 0:
+        raise ValueError(f"row extremes need rows of one value or more, got shape {tuple(x.shape)}")
     lo, hi = torch.empty(k), torch.empty(k)
     bad = torch.empty(k, dtype=torch.uint8)
 
@@ -316,13 +406,13 @@ def quantize(x: Tensor, table: Tensor, shift: Tensor, inv: Tensor, offset: Tenso
         - **output:** ``[k, d]`` uint8
     """
     lib = _required()
-    x, table = x.contiguous(), table.contiguous()
+    x, table = _cpu_block(x, torch.float32, "rows"), _cpu_block(table, torch.float32, "table")
     k, d = x.shape
-    if x.dtype != torch.float32 or table.dtype != torch.float32 or table.shape[1:] != (d,):
-        raise ValueError(f"quantize needs float32 rows and a [block, {d}] float32 table")
     block = table.shape[0]
+    if block == 0 or table.shape[1] != d:
+        raise ValueError(f"table: shape {tuple(table.shape)}, expected [block >= 1, {d}]")
+    shift, inv, offset = _per_row(k, shift=shift, inv=inv, offset=offset)
     codes = torch.empty(k, d, dtype=torch.uint8)
-    shift, inv, offset = (t.contiguous().float() for t in (shift, inv, offset))
 
     def run(s: int, e: int) -> None:
         lib.quantize(
@@ -347,10 +437,10 @@ def dequantize(codes: Tensor, lo: Tensor, step: Tensor) -> Tensor:
         - **output:** ``[k, d]`` float32
     """
     lib = _required()
-    codes = codes.contiguous()
+    codes = _cpu_block(codes, torch.uint8, "codes")
     k, d = codes.shape
+    lo, step = _per_row(k, lo=lo, step=step)
     out = torch.empty(k, d)
-    lo, step = lo.contiguous().float(), step.contiguous().float()
 
     def run(s: int, e: int) -> None:
         lib.dequantize(_ptr(codes, s * d), e - s, d, _ptr(lo, s), _ptr(step, s), _ptr(out, s * d))
@@ -371,7 +461,9 @@ def pack(codes: Tensor, bits: int) -> Tensor:
         - **output:** ``[ceil(n * bits / 8)]`` uint8
     """
     lib = _required()
-    codes = codes.contiguous()
+    if codes.device.type != "cpu" or codes.dtype != torch.uint8 or bits not in (1, 2, 4):
+        raise ValueError(f"pack: expected uint8 CPU codes of 1, 2 or 4 bits, got {codes.dtype}, {bits}")
+    codes = codes.contiguous().view(-1)
     n = codes.numel()
     out = torch.empty((n * bits + 7) // 8, dtype=torch.uint8)
     _over_rows(out.numel(), 8 // bits, lambda s, e: lib.pack(_ptr(codes), n, s, e, bits, _ptr(out)))
@@ -391,11 +483,13 @@ def unpack(packed: Tensor, bits: int, count: int) -> Tensor:
         - **output:** ``[count]`` uint8
     """
     lib = _required()
+    if packed.device.type != "cpu" or packed.dtype != torch.uint8 or bits not in (1, 2, 4):
+        raise ValueError(f"unpack: expected uint8 CPU bytes of 1, 2 or 4 bits, got {packed.dtype}, {bits}")
     per = 8 // bits
     size = -(-count // per)
     if packed.numel() < size:
         raise ValueError(f"{packed.numel()} bytes hold fewer than {count} codes of {bits} bits")
-    packed = packed[:size].contiguous()
+    packed = packed.view(-1)[:size].contiguous()
     codes = torch.empty(size * per, dtype=torch.uint8)  # whole bytes; the padding is cut off
     _over_rows(size, per, lambda s, e: lib.unpack(_ptr(packed), s, e, bits, _ptr(codes)))
     codes = codes[:count]

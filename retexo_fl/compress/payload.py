@@ -164,6 +164,8 @@ def unpack_frame(
         offset += 4 * k
         if not (bool(torch.isfinite(lo).all()) and bool(torch.isfinite(hi).all()) and bool((hi >= lo).all())):
             raise PayloadError(f"payload from {source}: row ranges are not finite, ordered intervals")
+        if not bool(torch.isfinite(hi.float() - lo.float()).all()):  # would decode to NaN
+            raise PayloadError(f"payload from {source}: a row range is wider than float32 can step")
     body = torch.from_numpy(np.frombuffer(data, np.uint8, len(data) - offset, offset).copy())
     q = QuantizedRows((k, d), row_bits, lo, hi, body, half)
     if bits in (16, 32):

@@ -258,6 +258,8 @@ def quantize_rows(
     hi = _round_out(mx, RANGE_DTYPES[half], down=False)
     if not (bool(torch.isfinite(lo).all()) and bool(torch.isfinite(hi).all())):
         raise CodecError(f"{where}: values exceed the {half} range; use bf16 ranges or 32 bits")
+    if not bool(torch.isfinite(hi.float() - lo.float()).all()):  # bf16 ends near +-3e38
+        raise CodecError(f"{where}: a row spans more than float32 can step across; use 32 bits")
     parts = []
     for b, sel in _width_groups(row_bits, bits if isinstance(bits, int) else None):
         xs, ls, hs = (x, lo, hi) if sel is None else (x[sel], lo[sel], hi[sel])

@@ -84,10 +84,13 @@ class LazyStageMachine:
                 ck.pass_weights[cfg.layer(stage)] = state  # the next pass's same layer starts here
             self.model_bytes_done += figures["bytes_model"]
             deliveries = None
-            if cfg.ends_pass(stage):
+            if cfg.ends_pass(stage) and all(r["stage"] != stage for r in ck.passes):
                 # The pass's model is tested now, while clients still hold its stage inputs; the
-                # run keeps the pass with the best validation accuracy (see _kept_pass).
+                # run keeps the pass with the best validation accuracy (see _kept_pass). Saved at
+                # once: a server resumed after the relabelling must not test again, as the
+                # clients have moved on to the next pass.
                 ck.passes.append(self._pass_result(state, stage, figures["val_accuracy"]))
+                self._save(ck)
             if stage < last:
                 # Clients embed, or after a pass's last stage label their own nodes (nothing to relay).
                 deliveries = self._embed(state, stage)
@@ -179,13 +182,9 @@ class LazyStageMachine:
         }
 
     def _kept_pass(self, ck: Checkpoint, last: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The pass whose model the run keeps, chosen on validation, and the summary's pass figures.
-
-        A self-training pass can lower validation accuracy (its labels are the previous pass's
-        guesses), so the last pass is kept only if no earlier one beats it; ties go to the later.
-        """
+        """The pass whose model the run keeps (see :func:`keep_best_pass`) and the summary's figures."""
         results = [*ck.passes, last]
-        kept = max(reversed(results), key=lambda r: r["val_accuracy"])
+        kept = keep_best_pass(results)
         if len(results) == 1:
             return kept, {}
         if kept is not last:
@@ -193,7 +192,8 @@ class LazyStageMachine:
                 f"kept self-training pass {kept['pass']}: validation {kept['val_accuracy']:.4f}, "
                 f"the last pass's {last['val_accuracy']:.4f}"
             )
-        figures = [{k: r[k] for k in ("pass", "stage", "val_accuracy", "test_accuracy")} for r in results]
+        keys = ("pass", "stage", "val_accuracy", "test_accuracy")
+        figures = [{**{k: r[k] for k in keys}, "eligible": _same_clients(r, last)} for r in results]
         self.rec.event("passes", kept=kept["pass"], passes=figures)
         return kept, {"kept_pass": kept["pass"], "passes": figures}
 
@@ -238,6 +238,11 @@ class LazyStageMachine:
         ck = self.store.load()
         if not hasattr(ck, "passes"):  # a checkpoint written before passes were kept by validation
             ck.passes = []
+            if ck.stage > self.cfg.stages:
+                self.rec.progress(
+                    "the checkpoint predates kept self-training passes: earlier passes were not "
+                    "tested, so the last pass is kept"
+                )
         fed = self.fed
         fed.run_key, fed.keys, fed.counts = ck.run_key, ck.keys, ck.counts
         fed.members.lost, fed.bytes_boundary, fed.privacy = ck.lost, ck.bytes_boundary, ck.privacy
@@ -250,3 +255,24 @@ class LazyStageMachine:
         where = f"stage {ck.stage}" + (f" after round {ck.round_state.round}" if ck.round_state else "")
         self.rec.progress(f"resumed at {where} with {len(fed.pids)} clients")
         return ck
+
+
+def _same_clients(result: dict[str, Any], last: dict[str, Any]) -> bool:
+    return [c["client"] for c in result["clients"]] == [c["client"] for c in last["clients"]]
+
+
+def keep_best_pass(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The self-training pass a run keeps: the best validation accuracy, ties to the later pass.
+
+    Only passes measured on the same live clients as the last pass compete: a pass's validation
+    accuracy is over the clients alive when it ended, and losing a client whose nodes are hard
+    would otherwise make a later pass look better (or worse) than it is. The choice reads
+    validation accuracy only; test accuracy is reported, never compared.
+
+    Args:
+        results (list[dict]): one per pass in order, each with ``val_accuracy`` and ``clients``
+            (the per-client rows, ``client`` ids); the last is the run's last pass.
+    """
+    last = results[-1]
+    eligible = [r for r in results if _same_clients(r, last)]
+    return max(reversed(eligible), key=lambda r: r["val_accuracy"])

@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 import multiprocessing
 import os
-import shutil
 import stat
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,12 +27,12 @@ def fresh(monkeypatch, tmp_path):
     return cache
 
 
-def _encode_both(x, bits, monkeypatch, seed=3):
+def _encode_both(x, bits, monkeypatch, seed=3, half="fp16"):
     """The same block encoded and decoded with the compiled loops and with torch ops alone."""
     out = []
     for flag in ("1", "0"):
         monkeypatch.setenv(native.NATIVE_ENV, flag)
-        q = quantize_rows(x, bits, generator=torch.Generator().manual_seed(seed))
+        q = quantize_rows(x, bits, generator=torch.Generator().manual_seed(seed), half=half)
         out.append((q, dequantize_rows(q)))
     monkeypatch.delenv(native.NATIVE_ENV)
     return out
@@ -72,6 +72,34 @@ def test_codes_ranges_and_decoded_values_equal_the_torch_ops(bits, shape, monkey
     # Equal, and right: within one step of the input.
     step = (qn.hi.float() - qn.lo.float()) / (2.0 ** qn.bits.float() - 1.0)
     assert ((yn - x).abs() <= step[:, None] * (1 + 1e-5)).all()
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+@pytest.mark.parametrize("bits", [1, 8, "mixed"])
+def test_bf16_ranges_over_every_scale_equal_the_torch_ops(bits, monkeypatch):
+    # Rows from denormal to 1e37 in magnitude, with bf16 ranges (8 bits of mantissa: most ends
+    # are rounded outward), split across the threads.
+    gen = torch.Generator().manual_seed(7)
+    k, d = 20_000, 12
+    scale = 10.0 ** torch.empty(k, 1).uniform_(-40, 37, generator=gen)
+    x = torch.randn(k, d, generator=gen) * scale
+    widths = torch.tensor([1, 2, 4, 8])[torch.randint(0, 4, (k,), generator=gen)] if bits == "mixed" else bits
+    (qn, yn), (qt, yt) = _encode_both(x, widths, monkeypatch, half="bf16")
+    assert _bits_equal(qn.data, qt.data) and _bits_equal(qn.lo, qt.lo) and _bits_equal(qn.hi, qt.hi)
+    assert _bits_equal(yn, yt)
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+def test_flushing_denormals_hands_the_work_to_the_torch_ops():
+    x = torch.randn(10, 4)
+    assert native.usable(x)
+    can_flush = torch.set_flush_denormal(True)  # False where the CPU cannot flush
+    try:
+        flushing = native.usable(x)
+    finally:
+        torch.set_flush_denormal(False)
+    assert flushing is not can_flush
+    assert native.usable(x)
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
@@ -151,12 +179,43 @@ def test_the_library_is_cached_once_in_a_private_folder(fresh, monkeypatch):
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
 def test_a_folder_others_can_write_is_never_loaded_from(fresh, monkeypatch):
     fresh.mkdir(mode=0o700)
-    os.chmod(fresh, 0o777)  # anyone could have planted a library here
-    planted = fresh / "planted.so"
-    shutil.copy(native._build(native._compiler(), fresh.parent), planted)
+    # A library under the very name this machine's build takes, planted in a folder anyone
+    # can write to: it must be neither loaded nor replaced.
+    planted = native._build(native._compiler(), fresh)
+    os.chmod(fresh, 0o777)
+    before = planted.stat().st_mtime_ns
     assert native.library() is not None
-    assert sorted(p.name for p in fresh.iterdir()) == ["planted.so"]  # nothing built or read there
-    assert not native._lib._name.startswith(str(fresh))
+    assert [p.name for p in fresh.iterdir()] == [planted.name] and planted.stat().st_mtime_ns == before
+    assert not _loaded_from(fresh)
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+def test_a_library_others_can_write_is_built_over(fresh, monkeypatch):
+    fresh.mkdir(mode=0o700)
+    planted = native._build(native._compiler(), fresh)
+    os.chmod(planted, 0o777)  # the folder is private, but the file is not
+    assert native.library() is not None
+    assert stat.S_IMODE(planted.stat().st_mode) == 0o700  # a new build replaced it
+    assert _loaded_from(fresh)
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+def test_a_folder_under_one_others_can_write_is_not_trusted(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # no sticky bit: anyone may rename what is inside
+    inner = shared / "mine"
+    inner.mkdir(mode=0o700)
+    assert native._trusted_folder(tmp_path) and not native._trusted_folder(inner)
+    os.chmod(shared, 0o1777)  # sticky, as /tmp is: only the owner renames its entries
+    assert native._trusted_folder(inner)
+
+
+def _loaded_from(folder) -> bool:
+    """Whether the loaded library's file lies in ``folder``."""
+    lib = native.library()
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    return any(str(folder) in line and "rows-" in line for line in maps) and lib is not None
 
 
 def _codes_digest(args) -> str:

@@ -54,6 +54,27 @@ GOOD = encode_rows(torch.randn(4, 6), 4, generator=torch.Generator().manual_seed
 MIXED = encode_rows(torch.randn(4, 6), torch.tensor([1, 2, 4, 8]))
 
 
+def _bf16_frame_with_ranges(lo: float, hi: float) -> bytes:
+    """A 4 x 6 frame of 8-bit codes whose first row's range is ``[lo, hi]`` in bf16."""
+    blob = bytearray(encode_rows(torch.randn(4, 6), 8, half="bf16"))
+    bf16 = torch.tensor([lo, hi]).bfloat16().view(torch.int16).tolist()
+    struct.pack_into("<h", blob, HEADER_BYTES, bf16[0])  # lo of row 0; his follow the 4 los
+    struct.pack_into("<h", blob, HEADER_BYTES + 8, bf16[1])
+    return bytes(blob)
+
+
+def test_a_range_float32_cannot_step_across_is_refused_at_both_ends():
+    # Each end is a finite bf16 value, but hi - lo overflows float32: every value would decode
+    # to NaN (0 * inf), so the sender refuses the row and the receiver refuses the frame.
+    from retexo_fl.compress.quantize import CodecError, quantize_rows
+
+    with pytest.raises(CodecError, match="client 5: a row spans more than float32"):
+        quantize_rows(torch.tensor([[-3e38, 3e38, 0.0]]), 8, half="bf16", where="client 5")
+    assert torch.isfinite(decode_rows(_bf16_frame_with_ranges(-1e38, 1e38), "client 3", 4, 6)).all()
+    with pytest.raises(PayloadError, match="client 3: a row range is wider than float32 can step"):
+        decode_rows(_bf16_frame_with_ranges(-3e38, 3e38), "client 3", 4, 6)
+
+
 @pytest.mark.parametrize(
     ("blob", "needle"),
     [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -13,8 +14,11 @@ SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "datasets"
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
-# The compiled codec loops of this run (and of the servers it starts) go to a folder of its own.
-os.environ.setdefault("RETEXO_FL_KERNEL_CACHE", tempfile.mkdtemp(prefix="retexo-fl-kernels-"))
+# The compiled codec loops of this run (and of the servers it starts) go to a folder of its own,
+# removed when the run ends.
+if "RETEXO_FL_KERNEL_CACHE" not in os.environ:
+    os.environ["RETEXO_FL_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="retexo-fl-kernels-")
+    atexit.register(shutil.rmtree, os.environ["RETEXO_FL_KERNEL_CACHE"], ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

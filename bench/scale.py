@@ -140,6 +140,9 @@ def phase_train(mode: str, nodes: int, seed: int, parts: Path, out: Path) -> dic
         "bytes_total": summary.get("bytes_total", 0),
         "bytes_boundary": summary.get("bytes_boundary", 0),
         "rounds": sum(len(s.get("history", [])) for s in summary.get("stages", [])) or None,
+        # Self-training: the pass kept (best validation) and every pass's figures.
+        "kept_pass": summary.get("kept_pass"),
+        "passes": summary.get("passes") or summary.get("stages") if "kept_pass" in summary else None,
     }
 
 

@@ -269,11 +269,15 @@ def _load() -> ctypes.CDLL | None:
         return None
     folder = cache_folder()
     try:
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        if _trusted_folder(folder):
+        try:
+            folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+            trusted = _trusted_folder(folder)
+        except OSError:  # a cache folder this user cannot make: build in a temp folder
+            trusted = False
+        if trusted:
             lib = _open_library(_build(cc, folder))
         else:
-            log.debug("native row codec: others can write to %s; building in a temp folder", folder)
+            log.debug("native row codec: %s is not this user's alone; building in a temp folder", folder)
             with tempfile.TemporaryDirectory(prefix="retexo-fl-kernels-") as tmp:
                 lib = _open_library(_build(cc, Path(tmp)))  # loaded, the file can go
     except (OSError, subprocess.SubprocessError) as err:

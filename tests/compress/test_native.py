@@ -211,6 +211,16 @@ def test_a_folder_under_one_others_can_write_is_not_trusted(tmp_path):
     assert native._trusted_folder(inner)
 
 
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+def test_a_cache_folder_that_cannot_be_made_builds_in_a_temp_folder(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv(native.CACHE_ENV, str(blocker / "kernels"))  # mkdir fails under a file
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_tried", False)
+    assert native.library() is not None
+
+
 def _loaded_from(folder) -> bool:
     """Whether the loaded library's file lies in ``folder``."""
     lib = native.library()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
 from flwr.clientapp import ClientApp
 from flwr.serverapp import ServerApp
 
@@ -21,6 +22,7 @@ def simulate(
     cfg: TrainConfig,
     *,
     cpus_per_client: float = 1.0,
+    gpus_per_client: float | None = None,
     work_dir: str | Path | None = None,
     policy: PartyPolicy | None = None,
     client_app: ClientApp | None = None,
@@ -35,6 +37,10 @@ def simulate(
     Args:
         cfg (TrainConfig): the run configuration.
         cpus_per_client (float, optional): CPUs Ray reserves per virtual node. (default: ``1.0``)
+        gpus_per_client (float, optional): GPUs (a fraction to share one) Ray reserves per
+            virtual node; :obj:`None` for :func:`gpus_for_clients` of ``cfg``. Ray hides the GPUs
+            from a node that reserves none, so ``--device auto`` would find no GPU there.
+            (default: :obj:`None`)
         work_dir (str or Path, optional): the base of the virtual nodes' work folders (their saved
             state and cached partitions); else ``$RETEXO_FL_WORK_DIR`` or the temp folder.
             (default: :obj:`None`)
@@ -84,7 +90,10 @@ def simulate(
             client_app=client_app or default_client_app,
             num_supernodes=cfg.clients,
             backend_config={
-                "client_resources": {"num_cpus": cpus_per_client},
+                "client_resources": {
+                    "num_cpus": cpus_per_client,
+                    "num_gpus": gpus_for_clients(cfg) if gpus_per_client is None else gpus_per_client,
+                },
                 "init_args": {"num_cpus": os.cpu_count() or 1},
             },
         )
@@ -99,3 +108,20 @@ def simulate(
             "the Flower simulation ended without a summary (see the log above for the ServerApp error)"
         )
     return result
+
+
+def gpus_for_clients(cfg: TrainConfig, gpus: int | None = None) -> float:
+    """GPUs each virtual node reserves so that ``cfg.device`` finds one: the machine's GPUs shared.
+
+    ``cpu`` reserves none; ``auto`` and ``cuda[:i]`` share the GPUs evenly among the clients (a
+    fraction each when there are more clients than GPUs, at most one each).
+
+    Args:
+        cfg (TrainConfig): the run configuration (``device``, ``clients``).
+        gpus (int, optional): the machine's GPUs; :obj:`None` to ask torch. (default: :obj:`None`)
+    """
+    if cfg.device == "cpu":
+        return 0.0
+    if gpus is None:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return min(1.0, gpus / max(1, cfg.clients)) if gpus else 0.0

@@ -272,3 +272,13 @@ def test_secure_aggregation_on_cora_matches_in_process_and_plain(tmp_path, data_
     assert sim["secure_aggregation"]["rounds"] == 12 and sim["secure_aggregation"]["unmask_messages"] == 48
     unmask = [r for r in sim["traffic"]["by_message"] if r["message"] == "query.unmask"]
     assert len({r["client"] for r in unmask}) == 4
+
+
+def test_virtual_nodes_reserve_a_share_of_the_gpus_when_the_device_may_be_one():
+    # Ray hides the GPUs from a virtual node that reserves none: --device auto would find none.
+    from server.simulation import gpus_for_clients
+
+    assert gpus_for_clients(TrainConfig(clients=4, device="auto"), gpus=1) == 0.25
+    assert gpus_for_clients(TrainConfig(clients=2, device="cuda"), gpus=4) == 1.0
+    assert gpus_for_clients(TrainConfig(clients=4, device="cpu"), gpus=1) == 0.0
+    assert gpus_for_clients(TrainConfig(clients=4, device="auto"), gpus=0) == 0.0

@@ -95,11 +95,11 @@ def _round_out(values: Tensor, dtype: torch.dtype, down: bool) -> Tensor:
     return torch.where(bad, torch.nextafter(out, toward.expand_as(out)), out)
 
 
-def _pack(codes: Tensor, bits: int) -> Tensor:
+def _pack(codes: Tensor, bits: int, compiled: bool) -> Tensor:
     """Flat uint8 codes < 2^bits -> ``ceil(n * bits / 8)`` bytes, first value in the low bits."""
     if bits == 8:
         return codes
-    if native.usable(codes):
+    if compiled:
         return native.pack(codes, bits)
     per = 8 // bits
     n = codes.numel()
@@ -113,10 +113,10 @@ def _pack(codes: Tensor, bits: int) -> Tensor:
     return out
 
 
-def _unpack(packed: Tensor, bits: int, count: int) -> Tensor:
+def _unpack(packed: Tensor, bits: int, count: int, compiled: bool) -> Tensor:
     if bits == 8:
         return packed[:count]
-    if native.usable(packed):
+    if compiled:
         return native.unpack(packed, bits, count)
     per = 8 // bits
     mask = (1 << bits) - 1
@@ -127,7 +127,7 @@ def _unpack(packed: Tensor, bits: int, count: int) -> Tensor:
 
 
 def _quantize_group(
-    x: Tensor, lo: Tensor, hi: Tensor, bits: int, generator: torch.Generator | None
+    x: Tensor, lo: Tensor, hi: Tensor, bits: int, generator: torch.Generator | None, compiled: bool
 ) -> Tensor:
     """Codes of a ``[k, d]`` group whose rows all use ``bits``; flat ``[k * d]`` uint8."""
     levels = float((1 << bits) - 1)
@@ -142,7 +142,7 @@ def _quantize_group(
     # needs; rows stay pairwise independent column by column.
     table = torch.rand(block, d, generator=generator, device=x.device)
     shift = torch.rand(k, generator=generator, device=x.device)
-    if native.usable(x):
+    if compiled:
         return native.quantize(x, table, shift, inv, offset, levels).view(-1)
     # The same single-rounding float32 operations as the compiled loop, in its order, so codes
     # are equal with and without a compiler (native.py).
@@ -219,7 +219,7 @@ def quantize_rows(
         if bits in PASS_BITS:
             dtype = torch.float32 if bits == 32 else RANGE_DTYPES[half]
             overflow = CodecError(f"{where}: values overflow {half}; use bf16 or 32 bits")
-            if x.numel() and native.usable(x):
+            if x.numel() and native.usable(x):  # passthrough: the only use of the loops here
                 x = x.contiguous()
                 mn, mx, bad_rows = native.row_extremes(x)
                 _refuse_nonfinite(x, bad_rows, where)
@@ -245,7 +245,8 @@ def quantize_rows(
     if k == 0 or d == 0:
         lo = hi = torch.zeros(k, dtype=RANGE_DTYPES[half], device=x.device)
         return QuantizedRows((k, d), row_bits, lo, hi, torch.empty(0, dtype=torch.uint8), half)
-    if native.usable(x):
+    compiled = native.usable(x)  # decided once for the whole block
+    if compiled:
         x = x.contiguous()
         mn, mx, bad_rows = native.row_extremes(x)
     else:
@@ -263,7 +264,7 @@ def quantize_rows(
     parts = []
     for b, sel in _width_groups(row_bits, bits if isinstance(bits, int) else None):
         xs, ls, hs = (x, lo, hi) if sel is None else (x[sel], lo[sel], hi[sel])
-        parts.append(_pack(_quantize_group(xs, ls, hs, b, generator), b))
+        parts.append(_pack(_quantize_group(xs, ls, hs, b, generator, compiled), b, compiled))
     return QuantizedRows((k, d), row_bits, lo, hi, torch.cat(parts) if len(parts) > 1 else parts[0], half)
 
 
@@ -283,22 +284,24 @@ def dequantize_rows(q: QuantizedRows) -> Tensor:
     if width in PASS_BITS and q.lo.numel() == 0:
         dtype = torch.float32 if width == 32 else RANGE_DTYPES[q.half]
         return q.data.view(dtype).float().view(k, d)
-    out = torch.empty(k, d, dtype=torch.float32, device=q.data.device)
+    compiled = native.usable(q.data)  # decided once for the whole block
+    groups = _width_groups(q.bits, width if width in QUANT_BITS else None)
+    # The loops return a whole group's rows: with one group they are the output itself.
+    out = None if compiled and len(groups) == 1 else torch.empty(k, d, device=q.data.device)
     offset = 0
-    for b, sel in _width_groups(q.bits, width if width in QUANT_BITS else None):
+    for b, sel in groups:
         n = (k if sel is None else sel.numel()) * d
         size = packed_size(n, b)
-        codes = _unpack(q.data[offset : offset + size], b, n).view(-1, d)
+        codes = _unpack(q.data[offset : offset + size], b, n, compiled).view(-1, d)
         offset += size
         lo, hi = (q.lo, q.hi) if sel is None else (q.lo[sel], q.hi[sel])
         lo, hi = lo.float(), hi.float()
         step = (hi - lo) / float((1 << b) - 1)
-        if native.usable(codes):
+        if compiled:
             rows = native.dequantize(codes, lo, step)
-            if sel is None:
-                out = rows
-            else:
-                out[sel] = rows
+            if out is None:
+                return rows
+            out[sel] = rows
         elif sel is None:
             block = max(1, _BLOCK_VALUES // max(d, 1))
             for start in range(0, k, block):  # blockwise, so the float codes stay in cache

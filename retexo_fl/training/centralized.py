@@ -17,6 +17,7 @@ from retexo_fl.models.gnn import GNN
 from retexo_fl.plan import BoundaryPlan, LocalGraph
 from retexo_fl.seeding import derive_seed, resolve_device
 from retexo_fl.training.pseudo import pseudo_labels
+from retexo_fl.training.selection import keep_best_pass
 
 
 def whole_graph_partition(data) -> Partition:
@@ -126,8 +127,7 @@ def run_centralized(part: Partition, cfg: TrainConfig, rec: RunRecorder | None =
                 "seconds": time.perf_counter() - t0,
             }
         )
-    # As in a lazy run: the pass with the best validation accuracy is kept, ties to the later.
-    kept = max(reversed(passes), key=lambda p: p["val_accuracy"])
+    kept = keep_best_pass(passes)  # as in a lazy run
     if kept is not passes[-1]:
         rec.progress(
             f"kept self-training pass {kept['stage']}: validation {kept['val_accuracy']:.4f}, "

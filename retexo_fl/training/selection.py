@@ -91,3 +91,28 @@ class StageTracker:
             "history": self.history,
             "seconds": seconds,
         }
+
+
+def same_clients(result: dict[str, Any], last: dict[str, Any]) -> bool:
+    """Whether two results were measured on the same clients (results without ``clients``: one graph)."""
+    if "clients" not in result or "clients" not in last:
+        return True
+    return [c["client"] for c in result["clients"]] == [c["client"] for c in last["clients"]]
+
+
+def keep_best_pass(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The self-training pass a run keeps: the best validation accuracy, ties to the later pass.
+
+    Only passes measured on the same live clients as the last pass compete: a pass's validation
+    accuracy is over the clients alive when it ended, and losing a client whose nodes are hard
+    would otherwise make a later pass look better (or worse) than it is. The choice reads
+    validation accuracy only; test accuracy is reported, never compared.
+
+    Args:
+        results (list[dict]): one per pass in order, each with ``val_accuracy`` and, in a
+            federated run, ``clients`` (the per-client rows, ``client`` ids); the last is the
+            run's last pass.
+    """
+    last = results[-1]
+    eligible = [r for r in results if same_clients(r, last)]
+    return max(reversed(eligible), key=lambda r: r["val_accuracy"])

@@ -28,7 +28,7 @@ from retexo_fl.training.rounds import (
     exchange_figures,
     per_client,
 )
-from retexo_fl.training.selection import StageTracker
+from retexo_fl.training.selection import StageTracker, keep_best_pass, same_clients
 from retexo_fl.training.state import StateDict
 from retexo_fl.training.transport import Transport
 
@@ -193,7 +193,7 @@ class LazyStageMachine:
                 f"the last pass's {last['val_accuracy']:.4f}"
             )
         keys = ("pass", "stage", "val_accuracy", "test_accuracy")
-        figures = [{**{k: r[k] for k in keys}, "eligible": _same_clients(r, last)} for r in results]
+        figures = [{**{k: r[k] for k in keys}, "eligible": same_clients(r, last)} for r in results]
         self.rec.event("passes", kept=kept["pass"], passes=figures)
         return kept, {"kept_pass": kept["pass"], "passes": figures}
 
@@ -255,24 +255,3 @@ class LazyStageMachine:
         where = f"stage {ck.stage}" + (f" after round {ck.round_state.round}" if ck.round_state else "")
         self.rec.progress(f"resumed at {where} with {len(fed.pids)} clients")
         return ck
-
-
-def _same_clients(result: dict[str, Any], last: dict[str, Any]) -> bool:
-    return [c["client"] for c in result["clients"]] == [c["client"] for c in last["clients"]]
-
-
-def keep_best_pass(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """The self-training pass a run keeps: the best validation accuracy, ties to the later pass.
-
-    Only passes measured on the same live clients as the last pass compete: a pass's validation
-    accuracy is over the clients alive when it ended, and losing a client whose nodes are hard
-    would otherwise make a later pass look better (or worse) than it is. The choice reads
-    validation accuracy only; test accuracy is reported, never compared.
-
-    Args:
-        results (list[dict]): one per pass in order, each with ``val_accuracy`` and ``clients``
-            (the per-client rows, ``client`` ids); the last is the run's last pass.
-    """
-    last = results[-1]
-    eligible = [r for r in results if _same_clients(r, last)]
-    return max(reversed(eligible), key=lambda r: r["val_accuracy"])

@@ -223,9 +223,8 @@ def test_a_cache_folder_that_cannot_be_made_builds_in_a_temp_folder(tmp_path, mo
 
 def _loaded_from(folder) -> bool:
     """Whether the loaded library's file lies in ``folder``."""
-    lib = native.library()
     maps = Path("/proc/self/maps").read_text().splitlines()
-    return any(str(folder) in line and "rows-" in line for line in maps) and lib is not None
+    return any(str(folder) in line and "rows-" in line for line in maps)
 
 
 def _codes_digest(args) -> str:

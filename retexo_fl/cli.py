@@ -28,6 +28,8 @@ _HELP = {
     "split so peers get X W, never X; gcn, sage, 2+ layers), layered (MLP encoder, convs, head) "
     "or auto (standard where it applies)",
     "pass_embedding": "what the next stage receives: hidden or logits",
+    "root_weight": "gcn and gat stages add a linear map of each node's own input to what they "
+    "aggregate (as SAGE's root weight)",
     "self_training": "extra passes over all stages, each client training on its own confident "
     "predictions as labels (lazy, centralized)",
     "pseudo_threshold": "softmax confidence a prediction needs to become a self-training label",

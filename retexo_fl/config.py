@@ -77,6 +77,9 @@ class ModelSettings:
         norm (str, optional): the normalization after each layer, ``"layer"`` or ``"none"``.
             (default: :obj:`"none"`)
         heads (int, optional): attention heads of ``gat``. (default: :obj:`4`)
+        root_weight (bool, optional): ``gcn`` and ``gat`` stages add a linear map of each node's
+            own input to what they aggregate, as SAGE's root weight does (a GCN layer alone
+            weighs a node's own row by ``1 / (degree + 1)``). (default: :obj:`False`)
         dropout (float or list[float], optional): dropout, one value or one per stage.
             (default: :obj:`0.5`)
         input_dropout (float or list[float], optional): dropout of each stage's input, one value
@@ -91,6 +94,7 @@ class ModelSettings:
     pass_embedding: str = "hidden"
     norm: str = "none"
     heads: int = 4
+    root_weight: bool = False
     dropout: float | list[float] = 0.5
     input_dropout: float | list[float] = 0.5
 
@@ -425,6 +429,7 @@ class TrainConfig:
     input_dropout: float | list[float] = 0.5
     norm: str = "none"
     heads: int = 4
+    root_weight: bool = False  # gcn / gat stages: a separate linear map of a node's own input
     patience: int = 5  # early stopping: rounds without a validation gain (0: never stop)
     min_rounds: int = 4  # rounds a stage runs before early stopping may end it
     # GCN / SAGE stages: aggregate the frozen stage input once, then every round is dense.

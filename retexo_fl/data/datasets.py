@@ -36,7 +36,7 @@ class DatasetError(ValueError):
 def known_datasets() -> list[str]:
     """The dataset names :func:`load_dataset` knows, sorted (besides saved ``Data`` files)."""
     names = [n for _, (_, ns) in _FAMILIES.items() for n in ns]
-    return sorted([*names, *_SINGLE, "ogbn-arxiv", "ogbn-products", "sbm:N,C[,deg,homophily]"])
+    return sorted([*names, *_SINGLE, "ogbn-arxiv", "ogbn-products", "sbm:N,C[,deg,homophily]", "files:edges=...,features=...,labels=...", "PATH.npz"])
 
 
 def load_dataset(
@@ -51,8 +51,10 @@ def load_dataset(
 
     Args:
         name (str): a PyG dataset name (``Cora``, ``CiteSeer``, ``Computers``, ``CS``, ``WikiCS``,
-            ``ogbn-arxiv`` ...), ``sbm:N,C[,avg_degree,homophily]`` for a synthetic graph, or the
-            path of a ``torch.save``-d ``Data`` object (the user's own graph).
+            ``ogbn-arxiv`` ...), ``sbm:N,C[,avg_degree,homophily]`` for a synthetic graph, the
+            path of a ``torch.save``-d ``Data`` object, ``files:edges=E.csv,features=F,labels=L.csv``
+            for a graph as plain files, or an npz in ``HeterophilousGraphDataset``'s format
+            (:mod:`retexo_fl.data.files`).
         root (str | Path, optional): folder holding PyG's ``raw/`` files; PyG downloads into it
             where the network allows. (default: :obj:`"data"`)
         split (str, optional): ``public`` (the dataset's own split), ``random:TRAIN,VAL,TEST``
@@ -76,7 +78,10 @@ def load_dataset(
     data = _load_raw(name, Path(root), seed)
     data.x = data.x.float()
     data.y = data.y.view(-1).long()
-    data.name = Path(name).stem if Path(name).suffix in (".pt", ".pth") else name
+    if Path(name).suffix in (".pt", ".pth"):
+        data.name = Path(name).stem
+    elif not name.startswith("files:") and Path(name).suffix != ".npz":
+        data.name = name
     if split == "public":
         if getattr(data, "train_mask", None) is None:
             raise DatasetError(
@@ -96,7 +101,17 @@ def load_dataset(
 
 
 def _load_raw(name: str, root: Path, seed: int):
+    if name.startswith("files:"):  # imported here: files.py imports DatasetError from this module
+        from retexo_fl.data.files import load_files_graph
+
+        return load_files_graph(name[len("files:") :])
     path = Path(name)
+    if path.suffix == ".npz":
+        from retexo_fl.data.files import FileGraphError, load_heterophilous_npz
+
+        if not path.is_file():
+            raise FileGraphError(path, "no such file")
+        return load_heterophilous_npz(path)
     if path.suffix in (".pt", ".pth") or path.is_file():
         return _load_user_graph(path)
     key = name.lower()

@@ -53,6 +53,7 @@ def build_stage_model(cfg: TrainConfig, stage: int, in_dim: int, num_classes: in
         input_dropout=float(cfg.per_stage("input_dropout", layer)),
         norm=cfg.norm,
         heads=cfg.heads,
+        root_weight=cfg.root_weight,
     )
 
 

@@ -59,8 +59,17 @@ def make_norm(kind: str, dim: int) -> nn.Module:
     raise ValueError(f"unknown norm {kind!r}; known: layer, none")
 
 
+#: Convs that get a separate root weight with ``root_weight`` (SAGE's convs have their own).
+ROOTLESS_CONVS = ("gcn", "gat")
+
+
 class StageModel(nn.Module):
-    """One stage: ``body`` (Linear for stage 0, a conv layer after), norm, ReLU, dropout, head.
+    r"""One stage: ``body`` (Linear for stage 0, a conv layer after), norm, ReLU, dropout, head.
+
+    With ``root_weight`` a ``gcn`` or ``gat`` stage adds a linear map of each target node's own
+    input, :math:`h_i = \mathrm{conv}(X)_i + x_i W_{\mathrm{root}}`, as SAGE's root weight does:
+    a GCN layer's self-loop weight is :math:`1 / (d_i + 1)`, so on a high-degree graph whose
+    neighbours say little about a node, aggregation alone drowns the node's own representation.
 
     Args:
         kind (str): ``mlp`` for stage 0, else one of :data:`CONV_KINDS`.
@@ -72,6 +81,9 @@ class StageModel(nn.Module):
         norm (str, optional): ``layer`` (LayerNorm, per-row so partition-independent) or
             ``none``. (default: :obj:`"layer"`)
         heads (int, optional): attention heads for ``gat``. (default: :obj:`4`)
+        root_weight (bool, optional): a ``gcn`` or ``gat`` stage adds a linear map of each
+            target's own input (ignored by ``mlp``, ``sage`` and ``sage-max``, which have one).
+            (default: :obj:`False`)
 
     Shapes:
         - **input:** ``x`` ``[N_in, in_dim]``, ``edge_index`` ``[2, E]`` or a CSR adjacency
@@ -92,12 +104,15 @@ class StageModel(nn.Module):
         input_dropout: float = 0.0,
         norm: str = "layer",
         heads: int = 4,
+        root_weight: bool = False,
     ) -> None:
         super().__init__()
         self.kind = kind
         self.body = (
             nn.Linear(in_dim, hidden) if kind == "mlp" else make_conv(kind, in_dim, hidden, heads=heads)
         )
+        # Built after the body, so the body's initial weights do not depend on the option.
+        self.root = nn.Linear(in_dim, hidden, bias=False) if root_weight and kind in ROOTLESS_CONVS else None
         self.norm = make_norm(norm, hidden)
         self.head = nn.Linear(hidden, num_classes)
         self.dropout = Dropout(dropout)
@@ -159,6 +174,9 @@ class StageModel(nn.Module):
                 keep = wanted[edge_index[1]]
                 weight = None if edge_weight is None else edge_weight[keep]
                 h = run_conv(self.body, self.kind, x, edge_index[:, keep], weight)[rows]
+            if self.root is not None:
+                own = x if num_targets is None else x[:num_targets]
+                h = h + self.root(own if rows is None else own[rows])
         h = torch.relu(self.norm(h))
         if rows is None or not self.training or self.dropout.p == 0:
             return h, self.head(self.dropout(h))
@@ -187,7 +205,7 @@ class StageModel(nn.Module):
 
         Args:
             aggregated (Tensor): the aggregated inputs of the target rows.
-            root (Tensor): the target rows' own inputs (read by ``sage``'s root weight).
+            root (Tensor): the target rows' own inputs (read by a root weight).
 
         Shapes:
             - **input:** ``aggregated`` ``[n, in_dim]``, ``root`` ``[n, in_dim]``
@@ -198,6 +216,8 @@ class StageModel(nn.Module):
         """
         if self.kind == "gcn":
             h = self.body.lin(self.input_dropout(aggregated)) + self.body.bias
+            if self.root is not None:
+                h = h + self.root(self.input_dropout(root))
         elif self.kind == "sage":
             h = self.body.lin_l(self.input_dropout(aggregated)) + self.body.lin_r(self.input_dropout(root))
         else:

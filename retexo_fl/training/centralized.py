@@ -17,7 +17,7 @@ from retexo_fl.models.gnn import GNN
 from retexo_fl.plan import BoundaryPlan, LocalGraph
 from retexo_fl.seeding import derive_seed, resolve_device
 from retexo_fl.training.pseudo import pseudo_labels
-from retexo_fl.training.selection import keep_best_pass
+from retexo_fl.training.selection import keep_best_stage
 
 
 def whole_graph_partition(data) -> Partition:
@@ -127,7 +127,7 @@ def run_centralized(part: Partition, cfg: TrainConfig, rec: RunRecorder | None =
                 "seconds": time.perf_counter() - t0,
             }
         )
-    kept = keep_best_pass(passes)  # as in a lazy run
+    kept = keep_best_stage(passes)  # as in a lazy run
     if kept is not passes[-1]:
         rec.progress(
             f"kept self-training pass {kept['stage']}: validation {kept['val_accuracy']:.4f}, "

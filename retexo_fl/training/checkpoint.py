@@ -88,8 +88,9 @@ class Checkpoint:
             what the test evaluates).
         pass_weights (dict[int, StateDict]): kept weights by layer of the stages that a later
             self-training pass starts from (``pass-init warm``).
-        passes (list[dict]): each finished self-training pass but the last: its last stage's
-            validation and test accuracy (the run keeps the pass with the best validation).
+        passes (list[dict]): each finished stage's kept model's validation and test accuracy
+            (the run delivers the stage with the best validation; the name predates stage
+            selection, when only each self-training pass's last stage was tested).
     """
 
     config: dict[str, Any]

@@ -1,4 +1,4 @@
-"""Best-validation selection and early stopping within one stage, shared by every engine."""
+"""Best-validation selection (within a stage, and of the stage a run delivers) and early stopping."""
 
 from __future__ import annotations
 
@@ -100,18 +100,21 @@ def same_clients(result: dict[str, Any], last: dict[str, Any]) -> bool:
     return [c["client"] for c in result["clients"]] == [c["client"] for c in last["clients"]]
 
 
-def keep_best_pass(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """The self-training pass a run keeps: the best validation accuracy, ties to the later pass.
+def keep_best_stage(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The model a run delivers: the best validation accuracy, ties to the later candidate.
 
-    Only passes measured on the same live clients as the last pass compete: a pass's validation
-    accuracy is over the clients alive when it ended, and losing a client whose nodes are hard
-    would otherwise make a later pass look better (or worse) than it is. The choice reads
+    The candidates are a lazy run's stages (every stage of every self-training pass, stage 0's
+    MLP included: a later stage can validate worse than an earlier one on a graph whose
+    neighbourhoods say little about a node) or a centralized run's passes. Only candidates
+    measured on the same live clients as the last one compete: a validation accuracy is over
+    the clients alive when it was measured, and losing a client whose nodes are hard would
+    otherwise make a later candidate look better (or worse) than it is. The choice reads
     validation accuracy only; test accuracy is reported, never compared.
 
     Args:
-        results (list[dict]): one per pass in order, each with ``val_accuracy`` and, in a
+        results (list[dict]): one per candidate in order, each with ``val_accuracy`` and, in a
             federated run, ``clients`` (the per-client rows, ``client`` ids); the last is the
-            run's last pass.
+            run's last.
     """
     last = results[-1]
     eligible = [r for r in results if same_clients(r, last)]

@@ -28,7 +28,7 @@ from retexo_fl.training.rounds import (
     exchange_figures,
     per_client,
 )
-from retexo_fl.training.selection import StageTracker, keep_best_pass, same_clients
+from retexo_fl.training.selection import StageTracker, keep_best_stage, same_clients
 from retexo_fl.training.state import StateDict
 from retexo_fl.training.transport import Transport
 
@@ -84,12 +84,12 @@ class LazyStageMachine:
                 ck.pass_weights[cfg.layer(stage)] = state  # the next pass's same layer starts here
             self.model_bytes_done += figures["bytes_model"]
             deliveries = None
-            if cfg.ends_pass(stage) and all(r["stage"] != stage for r in ck.passes):
-                # The pass's model is tested now, while clients still hold its stage inputs; the
-                # run keeps the pass with the best validation accuracy (see _kept_pass). Saved at
-                # once: a server resumed after the relabelling must not test again, as the
-                # clients have moved on to the next pass.
-                ck.passes.append(self._pass_result(state, stage, figures["val_accuracy"]))
+            if all(r["stage"] != stage for r in ck.passes):
+                # The stage's model is tested now, while clients still hold its stage inputs (the
+                # state goes by digest where clients hold it); the run delivers the stage with
+                # the best validation accuracy (see _kept). Saved at once: a server resumed after
+                # the clients embedded or relabelled must not test again, as they have moved on.
+                ck.passes.append(self._stage_result(state, stage, figures["val_accuracy"]))
                 self._save(ck)
             if stage < last:
                 # Clients embed, or after a pass's last stage label their own nodes (nothing to relay).
@@ -121,7 +121,9 @@ class LazyStageMachine:
             )
             self._save(ck)
         stages = ck.stages
-        kept, passes = self._kept_pass(ck, self._pass_result(state, last, stages[-1]["val_accuracy"]))
+        if all(r["stage"] != last for r in ck.passes):  # a checkpoint of older code, resumed at the end
+            ck.passes.append(self._stage_result(state, last, stages[-1]["val_accuracy"]))
+        kept, selection = self._kept(ck)
         bytes_model = sum(s["bytes_model"] for s in stages)
         return {
             **compression_totals(stages),
@@ -133,7 +135,7 @@ class LazyStageMachine:
             "bytes_boundary": fed.bytes_boundary,
             "bytes_model": bytes_model,
             "clients": kept["clients"],
-            **passes,
+            **selection,
             **fed.summary(),
             "stages": stages,
             "wall_seconds": time.perf_counter() - t0,
@@ -170,8 +172,8 @@ class LazyStageMachine:
             self.on_stage(stage, result.best_state)
         return result.best_state, result.figures
 
-    def _pass_result(self, state: StateDict, stage: int, val: float) -> dict[str, Any]:
-        """The test of a self-training pass's last stage (``state``), beside its validation accuracy."""
+    def _stage_result(self, state: StateDict, stage: int, val: float) -> dict[str, Any]:
+        """The test of a stage's kept model (``state``), beside its validation accuracy."""
         tests = self.fed.evaluate(state, "test", stage)
         return {
             "pass": stage // self.cfg.stages,
@@ -181,21 +183,28 @@ class LazyStageMachine:
             "clients": per_client(self.fed, tests),
         }
 
-    def _kept_pass(self, ck: Checkpoint, last: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The pass whose model the run keeps (see :func:`keep_best_pass`) and the summary's figures."""
-        results = [*ck.passes, last]
-        kept = keep_best_pass(results)
-        if len(results) == 1:
-            return kept, {}
+    def _kept(self, ck: Checkpoint) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The stage whose model the run delivers (see :func:`keep_best_stage`) and the summary's
+        figures: ``kept_stage`` and ``kept_pass`` name it, ``stage_results`` lists every stage's
+        validation and test accuracy, ``passes`` the rows of the stages that end a pass."""
+        results = sorted(ck.passes, key=lambda r: r["stage"])
+        last = results[-1]
+        kept = keep_best_stage(results)
         if kept is not last:
             self.rec.progress(
-                f"kept self-training pass {kept['pass']}: validation {kept['val_accuracy']:.4f}, "
-                f"the last pass's {last['val_accuracy']:.4f}"
+                f"kept stage {kept['stage']} (pass {kept['pass']}): validation "
+                f"{kept['val_accuracy']:.4f}, the last stage's {last['val_accuracy']:.4f}"
             )
         keys = ("pass", "stage", "val_accuracy", "test_accuracy")
         figures = [{**{k: r[k] for k in keys}, "eligible": same_clients(r, last)} for r in results]
-        self.rec.event("passes", kept=kept["pass"], passes=figures)
-        return kept, {"kept_pass": kept["pass"], "passes": figures}
+        ends = {s for s in range(self.cfg.total_stages) if self.cfg.ends_pass(s)} | {last["stage"]}
+        self.rec.event("selection", kept_stage=kept["stage"], stages=figures)
+        return kept, {
+            "kept_stage": kept["stage"],
+            "kept_pass": kept["pass"],
+            "stage_results": figures,
+            "passes": [f for f in figures if f["stage"] in ends],
+        }
 
     def _embed(self, state: StateDict, stage: int) -> dict[int, Frames]:
         """Clients move on from ``stage`` with ``state``; their sealed boundary rows, relayed."""
@@ -236,13 +245,13 @@ class LazyStageMachine:
         if self.store is None:
             raise ValueError("resume needs a checkpoint store (the run folder of a lazy run)")
         ck = self.store.load()
-        if not hasattr(ck, "passes"):  # a checkpoint written before passes were kept by validation
+        if not hasattr(ck, "passes"):  # a checkpoint written before stages were kept by validation
             ck.passes = []
-            if ck.stage > self.cfg.stages:
-                self.rec.progress(
-                    "the checkpoint predates kept self-training passes: earlier passes were not "
-                    "tested, so the last pass is kept"
-                )
+        if ck.stage > 1 and len(ck.passes) < min(ck.stage, self.cfg.total_stages):
+            self.rec.progress(
+                "the checkpoint predates tests of every stage: the untested ones are not candidates "
+                "for the delivered model"
+            )
         fed = self.fed
         fed.run_key, fed.keys, fed.counts = ck.run_key, ck.keys, ck.counts
         fed.members.lost, fed.bytes_boundary, fed.privacy = ck.lost, ck.bytes_boundary, ck.privacy

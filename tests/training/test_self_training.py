@@ -202,13 +202,13 @@ def _result(pass_: int, val: float, test: float, clients=(0, 1, 2)) -> dict:
 
 
 def test_the_kept_pass_is_chosen_on_validation_alone():
-    from retexo_fl.training.stages import keep_best_pass
+    from retexo_fl.training.stages import keep_best_stage
 
     # Validation and test disagree: the choice follows validation.
-    assert keep_best_pass([_result(0, 0.80, 0.60), _result(1, 0.70, 0.90)])["pass"] == 0
-    assert keep_best_pass([_result(0, 0.70, 0.90), _result(1, 0.80, 0.60)])["pass"] == 1
+    assert keep_best_stage([_result(0, 0.80, 0.60), _result(1, 0.70, 0.90)])["pass"] == 0
+    assert keep_best_stage([_result(0, 0.70, 0.90), _result(1, 0.80, 0.60)])["pass"] == 1
     # Ties go to the later pass.
-    assert keep_best_pass([_result(0, 0.75, 0.9), _result(1, 0.75, 0.1), _result(2, 0.70, 0.5)])["pass"] == 1
+    assert keep_best_stage([_result(0, 0.75, 0.9), _result(1, 0.75, 0.1), _result(2, 0.70, 0.5)])["pass"] == 1
     # A pass measured on other clients (one was lost after it) does not compete.
     lost_after = [_result(0, 0.95, 0.9), _result(1, 0.70, 0.7, clients=(0, 2))]
-    assert keep_best_pass(lost_after)["pass"] == 1
+    assert keep_best_stage(lost_after)["pass"] == 1

@@ -36,7 +36,17 @@ class DatasetError(ValueError):
 def known_datasets() -> list[str]:
     """The dataset names :func:`load_dataset` knows, sorted (besides saved ``Data`` files)."""
     names = [n for _, (_, ns) in _FAMILIES.items() for n in ns]
-    return sorted([*names, *_SINGLE, "ogbn-arxiv", "ogbn-products", "sbm:N,C[,deg,homophily]", "files:edges=...,features=...,labels=...", "PATH.npz"])
+    return sorted(
+        [
+            *names,
+            *_SINGLE,
+            "ogbn-arxiv",
+            "ogbn-products",
+            "sbm:N,C[,deg,homophily]",
+            "files:edges=...,features=...,labels=...",
+            "PATH.npz",
+        ]
+    )
 
 
 def load_dataset(

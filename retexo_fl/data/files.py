@@ -152,7 +152,11 @@ def load_heterophilous_npz(path: Path) -> Data:
             y=torch.from_numpy(np.asarray(y, dtype=np.int64)),
             edge_index=undirected_coalesced(torch.from_numpy(edges.astype(np.int64).T.copy()), n),
         )
-        for key, field in (("train_masks", "train_mask"), ("val_masks", "val_mask"), ("test_masks", "test_mask")):
+        for key, field in (
+            ("train_masks", "train_mask"),
+            ("val_masks", "val_mask"),
+            ("test_masks", "test_mask"),
+        ):
             if key in arrays.files:
                 mask = arrays[key]
                 if mask.ndim != 2 or mask.shape[1] != n:
@@ -234,7 +238,9 @@ def _read_labels(path: Path, id_column: str | None, label_column: str | None) ->
         values = [int(v) if v != "" else -1 for v in raw]
         bad = next((i for i, v in enumerate(values) if v < -1), None)
         if bad is not None:
-            raise FileGraphError(path, f"label {values[bad]} < -1 (use -1 or empty for unlabeled)", lines[ids[bad]])
+            raise FileGraphError(
+                path, f"label {values[bad]} < -1 (use -1 or empty for unlabeled)", lines[ids[bad]]
+            )
     else:  # categories: numbered in sorted order, so True/False -> 1/0
         classes = {c: i for i, c in enumerate(sorted(set(given)))}
         values = [classes[v] if v != "" else -1 for v in raw]
@@ -266,13 +272,17 @@ def _read_bag_of_ids(path: Path) -> _Features:
     except (UnicodeDecodeError, RecursionError) as exc:
         raise FileGraphError(path, f"cannot be read as JSON ({type(exc).__name__})") from exc
     if not isinstance(obj, dict):
-        raise FileGraphError(path, f"expected an object {{node id: [feature ids]}}, got a {type(obj).__name__}")
+        raise FileGraphError(
+            path, f"expected an object {{node id: [feature ids]}}, got a {type(obj).__name__}"
+        )
     ids = list(obj)
     nodes: list[int] = []
     cols: list[int] = []
     for row, key in enumerate(ids):
         feats = obj[key]
-        if not isinstance(feats, list) or not all(isinstance(f, int) and not isinstance(f, bool) for f in feats):
+        if not isinstance(feats, list) or not all(
+            isinstance(f, int) and not isinstance(f, bool) for f in feats
+        ):
             raise FileGraphError(path, f"node {key!r}: expected a list of integer feature ids")
         if any(f < 0 for f in feats):
             raise FileGraphError(path, f"node {key!r}: negative feature id {min(feats)}")
@@ -319,7 +329,9 @@ def _read_feature_npz(path: Path) -> _Features:
     with arrays:
         names = [k for k in ("x", "features", "node_features") if k in arrays.files]
         if not names and len(arrays.files) != 1:
-            raise FileGraphError(path, f"arrays {arrays.files}: name the features x, features or node_features")
+            raise FileGraphError(
+                path, f"arrays {arrays.files}: name the features x, features or node_features"
+            )
         x = arrays[names[0] if names else arrays.files[0]]
     if x.ndim != 2:
         raise FileGraphError(path, f"features must be [N, F], got shape {list(x.shape)}")
@@ -339,7 +351,9 @@ def _node_index(ids: list[str], paths: dict[str, Path]) -> dict[str, int]:
         for i in unique:
             v = int(i)
             if v in by_value:  # "7" and "07"
-                raise FileGraphError(paths["labels"], f"node ids {by_value[v]!r} and {i!r} are the same number")
+                raise FileGraphError(
+                    paths["labels"], f"node ids {by_value[v]!r} and {i!r} are the same number"
+                )
             by_value[v] = i
         return {str(v): row for row, v in enumerate(sorted(by_value))}
     elif any(ints):
@@ -368,7 +382,9 @@ def _read_edges(path: Path, index: dict[str, int]) -> tuple[np.ndarray, np.ndarr
             if line == 1 and not (_is_int(a) and _is_int(b)):
                 continue  # a header line
             unknown = a if a not in index else b
-            raise FileGraphError(path, f"node {unknown!r} is in neither the features nor the labels file", line)
+            raise FileGraphError(
+                path, f"node {unknown!r} is in neither the features nor the labels file", line
+            )
         src.append(index[a])
         dst.append(index[b])
     return np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)

@@ -21,7 +21,7 @@ _HELP = {
     "clients": "number of clients (partitions)",
     "method": "partitioner: metis, louvain, random, supernode, label-skew, node",
     "partitions": "train on partitions written by `retexo-fl partition` instead of cutting the dataset",
-    "model": "conv of stages >= 1: gcn, sage, sage-max, gat",
+    "model": "conv of stages >= 1: gcn, sage, sage-max, gat (centralized mode also: mlp, no edges)",
     "stages": "number of stages (stage 0 is the MLP; K stages = K-1 GNN layers)",
     "central_layers": "layers of the centralized (end-to-end) reference GNN",
     "eager_model": "eager / local model of stages-1 GNN layers: standard (the reference GNN, "

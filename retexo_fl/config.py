@@ -60,7 +60,8 @@ class ModelSettings:
 
     Args:
         model (str, optional): the conv of stages :math:`\geq 1`: ``"gcn"``, ``"sage"``,
-            ``"sage-max"`` or ``"gat"``. (default: :obj:`"gcn"`)
+            ``"sage-max"`` or ``"gat"``; centralized mode also takes ``"mlp"``, the graph-free
+            reference. (default: :obj:`"gcn"`)
         stages (int, optional): stages of a lazy run (stage 0 is the MLP; ``K`` stages are
             ``K - 1`` GNN layers). (default: :obj:`3`)
         central_layers (int, optional): layers of the centralized (end-to-end) reference GNN.
@@ -614,6 +615,8 @@ class TrainConfig:
                     f"secagg-threshold must be {least} to {self.clients} for {self.clients} clients "
                     "(0: the least safe one)"
                 )
+        if self.model == "mlp" and self.mode != "centralized":
+            raise ValueError("model mlp (the graph-free reference) trains in centralized mode only")
         # Only a data-center run needs procs to form the algorithm's process grid.
         self.datacenter.validate(grid=self.mode == "datacenter")
         return self

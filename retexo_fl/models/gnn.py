@@ -15,8 +15,11 @@ from retexo_fl.models.stage import make_conv, make_norm
 class GNN(nn.Module):
     """``layers`` conv layers (GCN / SAGE / GAT), the last one producing class logits.
 
+    ``kind="mlp"`` makes the layers linear maps that read no edge: the graph-free reference a
+    GNN must beat (on a graph whose neighbourhoods say little about a node, it may not).
+
     Args:
-        kind (str): conv kind, see :func:`retexo_fl.models.stage.make_conv`.
+        kind (str): conv kind, see :func:`retexo_fl.models.stage.make_conv`, or ``"mlp"``.
         in_dim (int): input features.
         hidden (int): hidden width.
         num_classes (int): output classes.
@@ -47,7 +50,10 @@ class GNN(nn.Module):
         super().__init__()
         dims = [in_dim] + [hidden] * (layers - 1) + [num_classes]
         self.kind = kind
-        self.convs = nn.ModuleList(make_conv(kind, a, b, heads=heads) for a, b in itertools.pairwise(dims))
+        self.convs = nn.ModuleList(
+            nn.Linear(a, b) if kind == "mlp" else make_conv(kind, a, b, heads=heads)
+            for a, b in itertools.pairwise(dims)
+        )
         self.norms = nn.ModuleList(make_norm(norm, hidden) for _ in range(layers - 1))
         self.dropout = Dropout(dropout)
 
@@ -67,7 +73,7 @@ class GNN(nn.Module):
         """
         for i, conv in enumerate(self.convs):
             x = self.dropout(x)
-            x = run_conv(conv, self.kind, x, edge_index, edge_weight)
+            x = conv(x) if self.kind == "mlp" else run_conv(conv, self.kind, x, edge_index, edge_weight)
             if i < len(self.convs) - 1:
                 x = torch.relu(self.norms[i](x))
         return x

@@ -1,0 +1,252 @@
+"""Every shared graph x partitioning: lazy defaults against the centralized GCN and MLP, and eager.
+
+One table, the worst cell first: for each graph (the shared datasets, the Twitch social graphs as
+plain files, the filtered Chameleon and Squirrel npz files) and partitioning (4 METIS, 10 random,
+10 label-skew clients), the lazy default's test accuracy (mean ± std over seeds), the centralized
+GCN's and MLP's, the eager default's, and the gap from lazy to the better centralized reference
+(the one with the higher mean validation accuracy on that graph: the choice reads validation
+only). Lazy's rounds, bytes and wall seconds go beside it. A lazy run whose delivered model
+validates below its stage 0 is flagged (``below-stage-0``). The centralized references do not
+depend on the partitioning: one run per graph and seed serves every row of that graph.
+
+Candidate settings for lazy are given with ``--set key=value`` (repeatable; the defaults
+otherwise); ``--tag`` names the candidate in the JSON. Examples::
+
+    python bench/robustness.py --quick                                 # 3 social graphs, 1 seed
+    python bench/robustness.py --seeds 0,1,2 --out bench/results/robustness.json
+    python bench/robustness.py --graphs twitch-ES,squirrel --set root-weight=true --tag root
+
+Every run is appended at once to ``<out stem>.jsonl``, so a cut-off run keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import DEFAULT_ROOT, run_jobs
+
+TWITCH = ("ENGB", "ES", "FR", "PTBR", "RU", "TW")
+RANDOM_SPLIT = "random:0.6,0.2,0.2"
+
+
+def graphs(root: Path) -> dict[str, tuple[str, str]]:
+    """Graph name -> (``--dataset`` value, split) over the datasets under ``root``."""
+    out: dict[str, tuple[str, str]] = {
+        "cora": ("Cora", "public"),
+        "citeseer": ("CiteSeer", "public"),
+        "actor": ("Actor", "public"),
+        "cornell": ("Cornell", "public"),
+        "texas": ("Texas", "public"),
+        "wisconsin": ("Wisconsin", "public"),
+        "usa": ("USA", RANDOM_SPLIT),
+        "brazil": ("Brazil", RANDOM_SPLIT),
+        "europe": ("Europe", RANDOM_SPLIT),
+        "tolokers": ("Tolokers", "public"),
+    }
+    for name in ("chameleon", "squirrel"):
+        out[name] = (str(root / "heterophilous-npz" / f"{name}_filtered.npz"), "public")
+    for c in TWITCH:
+        base = root / "Twitch" / c / f"musae_{c}"
+        spec = (
+            f"files:edges={base}_edges.csv,features={base}_features.json,labels={base}_target.csv,"
+            "id-column=new_id,label-column=mature"
+        )
+        out[f"twitch-{c}"] = (spec, RANDOM_SPLIT)
+    return out
+
+
+#: The partitionings of every row: (method, clients).
+PARTITIONINGS = (("metis", 4), ("random", 10), ("label-skew", 10))
+QUICK_GRAPHS = ("twitch-ES", "twitch-PTBR", "squirrel")
+
+
+def private_root(root: Path) -> Path:
+    """A private copy of the datasets with PyG's ``processed/`` files written once, here.
+
+    PyG writes ``processed/`` beside ``raw/``: workers that each process the same folder race,
+    and the shared folder is not ours to write.
+    """
+    tmp = Path(tempfile.mkdtemp(prefix="retexo-robustness-"))
+    shutil.copytree(root, tmp / "datasets", ignore=shutil.ignore_patterns("processed"))
+    load = (
+        "import sys\nfrom retexo_fl.data.datasets import load_dataset\n"
+        "for n in sys.argv[2:]: load_dataset(n, sys.argv[1], split='random:0.6,0.2,0.2')"
+    )
+    names = ["Cora", "CiteSeer", "Actor", "Cornell", "Texas", "Wisconsin", "USA", "Brazil", "Europe", "Tolokers"]
+    subprocess.run([sys.executable, "-c", load, str(tmp / "datasets"), *names], check=True)
+    return tmp / "datasets"
+
+
+def _job(args: tuple[dict, str]) -> dict:
+    settings, root = args
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    from retexo_fl.config import TrainConfig
+    from retexo_fl.metrics import RunRecorder
+    from retexo_fl.runner import train
+
+    run = {k: v for k, v in settings.items() if not k.startswith("_")}
+    summary = train(TrainConfig(data_root=root, device="cpu", **run), RunRecorder(None, stream=None))
+    stages = summary.get("stages", [])
+    results = summary.get("stage_results") or []
+    stage0 = results[0]["val_accuracy"] if results else None
+    return {
+        **{k: v for k, v in settings.items() if k != "dataset"},
+        "test_accuracy": summary["test_accuracy"],
+        "val_accuracy": summary["val_accuracy"],
+        "stage0_val": stage0,
+        "kept_stage": summary.get("kept_stage"),
+        "stage_vals": [r["val_accuracy"] for r in results],
+        "rounds": sum(s.get("rounds_sent", 0) for s in stages),
+        "bytes_total": summary.get("bytes_total", 0),
+        "wall_seconds": summary["wall_seconds"],
+    }
+
+
+def grid(args: argparse.Namespace, table: dict[str, tuple[str, str]]) -> list[dict]:
+    """Every run: per graph and seed the two centralized references, per partitioning lazy and eager."""
+    jobs = []
+    lazy_set = dict(parse_set(s) for s in args.set)
+    for name in args.graphs:
+        dataset, split = table[name]
+        base = {"_graph": name, "dataset": dataset, "split": split}
+        for seed in args.seeds:
+            if not args.lazy_only:
+                jobs.append({**base, "_method": "central-gcn", "mode": "centralized", "seed": seed})
+                jobs.append({**base, "_method": "central-mlp", "mode": "centralized", "model": "mlp", "seed": seed})
+            for method, clients in PARTITIONINGS:
+                part = {"method": method, "clients": clients, "seed": seed, "_part": f"{method}-{clients}"}
+                jobs.append({**base, **part, **lazy_set, "_method": "lazy", "_tag": args.tag, "mode": "lazy"})
+                if args.eager:
+                    jobs.append({**base, **part, "_method": "eager", "mode": "eager"})
+    return jobs
+
+
+def parse_set(text: str) -> tuple[str, object]:
+    """``key=value`` -> (snake_case key, JSON value, or the string itself)."""
+    key, _, value = text.partition("=")
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        parsed = value
+    return key.strip().replace("-", "_"), parsed
+
+
+def _stats(values: list[float]) -> tuple[float, float]:
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """One cell per (graph, partitioning, lazy tag): means, the reference and the gap."""
+    cells = []
+    graphs_seen = sorted({r["_graph"] for r in rows})
+    for g in graphs_seen:
+        ref_rows = {m: [r for r in rows if r["_graph"] == g and r["_method"] == m] for m in ("central-gcn", "central-mlp")}
+        refs = {m: rs for m, rs in ref_rows.items() if rs}
+        ref = max(refs, key=lambda m: _stats([r["val_accuracy"] for r in refs[m]])[0]) if refs else None
+        lazy = [r for r in rows if r["_graph"] == g and r["_method"] == "lazy"]
+        for part, tag in sorted({(r["_part"], r.get("_tag", "")) for r in lazy}):
+            mine = [r for r in lazy if r["_part"] == part and r.get("_tag", "") == tag]
+            eager = [r for r in rows if r["_graph"] == g and r["_method"] == "eager" and r["_part"] == part]
+            cell = {"graph": g, "partitioning": part, "tag": tag, "seeds": len(mine)}
+            cell["lazy_test"], cell["lazy_std"] = _stats([r["test_accuracy"] for r in mine])
+            cell["lazy_val"] = _stats([r["val_accuracy"] for r in mine])[0]
+            for m, rs in refs.items():
+                cell[f"{m}_test"], cell[f"{m}_std"] = _stats([r["test_accuracy"] for r in rs])
+            if eager:
+                cell["eager_test"], cell["eager_std"] = _stats([r["test_accuracy"] for r in eager])
+            if ref is not None:
+                cell["reference"] = ref
+                cell["gap"] = cell["lazy_test"] - cell[f"{ref}_test"]
+            cell["rounds"] = _stats([r["rounds"] for r in mine])[0]
+            cell["bytes_total"] = _stats([r["bytes_total"] for r in mine])[0]
+            cell["wall_seconds"] = _stats([r["wall_seconds"] for r in mine])[0]
+            cell["kept_stages"] = [r["kept_stage"] for r in mine]
+            cell["below_stage_0"] = sum(
+                1 for r in mine if r["stage0_val"] is not None and r["val_accuracy"] < r["stage0_val"]
+            )
+            cells.append(cell)
+    return sorted(cells, key=lambda c: c.get("gap", 0.0))
+
+
+def print_table(cells: list[dict]) -> None:
+    """The table, worst gap first."""
+
+    def pm(c: dict, key: str) -> str:
+        return f"{c[key + '_test']:.3f}±{c[key + '_std']:.3f}" if key + "_test" in c else "-"
+
+    head = (
+        f"{'graph':<14}{'clients':<14}{'tag':<8}{'lazy':>13}{'central GCN':>13}{'central MLP':>13}"
+        f"{'eager':>13}{'gap':>8}{'rounds':>8}{'MB':>8}{'s':>7}  kept stages"
+    )
+    print(head)
+    print("-" * len(head))
+    for c in cells:
+        lazy = f"{c['lazy_test']:.3f}±{c['lazy_std']:.3f}"
+        gap = f"{100 * c['gap']:+.1f}" if "gap" in c else "-"
+        flag = f"  below-stage-0 x{c['below_stage_0']}" if c["below_stage_0"] else ""
+        print(
+            f"{c['graph']:<14}{c['partitioning']:<14}{c['tag']:<8}{lazy:>13}{pm(c, 'central-gcn'):>13}"
+            f"{pm(c, 'central-mlp'):>13}{pm(c, 'eager'):>13}{gap:>8}{c['rounds']:>8.0f}"
+            f"{c['bytes_total'] / 1e6:>8.1f}{c['wall_seconds']:>7.1f}  {c['kept_stages']}{flag}"
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--root", type=Path, default=DEFAULT_ROOT, help="the shared datasets folder")
+    ap.add_argument("--graphs", default="all", help="comma-separated names, or all")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--set", action="append", default=[], help="a lazy setting, key=value (repeatable)")
+    ap.add_argument("--tag", default="default", help="names the lazy candidate in the JSON")
+    ap.add_argument("--eager", action="store_true", help="also run the eager default")
+    ap.add_argument("--lazy-only", action="store_true", help="skip the centralized references")
+    ap.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK_GRAPHS)}, seed 0")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=Path("robustness.json"))
+    ap.add_argument("--from-jsonl", type=Path, nargs="*", help="summarize runs saved earlier instead")
+    args = ap.parse_args(argv)
+    if args.from_jsonl:
+        rows = [json.loads(line) for p in args.from_jsonl for line in p.read_text().splitlines() if line]
+        cells = summarize(rows)
+        print_table(cells)
+        return
+    table = graphs(args.root)
+    args.graphs = list(QUICK_GRAPHS) if args.quick else (list(table) if args.graphs == "all" else args.graphs.split(","))
+    unknown = [g for g in args.graphs if g not in table]
+    if unknown:
+        ap.error(f"unknown graph(s) {', '.join(unknown)}; known: {', '.join(table)}")
+    args.seeds = [0] if args.quick else [int(s) for s in args.seeds.split(",")]
+    root = private_root(args.root)
+    jobs = grid(args, graphs(root))
+    try:
+        rows = run_jobs(
+            _job,
+            jobs,
+            str(root),
+            args.out.with_suffix(".jsonl"),
+            args.workers,
+            lambda r: f"{r['_graph']} {r.get('_part', '')} {r['_method']} seed {r['seed']}: "
+            f"test {r['test_accuracy']:.3f} val {r['val_accuracy']:.3f}",
+        )
+    finally:
+        shutil.rmtree(root.parent, ignore_errors=True)
+    cells = summarize(rows)
+    print_table(cells)
+    args.out.write_text(json.dumps({"cells": cells, "runs": rows}, indent=1))
+    print(f"-> {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

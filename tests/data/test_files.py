@@ -1,0 +1,130 @@
+"""A user's graph as plain files (edge-list CSV, CSV / JSON / npz features, label CSV) and npz graphs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from retexo_fl.data.datasets import DatasetError, load_dataset
+from retexo_fl.data.edges import undirected_coalesced
+from retexo_fl.data.files import FileGraphError, load_files_graph
+
+SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "datasets"
+
+# A 5-node graph built in memory: what the files below describe.
+X = torch.tensor([[1, 0, 0, 1], [0, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 0], [0, 0, 1, 0]], dtype=torch.float32)
+Y = torch.tensor([1, 0, -1, 1, 0])  # node 2 unlabeled
+EDGES = [(0, 1), (1, 2), (2, 3), (3, 0), (3, 4), (1, 0)]  # (1, 0) repeats (0, 1) the other way
+
+
+def _write(folder: Path, features: str = "json") -> str:
+    (folder / "edges.csv").write_text("from,to\n" + "".join(f"{a},{b}\n" for a, b in EDGES))
+    # Labels as categories (False/True), an extra column, ids not in order, one label left empty.
+    rows = [(i, ["False", "True"][int(y)] if y >= 0 else "") for i, y in enumerate(Y.tolist())]
+    (folder / "target.csv").write_text(
+        "views,mature,new_id\n" + "".join(f"{100 + i},{lab},{i}\n" for i, lab in reversed(rows))
+    )
+    if features == "json":
+        bag = {str(i): [j for j in range(4) if X[i, j]] for i in range(5)}
+        (folder / "features.json").write_text(json.dumps(bag))
+    elif features == "csv":
+        lines = [f"{i}," + ",".join(str(float(v)) for v in X[i].tolist()) for i in range(5)]
+        (folder / "features.csv").write_text("id,a,b,c,d\n" + "\n".join(lines) + "\n")
+    else:
+        np.savez(folder / "features.npz", x=X.numpy())
+    return (
+        f"files:edges={folder / 'edges.csv'},features={folder / ('features.' + features)},"
+        f"labels={folder / 'target.csv'},id-column=new_id,label-column=mature"
+    )
+
+
+@pytest.mark.parametrize("features", ["json", "csv", "npz"])
+def test_plain_files_load_equal_to_the_graph_built_in_memory(tmp_path, features):
+    data = load_files_graph(_write(tmp_path, features)[len("files:") :])
+    expected = undirected_coalesced(torch.tensor(EDGES).t(), 5)
+    assert torch.equal(data.x, X)
+    assert torch.equal(data.y, Y)
+    assert torch.equal(data.edge_index, expected)
+    assert data.edge_index.size(1) == 10  # 5 undirected edges, the repeat merged
+
+
+def test_a_files_graph_runs_through_load_dataset_with_a_split(tmp_path):
+    data = load_dataset(_write(tmp_path), split="random:0.6,0.2,0.2", seed=0)
+    assert data.name == "edges"
+    labelled = data.train_mask | data.val_mask | data.test_mask
+    assert not labelled[2] and int(labelled.sum()) == 4  # the unlabeled node is in no split
+
+
+def _expect(spec: str, *fragments: str) -> None:
+    with pytest.raises(FileGraphError) as err:
+        load_dataset(spec, split="random:0.6,0.2,0.2")
+    for f in fragments:
+        assert f in str(err.value), str(err.value)
+    assert isinstance(err.value, DatasetError)
+
+
+def test_malformed_files_fail_naming_the_file_and_line(tmp_path):
+    spec = _write(tmp_path)
+    edges = tmp_path / "edges.csv"
+    edges.write_text("from,to\n0,1\n1,9\n")
+    _expect(spec, f"{edges}:3", "'9'")
+    edges.write_text("from,to\n0,1\n2\n")
+    _expect(spec, f"{edges}:3", "two node ids")
+    _write(tmp_path)
+    labels = tmp_path / "target.csv"
+    labels.write_text("views,mature,new_id\n1,True,0\n2,False\n")
+    _expect(spec, f"{labels}:3", "2 fields")
+    labels.write_text("views,mature,new_id\n1,True,0\n2,False,0\n")
+    _expect(spec, f"{labels}:3", "labelled twice", "line 2")
+    labels.write_text("a,b,c\n1,2,3\n")
+    _expect(spec.replace(",id-column=new_id,label-column=mature", ""), str(labels), "label-column=NAME")
+    _write(tmp_path)
+    feats = tmp_path / "features.json"
+    feats.write_text('{"0": [1, 2],\n "1": [oops]}')
+    _expect(spec, f"{feats}:2", "invalid JSON")
+    feats.write_text('{"0": [1, -2]}')
+    _expect(spec, str(feats), "node '0'", "negative")
+    _expect(spec.replace("features.json", "features.parquet"), "features.parquet", "no such features file")
+    _expect("files:edges=a.csv", "missing features, labels")
+
+
+def test_the_twitch_files_load_as_users_bring_them(tmp_path):
+    src = SHARED / "Twitch" / "PTBR"
+    if not src.is_dir():
+        pytest.skip("the shared Twitch files are not beside the project")
+    shutil.copytree(src, tmp_path / "PTBR")
+    base = tmp_path / "PTBR" / "musae_PTBR"
+    data = load_dataset(
+        f"files:edges={base}_edges.csv,features={base}_features.json,labels={base}_target.csv,"
+        "id-column=new_id,label-column=mature",
+        split="random:0.6,0.2,0.2",
+    )
+    # Upstream's README: 1,912 nodes and 31,299 friendships; mature is False/True.
+    assert data.num_nodes == 1912 and data.edge_index.size(1) == 2 * 31299
+    assert set(data.y.tolist()) == {0, 1}
+    rows = (tmp_path / "PTBR" / "musae_PTBR_target.csv").read_text().splitlines()[1:]
+    first = rows[0].split(",")  # id,days,mature,views,partner,new_id
+    assert int(data.y[int(first[5])]) == (first[2] == "True")
+    bag = json.loads((tmp_path / "PTBR" / "musae_PTBR_features.json").read_text())
+    assert torch.equal(data.x[7].nonzero().view(-1), torch.tensor(sorted(set(bag["7"]))))
+
+
+def test_a_heterophilous_npz_loads_with_its_ten_splits(tmp_path):
+    src = SHARED / "heterophilous-npz" / "chameleon_filtered.npz"
+    if not src.is_file():
+        pytest.skip("the shared npz graphs are not beside the project")
+    path = tmp_path / "chameleon_filtered.npz"
+    shutil.copy(src, path)
+    raw = np.load(path)
+    data = load_dataset(str(path), split="public", split_index=3)
+    assert data.name == "chameleon_filtered" and data.num_nodes == 890
+    assert torch.equal(data.x, torch.from_numpy(raw["node_features"]))
+    assert torch.equal(data.train_mask, torch.from_numpy(raw["train_masks"][3]))
+    assert data.edge_index.size(1) == 2 * len({tuple(sorted(e)) for e in raw["edges"].tolist() if e[0] != e[1]})
+    np.savez(tmp_path / "broken.npz", node_features=raw["node_features"], edges=raw["edges"])
+    _expect(str(tmp_path / "broken.npz"), "broken.npz", "node_labels")

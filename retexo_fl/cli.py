@@ -15,7 +15,8 @@ from retexo_fl.config import PER_STAGE, TrainConfig
 _HELP = {
     "mode": "lazy (RETEXO), eager (standard federated GNN), local (no cross edges, TMA), centralized, "
     "or datacenter (CAGNET full-graph training on torch.distributed, trusted clusters only)",
-    "dataset": "PyG dataset name, sbm:N,C[,deg,homophily], or the path of a saved Data file",
+    "dataset": "PyG dataset name, sbm:N,C[,deg,homophily], the path of a saved Data file or an npz "
+    "graph, or files:edges=E.csv,features=F,labels=L.csv[,id-column=C][,label-column=C]",
     "data_root": "folder with the dataset's raw/ files (PyG downloads there if it can)",
     "split": "public | random:TRAIN,VAL,TEST | per-class:K,VAL,TEST",
     "clients": "number of clients (partitions)",
@@ -39,6 +40,8 @@ _HELP = {
     "weights) or fresh (new initial weights)",
     "patience": "early stopping: rounds without a validation gain before a stage stops (0: never)",
     "min_rounds": "rounds a stage runs before early stopping may end it",
+    "stop_metric": "what early stopping counts as progress: accuracy (a higher validation "
+    "accuracy) or accuracy-or-loss (that, or a lower validation loss)",
     "precompute": "gcn and sage stages aggregate their frozen inputs once a stage, so a round is "
     "a dense step (exact without input dropout)",
     "drift_correction": "none, or scaffold: correct each local step by control variates so many "

@@ -149,6 +149,9 @@ class TrainingSettings:
             stops early; :obj:`0` never stops. (default: :obj:`5`)
         min_rounds (int, optional): rounds a stage runs before early stopping may end it.
             (default: :obj:`4`)
+        stop_metric (str, optional): what early stopping counts as progress: ``"accuracy"``
+            (a higher validation accuracy) or ``"accuracy-or-loss"`` (that, or a lower
+            validation loss). (default: :obj:`"accuracy"`)
         precompute (bool, optional): GCN and SAGE stages aggregate their frozen inputs once per
             stage, so every round is a dense step (exact without input dropout; with it, the
             dropout hits aggregated rows). (default: :obj:`False`)
@@ -199,6 +202,7 @@ class TrainingSettings:
     weight_decay: float = 5e-4
     patience: int = 5
     min_rounds: int = 4
+    stop_metric: str = "accuracy"
     precompute: bool = False
     drift_correction: str = "none"
     halo_gradients: bool = False
@@ -246,6 +250,8 @@ class TrainingSettings:
             raise ValueError(
                 f"drift-correction must be one of {DRIFT_CORRECTIONS}, got {self.drift_correction!r}"
             )
+        if self.stop_metric not in ("accuracy", "accuracy-or-loss"):
+            raise ValueError(f"stop-metric must be accuracy or accuracy-or-loss, got {self.stop_metric!r}")
         if self.patience < 0 or self.min_rounds < 0:
             raise ValueError(
                 f"patience and min-rounds must be >= 0, got {self.patience} and {self.min_rounds}"
@@ -433,6 +439,7 @@ class TrainConfig:
     root_weight: bool = False  # gcn / gat stages: a separate linear map of a node's own input
     patience: int = 5  # early stopping: rounds without a validation gain (0: never stop)
     min_rounds: int = 4  # rounds a stage runs before early stopping may end it
+    stop_metric: str = "accuracy"  # early stopping's progress: accuracy | accuracy-or-loss
     # GCN / SAGE stages: aggregate the frozen stage input once, then every round is dense.
     precompute: bool = False
     # Many local steps a round: "scaffold" corrects client drift with control variates.

@@ -23,7 +23,7 @@ USER_KEYS = {
     "seed", "model", "stages", "central-layers", "eager-model", "hidden", "pass-embedding", "self-training",
     "pseudo-threshold", "pseudo-per-class", "pass-init", "rounds", "local-epochs", "optimizer", "momentum",
     "lr", "server-optimizer", "server-lr", "weight-decay", "dropout", "input-dropout", "norm",
-    "heads", "root-weight", "patience", "min-rounds", "drift-correction", "halo-gradients", "precompute",
+    "heads", "root-weight", "patience", "min-rounds", "stop-metric", "drift-correction", "halo-gradients", "precompute",
     "device", "round-seconds", "step-delay",
     "profile", "threads",
     "chunk-rows", "bits", "bit-policy", "byte-budget", "link-bandwidths", "time-budget",

@@ -293,7 +293,7 @@ class BaselineRun:
         ref = fed.reference
         model = build_layered_model(cfg, ref.num_features, ref.num_classes)
         state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-        tracker = StageTracker(0, cfg.patience, cfg.min_rounds)
+        tracker = StageTracker(0, cfg.patience, cfg.min_rounds, cfg.stop_metric)
         rs = self.loop.start(state, 1, tracker, derive_seed(cfg.seed, BROADCAST_TAG))
         rounds = int(cfg.per_stage("rounds", 1))
         result = self.loop.run(0, rounds, rs, degrees, refresh=True, label=cfg.mode)

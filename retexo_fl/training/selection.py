@@ -6,6 +6,11 @@ from typing import Any
 
 from retexo_fl.training.aggregate import StateDict
 
+#: What early stopping may count as progress (see :class:`StageTracker`).
+STOP_METRICS = ("accuracy", "accuracy-or-loss")
+#: The relative fall of the validation loss that counts as progress with ``accuracy-or-loss``.
+LOSS_GAIN = 0.002
+
 
 class StageTracker:
     """Records each round's validation accuracy and keeps the best state of the stage.
@@ -19,12 +24,24 @@ class StageTracker:
             never stops. (default: :obj:`0`)
         min_rounds (int, optional): rounds recorded before early stopping may end the stage.
             (default: :obj:`0`)
+        stop_metric (str, optional): what counts as progress for early stopping: ``"accuracy"``,
+            a higher validation accuracy; ``"accuracy-or-loss"``, that or a validation loss at
+            least :data:`LOSS_GAIN` below the lowest so far, so that a stage still learning on a
+            plateau of its accuracy (every node predicted as the majority class for several
+            rounds, then the minority learned) is not ended there. The state kept is always the
+            best-accuracy one. (default: :obj:`"accuracy"`)
     """
 
-    def __init__(self, stage: int, patience: int = 0, min_rounds: int = 0) -> None:
+    def __init__(
+        self, stage: int, patience: int = 0, min_rounds: int = 0, stop_metric: str = "accuracy"
+    ) -> None:
+        if stop_metric not in STOP_METRICS:
+            raise ValueError(f"stop-metric must be one of {STOP_METRICS}, got {stop_metric!r}")
         self.stage = stage
         self.patience = patience
         self.min_rounds = min_rounds
+        self.stop_metric = stop_metric
+        self.best_loss = float("inf")
         self.history: list[dict[str, Any]] = []
         self.best_state: StateDict | None = None
         self.best_val = -1.0
@@ -45,8 +62,14 @@ class StageTracker:
         row = {"round": round_, "val_accuracy": val_accuracy, **extra}
         row["bytes_total"] = self.bytes_offset + self.model_bytes
         self.history.append(row)
+        loss = extra.get("val_loss")
+        lower_loss = loss is not None and loss < self.best_loss * (1 - LOSS_GAIN)
+        if loss is not None:
+            self.best_loss = min(self.best_loss, loss)
         if val_accuracy > self.best_val:
             self.best_state, self.best_val, self.best_round, self.stale = state, val_accuracy, round_, 0
+        elif lower_loss and self.stop_metric == "accuracy-or-loss":
+            self.stale = 0
         else:
             self.stale += 1
 

@@ -156,7 +156,7 @@ class LazyStageMachine:
             else:
                 model = build_stage_model(cfg, stage, in_dim, ref.num_classes)
                 state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            tracker = StageTracker(stage, cfg.patience, cfg.min_rounds)
+            tracker = StageTracker(stage, cfg.patience, cfg.min_rounds, cfg.stop_metric)
             tracker.bytes_offset = fed.bytes_boundary + self.model_bytes_done
             rs = self.loop.start(state, layer, tracker, derive_seed(cfg.seed, stage, BROADCAST_TAG))
 

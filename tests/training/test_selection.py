@@ -35,6 +35,31 @@ def test_min_rounds_holds_early_stopping_back():
     assert _feed(StageTracker(0, patience=0, min_rounds=2), accs) == len(accs)  # 0: never stops
 
 
+def test_accuracy_or_loss_waits_out_a_plateau_the_loss_still_descends():
+    # The curve of a GCN stage on a social graph: every node predicted as the majority class for
+    # rounds 1-6 (a flat accuracy) while the validation loss falls, then the minority learned.
+    accs = [0.741] * 6 + [0.745, 0.752, 0.760]
+    losses = [0.70, 0.66, 0.64, 0.62, 0.61, 0.60, 0.59, 0.58, 0.57]
+
+    def feed(metric: str) -> int:
+        t = StageTracker(0, patience=3, stop_metric=metric)
+        for r, (acc, loss) in enumerate(zip(accs, losses, strict=True), start=1):
+            t.record(r, {"w": torch.tensor([float(r)])}, acc, val_loss=loss)
+            if t.should_stop:
+                return r
+        return len(accs)
+
+    assert feed("accuracy") == 4  # three rounds without a higher accuracy
+    assert feed("accuracy-or-loss") == len(accs)
+    t = StageTracker(0, patience=2, stop_metric="accuracy-or-loss")
+    # A loss that stops falling (less than LOSS_GAIN relative) is no progress either.
+    for r, loss in enumerate([0.5, 0.4999, 0.4998], start=1):
+        t.record(r, {}, 0.7, val_loss=loss)
+    assert t.should_stop and t.best_round == 1
+    with pytest.raises(ValueError, match="stop-metric"):
+        StageTracker(0, stop_metric="loss")
+
+
 @pytest.mark.parametrize(
     ("values", "message"),
     [

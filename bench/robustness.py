@@ -81,7 +81,18 @@ def private_root(root: Path) -> Path:
         "import sys\nfrom retexo_fl.data.datasets import load_dataset\n"
         "for n in sys.argv[2:]: load_dataset(n, sys.argv[1], split='random:0.6,0.2,0.2')"
     )
-    names = ["Cora", "CiteSeer", "Actor", "Cornell", "Texas", "Wisconsin", "USA", "Brazil", "Europe", "Tolokers"]
+    names = [
+        "Cora",
+        "CiteSeer",
+        "Actor",
+        "Cornell",
+        "Texas",
+        "Wisconsin",
+        "USA",
+        "Brazil",
+        "Europe",
+        "Tolokers",
+    ]
     subprocess.run([sys.executable, "-c", load, str(tmp / "datasets"), *names], check=True)
     return tmp / "datasets"
 
@@ -124,7 +135,9 @@ def grid(args: argparse.Namespace, table: dict[str, tuple[str, str]]) -> list[di
         for seed in args.seeds:
             if not args.lazy_only:
                 jobs.append({**base, "_method": "central-gcn", "mode": "centralized", "seed": seed})
-                jobs.append({**base, "_method": "central-mlp", "mode": "centralized", "model": "mlp", "seed": seed})
+                jobs.append(
+                    {**base, "_method": "central-mlp", "mode": "centralized", "model": "mlp", "seed": seed}
+                )
             for method, clients in PARTITIONINGS:
                 part = {"method": method, "clients": clients, "seed": seed, "_part": f"{method}-{clients}"}
                 jobs.append({**base, **part, **lazy_set, "_method": "lazy", "_tag": args.tag, "mode": "lazy"})
@@ -152,7 +165,10 @@ def summarize(rows: list[dict]) -> list[dict]:
     cells = []
     graphs_seen = sorted({r["_graph"] for r in rows})
     for g in graphs_seen:
-        ref_rows = {m: [r for r in rows if r["_graph"] == g and r["_method"] == m] for m in ("central-gcn", "central-mlp")}
+        ref_rows = {
+            m: [r for r in rows if r["_graph"] == g and r["_method"] == m]
+            for m in ("central-gcn", "central-mlp")
+        }
         refs = {m: rs for m, rs in ref_rows.items() if rs}
         ref = max(refs, key=lambda m: _stats([r["val_accuracy"] for r in refs[m]])[0]) if refs else None
         lazy = [r for r in rows if r["_graph"] == g and r["_method"] == "lazy"]
@@ -223,7 +239,11 @@ def main(argv: list[str] | None = None) -> None:
         print_table(cells)
         return
     table = graphs(args.root)
-    args.graphs = list(QUICK_GRAPHS) if args.quick else (list(table) if args.graphs == "all" else args.graphs.split(","))
+    args.graphs = (
+        list(QUICK_GRAPHS)
+        if args.quick
+        else (list(table) if args.graphs == "all" else args.graphs.split(","))
+    )
     unknown = [g for g in args.graphs if g not in table]
     if unknown:
         ap.error(f"unknown graph(s) {', '.join(unknown)}; known: {', '.join(table)}")
@@ -237,8 +257,10 @@ def main(argv: list[str] | None = None) -> None:
             str(root),
             args.out.with_suffix(".jsonl"),
             args.workers,
-            lambda r: f"{r['_graph']} {r.get('_part', '')} {r['_method']} seed {r['seed']}: "
-            f"test {r['test_accuracy']:.3f} val {r['val_accuracy']:.3f}",
+            lambda r: (
+                f"{r['_graph']} {r.get('_part', '')} {r['_method']} seed {r['seed']}: "
+                f"test {r['test_accuracy']:.3f} val {r['val_accuracy']:.3f}"
+            ),
         )
     finally:
         shutil.rmtree(root.parent, ignore_errors=True)

@@ -125,6 +125,8 @@ def test_a_heterophilous_npz_loads_with_its_ten_splits(tmp_path):
     assert data.name == "chameleon_filtered" and data.num_nodes == 890
     assert torch.equal(data.x, torch.from_numpy(raw["node_features"]))
     assert torch.equal(data.train_mask, torch.from_numpy(raw["train_masks"][3]))
-    assert data.edge_index.size(1) == 2 * len({tuple(sorted(e)) for e in raw["edges"].tolist() if e[0] != e[1]})
+    assert data.edge_index.size(1) == 2 * len(
+        {tuple(sorted(e)) for e in raw["edges"].tolist() if e[0] != e[1]}
+    )
     np.savez(tmp_path / "broken.npz", node_features=raw["node_features"], edges=raw["edges"])
     _expect(str(tmp_path / "broken.npz"), "broken.npz", "node_labels")

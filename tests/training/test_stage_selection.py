@@ -52,16 +52,22 @@ def test_ties_go_to_the_later_stage():
 
 @pytest.mark.slow
 def test_both_engines_deliver_the_same_earlier_stage_with_the_same_bytes(tmp_path):
-    from server.simulation import simulate
-
     from retexo_fl.metrics import RunRecorder
     from retexo_fl.runner import train
+    from server.simulation import simulate
 
     common = {"dataset": "sbm:400,3,8,0.85", "clients": 3, "method": "metis", **SPOILED}
     sim = simulate(TrainConfig(**common, out_dir=str(tmp_path / "sim")))
     ref = train(TrainConfig(**common), RunRecorder(None, stream=None))
     good = train(TrainConfig(**{**common, "lr": 1.0}), RunRecorder(None, stream=None))
     _check_spoiled(ref, good)
-    for key in ("kept_stage", "test_accuracy", "val_accuracy", "bytes_total", "bytes_model", "bytes_boundary"):
+    for key in (
+        "kept_stage",
+        "test_accuracy",
+        "val_accuracy",
+        "bytes_total",
+        "bytes_model",
+        "bytes_boundary",
+    ):
         assert sim[key] == ref[key], key
     assert sim["stage_results"] == ref["stage_results"]

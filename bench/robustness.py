@@ -138,7 +138,7 @@ def grid(args: argparse.Namespace, table: dict[str, tuple[str, str]]) -> list[di
                 jobs.append(
                     {**base, "_method": "central-mlp", "mode": "centralized", "model": "mlp", "seed": seed}
                 )
-            for method, clients in PARTITIONINGS:
+            for method, clients in args.partitionings:
                 part = {"method": method, "clients": clients, "seed": seed, "_part": f"{method}-{clients}"}
                 jobs.append({**base, **part, **lazy_set, "_method": "lazy", "_tag": args.tag, "mode": "lazy"})
                 if args.eager:
@@ -224,6 +224,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--root", type=Path, default=DEFAULT_ROOT, help="the shared datasets folder")
     ap.add_argument("--graphs", default="all", help="comma-separated names, or all")
     ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument(
+        "--partitionings",
+        default="metis:4,random:10,label-skew:10",
+        help="METHOD:CLIENTS,... (default: all three)",
+    )
     ap.add_argument("--set", action="append", default=[], help="a lazy setting, key=value (repeatable)")
     ap.add_argument("--tag", default="default", help="names the lazy candidate in the JSON")
     ap.add_argument("--eager", action="store_true", help="also run the eager default")
@@ -247,6 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [g for g in args.graphs if g not in table]
     if unknown:
         ap.error(f"unknown graph(s) {', '.join(unknown)}; known: {', '.join(table)}")
+    args.partitionings = [(p.split(":")[0], int(p.split(":")[1])) for p in args.partitionings.split(",")]
     args.seeds = [0] if args.quick else [int(s) for s in args.seeds.split(",")]
     root = private_root(args.root)
     jobs = grid(args, graphs(root))

@@ -134,7 +134,7 @@ class TrainingSettings:
         seed (int, optional): the run's root seed; every other seed derives from it.
             (default: :obj:`0`)
         rounds (int or list[int], optional): rounds per stage (at most: early stopping ends a
-            stage sooner). (default: :obj:`16`)
+            stage sooner). (default: :obj:`32`)
         local_epochs (int or list[int], optional): local epochs per round. (default: :obj:`5`)
         optimizer (str, optional): the clients' optimizer, ``"sgd"`` or ``"adam"``.
             (default: :obj:`"sgd"`)
@@ -151,7 +151,7 @@ class TrainingSettings:
             (default: :obj:`4`)
         stop_metric (str, optional): what early stopping counts as progress: ``"accuracy"``
             (a higher validation accuracy) or ``"accuracy-or-loss"`` (that, or a lower
-            validation loss). (default: :obj:`"accuracy"`)
+            validation loss). (default: :obj:`"accuracy-or-loss"`)
         precompute (bool, optional): GCN and SAGE stages aggregate their frozen inputs once per
             stage, so every round is a dense step (exact without input dropout; with it, the
             dropout hits aggregated rows). (default: :obj:`False`)
@@ -192,7 +192,7 @@ class TrainingSettings:
 
     mode: str = "lazy"
     seed: int = 0
-    rounds: int | list[int] = 16
+    rounds: int | list[int] = 32
     local_epochs: int | list[int] = 5
     optimizer: str = "sgd"
     momentum: float = 0.0
@@ -202,7 +202,7 @@ class TrainingSettings:
     weight_decay: float = 5e-4
     patience: int = 5
     min_rounds: int = 4
-    stop_metric: str = "accuracy"
+    stop_metric: str = "accuracy-or-loss"
     precompute: bool = False
     drift_correction: str = "none"
     halo_gradients: bool = False
@@ -420,11 +420,11 @@ class TrainConfig:
     pseudo_per_class: int = 0  # at most this many new labels per predicted class and client; 0: no cap
     # A pass's stages start from the previous pass's kept weights ("warm") or new ones ("fresh").
     pass_init: str = "warm"
-    # Round-efficient defaults (issue 16): a few rounds of 5 local SGD steps a stage, FedAvg,
+    # Round-efficient defaults: at most 32 rounds of 5 local SGD steps a stage, FedAvg,
     # early stopping, 4-bit updates and broadcasts, one warm self-training pass.
     # ``profile="exact"`` restores one full-batch step a round with the server's Adam, which
     # follows centralized Adam (see EXACT_PROFILE).
-    rounds: int | list[int] = 16
+    rounds: int | list[int] = 32
     local_epochs: int | list[int] = 5
     optimizer: str = "sgd"
     momentum: float = 0.0
@@ -439,7 +439,7 @@ class TrainConfig:
     root_weight: bool = False  # gcn / gat stages: a separate linear map of a node's own input
     patience: int = 5  # early stopping: rounds without a validation gain (0: never stop)
     min_rounds: int = 4  # rounds a stage runs before early stopping may end it
-    stop_metric: str = "accuracy"  # early stopping's progress: accuracy | accuracy-or-loss
+    stop_metric: str = "accuracy-or-loss"  # early stopping's progress: accuracy | accuracy-or-loss
     # GCN / SAGE stages: aggregate the frozen stage input once, then every round is dense.
     precompute: bool = False
     # Many local steps a round: "scaffold" corrects client drift with control variates.

@@ -11,6 +11,8 @@ import torch_geometric.datasets as pygd
 from torch_geometric.data import Data
 
 from retexo_fl.data.edges import undirected_coalesced
+from retexo_fl.data.errors import DatasetError
+from retexo_fl.data.files import FileGraphError, load_files_graph, load_heterophilous_npz
 
 _FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     # class name -> names it serves (lower case)
@@ -27,10 +29,6 @@ _FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 _SINGLE = {"wikics": "WikiCS", "actor": "Actor", "flickr": "Flickr", "reddit": "Reddit"}
 _SPELLING = {"citeseer": "CiteSeer", "pubmed": "PubMed", "cora": "Cora", "cs": "CS"}
-
-
-class DatasetError(ValueError):
-    """A dataset name, file or split specification cannot be used."""
 
 
 def known_datasets() -> list[str]:
@@ -111,14 +109,10 @@ def load_dataset(
 
 
 def _load_raw(name: str, root: Path, seed: int):
-    if name.startswith("files:"):  # imported here: files.py imports DatasetError from this module
-        from retexo_fl.data.files import load_files_graph
-
+    if name.startswith("files:"):
         return load_files_graph(name[len("files:") :])
     path = Path(name)
     if path.suffix == ".npz":
-        from retexo_fl.data.files import FileGraphError, load_heterophilous_npz
-
         if not path.is_file():
             raise FileGraphError(path, "no such file")
         return load_heterophilous_npz(path)

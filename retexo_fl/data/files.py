@@ -25,7 +25,7 @@ Two ``--dataset`` forms read files a user brings rather than a PyG class:
 ``node_labels``, ``edges [E, 2]`` and optional ``train_masks``/``val_masks``/``test_masks``
 ``[S, N]``), e.g. the filtered Chameleon and Squirrel graphs.
 
-Every error is a :class:`FileGraphError` (a :class:`~retexo_fl.data.datasets.DatasetError`)
+Every error is a :class:`FileGraphError` (a :class:`~retexo_fl.data.errors.DatasetError`)
 naming the file and, for a text file, the line.
 """
 
@@ -40,8 +40,8 @@ import numpy as np
 import torch
 from torch_geometric.data import Data
 
-from retexo_fl.data.datasets import DatasetError
 from retexo_fl.data.edges import undirected_coalesced
+from retexo_fl.data.errors import DatasetError
 
 #: The keys of a ``files:`` spec; ``edges``, ``features`` and ``labels`` are required.
 FILE_KEYS = ("edges", "features", "labels", "id-column", "label-column")

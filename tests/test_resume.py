@@ -171,12 +171,12 @@ def test_a_server_killed_at_any_phase_boundary_resumes_bit_for_bit(tmp_path, cod
     whole, messages = _run_on_disk(parts, cfg, tmp_path / "whole", None)
     assert whole is not None
     # Per client: key setup and setup, each stage's train rounds (and unmask messages) and last
-    # validation, the exchange (or, at the pass's end, the test of the pass and the relabelling)
-    # between the stages, then the test. The default self-training pass runs every stage twice.
+    # validation, the test of the stage's kept model, and the exchange (or, at the pass's end, the
+    # relabelling) between the stages. The default self-training pass runs every stage twice.
     per_round = 2 if cfg.secure_aggregation else 1
     runs = cfg.total_stages
     assert runs == 2 * cfg.stages
-    assert messages == 3 * (2 + runs * (2 * per_round + 1) + (runs - 1) + cfg.self_training + 1)
+    assert messages == 3 * (2 + runs * (2 * per_round + 1) + (runs - 1) + runs)
     # It can fail: a server that asks for a stage's last validation or its exchange again, once
     # clients moved on, finds them a stage ahead; a round sent again whose deliveries were opened
     # before is refused as a replay; one that died in the test has no weights to test.

@@ -249,7 +249,8 @@ class RoundLoop:
         acc = correct / count if count else 0.0
         val_loss = loss / count if count else 0.0
         rs.tracker.record(round_, rs.view, acc, train_loss=rs.train_loss, val_loss=val_loss)
-        rs.keep = rs.tracker.stale == 0  # a new best: the view clients hold now
+        # A new best accuracy: the view clients hold now (a falling loss resets patience, not the best).
+        rs.keep = rs.tracker.best_round == round_
         self.rec.event(
             "round", stage=rs.tracker.stage, round=round_, train_loss=rs.train_loss, val_accuracy=acc
         )

@@ -30,8 +30,7 @@ def forward(msg: Message, context: Context) -> RecordDict:
         "run_id": msg.metadata.run_id,
         "message_id": msg.metadata.message_id,
         "node_id": context.node_id,
-        "node_config": dict(context.node_config),
-    }
+    }  # no node config: the worker answers under the one `retexo-fl supernode` was started with
     reply, content = call(str(context.node_config[P.NODE_WORKER]), header, msg.content, wait=WORKER_WAIT)
     if content is None:
         raise WorkerError(f"the node worker sent no content for a {msg.metadata.message_type} message")

@@ -1,22 +1,33 @@
 """``retexo-fl supernode``: Flower's own SuperNode, with a node worker and without its long sleeps.
 
-    retexo-fl supernode [--worker-base DIR] <any flower-supernode flags>
+    retexo-fl supernode [--worker-base DIR] [--trusted-entities FILE] [--insecure-no-pinned-keys]
+                        <flower-supernode flags>
 
-Every ``flower-supernode`` flag (``--superlink``, TLS, ``--auth-supernode-private-key``,
-``--node-config``, ``--isolation``, ...) passes through unchanged to the pinned Flower's
-SuperNode, which runs in this process. Before it starts, this command:
+Every other ``flower-supernode`` flag (``--superlink``, TLS, ``--auth-supernode-private-key``,
+``--node-config``, ...) passes through unchanged to the pinned Flower's SuperNode, which runs
+in this process. Before it starts, this command:
 
-1. makes a worker folder (0700, with a new 32-byte secret; :mod:`clients.worker_link`) and
-   starts the node worker (:mod:`clients.worker`) on it, restarting the worker whenever it dies;
-2. adds ``worker='<folder>'`` to ``--node-config``, so this node's ClientApp forwards every
+1. refuses to start without this party's identity key and pins (node config ``identity-key``
+   and ``pinned-keys``, both readable and well-formed) unless ``--insecure-no-pinned-keys`` is
+   given: without pins the server hands out the keys that seal boundary rows and secure
+   aggregation shares, and can read both;
+2. makes a worker folder (0700, with a new 32-byte secret and this node config;
+   :mod:`clients.worker_link`) and starts the node worker (:mod:`clients.worker`) on it,
+   restarting the worker whenever it dies. The worker answers under that node config only;
+3. adds ``worker='<folder>'`` to ``--node-config``, so this node's ClientApp forwards every
    message to the worker (:mod:`clients.shim`) instead of importing torch and loading the
    partition again;
-3. shortens the SuperNode's fixed sleeps and has it start Flower's SuperExec with warm ClientApp
-   launches (:mod:`clients.flower_patch`, :mod:`clients.warm_superexec`: each message's process
-   is forked from one that already imported Flower), polling for tasks every 50 ms.
+4. has the SuperNode start Flower's SuperExec with warm ClientApp launches that run the
+   *installed* app (:mod:`clients.warm_superexec`, :mod:`clients.approval`): a run whose FAB's
+   app code is not the installed app's is refused before any of it runs, unless an entity in
+   ``--trusted-entities`` (Flower's YAML format) signed it; and shortens the SuperNode's fixed
+   sleeps (:mod:`clients.flower_patch`), polling for tasks every 50 ms.
 
-``flower-supernode`` on its own still works: its ClientApps find no ``worker`` in the node
-config and answer themselves, one process per message.
+``--isolation process`` is refused: the ClientApp launcher that checks the run's app is the one
+this command starts. Flower's ``--trusted-entities`` (Flower Hub signatures over the whole FAB)
+is this command's own flag here, with signatures over the app code (:mod:`clients.approval`).
+``flower-supernode`` on its own still works, running the coordinator's code
+(``docs/deployment.md`` says what that means).
 """
 
 from __future__ import annotations
@@ -29,14 +40,16 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
+from clients.approval import TRUSTED_ENTITIES_ENV, AppNotApproved, load_trusted_entities
 from clients.flower_patch import (
     SUPEREXEC_POLL_ENV,
     shorten_object_pulls,
     shorten_supernode_sleeps,
     use_warm_superexec,
 )
-from clients.worker_link import make_worker_dir
+from clients.worker_link import make_worker_dir, write_node_config
 from retexo_fl import protocol as P
 
 #: A worker that dies this many times within :data:`RESTART_WINDOW` seconds is not restarted
@@ -143,6 +156,57 @@ def with_node_config(argv: list[str], key: str, value: str) -> list[str]:
     return [*out, "--node-config", item]
 
 
+class SupernodeRefused(ValueError):
+    """``retexo-fl supernode`` will not start with these flags; the message says why."""
+
+
+def node_config_of(argv: list[str]) -> dict[str, Any]:
+    """The node config ``argv``'s ``--node-config`` sets, parsed as Flower parses it."""
+    from flwr.common.config import parse_config_args
+
+    for i, arg in enumerate(argv):
+        if arg == "--node-config" and i + 1 < len(argv):
+            return parse_config_args([argv[i + 1]])
+        if arg.startswith("--node-config="):
+            return parse_config_args([arg.split("=", 1)[1]])
+    return {}
+
+
+def check_pinned_keys(node_config: dict[str, Any], insecure: bool) -> str:
+    """Refuse a node config without a usable identity key and pins unless ``insecure``.
+
+    Returns:
+        A warning to print ("" when the keys are there).
+
+    Raises:
+        SupernodeRefused: a key or the pins missing (without ``insecure``) or unreadable.
+    """
+    from retexo_fl.secure.keys import KeyMaterialError, load_pins, load_private_key
+
+    missing = [k for k in (P.NODE_IDENTITY_KEY, P.NODE_PINNED_KEYS) if not node_config.get(k)]
+    if missing and not insecure:
+        raise SupernodeRefused(
+            f"--node-config sets no {' and no '.join(missing)}: without this party's own identity key "
+            "and the pins every party agreed on out of band, the server chooses the keys that seal "
+            "boundary rows and secure-aggregation shares and can read them. Make them with "
+            "`retexo-fl keys` (docs/deployment.md, 'Keys'), or pass --insecure-no-pinned-keys to "
+            "run without that protection"
+        )
+    try:
+        if node_config.get(P.NODE_IDENTITY_KEY):
+            load_private_key(str(node_config[P.NODE_IDENTITY_KEY]))
+        if node_config.get(P.NODE_PINNED_KEYS):
+            load_pins(str(node_config[P.NODE_PINNED_KEYS]))
+    except KeyMaterialError as exc:
+        raise SupernodeRefused(str(exc)) from None
+    if missing:
+        return (
+            "WARNING: --insecure-no-pinned-keys: this party accepts whatever keys the server hands "
+            "out; the server can open every boundary row and secure-aggregation share it relays"
+        )
+    return ""
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="retexo-fl supernode",
@@ -155,6 +219,17 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="where the worker folder is made (default: the temp folder; a Unix socket path must "
         "stay under about 100 bytes)",
+    )
+    parser.add_argument(
+        "--trusted-entities",
+        default=None,
+        help="YAML file of key id -> ssh-ed25519 public key (Flower's format): a run whose app code "
+        "differs from the installed app's runs only if one of them signed it (retexo-fl release sign)",
+    )
+    parser.add_argument(
+        "--insecure-no-pinned-keys",
+        action="store_true",
+        help="start without an identity key and pins (the server can then read sealed payloads)",
     )
     return parser
 
@@ -169,6 +244,27 @@ def main(argv: list[str] | None = None) -> int:
     from flwr.supercore.exit import add_exit_handler
     from flwr.supernode.cli import flower_supernode  # Flower's own SuperNode, this process
 
+    try:
+        if any(a == "--isolation" or a.startswith("--isolation=") for a in flower_argv) and (
+            "process" in flower_argv or "--isolation=process" in flower_argv
+        ):
+            raise SupernodeRefused(
+                "--isolation process: the ClientApp launcher that checks the run's app is the one "
+                "this command starts (subprocess isolation, the default)"
+            )
+        node_config = node_config_of(flower_argv)
+        warning = check_pinned_keys(node_config, ours.insecure_no_pinned_keys)
+        if ours.trusted_entities:
+            trusted = Path(ours.trusted_entities).resolve()
+            load_trusted_entities(trusted)  # a malformed file stops the node now, not at a run
+            os.environ[TRUSTED_ENTITIES_ENV] = str(trusted)  # inherited by the ClientApp launches
+        else:
+            os.environ.pop(TRUSTED_ENTITIES_ENV, None)
+    except (SupernodeRefused, AppNotApproved, ValueError) as exc:
+        print(f"retexo-fl supernode: error: {exc}", file=sys.stderr)
+        return 2
+    if warning:
+        print(f"retexo-fl supernode: {warning}", file=sys.stderr, flush=True)
     folder = make_worker_dir(ours.worker_base)
     try:
         flower_argv = with_node_config(flower_argv, P.NODE_WORKER, str(folder))
@@ -176,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(folder, ignore_errors=True)
         print(f"retexo-fl supernode: error: {exc}", file=sys.stderr)
         return 2
+    write_node_config(folder, {**node_config, P.NODE_WORKER: str(folder)})
     shorten_supernode_sleeps()
     shorten_object_pulls()
     use_warm_superexec()

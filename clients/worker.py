@@ -36,14 +36,16 @@ from clients.worker_link import (
     WorkerError,
     accept_caller,
     check_worker_dir,
+    read_node_config,
     read_secret,
     recv_content,
     send_content,
 )
 
 
-def request_message(header: dict, content: RecordDict) -> tuple[Message, Context]:
-    """The Flower message and context a shim's request stands for."""
+def request_message(header: dict, content: RecordDict, node_config: dict) -> tuple[Message, Context]:
+    """The Flower message and context a shim's request stands for, under the node's own config
+    (``node_config``, from the worker folder; a request carries none)."""
     metadata = Metadata(
         run_id=int(header["run_id"]),
         message_id=str(header.get("message_id", "")),
@@ -58,15 +60,15 @@ def request_message(header: dict, content: RecordDict) -> tuple[Message, Context
     context = Context(
         run_id=int(header["run_id"]),
         node_id=int(header["node_id"]),
-        node_config=dict(header["node_config"]),
+        node_config=dict(node_config),
         state=RecordDict(),
         run_config={},
     )
     return Message(content=content, metadata=metadata), context
 
 
-def serve_connection(conn: socket.socket, secret: bytes) -> None:
-    """Authenticate one caller and answer its one request."""
+def serve_connection(conn: socket.socket, secret: bytes, node_config: dict) -> None:
+    """Authenticate one caller and answer its one request under ``node_config``."""
     refused = accept_caller(conn, secret)
     if refused:
         print(f"node worker: refused a caller: {refused}", file=sys.stderr, flush=True)
@@ -76,7 +78,7 @@ def serve_connection(conn: socket.socket, secret: bytes) -> None:
         send_content(conn, {"ok": False, "error": "a request without content"}, None)
         return
     try:
-        msg, context = request_message(header, content)
+        msg, context = request_message(header, content, node_config)
         reply = answer(msg, context)
         target = audit_target(msg, context)
     except Exception as exc:  # the shim reports it as the ClientApp would have, in one line
@@ -97,12 +99,13 @@ def serve(folder: str | Path, parent_pid: int | None = None) -> None:
     """Listen on ``folder``'s socket and answer requests until the parent exits.
 
     Raises:
-        WorkerError: the folder is not the user's own 0700 folder, or has no secret.
+        WorkerError: the folder is not the user's own 0700 folder, or has no secret or node config.
     """
     folder = Path(folder)
     node_client.SOLE_WRITER = True  # this process alone answers, and saves, for its node
     check_worker_dir(folder)
     secret = read_secret(folder)
+    node_config = read_node_config(folder)
     path = folder / SOCKET_NAME
     path.unlink(missing_ok=True)  # a killed worker's socket
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -120,7 +123,7 @@ def serve(folder: str | Path, parent_pid: int | None = None) -> None:
         conn, _ = server.accept()
         with conn:
             try:
-                serve_connection(conn, secret)
+                serve_connection(conn, secret, node_config)
             except Exception as exc:  # a caller that went away or sent garbage ends its call only
                 print(f"node worker: a call failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
 

@@ -3,7 +3,10 @@
 A worker folder is created 0700 by the node's user and holds two things:
 
 - ``worker.sock``: the worker's Unix socket. Only the folder's owner can reach it;
-- ``secret``: 32 random bytes (0600), made anew each time the folder is made.
+- ``secret``: 32 random bytes (0600), made anew each time the folder is made;
+- ``node-config.json``: the node config ``retexo-fl supernode`` was started with (0600). The
+  worker answers with this one alone: a message names no node config, so neither the server nor
+  the app code that forwards a message can change the party's policy, pins or folders.
 
 A connection is accepted only if the peer runs as the worker's user (``SO_PEERCRED``) and answers
 a fresh nonce with ``HMAC-SHA256(secret, nonce)``, so a process that can open the socket but
@@ -19,7 +22,7 @@ Shapes:
     - **handshake:** the worker sends a 32-byte nonce, the caller its proof, the worker
       ``{"ok": true}`` or ``{"ok": false, "error"}``; until then nothing of the request is sent,
       so a caller whose worker died here may call the next one
-    - **request header:** ``{"type", "run_id", "node_id", "node_config", "root", "objects"}``
+    - **request header:** ``{"type", "run_id", "message_id", "node_id", "root", "objects"}``
     - **reply header:** ``{"ok": true, "root", "objects", "audit"}`` or
       ``{"ok": false, "error": "one line"}``
 """
@@ -45,6 +48,7 @@ from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_conte
 
 SOCKET_NAME = "worker.sock"
 SECRET_NAME = "secret"
+NODE_CONFIG_NAME = "node-config.json"
 PID_NAME = "worker.pid"
 _LENGTH = struct.Struct(">I")
 _MAX_FRAME = 1 << 31  # a frame is one Flower object; Flower's own chunks are at most 5 MiB
@@ -92,6 +96,35 @@ def read_secret(folder: str | Path) -> bytes:
         return path.read_bytes()
     except FileNotFoundError:
         raise WorkerError(f"{path}: no worker secret (not a folder `retexo-fl supernode` made?)") from None
+
+
+def write_node_config(folder: str | Path, node_config: dict[str, Any]) -> Path:
+    """Keep the node's own config in its worker folder (0600), for the worker to answer with."""
+    path = Path(folder) / NODE_CONFIG_NAME
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(node_config, f)
+    return path
+
+
+def read_node_config(folder: str | Path) -> dict[str, Any]:
+    """The node config kept in the worker folder.
+
+    Raises:
+        WorkerError: missing, readable by others, or not a JSON object of scalars.
+    """
+    path = Path(folder) / NODE_CONFIG_NAME
+    try:
+        if stat.S_IMODE(os.stat(path).st_mode) & 0o077:
+            raise WorkerError(f"{path}: mode {stat.S_IMODE(os.stat(path).st_mode):o}, must be 600")
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise WorkerError(f"{path}: no node config (not a folder `retexo-fl supernode` made?)") from None
+    except ValueError as exc:
+        raise WorkerError(f"{path}: not JSON ({exc})") from None
+    if not isinstance(data, dict) or not all(isinstance(v, (str, int, float, bool)) for v in data.values()):
+        raise WorkerError(f"{path}: the node config must be a JSON object of scalar values")
+    return data
 
 
 def proof(secret: bytes, nonce: bytes) -> bytes:

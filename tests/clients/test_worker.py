@@ -22,6 +22,7 @@ import pytest
 
 from clients.records import from_flower, to_flower
 from clients.supernode import WORKER_ENV, WorkerSupervisor, with_node_config
+from clients.worker import request_message
 from clients.worker_link import (
     SECRET_NAME,
     SOCKET_NAME,
@@ -29,9 +30,11 @@ from clients.worker_link import (
     call,
     check_worker_dir,
     make_worker_dir,
+    read_node_config,
     read_secret,
     recv_frame,
     send_frame,
+    write_node_config,
 )
 from retexo_fl import protocol as P
 from retexo_fl.config import TrainConfig
@@ -66,10 +69,10 @@ class WorkerTransport(InProcessTransport):
 
     engine = "worker-test"
 
-    def __init__(self, folders: list[Path], parts: list[Path], work: Path) -> None:
+    def __init__(self, folders: list[Path], run_id: int) -> None:
         super().__init__([])
         self.clients = list(folders)  # what connect() counts
-        self.folders, self.parts, self.work = folders, parts, work
+        self.folders, self.run_id = folders, run_id
         self.sent = 0
         self.before_send: Any = None
 
@@ -80,10 +83,9 @@ class WorkerTransport(InProcessTransport):
         for a, req in requests.items():
             header = {
                 "type": kind,
-                "run_id": 7,
+                "run_id": self.run_id,
                 "message_id": f"{self.sent}-{a}",
                 "node_id": a + 1,
-                "node_config": {P.NODE_PARTITION_DIR: str(self.parts[a]), P.NODE_WORK_DIR: str(self.work)},
             }
             _, content = call(self.folders[a], header, to_flower(req), wait=60)
             replies[a] = from_flower(content)
@@ -110,6 +112,13 @@ def _workers(tmp: Path, cfg: TrainConfig):
     parts = partition_graph(load_graph(cfg), cfg.clients, cfg.method, seed=cfg.seed)
     dirs = [save_partition(p, tmp / f"part-{i}") for i, p in enumerate(parts)]
     folders = [make_worker_dir(tmp) for _ in parts]
+    for folder, part in zip(folders, dirs, strict=True):  # what `retexo-fl supernode` writes
+        node_config = {
+            P.NODE_PARTITION_DIR: str(part),
+            P.NODE_WORK_DIR: str(tmp / "work"),
+            P.NODE_WORKER: str(folder),
+        }
+        write_node_config(folder, node_config)
     supervisors = [WorkerSupervisor(f).start() for f in folders]
     try:
         for f in folders:
@@ -171,6 +180,24 @@ def test_node_config_gets_the_worker_key():
         with_node_config(["--node-config", "worker='/x'"], "worker", "/w")
 
 
+def test_a_request_cannot_name_the_node_config(tmp_path):
+    """The worker answers under the node config ``retexo-fl supernode`` wrote into its folder; a
+    request that carries one (a server's or a FAB's idea of this party's policy) changes nothing."""
+    folder = make_worker_dir(tmp_path)
+    own = {P.NODE_PARTITION_DIR: "/parts/mine", P.NODE_PINNED_KEYS: "/keys/pins.json"}
+    write_node_config(folder, own)
+    assert stat.S_IMODE(os.stat(folder / "node-config.json").st_mode) == 0o600
+    header = {"type": P.TRAIN, "run_id": 1, "node_id": 2, "node_config": {P.NODE_ENCRYPT: "false"}}
+    _, context = request_message(header, to_flower({}), read_node_config(folder))
+    assert context.node_config == own
+    os.chmod(folder / "node-config.json", 0o644)
+    with pytest.raises(WorkerError, match="must be 600"):
+        read_node_config(folder)
+    (folder / "node-config.json").unlink()
+    with pytest.raises(WorkerError, match="no node config"):
+        read_node_config(folder)
+
+
 def test_no_worker_is_one_line_naming_the_socket(tmp_path):
     folder = make_worker_dir(tmp_path)
     with pytest.raises(WorkerError, match=r"no node worker at .*worker.sock after 0s") as err:
@@ -216,17 +243,17 @@ def test_worker_errors_come_back_as_one_line(federation):
 
 
 def test_a_run_through_workers_equals_the_in_process_run(federation):
-    cfg, parts, dirs, folders, tmp = federation
+    cfg, parts, _, folders, _ = federation
     expected = run_lazy(parts, cfg)
-    transport = WorkerTransport(folders, dirs, tmp / "work-a")
+    transport = WorkerTransport(folders, run_id=7)
     got = LazyStageMachine(transport, cfg, RunRecorder(None, stream=None)).run()
     assert _summary(got) == _summary(expected)
 
 
 def test_a_worker_killed_mid_stage_restarts_from_node_state(federation):
-    cfg, parts, dirs, folders, tmp = federation
+    cfg, parts, _, folders, _ = federation
     expected = run_lazy(parts, cfg)
-    transport = WorkerTransport(folders, dirs, tmp / "work-b")
+    transport = WorkerTransport(folders, run_id=8)
     # After stage 0 and a round of stage 1 (message 12 or so).
     killed = _kill_once(transport, folders[1], at=12)
     got = LazyStageMachine(transport, cfg, RunRecorder(None, stream=None)).run()
@@ -235,12 +262,12 @@ def test_a_worker_killed_mid_stage_restarts_from_node_state(federation):
 
 
 def test_two_runs_on_one_node_do_not_share_state(federation):
-    cfg, parts, dirs, folders, tmp = federation
+    cfg, parts, _, folders, _ = federation
     other = TrainConfig(**{**CFG, "seed": 3, "hidden": 8})
     runs: dict[str, dict] = {}
 
     def run(name: str, c: TrainConfig) -> None:
-        transport = WorkerTransport(folders, dirs, tmp / "work-shared")  # one node, one work base
+        transport = WorkerTransport(folders, run_id=9)  # one node, one work base, one Flower run
         runs[name] = LazyStageMachine(transport, c, RunRecorder(None, stream=None)).run()
 
     threads = [threading.Thread(target=run, args=(n, c)) for n, c in (("x", cfg), ("y", other))]
@@ -257,9 +284,9 @@ def test_secure_aggregation_through_workers_survives_a_killed_worker(tmp_path):
     killed between messages mid-stage: its ledger and last masked round come back from node-local
     state, and the run equals the in-process one."""
     cfg = TrainConfig(**{**CFG, "clients": 3, "secure_aggregation": True})
-    with _workers(tmp_path, cfg) as (cfg, parts, dirs, folders, tmp):
+    with _workers(tmp_path, cfg) as (cfg, parts, _, folders, _):
         expected = run_lazy(parts, cfg)
-        transport = WorkerTransport(folders, dirs, tmp / "work")
+        transport = WorkerTransport(folders, run_id=7)
         killed = _kill_once(transport, folders[2], at=14)  # after stage 1's first train and unmask
         got = LazyStageMachine(transport, cfg, RunRecorder(None, stream=None)).run()
     assert killed and expected["secure_aggregation"]["rounds"] == 12

@@ -157,6 +157,7 @@ def load_trusted_entities(path: str | Path) -> dict[str, Any]:
             naming the file and the key id.
     """
     import yaml
+    from cryptography.exceptions import UnsupportedAlgorithm
     from cryptography.hazmat.primitives.asymmetric import ed25519
     from cryptography.hazmat.primitives.serialization import load_ssh_public_key
 
@@ -173,7 +174,7 @@ def load_trusted_entities(path: str | Path) -> dict[str, Any]:
     for key_id, text in data.items():
         try:
             key = load_ssh_public_key(str(text).encode())
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, UnsupportedAlgorithm):
             raise AppNotApproved(f"{p}: {key_id!r} is not an OpenSSH public key") from None
         if not isinstance(key, ed25519.Ed25519PublicKey):
             raise AppNotApproved(f"{p}: {key_id!r} is not an Ed25519 key")

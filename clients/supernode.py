@@ -213,6 +213,7 @@ def _parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         add_help=False,
+        allow_abbrev=False,  # Flower's `--insecure` is not short for `--insecure-no-pinned-keys`
     )
     parser.add_argument(
         "--worker-base",

@@ -1,18 +1,22 @@
 """Run a whole federation on one machine as real processes: one SuperLink, N SuperNodes, ``flwr run``.
 
     python deploy/federation.py --partitions parts/ --out runs/fed \\
-        [--tls certs/] [--run-config "stages=3 rounds='100'"] [--timeout 1800]
+        [--tls certs/] [--keys keys/] [--run-config "stages=3 rounds='100'"] [--timeout 1800]
 
 Each SuperNode is ``retexo-fl supernode`` (Flower's SuperNode with a long-lived node worker;
 ``--flower-supernode`` starts Flower's plain one instead) and gets its own fixed partition
 (``part-<i>`` of ``--partitions``, written by ``retexo-fl partition``) through
-``--node-config "partition-dir=..."``. With ``--tls DIR`` the SuperLink serves TLS with the
-certificate in DIR and requires SuperNode authentication; the launcher makes missing key material
-with ``deploy/make_certs.py`` and registers every party's public key with ``flwr supernode
-register`` before its SuperNode starts. The run is submitted with ``flwr run . <connection>``,
-followed with ``flwr ls`` until it ends, and its run folder (``--out``) is where the ServerApp
-writes it. Every process the launcher started is stopped by process id (its whole process group:
-a SuperNode's SuperExec, ClientApps and node worker too) when the run ends, fails, or on Ctrl-C.
+``--node-config "partition-dir=..."``, with its identity key and the pins of every party
+(``identity-key``, ``pinned-keys``: ``client-<i>.key`` and ``pins.json`` of ``--keys``, made
+with ``retexo-fl keys --clients N`` when missing; one machine holds every key here, which is why
+this launcher is a demonstration and a test, not a deployment). With ``--tls DIR`` the SuperLink
+serves TLS with the certificate in DIR and requires SuperNode authentication; the launcher makes
+missing key material with ``deploy/make_certs.py`` and registers every party's public key with
+``flwr supernode register`` before its SuperNode starts. The run is submitted with
+``flwr run . <connection>``, followed with ``flwr ls`` until it ends, and its run folder
+(``--out``) is where the ServerApp writes it. Every process the launcher started is stopped by
+process id (its whole process group: a SuperNode's SuperExec, ClientApps and node worker too)
+when the run ends, fails, or on Ctrl-C.
 Logs are in ``--work`` (default ``<out>/federation``).
 
 The commands it runs are printed as they start (``$ ...``); ``deploy/README.md`` uses the same.
@@ -172,11 +176,20 @@ class Federation:
         env: dict[str, str] | None = None,
         netns: str = "",
         worker: bool = True,
+        keys: Path | None = None,
+        extra: tuple[str, ...] = (),
     ) -> subprocess.Popen:
         """Start party ``party``'s SuperNode on ``partition`` (in network namespace ``netns``):
         ``retexo-fl supernode`` (a node worker, short polls), or with ``worker=False`` Flower's
-        plain ``flower-supernode`` (a ClientApp process per message)."""
+        plain ``flower-supernode`` (a ClientApp process per message). With ``keys`` (a folder of
+        ``retexo-fl keys``) the party holds its identity key and the pins; without, a
+        ``retexo-fl supernode`` is started with ``--insecure-no-pinned-keys``. ``extra``: more
+        flags for the SuperNode command."""
         node_config = f"{P.NODE_PARTITION_DIR}='{partition}' {P.NODE_WORK_DIR}='{self.work / 'node-work'}'"
+        if keys is not None:
+            own, pins = keys / f"client-{party}.key", keys / "pins.json"
+            node_config += f" {P.NODE_IDENTITY_KEY}='{own}' {P.NODE_PINNED_KEYS}='{pins}'"
+        ours = ["retexo-fl", "supernode", *([] if keys is not None else ["--insecure-no-pinned-keys"])]
         security = ["--insecure"]
         if self.tls:
             key = self.tls / f"party-{party if key_party is None else key_party}"
@@ -191,10 +204,10 @@ class Federation:
         return self.start(
             f"supernode-{party}",
             [
-                *inside, *(["retexo-fl", "supernode"] if worker else ["flower-supernode"]), *security,
+                *inside, *(ours if worker else ["flower-supernode"]), *security,
                 "--superlink", f"{self.host}:{self.fleet}",
                 "--port", str(free_port()),
-                "--node-config", node_config,
+                "--node-config", node_config, *extra,
             ],
             env,
         )  # fmt: skip
@@ -208,15 +221,16 @@ class Federation:
         netns: list[str] | None = None,
         env: dict[str, str] | None = None,
         worker: bool = True,
+        keys: Path | None = None,
     ) -> dict:
         """SuperLink, one SuperNode per partition (registered first under TLS, in ``netns[i]``
-        when given), then the run into ``out``; returns :meth:`run`'s record. The caller stops
-        the processes (:meth:`stop_all`)."""
+        when given; holding its key of ``keys``), then the run into ``out``; returns :meth:`run`'s
+        record. The caller stops the processes (:meth:`stop_all`)."""
         self.start_superlink()
         for i, part in enumerate(parts):
             if self.tls:
                 self.register(i)
-            self.start_supernode(i, part, env=env, netns=netns[i] if netns else "", worker=worker)
+            self.start_supernode(i, part, env=env, netns=netns[i] if netns else "", worker=worker, keys=keys)
         config = f"clients={len(parts)} out-dir='{out}' {run_config}".strip()
         return self.run(config, timeout)
 
@@ -271,6 +285,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", required=True, help="the run folder (summary.json, events.jsonl)")
     parser.add_argument("--tls", default="", help="key material folder: TLS + SuperNode authentication")
+    parser.add_argument(
+        "--keys",
+        default="",
+        help="identity keys and pins.json (retexo-fl keys; made when missing; default <work>/keys)",
+    )
     parser.add_argument("--run-config", default="", help="extra run config, e.g. \"stages=3 rounds='100'\"")
     parser.add_argument("--work", default="", help="logs, database and FLWR_HOME (default <out>/federation)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds the run may take")
@@ -310,6 +329,11 @@ def main(argv: list[str] | None = None) -> int:
         sans = ["--san", "127.0.0.1", "--san", "localhost"] + (["--san", host] if wan else [])
         make_certs(["--out", str(tls), "--parties", str(len(parts)), *sans])
     fed = Federation(Path(args.work).resolve() if args.work else out / "federation", tls, host)
+    keys = Path(args.keys).resolve() if args.keys else fed.work / "keys"
+    if not (keys / "pins.json").is_file():
+        from retexo_fl.secure.keys import write_identities
+
+        write_identities(len(parts), keys)
 
     def interrupted(signum, frame):  # Ctrl-C or SIGTERM: stop everything, then leave
         fed.stop_all()
@@ -322,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         netns = [wan.netns(i) for i in range(len(parts))] if wan else None
         record = fed.run_parties(
-            parts, out, args.run_config, args.timeout, netns, worker=not args.flower_supernode
+            parts, out, args.run_config, args.timeout, netns, worker=not args.flower_supernode, keys=keys
         )
         status = record.get("status", "")
         summary = out / "summary.json"

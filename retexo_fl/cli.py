@@ -187,12 +187,37 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
-    from retexo_fl.secure.keys import write_identities
+    from retexo_fl.secure.keys import (
+        collect_pins,
+        fingerprint,
+        pin_digest,
+        write_identities,
+        write_own_identity,
+    )
 
+    if args.client is not None:  # one party, on its own machine
+        key, pub = write_own_identity(args.client, args.out)
+        public = bytes.fromhex(json.loads(pub.read_text())["public"])
+        print(
+            f"client {args.client}: private key {key} (mode 0600; it never leaves this machine), "
+            f"public key {pub}\nfingerprint {fingerprint(public)}: read it to the other parties "
+            "out of band; send them only the .pub file"
+        )
+        return 0
+    if args.pins:  # any party, from the .pub files the others sent
+        pins = collect_pins(args.pins, args.out)
+        for client, public in sorted(pins.items()):
+            print(f"client {client}: fingerprint {fingerprint(public)}")
+        print(
+            f"wrote {args.out} ({len(pins)} parties, pin set {pin_digest(pins)}): check every "
+            "fingerprint with its party out of band, and the pin set with every party"
+        )
+        return 0
     out = write_identities(args.clients, args.out)
     print(
         f"wrote {args.clients} identity keys (client-<id>.key, mode 0600) and pins.json to {out}: "
-        "give each party its own key (node config identity-key) and every party pins.json (pinned-keys)"
+        "one machine holds every private key, so this is for simulation and tests; in deployment "
+        "each party runs `retexo-fl keys --client ID` itself"
     )
     return 0
 
@@ -238,8 +263,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_partition)
 
-    k = sub.add_parser("keys", help="make one X25519 identity key per party and the pins file")
-    k.add_argument("--clients", type=int, required=True)
+    k = sub.add_parser(
+        "keys",
+        help="identity keys and pins: one party's own key (--client), the pins file from the parties' "
+        "public keys (--pins), or every party's at once for simulation (--clients)",
+    )
+    which = k.add_mutually_exclusive_group(required=True)
+    which.add_argument("--client", type=int, default=None, help="make this party's own key in --out")
+    which.add_argument("--pins", nargs="+", default=None, help="client-<id>.pub files -> the pins file --out")
+    which.add_argument("--clients", type=int, default=None, help="every party's key and pins.json in --out")
     k.add_argument("--out", required=True)
     k.set_defaults(func=cmd_keys)
 

@@ -1,7 +1,9 @@
 """A real federation on 127.0.0.1: SuperLink with TLS and SuperNode authentication, 3 SuperNodes.
 
 Started with ``deploy/federation.py`` (the launcher users run), each process stopped by process
-id at the end. The SuperNodes are ``retexo-fl supernode``s (a node worker each); one more test
+id at the end. The SuperNodes are ``retexo-fl supernode``s (a node worker each, pinned keys, and a
+consortium they trust to sign releases); a FAB whose ClientApp was replaced is refused before any
+of it runs, and the same FAB signed by the consortium runs. One more test
 runs a federation where one SuperNode is Flower's plain ``flower-supernode`` (a ClientApp
 process per message, about 8 s a round), which must keep working beside them.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
@@ -18,6 +21,8 @@ import time
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "deploy"))
@@ -25,11 +30,13 @@ sys.path.insert(0, str(ROOT / "deploy"))
 from federation import Federation  # noqa: E402
 from make_certs import main as make_certs  # noqa: E402
 
+from clients.approval import APP_PACKAGES, SIGNATURES_FILE, app_digest, sign_digest, tree_files  # noqa: E402
 from clients.worker_link import SOCKET_NAME, proof, read_secret, recv_frame, send_frame  # noqa: E402
 from retexo_fl.cli import main as cli  # noqa: E402
 from retexo_fl.config import TrainConfig  # noqa: E402
 from retexo_fl.metrics import RunRecorder  # noqa: E402
 from retexo_fl.runner import train  # noqa: E402
+from retexo_fl.secure.keys import write_identities  # noqa: E402
 from server.checkpoint import FileCheckpoints  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -44,17 +51,74 @@ def federation(data_root, tmp_path_factory):
     assert cli(argv) == 0
     certs = tmp / "certs"
     make_certs(["--out", str(certs), "--parties", "4"])  # party-3 is never registered
+    keys = write_identities(3, tmp / "keys")
+    signer = ed25519.Ed25519PrivateKey.generate()
+    public = signer.public_key().public_bytes(
+        serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
+    )
+    (tmp / "trusted.yaml").write_text(f"consortium: {public.decode()}\n")
     fed = Federation(tmp / "work", tls=certs)
+    fed.signer = signer  # type: ignore[attr-defined]
     try:
         fed.start_superlink()
         for i in range(3):
             fed.register(i)
-            fed.start_supernode(i, parts / f"part-{i}")
+            fed.start_supernode(
+                i, parts / f"part-{i}", keys=keys, extra=("--trusted-entities", str(tmp / "trusted.yaml"))
+            )
         yield fed, parts, tmp
     finally:
         fed.stop_all()
         for proc in fed.procs.values():
             assert proc.poll() is not None, "a federation process outlived the test"
+
+
+def _replaced_app(tmp: Path, name: str, marker: Path) -> Path:
+    """A copy of the app whose ClientApp, once imported, writes ``marker``: what a coordinator
+    would submit to read a party's data."""
+    project = tmp / name
+    for pkg in APP_PACKAGES:
+        shutil.copytree(ROOT / pkg, project / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    for file in ("pyproject.toml", SIGNATURES_FILE):
+        shutil.copy(ROOT / file, project / file)
+    app = project / "clients" / "app.py"
+    app.write_text(app.read_text() + f"\nimport pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n")
+    return project
+
+
+def _submit(fed, project: Path, out: Path) -> int:
+    done = fed.flwr(
+        "run",
+        str(project),
+        "local-fed",
+        "--format",
+        "json",
+        "--run-config",
+        f"clients=3 out-dir='{out}' {RUN}",
+    )
+    return json.loads(done.stdout)["run-id"]
+
+
+def test_a_fab_with_a_replaced_clientapp_is_refused_before_any_of_it_runs(federation):
+    fed, _, tmp = federation
+    marker = tmp / "replaced-app-ran"
+    project = _replaced_app(tmp, "replaced-app", marker)
+    run_id = _submit(fed, project, tmp / "replaced")
+    assert _wait_until_finished(fed, run_id, tmp / "replaced", timeout=120).startswith("finished:")
+    logs = "".join((fed.work / f"supernode-{i}.log").read_text() for i in range(3))
+    assert f"its code has app digest {app_digest(tree_files(project))}" in logs
+    assert not marker.exists() and not (tmp / "replaced" / "summary.json").exists()
+
+
+def test_a_release_signed_by_a_trusted_entity_runs(federation):
+    fed, _, tmp = federation
+    marker = tmp / "signed-app-ran"
+    project = _replaced_app(tmp, "signed-app", marker)
+    record = sign_digest(app_digest(tree_files(project)), fed.signer, "consortium")
+    (project / SIGNATURES_FILE).write_text(json.dumps([record]))
+    run_id = _submit(fed, project, tmp / "signed")
+    assert _wait_until_finished(fed, run_id, tmp / "signed") == "finished:completed"
+    assert marker.read_text() == "ran"  # the release's own ClientApp answered
 
 
 def test_unregistered_supernode_is_refused(federation):

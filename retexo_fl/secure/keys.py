@@ -213,3 +213,49 @@ def write_identities(clients: int, out: str | os.PathLike[str]) -> Path:
         pins[str(pid)] = public_bytes(key).hex()
     (root / "pins.json").write_text(json.dumps(pins, indent=2))
     return root
+
+
+def fingerprint(public: bytes) -> str:
+    """A public key's fingerprint, for parties to read to each other out of band: the first 16
+    bytes of its SHA-256, in groups of four hex digits."""
+    digest = hashlib.sha256(public).hexdigest()[:32]
+    return ":".join(digest[i : i + 4] for i in range(0, 32, 4))
+
+
+def write_own_identity(client: int, out: str | os.PathLike[str]) -> tuple[Path, Path]:
+    """One party's own identity: ``client-<id>.key`` (0600, never leaves the party) and
+    ``client-<id>.pub`` (``{"client": id, "public": hex}``, the one file that travels).
+
+    Raises:
+        KeyMaterialError: a key for this client is already there (it is never overwritten).
+    """
+    root = private_folder(out)
+    key_path, pub_path = root / f"client-{client}.key", root / f"client-{client}.pub"
+    if key_path.exists():
+        raise KeyMaterialError(f"{key_path}: already exists; a party's identity key is never overwritten")
+    key = X25519PrivateKey.generate()
+    save_private_key(key, key_path)
+    pub_path.write_text(json.dumps({"client": client, "public": public_bytes(key).hex()}) + "\n")
+    return key_path, pub_path
+
+
+def collect_pins(public_files: list[str | os.PathLike[str]], out: str | os.PathLike[str]) -> dict[int, bytes]:
+    """Write the pins file ``out`` from the parties' ``client-<id>.pub`` files.
+
+    Raises:
+        KeyMaterialError: a file unreadable or malformed, or two files for one client, naming it.
+    """
+    pins: dict[int, bytes] = {}
+    for path in map(Path, public_files):
+        try:
+            data = json.loads(path.read_text())
+            client = int(data["client"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise KeyMaterialError(
+                f"{path}: not a public key file of `retexo-fl keys --client` ({exc})"
+            ) from None
+        if client in pins:
+            raise KeyMaterialError(f"{path}: a second public key for client {client}")
+        pins[client] = parse_public(str(data.get("public", "")), str(path))
+    Path(out).write_text(json.dumps({str(c): k.hex() for c, k in sorted(pins.items())}, indent=2) + "\n")
+    return pins

@@ -1,0 +1,75 @@
+"""``retexo-fl supernode`` refuses to start a party that the server could read, and how a party
+makes its keys so that only public keys travel."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from clients.supernode import check_pinned_keys, main, node_config_of
+from retexo_fl.cli import main as cli
+from retexo_fl.secure.keys import fingerprint, load_pins, load_private_key, public_bytes
+
+
+def _own_keys(tmp_path, parties: int = 2):
+    """Each party makes its own key in its own folder; one of them collects the pins."""
+    for c in range(parties):
+        assert cli(["keys", "--client", str(c), "--out", str(tmp_path / f"party-{c}")]) == 0
+    pubs = [str(tmp_path / f"party-{c}" / f"client-{c}.pub") for c in range(parties)]
+    assert cli(["keys", "--pins", *pubs, "--out", str(tmp_path / "pins.json")]) == 0
+    return tmp_path / "party-0" / "client-0.key", tmp_path / "pins.json"
+
+
+def test_each_party_makes_its_own_key_and_only_public_keys_travel(tmp_path, capsys):
+    key, pins = _own_keys(tmp_path)
+    out = capsys.readouterr().out
+    mine = public_bytes(load_private_key(key))
+    assert load_pins(pins)[0] == mine and len(load_pins(pins)) == 2
+    assert f"fingerprint {fingerprint(mine)}" in out  # what parties read to each other
+    assert json.loads((tmp_path / "party-0" / "client-0.pub").read_text()) == {
+        "client": 0,
+        "public": mine.hex(),
+    }
+    # a party's key is never overwritten, and a pins file never holds two keys for one party
+    assert cli(["keys", "--client", "0", "--out", str(tmp_path / "party-0")]) == 2
+    assert load_private_key(key) is not None and public_bytes(load_private_key(key)) == mine
+    pub = str(tmp_path / "party-0" / "client-0.pub")
+    assert cli(["keys", "--pins", pub, pub, "--out", str(tmp_path / "twice.json")]) == 2
+    assert "a second public key for client 0" in capsys.readouterr().err
+
+
+def test_a_supernode_without_pins_is_refused_unless_the_party_opts_out_loudly(tmp_path, capsys):
+    argv = ["--insecure", "--superlink", "127.0.0.1:1", "--node-config", f"partition-dir='{tmp_path}'"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "sets no identity-key and no pinned-keys" in err and "--insecure-no-pinned-keys" in err
+    warning = check_pinned_keys(node_config_of(argv), insecure=True)
+    assert warning.startswith("WARNING: --insecure-no-pinned-keys") and "can open every" in warning
+
+
+def test_pins_that_do_not_load_stop_the_node_naming_the_file(tmp_path, capsys):
+    key, pins = _own_keys(tmp_path)
+    pins.write_text("{not json")
+    config = f"identity-key='{key}' pinned-keys='{pins}'"
+    assert main(["--insecure", "--node-config", config]) == 2
+    assert f"{pins}: pinned keys file unreadable" in capsys.readouterr().err
+    assert check_pinned_keys(node_config_of(["--node-config", f"identity-key='{key}'"]), insecure=True)
+
+
+def test_process_isolation_and_a_bad_trusted_entities_file_are_refused(tmp_path, capsys):
+    key, pins = _own_keys(tmp_path)
+    config = ["--node-config", f"identity-key='{key}' pinned-keys='{pins}'"]
+    assert main(["--insecure", "--isolation", "process", *config]) == 2
+    assert "--isolation process" in capsys.readouterr().err
+    bad = tmp_path / "trusted.yaml"
+    bad.write_text("signer: not a key\n")
+    assert main(["--insecure", "--trusted-entities", str(bad), *config]) == 2
+    assert "trusted.yaml: 'signer' is not an OpenSSH public key" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("form", ["--node-config", "--node-config="])
+def test_the_node_config_is_read_as_flower_reads_it(form):
+    value = "partition-dir='/p' min-dp-noise=0.5"
+    argv = [form + value] if form.endswith("=") else [form, value]
+    assert node_config_of(argv) == {"partition-dir": "/p", "min-dp-noise": 0.5}

@@ -78,6 +78,9 @@ class Federation:
         self.env = {**os.environ, **ENV, "FLWR_HOME": str(self.home)}
         self.procs: dict[str, subprocess.Popen] = {}
         self.http, self.fleet = free_port(), free_port()
+        #: The pins file the parties hold (set by :meth:`start_supernode` with keys): a party that
+        #: pins keys refuses a run config that does not name the same pins.
+        self.pins: Path | None = None
 
     # -- processes ---------------------------------------------------------------------------
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -187,8 +190,8 @@ class Federation:
         flags for the SuperNode command."""
         node_config = f"{P.NODE_PARTITION_DIR}='{partition}' {P.NODE_WORK_DIR}='{self.work / 'node-work'}'"
         if keys is not None:
-            own, pins = keys / f"client-{party}.key", keys / "pins.json"
-            node_config += f" {P.NODE_IDENTITY_KEY}='{own}' {P.NODE_PINNED_KEYS}='{pins}'"
+            own, self.pins = keys / f"client-{party}.key", keys / "pins.json"
+            node_config += f" {P.NODE_IDENTITY_KEY}='{own}' {P.NODE_PINNED_KEYS}='{self.pins}'"
         ours = ["retexo-fl", "supernode", *([] if keys is not None else ["--insecure-no-pinned-keys"])]
         security = ["--insecure"]
         if self.tls:
@@ -234,14 +237,22 @@ class Federation:
         config = f"clients={len(parts)} out-dir='{out}' {run_config}".strip()
         return self.run(config, timeout)
 
-    def run(self, run_config: str, timeout: float) -> dict:
-        """Submit the app, follow it until it ends; returns ``flwr ls``'s record of the run."""
-        done = self.flwr("run", ".", "local-fed", "--format", "json", "--run-config", run_config)
+    def submit(self, run_config: str, app: str | Path = ".") -> int:
+        """Submit the app in folder ``app`` (``flwr run``) with ``run_config``, naming the parties'
+        pins in it when they hold some; returns the run id."""
+        if self.pins is not None and "pinned-keys=" not in run_config:
+            run_config = f"{run_config} pinned-keys='{self.pins}'"
+        done = self.flwr("run", str(app), "local-fed", "--format", "json", "--run-config", run_config)
         try:
-            run_id = json.loads(done.stdout)["run-id"]
+            run_id = int(json.loads(done.stdout)["run-id"])
         except (ValueError, KeyError):
             raise RuntimeError(f"flwr run failed: {done.stdout[-1000:]} {done.stderr[-1000:]}") from None
         print(f"run {run_id} submitted", flush=True)
+        return run_id
+
+    def run(self, run_config: str, timeout: float) -> dict:
+        """Submit the app, follow it until it ends; returns ``flwr ls``'s record of the run."""
+        run_id = self.submit(run_config)
         out = re.search(r"out-dir='([^']*)'", run_config)
         return self.wait(run_id, timeout, Path(out.group(1)) if out else None)
 

@@ -48,11 +48,15 @@ def pairwise_mask_seed(
     peer_id: int,
     stage: int,
     round_: int,
+    terms: bytes = b"",
 ) -> bytes:
     """The mask seed two clients share for one stage and round; both sides derive the same one.
 
     X25519 agreement, then HKDF-SHA256 salted with the run transcript, its info binding both ids
-    and public keys (lower id first, so both sides build the same bytes), the stage and the round.
+    and public keys (lower id first, so both sides build the same bytes), the stage, the round and
+    the round's masking terms: two clients that were sent different terms (member set, threshold,
+    weight bound) derive different seeds, their masks do not cancel, and the sum the server
+    unmasks is noise instead of a sum over a set it chose per client.
 
     Args:
         own_private (X25519PrivateKey): this client's mask key.
@@ -62,6 +66,8 @@ def pairwise_mask_seed(
         peer_id (int): the peer, not ``own_id``.
         stage (int): the stage the masked vector belongs to.
         round_ (int): the round it belongs to.
+        terms (bytes, optional): the digest of the round's masking terms
+            (:func:`retexo_fl.training.secure_round.round_terms`; default: none).
 
     Returns:
         The :data:`SEED_BYTES`-byte seed.
@@ -78,7 +84,7 @@ def pairwise_mask_seed(
     peer = parse_public(peer_public, where)
     mine = public_bytes(own_private)
     (lo, lo_pub), (hi, hi_pub) = sorted([(own_id, mine), (peer_id, peer)])
-    info = _LABEL + struct.pack(">QQQQ", lo, hi, stage, round_) + lo_pub + hi_pub
+    info = _LABEL + struct.pack(">QQQQ", lo, hi, stage, round_) + lo_pub + hi_pub + bytes(terms)
     try:
         shared = own_private.exchange(X25519PublicKey.from_public_bytes(peer))
     except ValueError:

@@ -131,7 +131,7 @@ def train(client: Client, request: Records) -> Reply:
     secure = client.cfg.secure_aggregation
     # Shares are sealed before this round's rows, so that their holders open them (at unmasking)
     # before the rows (with the next round): the channel accepts numbers in order only.
-    prep = secure_round.prepare(client, config) if secure else None
+    prep = secure_round.prepare(client, config, state) if secure else None
     control = client.receive_control(request, state, round_)  # drift-correction scaffold: c
     new_state, loss = client.train(state, round_, control)
     # Eager: this round's embeddings (of the received state) go to the peers' next round, with
@@ -192,6 +192,10 @@ def _not_held() -> Reply:
     return Reply({P.METRICS: {P.NOT_HELD: 1}}, changed=False)
 
 
+#: The splits an evaluate message may ask for: the run's model selection and its final test.
+EVALUATE_SPLITS = ("val", "test")
+
+
 def evaluate(client: Client, request: Records) -> Reply:
     """Metrics of the received state on the requested split (eager: after the last halo rows;
     with :data:`~retexo_fl.protocol.REFRESH`, also the rows of the state for the peers).
@@ -210,7 +214,10 @@ def evaluate(client: Client, request: Records) -> Reply:
         reply = _not_held()
         reply.changed = delivered
         return reply
-    result = client.evaluate(state, str(config[P.SPLIT]))
+    split = str(config[P.SPLIT])
+    if split not in EVALUATE_SPLITS:  # exact per-client counts of any other nodes: their labels
+        raise ValueError(f"client {client.id}: evaluate serves the val and test splits only, not {split!r}")
+    result = client.evaluate(state, split)
     metrics = {P.CORRECT: result.correct, P.COUNT: result.count, P.LOSS: result.loss_sum}
     records: Records = {P.METRICS: metrics}
     sent = client.round_payloads(state, int(config[P.ROUND])) if config.get(P.REFRESH) else None

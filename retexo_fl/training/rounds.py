@@ -164,6 +164,7 @@ class RoundLoop:
             config = {P.STAGE: stage, P.ROUND: r, P.VALIDATE: r > 1, **self._keep(rs)}
             members = fed.pids  # the round's masking set (secure aggregation)
             if fed.secure is not None:
+                members = fed.secure.members(stage, members)
                 config.update(fed.secure.round_config(fed, members))
             requests = {
                 pid: fed.content(

@@ -10,6 +10,8 @@ the local step count stays in clear (time-based rounds report it).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 from dataclasses import dataclass, field
@@ -84,6 +86,23 @@ def _finite(value: float, otherwise: float) -> float:
     return float(value) if math.isfinite(float(value)) else otherwise
 
 
+def round_terms(stage: int, round_: int, members: list[int], threshold: int, bound: float) -> bytes:
+    """The digest of a masked round's terms, bound into every pair mask of the round
+    (:func:`~retexo_fl.secure.masking.pairwise_mask_seed`): clients sent different terms derive
+    masks that do not cancel. The clip, update bits and fixed-point scale are the run config's,
+    bound by its digest since key setup."""
+    text = json.dumps([int(stage), int(round_), sorted(members), int(threshold), float(bound)])
+    return hashlib.sha256(b"retexo-fl secagg terms v1\0" + text.encode()).digest()
+
+
+def state_digest(state: StateDict) -> str:
+    """A digest of a broadcast state: the same state sent twice is recognised."""
+    h = hashlib.sha256()
+    for k in sorted(state):
+        h.update(k.encode() + b"\0" + state[k].detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
 def _codec(cfg: Any, like: StateDict, members: int, bound: float) -> VectorCodec:
     size = sum(t.numel() for t in like.values())
     return VectorCodec(size, members, update_clip(cfg, members), bound)
@@ -102,6 +121,8 @@ class Prepared:
     self_seed: bytes = b""
     own_share: bytes = b""
     sealed: dict[int, bytes] = field(default_factory=dict)
+    terms: bytes = b""
+    digest: str = ""
 
 
 def _state(client: Client) -> dict[str, Any]:
@@ -110,7 +131,9 @@ def _state(client: Client) -> dict[str, Any]:
     return client.secagg
 
 
-def _pair_seeds(client: Client, members: list[int], stage: int, round_: int) -> dict[int, bytes]:
+def _pair_seeds(
+    client: Client, members: list[int], stage: int, round_: int, terms: bytes
+) -> dict[int, bytes]:
     channel, where = client.channel, f"client {client.id}"
     if channel.identity is None or channel.directory is None or channel.transcript is None:
         raise SecAggError(f"{where}: secure aggregation before key setup")
@@ -119,24 +142,32 @@ def _pair_seeds(client: Client, members: list[int], stage: int, round_: int) -> 
         raise SecAggError(f"{where}: masking set members {missing} are not in the key directory")
     return {
         q: pairwise_mask_seed(
-            channel.identity, channel.directory[q], channel.transcript, client.id, q, stage, round_
+            channel.identity, channel.directory[q], channel.transcript, client.id, q, stage, round_, terms
         )
         for q in members
         if q != client.id
     }
 
 
-def prepare(client: Client, config: dict[str, Any]) -> Prepared:
-    """Start a train round's masking: share a fresh self seed and seal the shares, before any other
-    frame of the round is sealed (a holder opens them before the round's halo rows).
+def prepare(client: Client, config: dict[str, Any], state: StateDict) -> Prepared:
+    """Start a train round's masking: check its terms, share a fresh self seed and seal the
+    shares, before any other frame of the round is sealed (a holder opens them before the round's
+    halo rows).
 
     A stage's round masked before (a resumed server sending it again) gets its first reply again,
     and an earlier round, or another stage than the client's own, is refused: a client masks each
     (stage, round) once and in order, so two masked vectors under the same pair masks never exist.
 
+    The terms that shape a contribution are bound: the threshold is the run config's; within a
+    stage the weight bound stays the first round's, the member set never grows and drops only
+    members that did not survive the round before, and the broadcast state this client masked
+    last is not masked again for another member set. Whatever the server sends each client, the
+    round's terms are bound into its pair masks (:func:`round_terms`).
+
     Raises:
-        SecAggError: the settings are missing or unsafe (a masking set or threshold smaller than
-            a majority of the key directory), naming the client.
+        SecAggError: the settings are missing, unsafe (a masking set or threshold smaller than
+            a majority of the key directory) or not the bound ones, naming the client and the
+            setting.
     """
     stage, round_ = int(config[P.STAGE]), int(config[P.ROUND])
     where = f"client {client.id}"
@@ -156,7 +187,7 @@ def prepare(client: Client, config: dict[str, Any]) -> Prepared:
         members = parse_members(config[P.SECAGG_MEMBERS], where)
         threshold = int(config[P.SECAGG_THRESHOLD])
         bound = float(config[P.SECAGG_BOUND])
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise SecAggError(
             f"{where}: a secure-aggregation train message without its settings ({exc})"
         ) from None
@@ -167,12 +198,53 @@ def prepare(client: Client, config: dict[str, Any]) -> Prepared:
             f"{where}: secure aggregation threshold {threshold} for a key directory of "
             f"{len(directory)} clients; this client requires at least {least}"
         )
+    agreed = int(client.cfg.secagg_threshold) or min_threshold(client.cfg.clients)
+    if threshold != agreed:
+        raise SecAggError(f"{where}: {P.SECAGG_THRESHOLD} {threshold}; the run config's is {agreed}")
     if not (math.isfinite(bound) and bound >= 1):
         raise SecAggError(f"{where}: secure aggregation weight bound {bound} is not a count >= 1")
+    if client.id not in members or len(members) > len(directory):
+        raise SecAggError(
+            f"{where}: {P.SECAGG_MEMBERS} {members} must hold this client and at most the "
+            f"{len(directory)} clients of the key directory"
+        )
+    digest = state_digest(state)
+    if sent is not None and sent["stage"] == stage:
+        _check_stage_terms(sent, members, bound, digest, round_, where)
+    terms = round_terms(stage, round_, members, threshold, bound)
     self_seed, shares = share_seed(client.id, members, threshold)
     others = {q: s for q, s in shares.items() if q != client.id}
     sealed = client.channel.seal(others, SHARE_KIND, stage, round_)
-    return Prepared(None, members, threshold, bound, self_seed, shares[client.id], sealed)
+    return Prepared(None, members, threshold, bound, self_seed, shares[client.id], sealed, terms, digest)
+
+
+def _check_stage_terms(
+    last: dict[str, Any], members: list[int], bound: float, digest: str, round_: int, where: str
+) -> None:
+    """Refuse a round whose terms part from the stage's last masked round (see :func:`prepare`)."""
+    before = f"round {last['round']} of this stage"
+    if bound != float(last["bound"]):
+        raise SecAggError(
+            f"{where}: {P.SECAGG_BOUND} {bound:g} in round {round_}; {before} was masked with "
+            f"{float(last['bound']):g}, and a stage's bound is fixed"
+        )
+    grown = sorted(set(members) - set(last["members"]))
+    if grown:
+        raise SecAggError(
+            f"{where}: {P.SECAGG_MEMBERS} adds {grown} in round {round_}; within a stage the set only shrinks"
+        )
+    survived = last.get("survivors")
+    removed = sorted(set(survived or []) - set(members))
+    if removed:
+        raise SecAggError(
+            f"{where}: {P.SECAGG_MEMBERS} drops {removed} in round {round_}, who survived {before}; "
+            "only members lost in an earlier round may leave"
+        )
+    if digest == last.get("digest") and sorted(members) != sorted(last["members"]):
+        raise SecAggError(
+            f"{where}: round {round_} sends the state {before} was masked from, for another member "
+            "set; the difference of the two sums would be one client's update"
+        )
 
 
 def masked_records(
@@ -221,7 +293,7 @@ def masked_records(
         "dp_clipped": dp_clipped,
     }
     rng = np.random.default_rng(derive_seed(cfg.seed, ROUNDING_TAG, stage, round_, client.id))
-    pair = _pair_seeds(client, members, stage, round_)
+    pair = _pair_seeds(client, members, stage, round_, prep.terms)
     vector, clipped = mask_vector(codec, update, metrics, client.id, prep.self_seed, pair, stage, round_, rng)
     if clipped:
         log.warning(
@@ -238,6 +310,10 @@ def masked_records(
         "round": round_,
         "members": members,
         "threshold": prep.threshold,
+        "bound": prep.bound,
+        "terms": prep.terms.hex(),
+        "digest": prep.digest,
+        "survivors": None,
         "own_share": prep.own_share,
         "records": records,
     }
@@ -281,13 +357,34 @@ def unmask(client: Client, request: Records) -> tuple[Records, bool]:
         opened[src] = frame[src]
     opened[client.id] = sent["own_share"]
     members = list(sent["members"])
+    last = state.get("answered_state")
+    if (
+        last is not None
+        and last["stage"] == stage
+        and last["round"] != round_
+        and last["digest"] == sent.get("digest")
+        and last["survivors"] != survivors
+    ):
+        raise SecAggError(
+            f"{where}: asked to unmask round {round_} for survivors {survivors}; round {last['round']} "
+            f"of the same broadcast state was unmasked for {last['survivors']}, and the difference "
+            "of the two sums would be one client's update"
+        )
     dropped = sorted(set(members) - set(survivors))
-    pair = _pair_seeds(client, [client.id, *dropped], stage, round_) if dropped else {}
+    terms = bytes.fromhex(sent.get("terms", ""))
+    pair = _pair_seeds(client, [client.id, *dropped], stage, round_, terms) if dropped else {}
     shares, seeds = answer_unmask(client.id, members, survivors, int(sent["threshold"]), opened, pair, where)
     # Only the round masked last can be unmasked, so only its story needs keeping.
     key = f"{stage}:{round_}"
     state["answered"] = {k: v for k, v in state["answered"].items() if k == key}
     UnmaskLedger(state["answered"]).check(stage, round_, survivors, shares_digest(blobs), where)
+    sent["survivors"] = survivors  # the next round of the stage may drop only the others
+    state["answered_state"] = {
+        "stage": stage,
+        "round": round_,
+        "digest": sent.get("digest"),
+        "survivors": survivors,
+    }
     return {P.UNMASKED: encode_answer(shares, seeds)}, True
 
 
@@ -344,6 +441,13 @@ class SecureAggregator:
         self.clipped = 0  # update coordinates clipped to the field encoding's bound, all clients
         self.dropped_after_masking = 0
         self.largest_error = 0.0  # the largest per-coordinate bound of a decoded sum's error
+        self.survivors: dict[int, list[int]] = {}  # stage -> the survivors of its last unmasked round
+
+    def members(self, stage: int, live: list[int]) -> list[int]:
+        """A round's masking set: the survivors of the stage's last unmasked round (members lost
+        since stay in it and count as dropped: a client refuses a set that drops a survivor), or
+        the live clients at a stage's first round."""
+        return list(self.survivors.get(stage, live))
 
     def round_config(self, fed: Federation, members: list[int]) -> dict[str, Any]:
         """The train message's secure-aggregation settings for a round masked by ``members``."""
@@ -408,6 +512,7 @@ class SecureAggregator:
                 f"secure aggregation: {len(survivors)} of {len(members)} clients replied to {label} "
                 f"round {round_}, fewer than the threshold {self.threshold}; the round is not decoded"
             )
+        self.survivors = {stage: survivors}
         requests = {}
         for s in survivors:
             shares = {P.share_key(j): outgoing[j][s] for j in survivors if s in outgoing[j]}

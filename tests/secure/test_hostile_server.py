@@ -64,9 +64,8 @@ class ClientAppTransport(InProcessTransport):
                 "run_id": 7,
                 "message_id": f"{self.sent}-{a}",
                 "node_id": a + 1,
-                "node_config": self.node_configs[a],
             }
-            msg, context = request_message(header, to_flower(req))
+            msg, context = request_message(header, to_flower(req), self.node_configs[a])
             reply = client_app(msg, context)
             if reply.has_error():
                 batch.failures[a] = f"replied with an error: {reply.error.reason}"
@@ -329,3 +328,90 @@ def partition_graph_peers(nodes, pid: int) -> set[int]:
     from retexo_fl.plan import BoundaryPlan
 
     return set(BoundaryPlan.from_partition(load_partition(nodes[0][pid])).recv)
+
+
+# -- secure aggregation: the terms of a masked round are bound --------------------------------------
+SECURE = {"secure_aggregation": True, "rounds": 3, "stages": 2}
+
+
+def _secure(nodes, work: Path, tamper: Tamper) -> dict:
+    return _lazy(nodes, work, tamper, **SECURE)
+
+
+def _set(req: Records, **config: Any) -> Records:
+    return {**req, P.CONFIG: {**req[P.CONFIG], **config}}
+
+
+def test_a_weight_bound_that_changes_within_a_stage_is_refused_naming_it(nodes, tmp_path):
+    """The attack: every client but one gets a huge weight bound, so their weights round to zero
+    in the field and the unmasked "sum" is the one client's update."""
+
+    def isolate(kind: str, address: int, req: Records) -> Records:
+        if kind == P.TRAIN and int(req[P.CONFIG][P.ROUND]) == 2 and address != 0:
+            return _set(req, **{P.SECAGG_BOUND: 1e8})
+        return req
+
+    with pytest.raises(ClientFailure, match=r"secagg-weight-bound 1e\+08 in round 2; round 1 of this stage"):
+        _secure(nodes, tmp_path, isolate)
+
+
+def test_per_client_terms_in_a_stages_first_round_do_not_unmask(nodes, tmp_path):
+    """With no earlier round to compare with, a client cannot tell that others got other terms,
+    but the terms are in its pair masks: they do not cancel, and the round does not decode (the
+    field sum is pseudorandom: tests/secure/test_secagg.py)."""
+
+    def isolate(kind: str, address: int, req: Records) -> Records:
+        if kind == P.TRAIN and int(req[P.CONFIG][P.ROUND]) == 1 and address != 0:
+            return _set(req, **{P.SECAGG_BOUND: 1e8})
+        return req
+
+    with pytest.raises(ClientFailure, match="does not decode"):
+        _secure(nodes, tmp_path, isolate)
+
+
+def test_a_member_set_that_drops_a_survivor_mid_stage_is_refused(nodes, tmp_path):
+    """The cohort-differencing attack: round 1 masked by all three, round 2 (nearly the same
+    model) by two of them; the difference of the sums would be the third client's update."""
+
+    def drop(kind: str, address: int, req: Records) -> Records:
+        if kind == P.TRAIN and int(req[P.CONFIG][P.ROUND]) == 2:
+            return _set(req, **{P.SECAGG_MEMBERS: "[0, 1]"})
+        return req
+
+    with pytest.raises(ClientFailure, match=r"secagg-members drops \[2\] in round 2, who survived round 1"):
+        _secure(nodes, tmp_path, drop)
+
+
+def test_the_same_state_for_another_member_set_is_refused():
+    from retexo_fl.secure.secagg import SecAggError
+    from retexo_fl.training.secure_round import _check_stage_terms
+
+    last = {"round": 2, "bound": 90.0, "members": [0, 1, 2, 3], "survivors": None, "digest": "d"}
+    with pytest.raises(SecAggError, match="sends the state round 2 of this stage was masked from"):
+        _check_stage_terms(last, [0, 1, 3], 90.0, "d", 3, "client 0")
+    _check_stage_terms(last, [0, 1, 3], 90.0, "e", 3, "client 0")  # a new state: a lost member may leave
+    with pytest.raises(SecAggError, match=r"secagg-members adds \[4\]"):
+        _check_stage_terms(last, [0, 1, 2, 3, 4], 90.0, "e", 3, "client 0")
+
+
+def test_a_threshold_other_than_the_run_configs_is_refused(nodes, tmp_path):
+    def lower(kind: str, address: int, req: Records) -> Records:
+        if kind == P.TRAIN:
+            return _set(req, **{P.SECAGG_THRESHOLD: 4})
+        return req
+
+    with pytest.raises(ClientFailure, match="secagg-threshold 4; the run config.s is 3"):
+        _secure(nodes, tmp_path, lower)
+
+
+def test_evaluate_serves_only_the_val_and_test_splits(nodes, tmp_path):
+    """Evaluate returns exact counts per client: on the train split (or any other) they are
+    label counts of nodes the run config never asked to be scored."""
+
+    def train_split(kind: str, address: int, req: Records) -> Records:
+        if kind == P.EVALUATE:
+            return _set(req, **{P.SPLIT: "train"})
+        return req
+
+    with pytest.raises(ClientFailure, match="evaluate serves the val and test splits only, not 'train'"):
+        _lazy(nodes, tmp_path, train_split)

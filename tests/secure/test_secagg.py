@@ -44,9 +44,12 @@ class Party:
         self.id, self.key = pid, key
         self.public = public_bytes(key)
 
-    def pair_seeds(self, publics: dict[int, bytes], others: list[int], stage: int, round_: int) -> dict:
+    def pair_seeds(
+        self, publics: dict[int, bytes], others: list[int], stage: int, round_: int, terms: bytes = b""
+    ) -> dict:
         return {
-            q: pairwise_mask_seed(self.key, publics[q], TRANSCRIPT, self.id, q, stage, round_) for q in others
+            q: pairwise_mask_seed(self.key, publics[q], TRANSCRIPT, self.id, q, stage, round_, terms)
+            for q in others
         }
 
 
@@ -67,8 +70,10 @@ def _metrics(i: int) -> dict[str, float]:
     }
 
 
-def _run_round(n, updates, threshold=None, dropped=(), stage=1, round_=3, answering=None):
-    """Every party masks; the server gets the survivors' vectors and their unmask answers."""
+def _run_round(n, updates, threshold=None, dropped=(), stage=1, round_=3, answering=None, terms=None):
+    """Every party masks (party ``i`` under the round terms ``terms[i]``, default none); the
+    server gets the survivors' vectors and their unmask answers."""
+    terms = terms or {}
     parties, publics = _parties(n)
     members = list(range(n))
     threshold = threshold or min_threshold(n)
@@ -78,7 +83,7 @@ def _run_round(n, updates, threshold=None, dropped=(), stage=1, round_=3, answer
         seed, shares = share_seed(p.id, members, threshold)
         for h, s in shares.items():
             held[h][p.id] = s
-        pair = p.pair_seeds(publics, [q for q in members if q != p.id], stage, round_)
+        pair = p.pair_seeds(publics, [q for q in members if q != p.id], stage, round_, terms.get(p.id, b""))
         rng = np.random.default_rng(p.id)
         packed[p.id], _ = mask_vector(
             codec, updates[p.id], _metrics(p.id), p.id, seed, pair, stage, round_, rng
@@ -91,7 +96,7 @@ def _run_round(n, updates, threshold=None, dropped=(), stage=1, round_=3, answer
         if p.id not in survivors or (answering is not None and p.id not in answering):
             continue
         drop = [d for d in members if d not in survivors]
-        pair = p.pair_seeds(publics, drop, stage, round_)
+        pair = p.pair_seeds(publics, drop, stage, round_, terms.get(p.id, b""))
         shares = {j: held[p.id][j] for j in survivors}
         answers[p.id] = answer_unmask(p.id, members, survivors, threshold, shares, pair, f"client {p.id}")
     return codec, packed, vectors, answers, members, threshold, own
@@ -320,3 +325,19 @@ def test_counts_sum_exactly_at_scale():
     _, metrics = codec.decode(total, members)
     assert metrics["val_correct"] == want["val_correct"] and metrics["val_count"] == want["val_count"]
     assert metrics["weight"] == pytest.approx(1.0, abs=members * 2.0**-codec.metric_fp.scale_bits)
+
+
+def test_clients_sent_different_round_terms_unmask_to_nothing():
+    """The pair masks bind the round's terms (member set, threshold, weight bound): a server
+    that sends one client other terms than the rest gets a sum whose pair masks do not cancel,
+    which does not decode; the same terms for all decode exactly as without terms."""
+    n, size = 4, 2_000
+    updates = np.stack([np.full(size, 0.01 * (i + 1)) for i in range(n)])
+    same = {i: b"A" * 32 for i in range(n)}
+    codec, _, vectors, answers, members, threshold, _ = _run_round(n, updates, terms=same)
+    total, _, count = unmask_round(codec, vectors, members, threshold, answers)
+    assert count == n and np.max(np.abs(total - updates.sum(0))) < codec.sum_error(n)
+    split = {**same, 0: b"B" * 32}  # client 0 alone was sent other terms
+    codec, _, vectors, answers, members, threshold, _ = _run_round(n, updates, terms=split)
+    with pytest.raises(SecAggError, match="does not decode"):
+        unmask_round(codec, vectors, members, threshold, answers)

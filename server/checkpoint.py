@@ -4,12 +4,29 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from pathlib import Path
 
 import torch
 
+from retexo_fl.compress.boundary import ExchangeStats
+from retexo_fl.compress.updates import ModelBroadcast, UpdateCodec
 from retexo_fl.config import TrainConfig
-from retexo_fl.training.checkpoint import Checkpoint
+from retexo_fl.training.aggregate import ServerOptimizer
+from retexo_fl.training.checkpoint import Checkpoint, RoundState
+from retexo_fl.training.drift import ServerControl
+from retexo_fl.training.federation import ClientCounts
+from retexo_fl.training.privacy import UpdatePrivacy
+from retexo_fl.training.secure_round import SecureAggregator
+from retexo_fl.training.selection import StageTracker
+
+#: The only classes a checkpoint file may name: plain data holders of this project. The file is
+#: loaded with ``weights_only=True``, so anything else in it (a pickled callable, ``os.system``)
+#: is refused instead of run: a checkpoint someone else could write is not code on the server.
+SAFE_GLOBALS = [
+    Checkpoint, RoundState, TrainConfig, ExchangeStats, ModelBroadcast, UpdateCodec, ServerOptimizer,
+    StageTracker, ServerControl, UpdatePrivacy, SecureAggregator, ClientCounts, frozenset, set,
+]  # fmt: skip
 
 #: The checkpoint's file in a run folder.
 CHECKPOINT = "checkpoint.pt"
@@ -42,8 +59,15 @@ class FileCheckpoints:
         """
         if not self.path.is_file():
             raise ValueError(f"{self.path}: no checkpoint to resume from (the run folder of a lazy run)")
-        # Our own file, written by save(): it holds optimizer and tracker objects, so not weights-only.
-        checkpoint = torch.load(self.path, weights_only=False)
+        try:
+            with torch.serialization.safe_globals(SAFE_GLOBALS):
+                checkpoint = torch.load(self.path, weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
+            lines = [
+                line.strip() for line in str(exc).splitlines() if "GLOBAL" in line or "Unsupported" in line
+            ]
+            why = lines[0] if lines else type(exc).__name__
+            raise ValueError(f"{self.path}: refused, not a checkpoint this server wrote ({why})") from None
         if not isinstance(checkpoint, Checkpoint):
             raise ValueError(f"{self.path}: not a checkpoint of this version ({type(checkpoint).__name__})")
         return checkpoint

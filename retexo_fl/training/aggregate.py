@@ -138,6 +138,20 @@ class ServerOptimizer:
             self.opt.step()
         return {k: p.detach().clone() for k, p in self.params.items()}
 
+    def __getstate__(self) -> dict:
+        """What a checkpoint keeps: the parameters and Adam's state dict (tensors and plain
+        containers, which a ``weights_only`` load accepts), not the optimizer object."""
+        params = {k: p.detach().clone() for k, p in self.params.items()}
+        return {"kind": self.kind, "params": params, "opt": self.opt.state_dict() if self.opt else None}
+
+    def __setstate__(self, saved: dict) -> None:
+        self.kind = saved["kind"]
+        self.params = {k: v.clone().float().requires_grad_(True) for k, v in saved["params"].items()}
+        self.opt = None
+        if saved["opt"] is not None:
+            self.opt = torch.optim.Adam(self.params.values())
+            self.opt.load_state_dict(saved["opt"])
+
 
 def apply_updates(
     state: StateDict, view: StateDict, states: list[StateDict], weights: list[float]

@@ -42,8 +42,13 @@ def test_both_sides_derive_the_same_seed_and_it_never_repeats():
         pairwise_mask_seed(a, pb, TRANSCRIPT, 2, 9, 2, 4),  # next stage
         pairwise_mask_seed(a, pb, bytes(32), 2, 9, 1, 4),  # another run
         pairwise_mask_seed(a, pb, TRANSCRIPT, 2, 8, 1, 4),  # another id claimed for the peer
+        pairwise_mask_seed(a, pb, TRANSCRIPT, 2, 9, 1, 4, bytes(32)),  # other round terms
     }
-    assert seed not in others and len(others) == 4
+    assert seed not in others and len(others) == 5
+    terms = bytes(range(32))
+    assert pairwise_mask_seed(a, pb, TRANSCRIPT, 2, 9, 1, 4, terms) == pairwise_mask_seed(
+        b, pa, TRANSCRIPT, 9, 2, 1, 4, terms
+    )
     with pytest.raises(ValueError, match="mask seed of clients 2 and 2: ids must differ"):
         pairwise_mask_seed(a, pb, TRANSCRIPT, 2, 2, 1, 4)
     with pytest.raises(ValueError, match="mask seed of clients 2 and 9: a public key is 32 bytes"):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from retexo_fl.config import TrainConfig
@@ -187,3 +188,47 @@ def parse_delivery_key(key: str) -> tuple[str, int]:
     if not sep or kind not in (DEGREES, HALO) or not src.isdigit():
         raise ValueError(f"payload key {key!r}: expected '{DEGREES}|{HALO}-from-<client id>'")
     return kind, int(src)
+
+
+#: The largest JSON text a message field may hold (a key directory of 10,000 clients is ~1 MB).
+MAX_JSON_FIELD = 4 << 20
+#: Config entries that count something (rounds, stages, ids): at most this.
+MAX_COUNT = 2**31 - 1
+
+
+def json_field(text: object, field: str, where: str, kind: type) -> Any:
+    """The JSON value of a message's config entry ``field``, of type ``kind`` (dict or list).
+
+    Raises:
+        ValueError: too long, not JSON, nested too deeply, or not a ``kind``; naming the field.
+    """
+    raw = str(text)
+    if len(raw) > MAX_JSON_FIELD:
+        raise ValueError(f"{where}: {field} is {len(raw)} characters, more than {MAX_JSON_FIELD}")
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        raise ValueError(f"{where}: {field} is nested too deeply") from None
+    except ValueError:
+        raise ValueError(f"{where}: {field} is not JSON") from None
+    if not isinstance(value, kind):
+        raise ValueError(f"{where}: {field} must be a JSON {'object' if kind is dict else 'list'}")
+    return value
+
+
+def count_entries(config: Mapping[str, Any], where: str) -> None:
+    """Refuse a config whose round, stage or partition entries are not counts in [0, MAX_COUNT].
+
+    Raises:
+        ValueError: naming the entry and its value.
+    """
+    for field in (ROUND, STAGE):
+        if field not in config:
+            continue
+        value = config[field]
+        try:
+            ok = not isinstance(value, bool) and int(value) == value and 0 <= int(value) <= MAX_COUNT
+        except (TypeError, ValueError, OverflowError):
+            ok = False
+        if not ok:
+            raise ValueError(f"{where}: {field} {str(value)[:40]!r} is not a count in [0, {MAX_COUNT}]")

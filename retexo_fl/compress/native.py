@@ -187,8 +187,14 @@ def _trusted_folder(folder: Path) -> bool:
 
     The folder must be the user's own and writable by nobody else; every folder above it must
     belong to the user or root and be writable by nobody else, or be sticky (``/tmp``), so that
-    no one can swap a component of the path between this check and the load.
+    no one can swap a component of the path between this check and the load. No component may be
+    a symbolic link: a link's target is decided by whoever owns the folder the link is in, and
+    can change between this check and the load.
     """
+    path = Path(os.path.abspath(folder))
+    for part in (path, *path.parents):
+        if stat.S_ISLNK(os.lstat(part).st_mode):
+            return False
     real = folder.resolve()
     uid = os.getuid()
     st = real.stat()

@@ -484,19 +484,23 @@ def members_json(members: list[int]) -> str:
     return json.dumps(sorted(int(m) for m in members))
 
 
-def parse_members(text: object, where: str) -> list[int]:
+def parse_members(text: object, where: str, field: str = "the client set") -> list[int]:
     """The client ids of :func:`members_json`.
 
     Raises:
-        SecAggError: not a JSON list of distinct non-negative ints (naming ``where``).
+        SecAggError: not a JSON list of distinct non-negative ints (naming ``where`` and ``field``).
     """
+    if len(str(text)) > 1 << 20:
+        raise SecAggError(f"{where}: {field} is longer than any key directory")
     try:
         values = json.loads(str(text))
+        if not isinstance(values, list):
+            raise ValueError
         ids = [int(v) for v in values if not isinstance(v, bool) and int(v) == v and v >= 0]
         if len(ids) != len(values) or len(set(ids)) != len(ids):
             raise ValueError
-    except (ValueError, TypeError):
-        raise SecAggError(f"{where}: the client set is not a JSON list of distinct client ids") from None
+    except (ValueError, TypeError, RecursionError, OverflowError):
+        raise SecAggError(f"{where}: {field} is not a JSON list of distinct client ids") from None
     return sorted(ids)
 
 

@@ -76,8 +76,8 @@ def _add_payloads(records: Records, sent: tuple[dict[int, bytes], dict] | None) 
 
 
 def _hex_map(text: object, what: str, where: str) -> dict[int, bytes]:
+    values = P.json_field(text, what, where, dict)
     try:
-        values = json.loads(str(text))
         return {int(q): bytes.fromhex(v) for q, v in values.items()}
     except (ValueError, TypeError, AttributeError):
         raise KeyMaterialError(
@@ -92,8 +92,11 @@ def setup(client: Client, request: Records) -> Reply:
     where = f"client {client.id}"
     client.policy.check_pins(str(config.get(P.PINS, "")) or None, where)
     if client.cfg.encrypt:
-        keys = json.loads(str(config[P.KEYS]))
-        directory = {int(q): parse_public(k, f"key directory, client {q}") for q, k in keys.items()}
+        keys = P.json_field(config[P.KEYS], P.KEYS, where, dict)
+        try:
+            directory = {int(q): parse_public(k, f"key directory, client {q}") for q, k in keys.items()}
+        except (TypeError, ValueError) as exc:
+            raise KeyMaterialError(f"{where}: the setup message's {P.KEYS}: {exc}") from None
         contributions = _hex_map(config.get(P.CONTRIBUTIONS, "{}"), "transcript contributions", where)
         # The config this client was sent is bound into the keys: parties handed different
         # configs by the server derive different keys, and their payloads fail to open.
@@ -283,6 +286,7 @@ def handle(client: Client, kind: str, request: Records) -> Reply:
     handler = HANDLERS.get(kind)
     if handler is None:
         raise ValueError(f"client {client.id}: unknown message type {kind!r}")
+    P.count_entries(request.get(P.CONFIG, {}), f"client {client.id}")
     reply = handler(client, request)
     if client.missing:  # filled-in payloads are reported, never silent
         events = sorted(set(client.missing))  # eager: one event per sender, not per layer

@@ -184,7 +184,7 @@ def prepare(client: Client, config: dict[str, Any], state: StateDict) -> Prepare
             f"{sent['round']}; a client masks each round once, in order"
         )
     try:
-        members = parse_members(config[P.SECAGG_MEMBERS], where)
+        members = parse_members(config[P.SECAGG_MEMBERS], where, P.SECAGG_MEMBERS)
         threshold = int(config[P.SECAGG_THRESHOLD])
         bound = float(config[P.SECAGG_BOUND])
     except (KeyError, TypeError, ValueError, OverflowError) as exc:
@@ -339,7 +339,7 @@ def unmask(client: Client, request: Records) -> tuple[Records, bool]:
         raise SecAggError(
             f"{where}: asked to unmask stage {stage} round {round_}; the round it masked last: {last}"
         )
-    survivors = parse_members(config.get(P.SECAGG_SURVIVORS, ""), where)
+    survivors = parse_members(config.get(P.SECAGG_SURVIVORS, ""), where, P.SECAGG_SURVIVORS)
     blobs = {}
     for key, blob in request.get(P.SHARES, {}).items():
         try:

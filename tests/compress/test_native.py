@@ -211,6 +211,16 @@ def test_a_folder_under_one_others_can_write_is_not_trusted(tmp_path):
     assert native._trusted_folder(inner)
 
 
+def test_a_path_through_a_symlink_is_not_trusted(tmp_path):
+    """Every folder of the resolved path is this user's, but the link could be repointed between
+    the check and the load by whoever owns the folder it sits in."""
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(real)
+    assert native._trusted_folder(real)
+    assert not native._trusted_folder(tmp_path / "link")
+
+
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
 def test_a_cache_folder_that_cannot_be_made_builds_in_a_temp_folder(tmp_path, monkeypatch):
     blocker = tmp_path / "a-file"

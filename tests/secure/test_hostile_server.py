@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -400,7 +401,7 @@ def test_a_threshold_other_than_the_run_configs_is_refused(nodes, tmp_path):
             return _set(req, **{P.SECAGG_THRESHOLD: 4})
         return req
 
-    with pytest.raises(ClientFailure, match="secagg-threshold 4; the run config.s is 3"):
+    with pytest.raises(ClientFailure, match="secagg-threshold 4; the run config's is 3"):
         _secure(nodes, tmp_path, lower)
 
 
@@ -415,3 +416,29 @@ def test_evaluate_serves_only_the_val_and_test_splits(nodes, tmp_path):
 
     with pytest.raises(ClientFailure, match="evaluate serves the val and test splits only, not 'train'"):
         _lazy(nodes, tmp_path, train_split)
+
+
+@pytest.mark.parametrize(
+    ("kind", "field", "value", "error"),
+    [
+        (P.TRAIN, P.SECAGG_MEMBERS, "[" * 100_000 + "]" * 100_000, "secagg-members is not a JSON list"),
+        (
+            P.TRAIN,
+            P.SECAGG_MEMBERS,
+            json.dumps(list(range(2_000))),
+            "at most the 3 clients of the key directory",
+        ),
+        (P.SETUP, P.KEYS, '["a", "list"]', "keys must be a JSON object"),
+        (P.SETUP, P.KEYS, "[" * 100_000 + "]" * 100_000, "keys is nested too deeply"),
+        (P.TRAIN, P.ROUND, 2**70, "round '1180591620717411303424' is not a count"),
+    ],
+    ids=["nested-members", "2000-fake-members", "keys-as-list", "nested-keys", "huge-round"],
+)
+def test_malformed_fields_are_refused_naming_the_field(nodes, tmp_path, kind, field, value, error):
+    def malform(k: str, address: int, req: Records) -> Records:
+        if k == kind and (k != P.TRAIN or int(req[P.CONFIG][P.ROUND]) == 1):
+            return _set(req, **{field: value})
+        return req
+
+    with pytest.raises(ClientFailure, match=re.escape(error)):
+        _lazy(nodes, tmp_path, malform, secure_aggregation=True)

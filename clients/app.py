@@ -16,7 +16,8 @@ from clients import shim
 from clients.mods import audit_messages, report_errors
 from retexo_fl import protocol as P
 
-app = ClientApp(mods=[report_errors, audit_messages])
+# The audit is outermost: it records the error replies report_errors makes, too.
+app = ClientApp(mods=[audit_messages, report_errors])
 
 
 def _answer(msg: Message, context: Context) -> Message:

@@ -36,21 +36,28 @@ def _plain(content: RecordDict) -> dict[str, dict]:
 
 
 def audit_messages(msg: Message, context: Context, call_next: Next) -> Message:
-    """With ``audit`` (or node config ``audit-dir``) set, record every reply this client sends.
+    """With ``audit`` (or node config ``audit-dir``) set, record every reply this client sends,
+    error replies included (their reason is text that leaves the node). It runs outside
+    :func:`report_errors`, so it sees the error reply that mod made.
 
     With a node worker the worker says where and as whom (its reply header); without one, the
-    client this process just answered with does.
+    client this process just answered with does. A failure before the client was built has no
+    client to record it as, and nothing of the client's data loaded: it is not recorded.
     """
     reply = call_next(msg, context)
-    if reply.has_error():
-        return reply
     if P.NODE_WORKER in context.node_config:
         target = shim.audit_target(msg)
     else:
         from clients.node_client import audit_target  # torch: only a process that answers itself
 
-        target = audit_target(msg, context)
+        try:
+            target = audit_target(msg, context)
+        except (KeyError, TypeError, ValueError):  # failed before this message's client was built
+            target = None
     if target:
         log = AuditLog(target["folder"], target["client"], target["partition"], target["encrypted"])
-        log.record(msg.metadata.message_type, _plain(reply.content))
+        if reply.has_error():
+            log.record(msg.metadata.message_type, {"error": {"reason": reply.error.reason}})
+        else:
+            log.record(msg.metadata.message_type, _plain(reply.content))
     return reply

@@ -31,7 +31,11 @@ def forward(msg: Message, context: Context) -> RecordDict:
         "message_id": msg.metadata.message_id,
         "node_id": context.node_id,
     }  # no node config: the worker answers under the one `retexo-fl supernode` was started with
-    reply, content = call(str(context.node_config[P.NODE_WORKER]), header, msg.content, wait=WORKER_WAIT)
+    try:
+        reply, content = call(str(context.node_config[P.NODE_WORKER]), header, msg.content, wait=WORKER_WAIT)
+    except WorkerError as exc:
+        _AUDIT[msg.metadata.message_id] = exc.audit  # the error reply is audited like any other
+        raise
     if content is None:
         raise WorkerError(f"the node worker sent no content for a {msg.metadata.message_type} message")
     _AUDIT[msg.metadata.message_id] = reply.get("audit")

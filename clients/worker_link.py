@@ -24,7 +24,7 @@ Shapes:
       so a caller whose worker died here may call the next one
     - **request header:** ``{"type", "run_id", "message_id", "node_id", "root", "objects"}``
     - **reply header:** ``{"ok": true, "root", "objects", "audit"}`` or
-      ``{"ok": false, "error": "one line"}``
+      ``{"ok": false, "error": "one line", "audit"}``
 """
 
 from __future__ import annotations
@@ -56,7 +56,17 @@ _DOMAIN = b"retexo-fl node worker v1"
 
 
 class WorkerError(RuntimeError):
-    """The worker cannot be reached, refused the caller, or died while answering."""
+    """The worker cannot be reached, refused the caller, or died while answering.
+
+    Args:
+        message (str): one line.
+        audit (dict, optional): where the worker said this failure is audited (a failure's reason
+            leaves the node like any reply).
+    """
+
+    def __init__(self, message: str, audit: dict | None = None) -> None:
+        super().__init__(message)
+        self.audit = audit
 
 
 def make_worker_dir(base: str | Path | None = None) -> Path:
@@ -235,7 +245,11 @@ def call(
                 f"the node worker died while answering ({exc}); it restarts from node state"
             ) from None
     if not reply.get("ok"):
-        raise WorkerError(str(reply.get("error", "the node worker refused the request")))
+        audit = reply.get("audit")
+        raise WorkerError(
+            str(reply.get("error", "the node worker refused the request")),
+            audit if isinstance(audit, dict) else None,
+        )
     return reply, reply_content
 
 

@@ -38,6 +38,11 @@ def make_partitions(cfg: TrainConfig, rec: RunRecorder | None = None) -> list[Pa
 def train(cfg: TrainConfig, rec: RunRecorder | None = None) -> dict:
     """Train as ``cfg`` says and return the summary (also written to ``cfg.out_dir`` if set)."""
     cfg.validate()
+    if cfg.audit:
+        raise ValueError(
+            "--audit records what each ClientApp sends, and the in-process engine runs none: "
+            "use --engine simulation (or node config audit-dir in a deployment)"
+        )
     rec = rec or RunRecorder(cfg.out_dir or None)
     rec.write_json("config.json", cfg.to_dict())
     t0 = time.perf_counter()

@@ -13,10 +13,12 @@ numbers) for them:
   least :data:`MATCH_CORRELATION` over the whole row. Rows with fewer than two non-zero entries
   (a one-hot row, an empty row) are not searched: they occur by chance.
 - **label vectors** (all owned nodes, and each split's), as integers of any width, floats,
-  one-hot rows or columns, numbers in text or a list: a contiguous copy of the whole vector.
+  one-hot rows or columns, numbers in text, digits in text (``"0120..."``) or a list: a
+  contiguous copy of the whole vector.
 - **edges**: any pairs of integer-valued numbers (any dtype, as rows, columns, interleaved or
   as two halves of a flat array) of which at least half, and at least four, are this client's
-  edges, local or cross, every edge searched; and an adjacency bitmap over the owned nodes.
+  edges, local or cross, in global ids or in local indices (the owned nodes' row numbers),
+  every edge searched; and an adjacency bitmap over the owned nodes.
 
 What it does not find: a secret transformed in any other way (rotated, encrypted, compressed,
 mixed with noise, split across messages or fields), or a row with fewer than two non-zeros.
@@ -42,6 +44,7 @@ _TOL = 0.03  # a coordinate this close to a bin edge also probes the neighbourin
 _CHUNK = 1 << 14
 _DTYPES = ("<f4", "<f2", "<f8", "<i1", "<u1", "<i2", "<i4", "<i8")
 _NUMBER = re.compile(rb"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+_DIGITS = re.compile(rb"\d{8,}")  # a run of digits: one digit per value (labels of < 10 classes)
 
 
 def _zscore(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -85,6 +88,11 @@ class SecretFinder:
         self.labels = [v.tobytes() for v in labels if v.size >= 8 and np.unique(v).size >= 2]
         c = np.asarray(part.cross_edges, dtype=np.int64).reshape(-1, 4)
         pairs = np.concatenate([np.asarray(part.edges, dtype=np.int64).T, c[:, :2]])
+        # The same edges in local indices (row numbers of the owned nodes, as a client's own
+        # LocalGraph numbers them): a local edge list is the same secret.
+        ids = np.asarray(part.node_ids, dtype=np.int64)
+        local = np.searchsorted(ids, np.asarray(part.edges, dtype=np.int64)).T
+        pairs = np.concatenate([pairs, local])
         both = np.concatenate([pairs, pairs[:, ::-1]])
         self.edge_keys = np.unique(_pair_keys(both))
         # The bitmap check looks set bits up in the edge keys: no n x n matrix is ever built.
@@ -191,6 +199,8 @@ class SecretFinder:
             numbers = _NUMBER.findall(blob)
             if len(numbers) >= 8:
                 yield " as numbers in text", np.array([float(t) for t in numbers])
+            for run in _DIGITS.findall(blob):  # "0120...": labels written digit by digit
+                yield " as digits in text", np.frombuffer(run, dtype=np.uint8).astype(np.float64) - ord("0")
             return
         if isinstance(value, list | tuple) and value and all(isinstance(v, int | float) for v in value):
             yield " as a list", np.asarray(value, dtype=np.float64)

@@ -34,6 +34,8 @@ ARRAY_LEAKS = (
     "edges-float64",
     "edges-beyond-16",
     "edges-flattened",
+    "edges-local-indices",
+    "local-graph-edge-index",
 )
 CONFIG_LEAKS = (
     "row-float16-in-frame",
@@ -41,6 +43,7 @@ CONFIG_LEAKS = (
     "labels-uint8-bytes",
     "labels-json",
     "edges-bitmap",
+    "labels-digit-string",
 )
 METRIC_LEAKS = ("labels-metric-list",)
 SEALED_LEAK = "rows-sealed-to-a-peer"
@@ -58,6 +61,7 @@ def leak(msg: Message, context: Context, call_next: Next) -> Message:
     y = torch.from_numpy(np.array(part.y, dtype=np.int64))
     edges = torch.from_numpy(np.array(part.edges, dtype=np.int64))
     classes = int(part.num_classes)
+    ids = np.asarray(part.node_ids)
     reply.content["leak-arrays"] = ArrayRecord(
         {
             "row-scaled": x[3:4] * 2,
@@ -74,6 +78,8 @@ def leak(msg: Message, context: Context, call_next: Next) -> Message:
             "edges-float64": edges.double(),
             "edges-beyond-16": edges[:, 16:80].contiguous(),
             "edges-flattened": edges.reshape(-1),
+            "edges-local-indices": torch.from_numpy(np.searchsorted(ids, edges.numpy())),
+            "local-graph-edge-index": client.graph.edge_index.clone(),
         }
     )
     ids = np.asarray(part.node_ids)
@@ -87,6 +93,7 @@ def leak(msg: Message, context: Context, call_next: Next) -> Message:
             "labels-uint8-bytes": y.numpy().astype(np.uint8).tobytes(),
             "labels-json": json.dumps({"y": y.tolist()}),
             "edges-bitmap": np.packbits(adjacency.reshape(-1)).tobytes(),
+            "labels-digit-string": "".join(str(v) for v in y.tolist()),
         }
     )
     reply.content["leak-metrics"] = MetricRecord({"labels-metric-list": [float(v) for v in y.tolist()]})
@@ -98,7 +105,7 @@ def leak(msg: Message, context: Context, call_next: Next) -> Message:
     return reply
 
 
-app = ClientApp(mods=[report_errors, audit_messages, leak])
+app = ClientApp(mods=[audit_messages, report_errors, leak])
 app.query("hello")(real.hello)
 app.query("setup")(real.setup)
 app.query("embed")(real.embed)

@@ -85,3 +85,51 @@ def test_audit_catches_a_leaking_client(parts_dir, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "LEAK client 1, message 00001-train, arrays::mlp.weight: holds 1 raw feature row(s)" in out
     assert "audit FAILED: 5 finding(s)" in out
+
+
+def test_an_error_reply_is_audited_like_any_other(parts_dir, tmp_path):
+    """A failure's reason is text that leaves the node: the audit mod records it (here on the
+    node-worker path, where the worker names the audit target with its error)."""
+    from flwr.app import Context, Error, Message, Metadata, RecordDict
+
+    from clients import shim
+    from clients.mods import audit_messages, report_errors
+    from retexo_fl import protocol as P
+
+    root, parts = parts_dir
+    y = np.asarray(parts[2].y)
+    meta = Metadata(
+        run_id=1, message_id="m-1", src_node_id=0, dst_node_id=3, reply_to_message_id="", group_id="",
+        created_at=0.0, ttl=60.0, message_type="evaluate",
+    )  # fmt: skip
+    msg = Message(content=RecordDict(), metadata=meta)
+    context = Context(
+        run_id=1, node_id=3, node_config={P.NODE_WORKER: "/nowhere"}, state=RecordDict(), run_config={}
+    )
+    target = {
+        "folder": str(tmp_path / "audit"),
+        "client": 2,
+        "partition": str(root / "part-2"),
+        "encrypted": True,
+    }
+
+    def failing(m: Message, c: Context) -> Message:
+        shim._AUDIT[m.metadata.message_id] = target  # what the worker's error header said
+        raise ValueError("labels " + "".join(str(v) for v in y.tolist()))  # data in a reason
+
+    reply = audit_messages(msg, context, lambda m, c: report_errors(m, c, failing))
+    assert reply.has_error() and isinstance(reply.error, Error)
+    _, findings = check_audit(tmp_path / "audit")
+    assert [(f.field, f.what) for f in findings] == [
+        ("error::reason", "holds the label vector as digits in text")
+    ]
+
+
+def test_audit_in_process_is_refused_with_a_message(tmp_path, capsys):
+    argv = ["train", "--dataset", "sbm:100,2", "--clients", "2", "--audit", str(tmp_path / "audit")]
+    assert main(argv) == 2
+    assert (
+        "--audit records what each ClientApp sends, and the in-process engine runs none"
+        in capsys.readouterr().err
+    )
+    assert not (tmp_path / "audit").exists()

@@ -4,7 +4,8 @@ The leaking ClientApp (``leaky_clientapp.py``) is the real one plus a mod that a
 raw features, labels and edges to every reply in one field per encoding: scaled, shifted,
 negated, transposed, flattened, with an extra column, as float16 and float64, labels one-hot,
 as int32, floats, uint8 bytes, JSON and a metric list, edges as float64, past the first 16,
-flattened and as a bitmap, raw rows as float16 inside a frame and behind a forged envelope
+flattened, in local indices (the client's own LocalGraph edge_index too) and as a bitmap, labels
+as a digit string, raw rows as float16 inside a frame and behind a forged envelope
 prefix, and rows sealed to a peer (caught in the plaintext recorded before sealing).
 """
 

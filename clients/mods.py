@@ -50,10 +50,7 @@ def audit_messages(msg: Message, context: Context, call_next: Next) -> Message:
     else:
         from clients.node_client import audit_target  # torch: only a process that answers itself
 
-        try:
-            target = audit_target(msg, context)
-        except (KeyError, TypeError, ValueError):  # failed before this message's client was built
-            target = None
+        target = audit_target(msg, context)
     if target:
         log = AuditLog(target["folder"], target["client"], target["partition"], target["encrypted"])
         if reply.has_error():

@@ -129,9 +129,13 @@ def answer(msg: Message, context: Context) -> RecordDict:
 
 def audit_target(msg: Message, context: Context) -> dict | None:
     """Where and as whom this node records its replies (its policy's audit folder: node config
-    ``audit-dir``, never the server's run config), or None when it does not. The handler has
-    just built or restored the client: it is read from the cache, not restored again."""
-    client = cached_client(msg, context)
+    ``audit-dir``, never the server's run config), or None when it does not, or when no client
+    was built for this message (a failure before that loaded none of the client's data). The
+    handler has just built or restored the client: it is read from the cache, not restored again."""
+    try:
+        client = cached_client(msg, context)
+    except (KeyError, TypeError, ValueError):
+        return None
     folder = client.policy.audit_dir
     if not folder:
         return None

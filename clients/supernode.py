@@ -160,16 +160,22 @@ class SupernodeRefused(ValueError):
     """``retexo-fl supernode`` will not start with these flags; the message says why."""
 
 
+def flag_value(argv: list[str], flag: str) -> str | None:
+    """The value ``argv`` gives ``flag`` (``--flag VALUE`` or ``--flag=VALUE``), or None."""
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
 def node_config_of(argv: list[str]) -> dict[str, Any]:
     """The node config ``argv``'s ``--node-config`` sets, parsed as Flower parses it."""
     from flwr.common.config import parse_config_args
 
-    for i, arg in enumerate(argv):
-        if arg == "--node-config" and i + 1 < len(argv):
-            return parse_config_args([argv[i + 1]])
-        if arg.startswith("--node-config="):
-            return parse_config_args([arg.split("=", 1)[1]])
-    return {}
+    text = flag_value(argv, "--node-config")
+    return parse_config_args([text]) if text is not None else {}
 
 
 def check_pinned_keys(node_config: dict[str, Any], insecure: bool) -> str:
@@ -246,9 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     from flwr.supernode.cli import flower_supernode  # Flower's own SuperNode, this process
 
     try:
-        if any(a == "--isolation" or a.startswith("--isolation=") for a in flower_argv) and (
-            "process" in flower_argv or "--isolation=process" in flower_argv
-        ):
+        if flag_value(flower_argv, "--isolation") == "process":
             raise SupernodeRefused(
                 "--isolation process: the ClientApp launcher that checks the run's app is the one "
                 "this command starts (subprocess isolation, the default)"

@@ -86,22 +86,11 @@ def serve_connection(conn: socket.socket, secret: bytes, node_config: dict) -> N
         failed = {
             "ok": False,
             "error": f"{type(exc).__name__}: {exc}",
-            "audit": _failure_target(msg, context),
+            "audit": None if msg is None or context is None else audit_target(msg, context),
         }
         send_content(conn, failed, None)
         return
     send_content(conn, {"ok": True, "audit": target}, reply)
-
-
-def _failure_target(msg: Message | None, context: Context | None) -> dict | None:
-    """Where a failed message's reply is audited: its client's audit target, if the client was
-    built before the failure (a failure's reason leaves the node too)."""
-    if msg is None or context is None:
-        return None
-    try:
-        return audit_target(msg, context)
-    except Exception:  # no client for this message yet: nothing of its data was loaded
-        return None
 
 
 def _watch_parent(parent_pid: int) -> None:

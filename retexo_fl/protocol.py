@@ -192,7 +192,7 @@ def parse_delivery_key(key: str) -> tuple[str, int]:
 
 #: The largest JSON text a message field may hold (a key directory of 10,000 clients is ~1 MB).
 MAX_JSON_FIELD = 4 << 20
-#: Config entries that count something (rounds, stages, ids): at most this.
+#: The largest round or stage number a message may name.
 MAX_COUNT = 2**31 - 1
 
 
@@ -217,7 +217,7 @@ def json_field(text: object, field: str, where: str, kind: type) -> Any:
 
 
 def count_entries(config: Mapping[str, Any], where: str) -> None:
-    """Refuse a config whose round, stage or partition entries are not counts in [0, MAX_COUNT].
+    """Refuse a config whose round or stage entry is not a count in [0, MAX_COUNT].
 
     Raises:
         ValueError: naming the entry and its value.

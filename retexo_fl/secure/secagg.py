@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from retexo_fl.protocol import json_field
 from retexo_fl.secure import shamir
 from retexo_fl.secure.fixedpoint import DTYPE, FixedPoint, field_sum
 from retexo_fl.secure.masking import SEED_BYTES, masked_update, unmask_sum
@@ -490,16 +491,12 @@ def parse_members(text: object, where: str, field: str = "the client set") -> li
     Raises:
         SecAggError: not a JSON list of distinct non-negative ints (naming ``where`` and ``field``).
     """
-    if len(str(text)) > 1 << 20:
-        raise SecAggError(f"{where}: {field} is longer than any key directory")
     try:
-        values = json.loads(str(text))
-        if not isinstance(values, list):
-            raise ValueError
+        values = json_field(text, field, where, list)
         ids = [int(v) for v in values if not isinstance(v, bool) and int(v) == v and v >= 0]
         if len(ids) != len(values) or len(set(ids)) != len(ids):
             raise ValueError
-    except (ValueError, TypeError, RecursionError, OverflowError):
+    except (ValueError, TypeError, OverflowError):
         raise SecAggError(f"{where}: {field} is not a JSON list of distinct client ids") from None
     return sorted(ids)
 

@@ -64,9 +64,7 @@ def next_client_control(
     if steps <= 0:
         return own
     scale = 1.0 / (steps * lr)
-    return {
-        k: own[k] - control[k] + (base[k].float() - trained[k].float()) * scale for k in control
-    }
+    return {k: own[k] - control[k] + (base[k].float() - trained[k].float()) * scale for k in control}
 
 
 class ServerControl:

@@ -193,8 +193,16 @@ class RoundLoop:
                 val = sum_val(metrics)
             else:  # the server learns the sums only: one more message unmasks them
                 summed = fed.secure.aggregate(
-                    fed, stage, r, members, dict(zip(pids, ordered, strict=True)), rs.state, rs.view,
-                    rs.tracker, down, label,
+                    fed,
+                    stage,
+                    r,
+                    members,
+                    dict(zip(pids, ordered, strict=True)),
+                    rs.state,
+                    rs.view,
+                    rs.tracker,
+                    down,
+                    label,
                 )
                 raw, val = summed.raw, summed.val
             rs.model_raw += raw + extra_raw * len(ordered)
@@ -215,9 +223,9 @@ class RoundLoop:
                 aggregate = summed.aggregate
             else:
                 weights = [m[P.NUM_EXAMPLES] for m in metrics]
-                rs.train_loss = sum(
-                    m[P.TRAIN_LOSS] * w for m, w in zip(metrics, weights, strict=True)
-                ) / sum(weights)
+                rs.train_loss = sum(m[P.TRAIN_LOSS] * w for m, w in zip(metrics, weights, strict=True)) / sum(
+                    weights
+                )
                 if rs.control is not None:
                     steps = [int(m[P.LOCAL_STEPS]) for m in metrics]
                     rs.control.step(pids, rs.view, states, steps, weights)

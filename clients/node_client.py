@@ -3,10 +3,18 @@
 Ray actors serve several virtual nodes and keep Python state between messages; a node worker
 (``retexo-fl supernode``) keeps it for the node's whole life; a deployed ClientApp without a
 worker is a new process per message and falls back to the node-local work folder every time.
+
+A node worker answers several runs at once, one thread per run (:mod:`clients.worker`), so the
+cache here is guarded by a lock, and the worker holds a message's client (:func:`holding`) while
+it answers and reads the audit target: one thread at a time per client, and a held client is
+never dropped from the cache.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,13 +36,99 @@ from retexo_fl.training.lazy_client import LazyClient
 if TYPE_CHECKING:
     from torch_geometric.data import Data
 
+#: (run key, node) -> its client, least recently used first.
 _CACHE: dict[tuple[int, str], Client] = {}
+#: How many runs' clients (by run key) a process keeps, least recently used dropped first when a
+#: new one is built. One drops every earlier run's tensors; a node worker serving several runs at
+#: once keeps one per run it serves (:data:`clients.worker.MAX_RUNS`), or they would evict each
+#: other and reload their partition at every message.
+CACHED_RUNS = 1
 #: Set by the node worker: no other process writes this node's state, so a cached client that
 #: this process loaded or answered with is current and is not loaded again before each message.
 #: Ray actors (several serve one node) always load it: file times are too coarse to tell two
 #: writes in a row apart.
 SOLE_WRITER = False
 _CURRENT: set[tuple[int, str]] = set()
+#: Guards ``_CACHE``, ``_CURRENT`` and ``_HELD``: a node worker answers runs on several threads.
+_LOCK = threading.Lock()
+
+
+class _Hold:
+    """One client's lock, and how many threads hold it or wait for it (:func:`holding`)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.users = 0
+
+
+#: (run key, node) -> its hold, while a thread holds or waits for that client.
+_HELD: dict[tuple[int, str], _Hold] = {}
+
+
+@contextmanager
+def holding(msg: Message, context: Context) -> Iterator[tuple[int, str]]:
+    """Hold the message's client (its run key and node) for the ``with`` block.
+
+    The run key is the server's to name, so two runs' threads in a node worker may name one
+    client: they take turns here, as a client's state must not change under two threads at
+    once. A held client is not dropped from the cache, so :func:`audit_target` after
+    :func:`answer` reads the client that answered, even while other runs build theirs.
+
+    Args:
+        msg (Message): the message about to be answered.
+        context (Context): its context (the node config names the node).
+
+    Yields:
+        tuple[int, str]: the client's (run key, node).
+
+    Raises:
+        KeyError: the message carries no config (as :func:`answer` would).
+        ValueError: its run key is not an integer.
+    """
+    key = cache_key(msg, context)
+    with _LOCK:
+        hold = _HELD.setdefault(key, _Hold())
+        hold.users += 1
+    try:
+        with hold.lock:
+            yield key
+    finally:
+        with _LOCK:
+            hold.users -= 1
+            if not hold.users:
+                del _HELD[key]
+
+
+def forget(run_keys: Iterable[int]) -> None:
+    """Drop the cached clients of these runs (not a held one): a node worker whose run has gone
+    quiet gives its memory back. A run that sends again restores its client from its work folder.
+
+    Args:
+        run_keys (Iterable[int]): the run keys whose clients to drop.
+    """
+    runs = set(run_keys)
+    with _LOCK:
+        held = {run for run, _ in _HELD}
+        for key in [k for k in _CACHE if k[0] in runs and k[0] not in held]:
+            del _CACHE[key]
+            _CURRENT.discard(key)
+
+
+def _drop_old_runs(keep: int) -> None:
+    """Drop clients of the least recently used runs beyond :data:`CACHED_RUNS`, never run
+    ``keep``'s (the one just built) nor a held one's. The caller holds ``_LOCK``.
+
+    Args:
+        keep (int): the run key of the client just built.
+    """
+    held = {run for run, _ in _HELD}
+    runs = [run for run in dict.fromkeys(run for run, _ in _CACHE) if run != keep]  # oldest first
+    for run in runs[: max(0, len(runs) - (CACHED_RUNS - 1))]:
+        if run in held:  # another thread is answering with it: dropped when a later client is built
+            continue
+        for key in [k for k in _CACHE if k[0] == run]:
+            del _CACHE[key]
+            _CURRENT.discard(key)
 
 
 def load_node_partition(context: Context, cfg: TrainConfig, work: Path) -> Partition:
@@ -86,8 +180,12 @@ def node_client(msg: Message, context: Context) -> tuple[Client, Path]:
     policy.check(cfg, who(context))
     key = cache_key(msg, context)
     work = private_folder(work_dir(context, *key))  # it holds the client's keys and state
-    client = _CACHE.get(key)
+    with _LOCK:
+        client = _CACHE.pop(key, None)
+        if client is not None:
+            _CACHE[key] = client  # most recently used last
     if client is None:
+        # Built outside the lock (a partition load takes seconds): other runs go on meanwhile.
         part = load_node_partition(context, cfg, work)
         if cfg.mode in ("eager", "local"):
             client = EagerClient(part, cfg, local=cfg.mode == "local", policy=policy)
@@ -96,15 +194,16 @@ def node_client(msg: Message, context: Context) -> tuple[Client, Path]:
         if policy.audit_dir:  # frames sealed for peers are audited as plaintext, before sealing
             log = AuditLog(policy.audit_dir, client.id, str(partition_dir(context, cfg)), cfg.encrypt)
             client.channel.observer = log.record_sealed
-        for old in [k for k in _CACHE if k[0] != key[0]]:  # drop earlier runs' tensors
-            del _CACHE[old]
-            _CURRENT.discard(old)
-        _CACHE[key] = client
+        with _LOCK:
+            _CACHE[key] = client
+            _CURRENT.discard(key)  # a new client holds nothing yet: restored below
+            _drop_old_runs(key[0])  # earlier runs' tensors
     # Another Ray actor may have advanced this node since, or this is a restarted worker: the
     # saved state is the truth, unless this process is its only writer and already holds it.
     if not (SOLE_WRITER and key in _CURRENT):
         client.restore(work)
-        _CURRENT.add(key)
+        with _LOCK:
+            _CURRENT.add(key)
     return client, work
 
 
@@ -120,7 +219,8 @@ def answer(msg: Message, context: Context) -> RecordDict:
     try:
         reply = handle(client, msg.metadata.message_type, from_flower(msg.content))
     except Exception:
-        _CURRENT.discard(cache_key(msg, context))  # a half-applied message: reload the saved state
+        with _LOCK:
+            _CURRENT.discard(cache_key(msg, context))  # a half-applied message: reload the saved state
         raise
     if reply.changed:
         client.save(work)  # node-local: the private key and stage inputs stay in this folder

@@ -12,8 +12,22 @@ where a killed one stopped. It is the only process that writes its node's state
 message; after a message that raised, it is. Clients are cached per (run key, node), so two runs
 on one node never share one.
 
-Messages are answered one at a time, in arrival order: a SuperNode hands out one message at a
-time, and torch state is not shared across threads here.
+Runs are served side by side. Flower's SuperExec starts a ClientApp per message, several at once,
+and each run's server picks how long its messages take (a long training request, a huge member
+list). So every Flower run id gets a lane of its own (:class:`RunLanes`): a thread that answers
+that run's requests one at a time, in the order the worker received them. A message of one run
+never waits for another run's, and one run's client state is never changed by two threads.
+Bounds keep a server from exhausting the node: at most :data:`MAX_RUNS` runs at once and
+:data:`MAX_QUEUED` requests waiting per run; a request over either is refused with one line
+naming its run. A lane with nothing to do ends after :data:`IDLE_S` seconds, or at once when a
+new run needs its place, and its run's clients leave the cache (:func:`forget_run`). A run key
+is the server's to name, so two runs could name one client: they take turns on it
+(:func:`clients.node_client.holding`).
+
+Runs share the process: its CPU, its memory and torch's global random generator. A client's
+dropout masks are drawn from that generator after seeding it, so two runs that train at once on
+one node draw from one stream: each trains correctly, but neither is bit-reproducible. A run
+alone on a node is.
 """
 
 from __future__ import annotations
@@ -24,12 +38,15 @@ import socket
 import sys
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Generic, TypeVar
 
 from flwr.app import Context, Message, Metadata, RecordDict
 
 from clients import node_client
-from clients.node_client import answer, audit_target
+from clients.node_client import answer, audit_target, holding
 from clients.worker_link import (
     PID_NAME,
     SOCKET_NAME,
@@ -42,10 +59,43 @@ from clients.worker_link import (
     send_content,
 )
 
+#: Runs answered at once, a thread each; a request of one more run is refused, naming the run,
+#: unless a run with nothing to do gives up its place. The worker's memory holds a client per run.
+MAX_RUNS = 4
+#: Requests of one run that may wait behind the one being answered; one more is refused. Our
+#: server sends a node one message of a run at a time, so this is room for resent ones.
+MAX_QUEUED = 4
+#: Seconds a lane with nothing to do waits for its run's next request before its thread ends and
+#: its run's clients are dropped (a run that sends again later restores them from its work folder).
+IDLE_S = 60.0
+#: Connections open at once (being read, waiting in a lane, or being answered): every lane full,
+#: plus some being read. The next caller waits in the socket's backlog until one closes.
+MAX_OPEN = MAX_RUNS * (MAX_QUEUED + 1) + 8
+#: Seconds one step of the channel may take (the caller's proof, reading its request, sending
+#: the reply), so a caller that stopped gives its connection back. Answering is not bounded.
+IO_TIMEOUT_S = 60.0
 
-def request_message(header: dict, content: RecordDict, node_config: dict) -> tuple[Message, Context]:
-    """The Flower message and context a shim's request stands for, under the node's own config
-    (``node_config``, from the worker folder; a request carries none)."""
+Job = TypeVar("Job")
+
+
+def _log(line: str) -> None:
+    """One line on the worker's stderr (the SuperNode's log)."""
+    print(f"node worker: {line}", file=sys.stderr, flush=True)
+
+
+def request_message(
+    header: dict[str, Any], content: RecordDict, node_config: dict[str, Any]
+) -> tuple[Message, Context]:
+    """The Flower message and context a shim's request stands for, under the node's own config.
+
+    Args:
+        header (dict[str, Any]): the request header (message type, run id, message id, node id).
+        content (RecordDict): the message's content.
+        node_config (dict[str, Any]): the node config from the worker folder; a request carries none.
+
+    Returns:
+        tuple[Message, Context]: what a ClientApp would have been given.
+    """
     metadata = Metadata(
         run_id=int(header["run_id"]),
         message_id=str(header.get("message_id", "")),
@@ -67,30 +117,272 @@ def request_message(header: dict, content: RecordDict, node_config: dict) -> tup
     return Message(content=content, metadata=metadata), context
 
 
-def serve_connection(conn: socket.socket, secret: bytes, node_config: dict) -> None:
-    """Authenticate one caller and answer its one request under ``node_config``."""
-    refused = accept_caller(conn, secret)
-    if refused:
-        print(f"node worker: refused a caller: {refused}", file=sys.stderr, flush=True)
-        return
-    header, content = recv_content(conn)
-    if content is None:
-        send_content(conn, {"ok": False, "error": "a request without content"}, None)
-        return
-    msg = context = None
+class Request:
+    """One caller's connection, holding one of the worker's :data:`MAX_OPEN` places.
+
+    Args:
+        conn (socket.socket): the accepted connection.
+        slot (threading.Semaphore): released when the connection closes.
+    """
+
+    def __init__(self, conn: socket.socket, slot: threading.Semaphore) -> None:
+        self.conn = conn
+        self.slot = slot
+        self.header: dict[str, Any] = {}
+        self.content: RecordDict | None = None
+        self._closed = False
+
+    def close(self) -> None:
+        """Close the connection and give its place back (once, whoever calls it)."""
+        if not self._closed:
+            self._closed = True
+            self.conn.close()
+            self.slot.release()
+
+
+class _Lane(Generic[Job]):
+    """One run's waiting requests, and whether its thread is answering one."""
+
+    def __init__(self, run_id: int, lock: threading.Lock) -> None:
+        self.run_id = run_id
+        self.queue: deque[Job] = deque()
+        self.ready = threading.Condition(lock)  # the lanes' one lock: submit and serve agree on it
+        self.busy = False
+        self.retired = False
+
+
+class RunLanes(Generic[Job]):
+    """A thread per run, answering that run's jobs one at a time in the order they were submitted.
+
+    Runs do not wait for each other; a run's jobs never run on two threads at once. A run with
+    nothing to do keeps its thread for ``idle_s`` seconds, or until a new run needs its place.
+
+    Args:
+        handle (Callable[[Job], None]): answers one job; what it raises is logged and ends that
+            job only.
+        max_runs (int, optional): runs with a lane at once. (default: :data:`MAX_RUNS`)
+        max_queued (int, optional): jobs of one run waiting behind the one being answered.
+            (default: :data:`MAX_QUEUED`)
+        idle_s (float, optional): seconds a lane with nothing to do lives. (default: :data:`IDLE_S`)
+        on_end (Callable[[int], None], optional): called with the run id when a lane ends
+            (idle, or retired for a new run), under the lanes' lock: it must be quick and must not
+            call back into the lanes. (default: :obj:`None`)
+    """
+
+    def __init__(
+        self,
+        handle: Callable[[Job], None],
+        max_runs: int = MAX_RUNS,
+        max_queued: int = MAX_QUEUED,
+        idle_s: float = IDLE_S,
+        on_end: Callable[[int], None] | None = None,
+    ) -> None:
+        self.handle = handle
+        self.max_runs = max_runs
+        self.max_queued = max_queued
+        self.idle_s = idle_s
+        self.on_end = on_end
+        self._lock = threading.Lock()
+        self._lanes: dict[int, _Lane[Job]] = {}
+
+    def submit(self, run_id: int, job: Job) -> str | None:
+        """Queue ``job`` in run ``run_id``'s lane (started if it has none).
+
+        Args:
+            run_id (int): Flower's run id (the SuperNode's, not the server's to choose).
+            job (Job): what :attr:`handle` is given.
+
+        Returns:
+            str | None: None if queued; else why it is refused, one line naming the run.
+        """
+        with self._lock:
+            lane = self._lanes.get(run_id)
+            if lane is None:
+                if len(self._lanes) >= self.max_runs and not self._retire_idle():
+                    return (
+                        f"run {run_id}: refused: this node's worker is answering {len(self._lanes)} "
+                        f"other runs, at most {self.max_runs} at once; send it again when one ends"
+                    )
+                lane = self._lanes[run_id] = _Lane(run_id, self._lock)
+                threading.Thread(target=self._serve, args=(lane,), name=f"run-{run_id}", daemon=True).start()
+            elif len(lane.queue) >= self.max_queued:
+                return (
+                    f"run {run_id}: refused: {len(lane.queue)} of its messages already wait on this "
+                    f"node behind the one being answered, at most {self.max_queued}"
+                )
+            lane.queue.append(job)
+            lane.ready.notify()
+        return None
+
+    def runs(self) -> list[int]:
+        """The run ids that have a lane now (answering, waiting, or idle within ``idle_s``)."""
+        with self._lock:
+            return list(self._lanes)
+
+    def _retire_idle(self) -> bool:
+        """End one lane with nothing to do, for a new run; False if every lane is busy.
+        The caller holds the lock."""
+        for lane in list(self._lanes.values()):
+            if not lane.busy and not lane.queue:
+                lane.retired = True
+                lane.ready.notify()
+                self._remove(lane)  # the run's next job starts a new lane
+                return True
+        return False
+
+    def _remove(self, lane: _Lane[Job]) -> None:
+        """Forget an ended lane, and say so (:attr:`on_end`). The caller holds the lock; a new
+        lane of the same run can only start after this, so the two never overlap."""
+        del self._lanes[lane.run_id]
+        if self.on_end is not None:
+            self.on_end(lane.run_id)
+
+    def _serve(self, lane: _Lane[Job]) -> None:
+        """The lane's thread: its jobs in order, until it has been idle ``idle_s`` or is retired."""
+        while True:
+            with self._lock:
+                lane.busy = False
+                deadline = time.monotonic() + self.idle_s
+                while not lane.queue and not lane.retired:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    lane.ready.wait(left)
+                if not lane.queue:  # idle too long, or retired: only an empty lane ends
+                    if self._lanes.get(lane.run_id) is lane:
+                        self._remove(lane)
+                    return
+                job = lane.queue.popleft()
+                lane.busy = True
+            try:
+                self.handle(job)
+            except Exception as exc:  # the lane outlives one job's failure; its run's next job is answered
+                _log(f"run {lane.run_id}: {type(exc).__name__}: {exc}")
+
+
+#: Flower run id -> the run keys its messages named last (at most :data:`MAX_RUNS`, oldest first),
+#: so that the clients of a run whose lane ended are dropped (:func:`forget_run`): a node that
+#: runs one run after another holds one client. Older keys' clients are the cache's to drop.
+_RUN_KEYS: dict[int, dict[int, None]] = {}
+_RUN_KEYS_LOCK = threading.Lock()
+
+
+def _note_run_key(run_id: int, run_key: int) -> None:
+    """Remember that run ``run_id`` named ``run_key`` (bounded: a server picks run keys).
+
+    Args:
+        run_id (int): Flower's run id.
+        run_key (int): the run key its message named.
+    """
+    with _RUN_KEYS_LOCK:
+        keys = _RUN_KEYS.setdefault(run_id, {})
+        keys.pop(run_key, None)
+        keys[run_key] = None  # most recent last
+        while len(keys) > MAX_RUNS:
+            del keys[next(iter(keys))]
+
+
+def forget_run(run_id: int) -> None:
+    """Drop the cached clients of a run whose lane ended (:class:`RunLanes`'s ``on_end``).
+
+    Args:
+        run_id (int): Flower's run id.
+    """
+    with _RUN_KEYS_LOCK:
+        run_keys = _RUN_KEYS.pop(run_id, {})
+    node_client.forget(run_keys)
+
+
+def _failed(exc: Exception, audit: dict | None) -> tuple[dict[str, Any], None]:
+    """The reply header of a request that raised: one line, and where it is audited."""
+    return {"ok": False, "error": f"{type(exc).__name__}: {exc}", "audit": audit}, None
+
+
+def handle_request(
+    header: dict[str, Any], content: RecordDict, node_config: dict[str, Any]
+) -> tuple[dict[str, Any], RecordDict | None]:
+    """The reply to one request, under ``node_config``; what the answer raises becomes the reply.
+
+    Args:
+        header (dict[str, Any]): the request header (message type, run id, message id, node id).
+        content (RecordDict): the message's content.
+        node_config (dict[str, Any]): the node's own config, from the worker folder.
+
+    Returns:
+        tuple[dict[str, Any], RecordDict | None]: the reply header and content (None on failure).
+    """
     try:
         msg, context = request_message(header, content, node_config)
-        reply = answer(msg, context)
-        target = audit_target(msg, context)
-    except Exception as exc:  # the shim reports it as the ClientApp would have, in one line
-        failed = {
-            "ok": False,
-            "error": f"{type(exc).__name__}: {exc}",
-            "audit": None if msg is None or context is None else audit_target(msg, context),
-        }
-        send_content(conn, failed, None)
-        return
-    send_content(conn, {"ok": True, "audit": target}, reply)
+    except Exception as exc:  # no message: no client to audit as
+        return _failed(exc, None)
+    try:
+        # The audit target is read while the client is held: another run cannot drop it between.
+        with holding(msg, context) as (run_key, _):
+            _note_run_key(msg.metadata.run_id, run_key)
+            try:
+                reply = answer(msg, context)
+            except Exception as exc:  # the shim reports it as the ClientApp would have, in one line
+                return _failed(exc, audit_target(msg, context))
+            return {"ok": True, "audit": audit_target(msg, context)}, reply
+    except Exception as exc:  # the message names no client (no config or run key): none built
+        return _failed(exc, None)
+
+
+def answer_request(request: Request, node_config: dict[str, Any]) -> None:
+    """Answer a received request on its lane's thread, send the reply and close the connection.
+
+    Args:
+        request (Request): a request :func:`receive` read.
+        node_config (dict[str, Any]): the node's own config.
+    """
+    try:
+        if request.content is None:  # receive() queues only requests with content
+            raise ValueError("a request without content")
+        reply_header, reply = handle_request(request.header, request.content, node_config)
+        send_content(request.conn, reply_header, reply)
+    except Exception as exc:  # a caller that went away ends its call only
+        _log(f"a call failed: {type(exc).__name__}: {exc}")
+    finally:
+        request.close()
+
+
+def receive(request: Request, secret: bytes, lanes: RunLanes[Request]) -> None:
+    """Authenticate a caller, read its request and queue it in its run's lane, or refuse it.
+
+    It runs on a thread of its own per connection, so a slow caller delays no other.
+
+    Args:
+        request (Request): the new connection.
+        secret (bytes): the worker folder's secret.
+        lanes (RunLanes[Request]): where requests wait for their run's thread.
+    """
+    conn, queued = request.conn, False
+    try:
+        conn.settimeout(IO_TIMEOUT_S)
+        refused = accept_caller(conn, secret)
+        if refused:
+            _log(f"refused a caller: {refused}")
+            return
+        request.header, request.content = recv_content(conn)
+        if request.content is None:
+            send_content(conn, {"ok": False, "error": "a request without content"}, None)
+            return
+        try:
+            run_id = int(request.header["run_id"])
+        except (KeyError, TypeError, ValueError) as exc:
+            send_content(conn, _failed(exc, None)[0], None)
+            return
+        refusal = lanes.submit(run_id, request)
+        if refusal is not None:
+            _log(refusal)
+            send_content(conn, {"ok": False, "error": refusal, "audit": None}, None)
+            return
+        queued = True
+    except Exception as exc:  # a caller that went away or sent garbage ends its call only
+        _log(f"a call failed: {type(exc).__name__}: {exc}")
+    finally:
+        if not queued:
+            request.close()
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -104,11 +396,20 @@ def _watch_parent(parent_pid: int) -> None:
 def serve(folder: str | Path, parent_pid: int | None = None) -> None:
     """Listen on ``folder``'s socket and answer requests until the parent exits.
 
+    Each connection is read on a thread of its own and answered on its run's lane
+    (:class:`RunLanes`, bounded by :data:`MAX_RUNS` and :data:`MAX_QUEUED`); at most
+    :data:`MAX_OPEN` connections are open at once.
+
+    Args:
+        folder (str | Path): the worker folder (0700: socket, secret and node config).
+        parent_pid (int, optional): exit when this process is gone. (default: :obj:`None`)
+
     Raises:
         WorkerError: the folder is not the user's own 0700 folder, or has no secret or node config.
     """
     folder = Path(folder)
     node_client.SOLE_WRITER = True  # this process alone answers, and saves, for its node
+    node_client.CACHED_RUNS = MAX_RUNS  # runs served side by side keep their clients
     check_worker_dir(folder)
     secret = read_secret(folder)
     node_config = read_node_config(folder)
@@ -125,16 +426,27 @@ def serve(folder: str | Path, parent_pid: int | None = None) -> None:
     if parent_pid is not None:
         threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     print(f"node worker {os.getpid()} listening on {path}", file=sys.stderr, flush=True)
+    # The bounds are read here, not bound as defaults, so that a test can lower them.
+    lanes: RunLanes[Request] = RunLanes(
+        lambda request: answer_request(request, node_config), MAX_RUNS, MAX_QUEUED, IDLE_S, forget_run
+    )
+    slots = threading.BoundedSemaphore(MAX_OPEN)
     while True:
+        slots.acquire()  # at most MAX_OPEN connections: the next caller waits in the backlog
         conn, _ = server.accept()
-        with conn:
-            try:
-                serve_connection(conn, secret, node_config)
-            except Exception as exc:  # a caller that went away or sent garbage ends its call only
-                print(f"node worker: a call failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        request = Request(conn, slots)
+        threading.Thread(target=receive, args=(request, secret, lanes), daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m clients.worker FOLDER [--parent-pid PID]``: serve until the parent exits.
+
+    Args:
+        argv (list[str], optional): the arguments (default: the command line's).
+
+    Returns:
+        int: 2 if the worker folder is unusable (said on stderr).
+    """
     parser = argparse.ArgumentParser(prog="python -m clients.worker", description=__doc__.splitlines()[0])
     parser.add_argument("folder", help="the worker folder (0700; socket and secret)")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")

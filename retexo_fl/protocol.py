@@ -49,6 +49,12 @@ ARRAY_RECORDS = (ARRAYS, CONTROL)
 SECAGG_MEMBERS = "secagg-members"  # train, secure aggregation: JSON list of the round's masking set
 SECAGG_THRESHOLD = "secagg-threshold"  # ... the shares that rebuild a self seed
 SECAGG_BOUND = "secagg-weight-bound"  # ... the count a training weight is divided by
+# ... update-bits < 32, rounds after a stage's first: the shared grid's per-row clips, float32
+# little-endian in the update's order (the masked update then travels in narrow lanes)
+SECAGG_GRID = "secagg-grid"
+# evaluate, secure aggregation: the server's evaluation counter (masks of two evaluations never
+# repeat); SECAGG_MEMBERS, SECAGG_BOUND as for train
+SECAGG_EVAL = "secagg-evaluation"
 SECAGG_SURVIVORS = "secagg-survivors"  # unmask: JSON list of the members whose masked vectors arrived
 VECTOR = "vector"  # in MASKED: the packed masked vector
 RUN_KEY = "run-key"  # the server's key for this run; it outlives Flower's run id on resume
@@ -217,12 +223,12 @@ def json_field(text: object, field: str, where: str, kind: type) -> Any:
 
 
 def count_entries(config: Mapping[str, Any], where: str) -> None:
-    """Refuse a config whose round or stage entry is not a count in [0, MAX_COUNT].
+    """Refuse a config whose round, stage or evaluation counter is not a count in [0, MAX_COUNT].
 
     Raises:
         ValueError: naming the entry and its value.
     """
-    for field in (ROUND, STAGE):
+    for field in (ROUND, STAGE, SECAGG_EVAL):
         if field not in config:
             continue
         value = config[field]

@@ -125,7 +125,7 @@ def _mask(seed: bytes, like: np.ndarray) -> np.ndarray:
 
 
 def masked_update(
-    encoded: np.ndarray, own_id: int, self_seed: bytes, pair_seeds: dict[int, bytes]
+    encoded: np.ndarray, own_id: int, self_seed: bytes | None, pair_seeds: dict[int, bytes]
 ) -> np.ndarray:
     r"""``encoded`` plus the self mask, plus the pair masks with higher ids, minus those with lower
     ids, modulo :math:`2^{32}`.
@@ -133,7 +133,9 @@ def masked_update(
     Args:
         encoded (np.ndarray): the ``uint32`` fixed-point update, any shape.
         own_id (int): this client.
-        self_seed (bytes): this client's fresh :data:`SEED_BYTES` random bytes for this vector.
+        self_seed (bytes | None): this client's fresh :data:`SEED_BYTES` random bytes for this
+            vector; :obj:`None` for pair masks only (a sum that decodes only when every member's
+            vector arrives, so that the server is never given a pair seed to unmask one).
         pair_seeds (dict[int, bytes]): ``{neighbour id: pairwise_mask_seed}``, not ``own_id``.
 
     Returns:
@@ -147,7 +149,7 @@ def masked_update(
     _check_vector(encoded, where)
     if own_id in pair_seeds:
         raise ValueError(f"{where}: a pair seed with itself")
-    out = encoded + _mask(self_seed, encoded)
+    out = encoded.copy() if self_seed is None else encoded + _mask(self_seed, encoded)
     for peer, seed in pair_seeds.items():
         if peer > own_id:
             out += _mask(seed, encoded)

@@ -32,6 +32,15 @@ different clients different survivor sets needs :math:`2(t-1) \le |M| - 1` to un
 clients refuse a threshold with :math:`2t \le |M| + 1` (:func:`min_threshold`) and a survivor
 set smaller than :math:`t`.
 
+**Compressed updates at close to their width.** With ``update-bits`` below 32 (and no DP), a
+round after a stage's first carries the update segment on a shared grid (:class:`UpdateGrid`):
+each coordinate becomes a ``b``-bit code on a per-row scale the server announces from the last
+decoded sum, the same for every member (it is bound into the pair masks), and only the low
+``lane_bits`` bits of each masked coordinate travel, enough for a sum of ``n`` codes. Reducing
+modulo :math:`2^w` commutes with the masks' addition modulo :math:`2^{32}`, and a uniform mask
+modulo :math:`2^{32}` is uniform modulo :math:`2^w`, so the truncated lanes hide as much as the
+whole field elements and unmask to the exact sum of the codes.
+
 What this does not hide: which clients replied, the sum itself, and the per-client counts the
 setup message reports (partition sizes, as without secure aggregation). A dropped member's pair
 seeds are revealed for that round only; they are one-way functions of the identity keys, so the
@@ -49,6 +58,7 @@ import os
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -70,8 +80,10 @@ LOSS_CAP = 100.0
 #: clipped and updates L2-clipped (integers, in the count segment, summed exactly).
 METRIC_NAMES = ("weight", "weighted_loss", "val_loss", "val_correct", "val_count", "clipped", "dp_clipped")
 _FRACTIONS = 3
-_HEADER = struct.Struct(">4sQQI")
+_HEADER = struct.Struct(">4sQQIB")
 _MAGIC = b"RXSA"
+#: The most bits a lane of the update segment may take: a field element's.
+FIELD_BITS = 32
 
 
 class SecAggError(ValueError):
@@ -93,6 +105,130 @@ def check_threshold(threshold: int, members: int, where: str) -> None:
         )
 
 
+def pack_lanes(values: np.ndarray, bits: int) -> bytes:
+    """The low ``bits`` bits of each ``uint32`` in ``values``, packed back to back (little-endian
+    bit order): ``ceil(values.size * bits / 8)`` bytes."""
+    shifts = np.arange(bits, dtype=DTYPE)
+    planes = ((values.astype(DTYPE)[:, None] >> shifts) & 1).astype(np.uint8)
+    return np.packbits(planes.reshape(-1), bitorder="little").tobytes()
+
+
+def unpack_lanes(blob: bytes, count: int, bits: int) -> np.ndarray:
+    """The ``count`` lanes of :func:`pack_lanes`, as ``uint32`` values below ``2**bits``."""
+    planes = np.unpackbits(np.frombuffer(blob, np.uint8), count=count * bits, bitorder="little")
+    shifts = np.arange(bits, dtype=DTYPE)
+    return (planes.reshape(count, bits).astype(DTYPE) << shifts).sum(axis=1, dtype=DTYPE)
+
+
+def lane_bytes(count: int, bits: int) -> int:
+    """Bytes of :func:`pack_lanes` for ``count`` lanes of ``bits`` bits."""
+    return (count * bits + 7) // 8
+
+
+@dataclass(frozen=True, eq=False)
+class UpdateGrid:
+    r"""A ``bits``-bit grid shared by every member of a round: compressed updates summed securely
+    at close to their compressed width.
+
+    Coordinate :math:`x` with clip :math:`c` (its row's, the same for every member) becomes the
+    code :math:`q = \lfloor x K / c \rceil + K \in [0, 2K]`, :math:`K = 2^{b-1} - 1`, rounded
+    stochastically (unbiased), after clipping :math:`x` to :math:`[-c, c]`. A sum of :math:`n`
+    codes lies in :math:`[0, 2nK]`, so :attr:`lane_bits` :math:`= \lceil \log_2 (2nK + 1) \rceil`
+    bits hold it exactly (6 bits for 4-bit codes and 4 members): masked lanes are the field
+    elements' low bits, and the sum decodes to :math:`(\sum q - nK) \, c / K`.
+
+    Args:
+        clips (np.ndarray): the clip of each coordinate, float64, > 0 (a row's clip repeated over
+            the row: :func:`expand_rows`).
+        bits (int): the code width ``b``, 2 to 16.
+        members (int): the most codes summed, >= 1.
+
+    Shapes:
+        - **clips:** ``[size]``; codes, sums and decoded floats have that shape.
+    """
+
+    clips: np.ndarray
+    bits: int
+    members: int
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.bits <= 16 or self.members < 1:
+            raise SecAggError(f"secure aggregation: a grid of {self.bits} bits for {self.members} members")
+        if self.lane_bits > FIELD_BITS:
+            raise SecAggError(
+                f"secure aggregation: a sum of {self.members} {self.bits}-bit codes needs "
+                f"{self.lane_bits} bits, more than a field element's {FIELD_BITS}"
+            )
+
+    @property
+    def levels(self) -> int:
+        """:math:`K`: codes run from 0 to ``2K``, zero at ``K``."""
+        return 2 ** (self.bits - 1) - 1
+
+    @property
+    def lane_bits(self) -> int:
+        """The bits a lane needs to hold a sum of ``members`` codes."""
+        return (2 * self.members * self.levels).bit_length()
+
+    def encode(self, values: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """``values`` (float, :attr:`clips`' shape) as ``uint32`` codes in ``[0, 2K]``.
+
+        Raises:
+            SecAggError: the shape differs from :attr:`clips`'s, or a value is NaN or infinite.
+        """
+        x = np.asarray(values, dtype=np.float64).reshape(-1)
+        if x.shape != self.clips.shape:
+            raise SecAggError(f"secure aggregation: {x.size} values for a grid of {self.clips.size}")
+        if not np.isfinite(x).all():
+            raise SecAggError("secure aggregation: an update to encode holds NaN or infinite values")
+        k = self.levels
+        scaled = np.clip(x, -self.clips, self.clips) * (k / self.clips)
+        low = np.clip(np.floor(scaled), -k, k)
+        up = rng.random(x.shape) < (scaled - low)
+        return (np.minimum(low + up, k) + k).astype(DTYPE)
+
+    def dequantize(self, codes: np.ndarray) -> np.ndarray:
+        """The floats ``codes`` stand for (what the server adds up), float64."""
+        return (codes.astype(np.float64) - self.levels) * (self.clips / self.levels)
+
+    def decode_sum(self, total: np.ndarray, n: int) -> np.ndarray:
+        """The float sum of ``n`` members' values from the sum of their codes (reduced to lanes).
+
+        Raises:
+            SecAggError: ``n`` out of range, or a lane above ``2 n K`` (not a sum of ``n``
+                encodings: wrongly unmasked, or a client sent more than its share), naming how many.
+        """
+        if not 1 <= n <= self.members:
+            raise SecAggError(f"secure aggregation: a grid sum of {n} codes; at most {self.members}")
+        bad = int(np.count_nonzero(total > 2 * n * self.levels))
+        if bad:
+            raise SecAggError(
+                f"secure aggregation: the unmasked sum does not decode ({bad} of {total.size} update "
+                f"lanes exceed {2 * n * self.levels}, so this is not a sum of {n} encoded updates)"
+            )
+        return (total.astype(np.float64) - n * self.levels) * (self.clips / self.levels)
+
+
+def expand_rows(row_clips: np.ndarray, row_sizes: list[int]) -> np.ndarray:
+    """Per-coordinate clips from per-row ones: row ``r``'s clip repeated ``row_sizes[r]`` times."""
+    return np.repeat(np.asarray(row_clips, dtype=np.float64), row_sizes)
+
+
+class Decoded(NamedTuple):
+    """An unmasked round's sums (:meth:`VectorCodec.decode`).
+
+    Args:
+        update (np.ndarray): the float sum of the update segment, float64.
+        metrics (dict[str, float]): the summed metrics by :data:`METRIC_NAMES`, in raw units.
+        peaks (np.ndarray): the sum over clients of each row's largest update magnitude (empty
+            without ``row_sizes``), float64: what the next round's grid is set from.
+    """
+
+    update: np.ndarray
+    metrics: dict[str, float]
+    peaks: np.ndarray
+
+
 @dataclass(frozen=True)
 class VectorCodec:
     r"""One client's round reply as integers modulo :math:`2^{32}`: an update segment and a
@@ -104,18 +240,30 @@ class VectorCodec:
     weight and losses as fractions in :math:`[0, 1]` (losses over :data:`LOSS_CAP`, the validation
     loss also over ``weight_bound``), then the counts as integers at scale 1, so that their sum
     is exact whatever the clients and sizes (bounded by the larger of ``weight_bound`` and ``size``).
+    With ``row_sizes``, a peaks segment between the update and the metrics holds each row's
+    largest update magnitude (fixed point at the update clip): summed over the clients, it sets
+    the scale of the next round's grid without any client's own peak leaving it.
 
     Args:
         size (int): coordinates of the update segment.
         members (int): the most vectors summed (the masking set), >= 1.
         update_clip (float): the bound of an update coordinate, > 0; larger ones are clipped.
         weight_bound (float): the largest count any client reports (its nodes), > 0.
+        grid (UpdateGrid, optional): the update segment's shared grid, or :obj:`None` for
+            fixed-point field elements. (default: :obj:`None`)
+        row_sizes (tuple[int, ...], optional): the update's rows, in order, for the peaks
+            segment; empty for none. (default: :obj:`()`)
+
+    Shapes:
+        - **vector:** ``[size + len(row_sizes) + len(METRIC_NAMES)]``: update, peaks, metrics
     """
 
     size: int
     members: int
     update_clip: float
     weight_bound: float
+    grid: UpdateGrid | None = None
+    row_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.size < 0 or self.members < 1 or not self.weight_bound > 0:
@@ -123,6 +271,10 @@ class VectorCodec:
                 f"secure aggregation: bad vector layout (size {self.size}, members {self.members}, "
                 f"weight bound {self.weight_bound})"
             )
+        if self.grid is not None and self.grid.clips.size != self.size:
+            raise SecAggError(f"secure aggregation: a grid of {self.grid.clips.size} for {self.size} values")
+        if self.row_sizes and (sum(self.row_sizes) != self.size or min(self.row_sizes) < 1):
+            raise SecAggError(f"secure aggregation: rows of {sum(self.row_sizes)} values for {self.size}")
 
     @property
     def update_fp(self) -> FixedPoint:
@@ -145,7 +297,56 @@ class VectorCodec:
     @property
     def length(self) -> int:
         """Coordinates of a whole vector."""
-        return self.size + len(METRIC_NAMES)
+        return self.size + len(self.row_sizes) + len(METRIC_NAMES)
+
+    @property
+    def lane_bits(self) -> int:
+        """Bits of an update coordinate on the wire: the grid's lanes, else a whole field element."""
+        return self.grid.lane_bits if self.grid is not None else FIELD_BITS
+
+    def wire_bytes(self) -> int:
+        """Bytes of a packed vector (:meth:`pack`), header included."""
+        return _HEADER.size + lane_bytes(self.size, self.lane_bits) + 4 * (self.length - self.size)
+
+    def pack(self, vector: np.ndarray, stage: int, round_: int) -> bytes:
+        """A masked vector with its header (magic, stage, round, length, lane bits): the update
+        segment's low :attr:`lane_bits` bits per coordinate, then the peaks and metrics as ``uint32``."""
+        head = _HEADER.pack(_MAGIC, stage, round_, vector.size, self.lane_bits)
+        if self.grid is None:
+            return head + vector.astype("<u4").tobytes()
+        lanes = pack_lanes(vector[: self.size], self.lane_bits)
+        return head + lanes + vector[self.size :].astype("<u4").tobytes()
+
+    def unpack(self, blob: bytes, stage: int, round_: int, where: str) -> np.ndarray:
+        """The masked vector in ``blob`` (update lanes widened to ``uint32``), checked against the
+        round it must answer and this layout.
+
+        Raises:
+            SecAggError: not a masked vector, one for another stage or round, or of another
+                length or lane width (naming ``where``).
+        """
+        blob = bytes(blob)
+        if len(blob) < _HEADER.size:
+            raise SecAggError(f"{where}: {len(blob)} bytes is no masked vector")
+        magic, st, rnd, n, bits = _HEADER.unpack_from(blob)
+        if magic != _MAGIC:
+            raise SecAggError(f"{where}: not a masked vector (magic {magic!r})")
+        if (st, rnd) != (stage, round_):
+            raise SecAggError(
+                f"{where}: a masked vector for stage {st} round {rnd}, expected stage {stage} round {round_}"
+            )
+        if n != self.length or bits != self.lane_bits or len(blob) != self.wire_bytes():
+            raise SecAggError(
+                f"{where}: a masked vector of {len(blob) - _HEADER.size} bytes ({n} values of "
+                f"{bits} bits declared), expected {self.length} values, the update's in "
+                f"{self.lane_bits}-bit lanes ({self.wire_bytes() - _HEADER.size} bytes)"
+            )
+        body = blob[_HEADER.size :]
+        if self.grid is None:
+            return np.frombuffer(body, dtype="<u4").astype(DTYPE)
+        split = lane_bytes(self.size, self.lane_bits)
+        metrics = np.frombuffer(body[split:], dtype="<u4").astype(DTYPE)
+        return np.concatenate([unpack_lanes(body[:split], self.size, self.lane_bits), metrics])
 
     def encode(
         self, update: np.ndarray, metrics: Mapping[str, float], rng: np.random.Generator
@@ -165,7 +366,12 @@ class VectorCodec:
         update = np.asarray(update, dtype=np.float64).reshape(-1)
         if update.size != self.size:
             raise SecAggError(f"secure aggregation: an update of {update.size} values, layout {self.size}")
-        clipped = int(np.count_nonzero(np.abs(update) > self.update_clip))
+        peaks = np.zeros(0)
+        if self.row_sizes:  # before clipping: the next grid must reach what this one cut
+            starts = np.cumsum((0, *self.row_sizes[:-1]))
+            peaks = np.minimum(np.maximum.reduceat(np.abs(update), starts), self.update_clip)
+        bound = self.update_clip if self.grid is None else self.grid.clips
+        clipped = int(np.count_nonzero(np.abs(update) > bound))
         m = dict(metrics)
         m["clipped"] = float(clipped)
         b, cap = self.weight_bound, LOSS_CAP
@@ -174,23 +380,31 @@ class VectorCodec:
         fractions = np.clip(np.nan_to_num(fractions, nan=1.0, posinf=1.0, neginf=0.0), 0.0, 1.0)
         counts = np.array([m["val_correct"], m["val_count"], m["clipped"], m.get("dp_clipped", 0.0)])
         parts = [
-            self.update_fp.encode(update, rng),
+            self.update_fp.encode(update, rng) if self.grid is None else self.grid.encode(update, rng),
+            self.update_fp.encode(peaks, rng),
             self.metric_fp.encode(fractions, rng),
             self.count_fp.encode(np.round(counts), rng),  # integers: rounding never moves them
         ]
         return np.concatenate(parts), clipped
 
-    def decode(self, total: np.ndarray, n: int) -> tuple[np.ndarray, dict[str, float]]:
-        """The float update sum and the summed metrics (raw units) of ``n`` encoded vectors.
+    def decode(self, total: np.ndarray, n: int) -> Decoded:
+        """The float update sum, the summed peaks and the summed metrics (raw units) of ``n``
+        encoded vectors.
 
         Raises:
             SecAggError: the sum is not a sum of ``n`` encodings (a wrong seed or share, or a
                 client that sent more than its share), naming the segment.
         """
-        split = self.size + _FRACTIONS
+        at = self.size + len(self.row_sizes)
+        split = at + _FRACTIONS
         try:
-            update = self.update_fp.decode_sum(total[: self.size], n)
-            fractions = self.metric_fp.decode_sum(total[self.size : split], n)
+            if self.grid is None:
+                update = self.update_fp.decode_sum(total[: self.size], n)
+            else:  # the masks were added modulo 2**32; the codes' sum lives in the low lane bits
+                lanes = total[: self.size] & DTYPE(2**self.grid.lane_bits - 1)
+                update = self.grid.decode_sum(lanes, n)
+            peaks = self.update_fp.decode_sum(total[self.size : at], n)
+            fractions = self.metric_fp.decode_sum(total[at:split], n)
             counts = self.count_fp.decode_sum(total[split:], n)
         except ValueError as exc:
             raise SecAggError(f"secure aggregation: the unmasked sum does not decode ({exc})") from None
@@ -204,42 +418,79 @@ class VectorCodec:
             "clipped": float(counts[2]),
             "dp_clipped": float(counts[3]),
         }
-        return update, metrics
+        return Decoded(update, metrics, peaks)
 
     def sum_error(self, n: int) -> float:
-        """The largest error of one decoded update-sum coordinate: ``n * 2**-scale_bits``."""
+        """The largest error of one decoded update-sum coordinate: ``n * 2**-scale_bits``, or
+        ``n`` grid steps (the largest clip over ``K``) on a grid."""
+        if self.grid is not None:
+            return n * float(self.grid.clips.max(initial=0.0)) / self.grid.levels
         return self.update_fp.sum_error(n)
 
 
-def pack_vector(vector: np.ndarray, stage: int, round_: int) -> bytes:
-    """A masked vector with its header (magic, stage, round, length), little-endian ``uint32``s."""
-    return _HEADER.pack(_MAGIC, stage, round_, vector.size) + vector.astype("<u4").tobytes()
+@dataclass(frozen=True)
+class EvalCodec:
+    """An evaluate reply under secure aggregation: correct and count (integers, exactly) and the
+    loss sum (a fraction of ``bound * LOSS_CAP``), as three field elements masked by pair masks
+    only (:func:`~retexo_fl.training.secure_round.masked_evaluation`).
 
-
-def unpack_vector(blob: bytes, stage: int, round_: int, length: int, where: str) -> np.ndarray:
-    """The masked vector in ``blob``, checked against the round it must answer.
-
-    Raises:
-        SecAggError: not a masked vector, one for another stage or round, or of the wrong length
-            (naming ``where``).
+    Args:
+        members (int): the clients whose vectors are summed, >= 1.
+        bound (float): the largest count any client holds (its nodes), > 0.
     """
-    blob = bytes(blob)
-    if len(blob) < _HEADER.size:
-        raise SecAggError(f"{where}: {len(blob)} bytes is no masked vector")
-    magic, st, rnd, n = _HEADER.unpack_from(blob)
-    if magic != _MAGIC:
-        raise SecAggError(f"{where}: not a masked vector (magic {magic!r})")
-    if (st, rnd) != (stage, round_):
-        raise SecAggError(
-            f"{where}: a masked vector for stage {st} round {rnd}, expected stage {stage} round {round_}"
+
+    members: int
+    bound: float
+
+    @property
+    def counts(self) -> FixedPoint:
+        """Correct and count: integers up to ``bound``, exactly."""
+        return FixedPoint(float(max(self.bound, 1)), HEADROOM * self.members, 0)
+
+    @property
+    def loss(self) -> FixedPoint:
+        """The loss sum over ``bound * LOSS_CAP``, in [0, 1]."""
+        return FixedPoint(1.0, HEADROOM * self.members)
+
+    def encode(self, correct: int, count: int, loss_sum: float, rng: np.random.Generator) -> np.ndarray:
+        """The ``uint32`` vector of one client's evaluation (a diverged loss counts at the cap)."""
+        loss = float(np.clip(np.nan_to_num(loss_sum / (self.bound * LOSS_CAP), nan=1.0, posinf=1.0), 0, 1))
+        return np.concatenate(
+            [
+                self.counts.encode(np.array([correct, count], dtype=np.float64), rng),
+                self.loss.encode([loss], rng),
+            ]
         )
-    body = blob[_HEADER.size :]
-    if n != length or len(body) != 4 * length:
-        raise SecAggError(
-            f"{where}: a masked vector of {len(body)} bytes ({n} declared), expected {length} field "
-            "elements of 4 bytes"
-        )
-    return np.frombuffer(body, dtype="<u4").astype(DTYPE)
+
+    def decode(self, total: np.ndarray, n: int) -> tuple[int, int, float]:
+        """``(correct, count, loss sum)`` summed over the ``n`` vectors that add up to ``total``.
+
+        Raises:
+            SecAggError: ``total`` is not a sum of ``n`` encodings (a member's vector is missing or
+                was masked for other terms).
+        """
+        try:
+            counts = self.counts.decode_sum(total[:2], n)
+            loss = self.loss.decode_sum(total[2:], n)
+        except ValueError as exc:
+            raise SecAggError(f"secure aggregation: the evaluation sum does not decode ({exc})") from None
+        return int(counts[0]), int(counts[1]), float(loss[0]) * self.bound * LOSS_CAP
+
+    @staticmethod
+    def pack(vector: np.ndarray) -> bytes:
+        """The masked vector as it travels: three little-endian ``uint32``."""
+        return vector.astype("<u4").tobytes()
+
+    @staticmethod
+    def unpack(blob: object, where: str) -> np.ndarray:
+        """The masked vector of :meth:`pack`.
+
+        Raises:
+            SecAggError: not 12 bytes (naming ``where``).
+        """
+        if not isinstance(blob, bytes | bytearray) or len(blob) != 12:
+            raise SecAggError(f"{where}: a masked evaluation is 3 field elements (12 bytes)")
+        return np.frombuffer(bytes(blob), dtype="<u4").astype(DTYPE)
 
 
 def share_seed(own_id: int, members: list[int], threshold: int) -> tuple[bytes, dict[int, bytes]]:
@@ -276,7 +527,7 @@ def mask_vector(
     stage: int,
     round_: int,
     rng: np.random.Generator,
-) -> tuple[bytes, int]:
+) -> tuple[bytes, int, np.ndarray]:
     """Encode and mask: the second half of the client's step 1.
 
     Args:
@@ -291,12 +542,19 @@ def mask_vector(
         rng (np.random.Generator): the stochastic rounding's generator.
 
     Returns:
-        tuple[bytes, int]: the packed masked vector (:func:`pack_vector`), and the update
-        coordinates clipped (which stay on the client).
+        tuple[bytes, int, np.ndarray]: the packed masked vector (:meth:`VectorCodec.pack`), the
+        update coordinates clipped, and the update as the sum will count it (on a grid, its
+        dequantized codes, whose difference from ``update`` the client keeps as error feedback;
+        else ``update``). The last two stay on the client.
     """
     vector, clipped = codec.encode(update, metrics, rng)
+    sent = (
+        np.asarray(update, dtype=np.float64)
+        if codec.grid is None
+        else codec.grid.dequantize(vector[: codec.size])
+    )
     masked = masked_update(vector, own_id, self_seed, dict(pair_seeds))
-    return pack_vector(masked, stage, round_), clipped
+    return codec.pack(masked, stage, round_), clipped, sent
 
 
 @dataclass
@@ -407,7 +665,7 @@ def unmask_round(
     members: list[int],
     threshold: int,
     answers: dict[int, tuple[dict[int, bytes], dict[int, bytes]]],
-) -> tuple[np.ndarray, dict[str, float], int]:
+) -> tuple[Decoded, int]:
     """The server's half of step 2: rebuild, unmask and decode the survivors' sum.
 
     Args:
@@ -418,8 +676,7 @@ def unmask_round(
         answers (dict[int, tuple]): each answering survivor's ``(shares, pair seeds)``.
 
     Returns:
-        tuple[np.ndarray, dict[str, float], int]: the update sum, the summed metrics and the
-        number of vectors summed.
+        tuple[Decoded, int]: the sums (update, metrics, peaks) and the number of vectors summed.
 
     Raises:
         SecAggError: fewer than ``threshold`` survivors or answers, a dropped member's pair seed
@@ -450,8 +707,7 @@ def unmask_round(
                 raise SecAggError(f"secure aggregation: client {i} sent a {len(seed)}-byte pair seed")
             pair[(i, d)] = seed
     total = unmask_sum(field_sum(vectors[j] for j in survivors), self_seeds, pair)
-    update, metrics = codec.decode(total, len(survivors))
-    return update, metrics, len(survivors)
+    return codec.decode(total, len(survivors)), len(survivors)
 
 
 def encode_answer(shares: dict[int, bytes], seeds: dict[int, bytes]) -> dict[str, bytes]:

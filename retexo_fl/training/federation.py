@@ -35,6 +35,10 @@ Frames = dict[str, bytes]
 """Relayed frames of one client: delivery or outgoing key -> sealed bytes."""
 
 
+#: The key of :meth:`Federation.evaluate`'s one result under secure aggregation: the sum.
+AGGREGATE = -1
+
+
 @dataclass
 class ClientCounts:
     """What a client reported at setup.
@@ -367,9 +371,15 @@ class Federation:
                 its delta frames (a stage's last validation; ``config`` then names the round).
                 (default: :obj:`None`)
             **config: further :data:`~retexo_fl.protocol.CONFIG` entries (``round``, ``keep``).
+
+        Returns:
+            dict[int, EvalResult]: by partition id; under secure aggregation one entry,
+            :data:`AGGREGATE`, the members' sum (the server learns no client's own figures).
         """
         config = {P.SPLIT: split, P.STAGE: stage, **config}
         phase = f"{split} evaluation"
+        if self.secure is not None:  # the clients mask their figures: the server learns the sum only
+            config.update(self.secure.evaluation_config(self, self.pids))
         if model is not None and model.frames is not None:
             requests = {
                 pid: self.content(None, deliveries.get(pid) if deliveries else None, model=model, **config)
@@ -378,6 +388,8 @@ class Federation:
             replies = self.send(P.EVALUATE, requests, phase, stage)
         else:
             replies = self.send_state(P.EVALUATE, state, phase, stage, config, deliveries)
+        if self.secure is not None:
+            return {AGGREGATE: self.secure.sum_evaluation(config, replies, phase)}
         return {
             pid: EvalResult(int(m[P.CORRECT]), int(m[P.COUNT]), float(m[P.LOSS]))
             for pid, m in ((p, r[P.METRICS]) for p, r in replies.items())

@@ -141,13 +141,14 @@ def train(client: Client, request: Records) -> Reply:
     # the halo gradients this round's training found (so they are sealed after training).
     sent = client.round_payloads(state, round_)
     _add_payloads(records, sent)
-    update = client.encode_update(new_state, state, round_)
+    # Under secure aggregation the masked vector carries the update at its own width (a shared
+    # grid, with its own error feedback): the per-row update codec is not used.
+    update = None if prep is not None else client.encode_update(new_state, state, round_)
     if control is not None:  # c_i from the update as the server decodes it, so both hold the same
         seen = new_state if update is None else client.decode_own_update(update, state)
         client.update_control(state, seen, control)
     if prep is not None:  # the update, weight, loss and validation travel masked, summed only
-        seen = new_state if update is None else client.decode_own_update(update, state)
-        records.update(secure_round.masked_records(client, prep, config, state, seen, loss, val))
+        records.update(secure_round.masked_records(client, prep, config, state, new_state, loss, val))
         records[P.METRICS] = {P.LOCAL_STEPS: client.last_steps}
     else:
         records[P.UPDATE if update is not None else P.ARRAYS] = update if update is not None else new_state
@@ -205,7 +206,8 @@ def evaluate(client: Client, request: Records) -> Reply:
 
     The state comes whole, by digest (:data:`~retexo_fl.protocol.HELD`), or, for a stage's last
     validation, as the next broadcast delta, journaled like a train round's so that a resumed
-    server's second asking decodes it once.
+    server's second asking decodes it once. Under secure aggregation the metrics travel masked,
+    summed only (:func:`~retexo_fl.training.secure_round.masked_evaluation`).
     """
     config = request[P.CONFIG]
     decoded = P.MODEL in request  # the view changes: it must outlive the process
@@ -221,8 +223,11 @@ def evaluate(client: Client, request: Records) -> Reply:
     if split not in EVALUATE_SPLITS:  # exact per-client counts of any other nodes: their labels
         raise ValueError(f"client {client.id}: evaluate serves the val and test splits only, not {split!r}")
     result = client.evaluate(state, split)
-    metrics = {P.CORRECT: result.correct, P.COUNT: result.count, P.LOSS: result.loss_sum}
-    records: Records = {P.METRICS: metrics}
+    records: Records = {}
+    if not client.cfg.secure_aggregation:
+        records[P.METRICS] = {P.CORRECT: result.correct, P.COUNT: result.count, P.LOSS: result.loss_sum}
+    elif not config.get(P.REFRESH):  # summed only; a halo refresh's metrics are not read at all
+        records.update(secure_round.masked_evaluation(client, config, state, result))
     sent = client.round_payloads(state, int(config[P.ROUND])) if config.get(P.REFRESH) else None
     _add_payloads(records, sent)  # eager: the rows of this state, for the peers' halos
     return Reply(records, changed=delivered or decoded or bool(sent))  # sealed: counters changed

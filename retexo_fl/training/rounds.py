@@ -25,7 +25,7 @@ from retexo_fl.seeding import derive_seed
 from retexo_fl.training.aggregate import ServerOptimizer
 from retexo_fl.training.checkpoint import RoundState
 from retexo_fl.training.drift import ServerControl
-from retexo_fl.training.federation import Federation, Frames, total
+from retexo_fl.training.federation import AGGREGATE, Federation, Frames, total
 from retexo_fl.training.privacy import aggregate_round
 from retexo_fl.training.selection import StageTracker
 from retexo_fl.training.state import StateDict
@@ -165,7 +165,7 @@ class RoundLoop:
             members = fed.pids  # the round's masking set (secure aggregation)
             if fed.secure is not None:
                 members = fed.secure.members(stage, members)
-                config.update(fed.secure.round_config(fed, members))
+                config.update(fed.secure.round_config(fed, stage, members))
             requests = {
                 pid: fed.content(
                     rs.view,
@@ -361,7 +361,10 @@ class BaselineRun:
 
 
 def per_client(fed: Federation, tests: dict[int, Any]) -> list[dict[str, Any]]:
-    """The summary's per-client rows: test accuracy and the counts reported at setup."""
+    """The summary's per-client rows: test accuracy and the counts reported at setup; none under
+    secure aggregation (the server holds the sum only)."""
+    if AGGREGATE in tests:
+        return []
     return [
         {"client": pid, "test_accuracy": r.accuracy, "test_count": r.count, **fed.counts[pid].counts}
         for pid, r in sorted(tests.items())

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from flwr.app import RecordDict
 
@@ -442,3 +443,73 @@ def test_malformed_fields_are_refused_naming_the_field(nodes, tmp_path, kind, fi
 
     with pytest.raises(ClientFailure, match=re.escape(error)):
         _lazy(nodes, tmp_path, malform, secure_aggregation=True)
+
+
+# -- secure aggregation: compressed updates on a grid, evaluations masked ---------------------------
+def test_a_grid_sent_to_one_client_only_does_not_unmask(nodes, tmp_path):
+    """A coarser grid for every client but one would shrink their codes' share of the sum; the
+    grid is in the round's terms, so their masks no longer cancel and nothing decodes."""
+
+    def coarsen(kind: str, address: int, req: Records) -> Records:
+        grid = req[P.CONFIG].get(P.SECAGG_GRID)
+        if kind == P.TRAIN and grid is not None and address != 0:
+            clips = np.frombuffer(grid, "<f4") * 8
+            return _set(req, **{P.SECAGG_GRID: clips.astype("<f4").tobytes()})
+        return req
+
+    with pytest.raises(ClientFailure, match="does not decode"):
+        _secure(nodes, tmp_path, coarsen)
+
+
+def test_a_grid_in_a_run_of_field_elements_is_refused_naming_it(nodes, tmp_path):
+    def add_grid(kind: str, address: int, req: Records) -> Records:
+        if kind == P.TRAIN and int(req[P.CONFIG][P.ROUND]) == 2:
+            return _set(req, **{P.SECAGG_GRID: b"\0\0\x80?" * 8})
+        return req
+
+    with pytest.raises(ClientFailure, match="a secagg-grid for a run with update-bits 32"):
+        _lazy(nodes, tmp_path, add_grid, **{**SECURE, "update_bits": 32})
+
+
+def test_evaluations_travel_masked_and_the_server_learns_only_their_sum(nodes, tmp_path):
+    """Every evaluate reply (stage validation, every test) holds one masked 12-byte vector and no
+    figure in clear; the summary's per-client rows are gone, the sums are there. Whatever model
+    the server sends (the class-bias model that counts each client's labels included), it gets
+    the members' sum."""
+    seen: list[Records] = []
+
+    class Watching(ClientAppTransport):
+        def send(self, kind, requests, phase, stage):
+            batch = super().send(kind, requests, phase, stage)
+            if kind == P.EVALUATE:
+                seen.extend(batch.replies.values())
+            return batch
+
+    config = TrainConfig(**{**CFG, "pinned_keys": str(nodes[1] / "pins.json"), **SECURE})
+    transport = Watching(_node_configs(nodes, tmp_path))
+    out = LazyStageMachine(transport, config, RunRecorder(None, stream=None)).run()
+    assert len(seen) >= 3 * 3  # three clients: two stage validations and a test at least
+    for reply in seen:
+        assert P.METRICS not in reply or P.CORRECT not in reply[P.METRICS]
+        assert len(reply[P.MASKED][P.VECTOR]) == 12
+    assert out["clients"] == [] and out["secure_aggregation"]["evaluations_masked"] >= 3
+    assert 0.4 < out["test_accuracy"] <= 1.0  # a sum that decoded: 3 classes, chance is 0.33
+
+
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        ({P.SECAGG_MEMBERS: "[0, 1]"}, r"secagg-members \[0, 1\] for an evaluation; it must be the survivor"),
+        ({P.SECAGG_EVAL: 1}, "secagg-evaluation 1 after 1; each evaluation takes a new one"),
+    ],
+    ids=["leave-one-out", "counter-reused"],
+)
+def test_an_evaluation_under_other_terms_is_refused(nodes, tmp_path, change, error):
+    """Leaving one client out of an evaluation (its sum minus the full one's would be that
+    client's figures) and reusing a counter (two vectors under one mask) are refused."""
+
+    def tamper(kind: str, address: int, req: Records) -> Records:
+        return _set(req, **change) if kind == P.EVALUATE else req
+
+    with pytest.raises(ClientFailure, match=error):
+        _secure(nodes, tmp_path, tamper)

@@ -16,14 +16,15 @@ from retexo_fl.secure.masking import pairwise_mask_seed
 from retexo_fl.secure.secagg import (
     SecAggError,
     UnmaskLedger,
+    UpdateGrid,
     VectorCodec,
     answer_unmask,
     decode_answer,
     encode_answer,
+    expand_rows,
     mask_vector,
     share_seed,
     unmask_round,
-    unpack_vector,
 )
 from retexo_fl.secure.settings import min_threshold
 
@@ -70,14 +71,16 @@ def _metrics(i: int) -> dict[str, float]:
     }
 
 
-def _run_round(n, updates, threshold=None, dropped=(), stage=1, round_=3, answering=None, terms=None):
+def _run_round(
+    n, updates, threshold=None, dropped=(), stage=1, round_=3, answering=None, terms=None, codec=None
+):
     """Every party masks (party ``i`` under the round terms ``terms[i]``, default none); the
     server gets the survivors' vectors and their unmask answers."""
     terms = terms or {}
     parties, publics = _parties(n)
     members = list(range(n))
     threshold = threshold or min_threshold(n)
-    codec = VectorCodec(updates.shape[1], n, update_clip=1.0, weight_bound=100.0)
+    codec = codec or VectorCodec(updates.shape[1], n, update_clip=1.0, weight_bound=100.0)
     own, held, packed = {}, {i: {} for i in members}, {}
     for p in parties:
         seed, shares = share_seed(p.id, members, threshold)
@@ -85,12 +88,12 @@ def _run_round(n, updates, threshold=None, dropped=(), stage=1, round_=3, answer
             held[h][p.id] = s
         pair = p.pair_seeds(publics, [q for q in members if q != p.id], stage, round_, terms.get(p.id, b""))
         rng = np.random.default_rng(p.id)
-        packed[p.id], _ = mask_vector(
+        packed[p.id], _, _ = mask_vector(
             codec, updates[p.id], _metrics(p.id), p.id, seed, pair, stage, round_, rng
         )
         own[p.id] = seed
     survivors = [i for i in members if i not in dropped]
-    vectors = {i: unpack_vector(packed[i], stage, round_, codec.length, f"client {i}") for i in survivors}
+    vectors = {i: codec.unpack(packed[i], stage, round_, f"client {i}") for i in survivors}
     answers = {}
     for p in parties:
         if p.id not in survivors or (answering is not None and p.id not in answering):
@@ -143,7 +146,7 @@ def test_the_decoded_sum_equals_the_plain_sum_within_the_fixed_point_error():
     gen = np.random.default_rng(3)
     updates = gen.uniform(-0.9, 0.9, (n, size))
     codec, _, vectors, answers, members, t, _ = _run_round(n, updates)
-    total, metrics, count = unmask_round(codec, vectors, members, t, answers)
+    (total, metrics, _), count = unmask_round(codec, vectors, members, t, answers)
     assert count == n
     error = codec.sum_error(n)  # n * 2**-scale_bits, a strict bound from stochastic rounding
     assert 0 < error < 1e-5
@@ -157,7 +160,7 @@ def test_a_client_lost_after_masking_leaves_the_survivors_sum_exact():
     n, size = 5, 2_000
     updates = np.random.default_rng(4).uniform(-0.5, 0.5, (n, size))
     codec, _, vectors, answers, members, t, _ = _run_round(n, updates, dropped=(2,))
-    total, metrics, count = unmask_round(codec, vectors, members, t, answers)
+    (total, metrics, _), count = unmask_round(codec, vectors, members, t, answers)
     survivors = [0, 1, 3, 4]
     assert count == 4 and metrics["val_count"] == sum(30 + i for i in survivors)
     assert np.max(np.abs(total - updates[survivors].sum(0))) < codec.sum_error(4)
@@ -191,7 +194,7 @@ def test_a_survivor_missing_from_the_unmasking_blocks_a_round_with_a_dropout():
         unmask_round(codec, vectors, members, t, answers)
     # Without a dropout, any t answers decode the round.
     codec, _, vectors, answers, members, t, _ = _run_round(n, updates, answering=[0, 1, 2, 3, 4])
-    total, _, _ = unmask_round(codec, vectors, members, t, answers)
+    (total, _, _), _ = unmask_round(codec, vectors, members, t, answers)
     assert np.max(np.abs(total - updates.sum(0))) < codec.sum_error(n)
 
 
@@ -203,14 +206,14 @@ def test_bad_input_is_refused_naming_the_client():
     with pytest.raises(
         SecAggError, match="client 2: a masked vector for stage 1 round 3, expected stage 1 round 4"
     ):
-        unpack_vector(packed[2], 1, 4, codec.length, "client 2")
+        codec.unpack(packed[2], 1, 4, "client 2")
     with pytest.raises(SecAggError, match="client 2: a masked vector of"):
-        unpack_vector(packed[2][:-4], 1, 3, codec.length, "client 2")
-    wide = packed[2][:24] + np.frombuffer(packed[2][24:], "<u4").astype("<u8").tobytes()
+        codec.unpack(packed[2][:-4], 1, 3, "client 2")
+    wide = packed[2][:25] + np.frombuffer(packed[2][25:], "<u4").astype("<u8").tobytes()
     with pytest.raises(SecAggError, match="client 2: a masked vector of"):
-        unpack_vector(wide, 1, 3, codec.length, "client 2")
+        codec.unpack(wide, 1, 3, "client 2")
     with pytest.raises(SecAggError, match="client 1: not a masked vector"):
-        unpack_vector(b"\0" * 64, 1, 3, codec.length, "client 1")
+        codec.unpack(b"\0" * 64, 1, 3, "client 1")
     # A malformed share or seed in an unmask answer.
     good = encode_answer(*answers[1])
     for key, value, why in (
@@ -322,7 +325,7 @@ def test_counts_sum_exactly_at_scale():
         total += vector
         want["val_correct"] += correct
         want["val_count"] += count
-    _, metrics = codec.decode(total, members)
+    _, metrics, _ = codec.decode(total, members)
     assert metrics["val_correct"] == want["val_correct"] and metrics["val_count"] == want["val_count"]
     assert metrics["weight"] == pytest.approx(1.0, abs=members * 2.0**-codec.metric_fp.scale_bits)
 
@@ -335,9 +338,42 @@ def test_clients_sent_different_round_terms_unmask_to_nothing():
     updates = np.stack([np.full(size, 0.01 * (i + 1)) for i in range(n)])
     same = {i: b"A" * 32 for i in range(n)}
     codec, _, vectors, answers, members, threshold, _ = _run_round(n, updates, terms=same)
-    total, _, count = unmask_round(codec, vectors, members, threshold, answers)
+    (total, _, _), count = unmask_round(codec, vectors, members, threshold, answers)
     assert count == n and np.max(np.abs(total - updates.sum(0))) < codec.sum_error(n)
     split = {**same, 0: b"B" * 32}  # client 0 alone was sent other terms
     codec, _, vectors, answers, members, threshold, _ = _run_round(n, updates, terms=split)
     with pytest.raises(SecAggError, match="does not decode"):
         unmask_round(codec, vectors, members, threshold, answers)
+
+
+def test_compressed_updates_unmask_from_their_narrow_lanes_to_the_exact_code_sum():
+    """4-bit codes on a shared grid: 6 bits a coordinate travel (a sum of 4 codes is at most 56),
+    a survivor's lanes look uniform, and the survivors' sum is exactly the sum of their codes,
+    with a dropped member's masks removed as in full width."""
+    n, rows = 4, (100, 100, 100)
+    row_clips = np.array([0.5, 0.1, 0.02])
+    grid = UpdateGrid(expand_rows(row_clips, list(rows)), bits=4, members=n)
+    assert (grid.levels, grid.lane_bits) == (7, 6)
+    codec = VectorCodec(sum(rows), n, update_clip=1.0, weight_bound=100.0, grid=grid, row_sizes=rows)
+    updates = np.random.default_rng(3).uniform(-1.2, 1.2, (n, sum(rows))) * grid.clips  # some clipped
+    _, packed, vectors, answers, members, t, _ = _run_round(n, updates, dropped=(2,), codec=codec)
+    header, metrics = 25, 4 * (len(rows) + 7)
+    assert all(len(b) == header + (300 * 6 + 7) // 8 + metrics for b in packed.values())
+    assert int(np.count_nonzero(vectors[0][:300] <= 2 * grid.levels)) < 120  # codes alone: all 300
+    (total, metrics_sum, peaks), count = unmask_round(codec, vectors, members, t, answers)
+    survivors = [0, 1, 3]
+    codes = [codec.encode(updates[i], _metrics(i), np.random.default_rng(i))[0][:300] for i in survivors]
+    assert count == 3
+    np.testing.assert_allclose(total, sum(grid.dequantize(c) for c in codes), rtol=0, atol=1e-12)
+    sent = sum(np.clip(updates[i], -grid.clips, grid.clips) for i in survivors)
+    assert np.abs(total - sent).max() <= count * grid.clips.max() / grid.levels
+    want = sum(np.abs(updates[i]).reshape(3, 100).max(axis=1) for i in survivors)
+    np.testing.assert_allclose(peaks, want, atol=codec.update_fp.sum_error(3))
+    assert metrics_sum["val_count"] == sum(30 + i for i in survivors)
+    with pytest.raises(SecAggError, match=r"6 bits declared\), expected 310 values, the update's in 32-bit"):
+        VectorCodec(300, n, 1.0, 100.0, row_sizes=rows).unpack(packed[0], 1, 3, "client 0")  # not its grid
+
+
+def test_a_grid_whose_sums_would_not_fit_a_field_element_is_refused():
+    with pytest.raises(SecAggError, match="needs 33 bits"):
+        UpdateGrid(np.ones(4), bits=16, members=70_000)

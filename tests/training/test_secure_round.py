@@ -62,13 +62,13 @@ def test_secure_aggregation_trains_what_plain_aggregation_trains(sbm):
     # The decoded sums differ from the plain ones by ~1e-7 a coordinate: no prediction moves.
     assert secure["test_accuracy"] == plain["test_accuracy"] > 0.6
     assert [s["best_round"] for s in secure["stages"]] == [s["best_round"] for s in plain["stages"]]
-    # Byte for byte: a masked vector is the float32 update's 4 bytes a coordinate plus a 24-byte
+    # Byte for byte: a masked vector is the float32 update's 4 bytes a coordinate plus a 25-byte
     # header and 4 bytes for each metric; each round, every client seals a share to every other
     # (up, then relayed down) and each survivor answers with a share of every survivor's seed.
     figures = secure["secure_aggregation"]
     n, rounds = 4, 16
     assert figures["rounds"] == rounds and figures["unmask_messages"] == n * rounds
-    vector_extra = 24 + 4 * len(METRIC_NAMES)
+    vector_extra = 25 + 4 * len(METRIC_NAMES)
     assert secure["bytes_model"] - plain["bytes_model"] == rounds * n * vector_extra
     sealed = SHARE_BYTES + ENVELOPE_BYTES
     assert figures["bytes_extra"] == rounds * (2 * n * (n - 1) * sealed + n * n * SHARE_BYTES)
@@ -292,3 +292,38 @@ def test_each_client_clips_its_update_and_adds_its_noise_share(sbm, monkeypatch)
     out = run_lazy(parts, dataclasses.replace(cfg, dp_noise=1e-9))
     assert all(float(np.linalg.norm(u)) == pytest.approx(0.5, rel=1e-6) for u in masked)
     assert out["privacy"]["updates_clipped"] == 4  # counted in the masked sum, not per client
+
+
+class VectorSizes(InProcessTransport):
+    """Records the size of every masked train vector, by (stage, round)."""
+
+    def __init__(self, clients) -> None:
+        super().__init__(clients)
+        self.sizes: dict[tuple[int, int], set[int]] = {}
+
+    def send(self, kind, requests, phase, stage):
+        batch = super().send(kind, requests, phase, stage)
+        if kind == P.TRAIN:
+            config = next(iter(requests.values()))[P.CONFIG]
+            key = (int(config[P.STAGE]), int(config[P.ROUND]))
+            self.sizes[key] = {len(r[P.MASKED][P.VECTOR]) for r in batch.replies.values()}
+        return batch
+
+
+def test_compressed_updates_are_masked_at_close_to_their_width(sbm):
+    """update-bits 4, 4 clients: a stage's first round goes as field elements (no grid yet: 32
+    bits a coordinate); every later round on the grid the last sum set, 6 bits a coordinate (a
+    sum of 4 codes of 0..14 needs 6), plus a 32-bit peak a row and the metrics."""
+    parts = partition_graph(sbm, 4, "metis", seed=0)
+    cfg = dataclasses.replace(BASE, stages=1, rounds=4, patience=0, update_bits=4, secure_aggregation=True)
+    transport = VectorSizes([LazyClient(p, cfg) for p in parts])
+    kept: dict = {}
+    LazyStageMachine(
+        transport, cfg, RunRecorder(None, stream=None), on_stage=lambda s, state: kept.__setitem__(s, state)
+    ).run()
+    size = sum(t.numel() for t in kept[0].values())
+    rows = len(secure_round.row_sizes(kept[0]))
+    tail = 25 + 4 * (rows + len(METRIC_NAMES))
+    assert transport.sizes[(0, 1)] == {tail + 4 * size}
+    for r in (2, 3, 4):
+        assert transport.sizes[(0, r)] == {tail + (6 * size + 7) // 8}

@@ -224,13 +224,15 @@ def evaluate(client: Client, request: Records) -> Reply:
         raise ValueError(f"client {client.id}: evaluate serves the val and test splits only, not {split!r}")
     result = client.evaluate(state, split)
     records: Records = {}
+    masked = bool(client.cfg.secure_aggregation and not config.get(P.REFRESH))
     if not client.cfg.secure_aggregation:
         records[P.METRICS] = {P.CORRECT: result.correct, P.COUNT: result.count, P.LOSS: result.loss_sum}
-    elif not config.get(P.REFRESH):  # summed only; a halo refresh's metrics are not read at all
+    elif masked:  # summed only; a halo refresh's metrics are not read at all
         records.update(secure_round.masked_evaluation(client, config, state, result))
     sent = client.round_payloads(state, int(config[P.ROUND])) if config.get(P.REFRESH) else None
     _add_payloads(records, sent)  # eager: the rows of this state, for the peers' halos
-    return Reply(records, changed=delivered or decoded or bool(sent))  # sealed: counters changed
+    # Sealed rows changed the counters; a masked evaluation its counter and member sets.
+    return Reply(records, changed=delivered or decoded or bool(sent) or masked)
 
 
 def embed(client: Client, request: Records) -> Reply:

@@ -355,7 +355,9 @@ def masked_records(
     ``update-bits`` and what the grid drops is added to the next round's update (error feedback,
     in ``client.residual``), as the plain run's update codec does; else as field elements.
     """
-    if prep.stored is not None:
+    if prep.stored is not None:  # sent again: the reply and the residual it left, as they were
+        residual = _state(client)["sent"].get("residual")
+        client.residual = None if residual is None else unflatten(np.asarray(residual), base)
         return prep.stored
     cfg = client.cfg
     stage, round_ = int(config[P.STAGE]), int(config[P.ROUND])
@@ -417,6 +419,7 @@ def masked_records(
         "survivors": None,
         "own_share": prep.own_share,
         "records": records,
+        "residual": None if client.residual is None else _flat(client.residual).tolist(),
     }
     return records
 
@@ -479,6 +482,9 @@ def unmask(client: Client, request: Records) -> tuple[Records, bool]:
     key = f"{stage}:{round_}"
     state["answered"] = {k: v for k, v in state["answered"].items() if k == key}
     UnmaskLedger(state["answered"]).check(stage, round_, survivors, shares_digest(blobs), where)
+    # The round's validation figures are a sum over the survivors of the received state's: an
+    # evaluation of that state on val for another set would difference to one client's.
+    _register(state, f"val:{sent.get('digest')}", survivors, where)
     sent["survivors"] = survivors  # the next round of the stage may drop only the others
     state["answered_state"] = {
         "stage": stage,
@@ -495,6 +501,20 @@ def evaluation_terms(split: str, digest: str, members: list[int], bound: float, 
     do not cancel."""
     text = json.dumps([str(split), str(digest), sorted(members), float(bound), int(counter)])
     return hashlib.sha256(b"retexo-fl secagg evaluation v1\0" + text.encode()).digest()
+
+
+def _register(state: dict[str, Any], key: str, members: list[int], where: str) -> None:
+    """Record that the figures of ``key`` (split and state digest) went into a sum over
+    ``members``, or refuse another set: the difference of two such sums is one client's."""
+    done = state.setdefault("evaluated", {"counter": -1, "sets": {}, "last": None})
+    before = done["sets"].get(key)
+    if before is not None and sorted(before) != sorted(members):
+        split = key.split(":", 1)[0]
+        raise SecAggError(
+            f"{where}: this state's {split} figures were summed over members {sorted(before)}; not "
+            f"again over {sorted(members)} (the difference of the two sums would be one client's)"
+        )
+    done["sets"][key] = sorted(members)
 
 
 def masked_evaluation(
@@ -534,26 +554,25 @@ def masked_evaluation(
             f"{where}: {P.SECAGG_MEMBERS} {members} for an evaluation; it must be the survivors of "
             f"the last round this client unmasked ({last})"
         )
-    done = state_.setdefault("evaluated", {"counter": -1, "sets": {}})
+    done = state_.setdefault("evaluated", {"counter": -1, "sets": {}, "last": None})
+    digest = state_digest(state)
+    terms = evaluation_terms(split, digest, members, bound, counter)
+    last = done.get("last")
+    if last is not None and last["counter"] == counter and last["terms"] == terms.hex():
+        return {P.MASKED: {P.VECTOR: bytes.fromhex(last["vector"])}}  # asked again (a resumed server)
     if counter <= done["counter"]:
         raise SecAggError(
             f"{where}: {P.SECAGG_EVAL} {counter} after {done['counter']}; each evaluation takes a new one"
         )
-    digest = state_digest(state)
-    key = f"{split}:{digest}"
-    if done["sets"].get(key, members) != members:
-        raise SecAggError(
-            f"{where}: this state was evaluated on {split} for members {done['sets'][key]}; not again "
-            f"for {members} (the difference of the two sums would be one client's)"
-        )
+    _register(state_, f"{split}:{digest}", members, where)
     codec = EvalCodec(len(members), bound)
     rng = np.random.default_rng(derive_seed(client.cfg.seed, ROUNDING_TAG, stage, counter, client.id))
     vector = codec.encode(result.correct, result.count, result.loss_sum, rng)
-    terms = evaluation_terms(split, digest, members, bound, counter)
     pair = _pair_seeds(client, members, stage, 0, terms)
+    packed = codec.pack(masked_update(vector, client.id, None, pair))
     done["counter"] = counter
-    done["sets"][key] = members
-    return {P.MASKED: {P.VECTOR: codec.pack(masked_update(vector, client.id, None, pair))}}
+    done["last"] = {"counter": counter, "terms": terms.hex(), "vector": packed.hex()}
+    return {P.MASKED: {P.VECTOR: packed}}
 
 
 # -- the server's side ---------------------------------------------------------------------------
@@ -621,7 +640,10 @@ class SecureAggregator:
         round), within ``(0, secagg-clip]``; the same for every member."""
         top = update_clip(self.cfg, n)
         margin = GRID_MARGIN.get(grid_bits(self.cfg), WIDE_GRID_MARGIN)
-        return np.clip(margin * peaks / n, math.ldexp(top, -40), top).astype("<f4")
+        grid = np.clip(margin * peaks / n, math.ldexp(top, -40), top).astype("<f4")
+        # float32 may round a clip of ``top`` above it, which every client would refuse
+        below = np.nextafter(np.float32(top), np.float32(0))
+        return np.where(grid.astype(np.float64) > top, below, grid).astype("<f4")
 
     def members(self, stage: int, live: list[int]) -> list[int]:
         """A round's masking set: the survivors of the stage's last unmasked round (members lost
@@ -639,8 +661,9 @@ class SecureAggregator:
             P.SECAGG_BOUND: max(bound, 1),
         }
         bits = grid_bits(self.cfg)
-        if stage in self.grids and bits and (2 * len(members) * (2 ** (bits - 1) - 1)).bit_length() <= 32:
-            config[P.SECAGG_GRID] = self.grids[stage]
+        grids = getattr(self, "grids", {})  # checkpoints from before the grid lack it
+        if stage in grids and bits and (2 * len(members) * (2 ** (bits - 1) - 1)).bit_length() <= 32:
+            config[P.SECAGG_GRID] = grids[stage]
         return config
 
     def aggregate(

@@ -117,7 +117,11 @@ class StageTracker:
 
 
 def same_clients(result: dict[str, Any], last: dict[str, Any]) -> bool:
-    """Whether two results were measured on the same clients (results without ``clients``: one graph)."""
+    """Whether two results were measured on the same clients: their ``members`` (the clients
+    whose figures were summed, per-client rows or not), else their per-client rows (results with
+    neither: one graph)."""
+    if "members" in result and "members" in last:
+        return list(result["members"]) == list(last["members"])
     if "clients" not in result or "clients" not in last:
         return True
     return [c["client"] for c in result["clients"]] == [c["client"] for c in last["clients"]]

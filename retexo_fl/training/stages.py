@@ -20,7 +20,7 @@ from retexo_fl.metrics import RunRecorder, human_bytes
 from retexo_fl.models.factory import build_stage_model, stage_input_dim
 from retexo_fl.seeding import derive_seed
 from retexo_fl.training.checkpoint import Checkpoint, CheckpointStore, RoundState
-from retexo_fl.training.federation import Federation, Frames, total
+from retexo_fl.training.federation import AGGREGATE, Federation, Frames, total
 from retexo_fl.training.rounds import (
     BROADCAST_TAG,
     RoundLoop,
@@ -181,6 +181,8 @@ class LazyStageMachine:
             "val_accuracy": val,
             "test_accuracy": total(tests).accuracy,
             "clients": per_client(self.fed, tests),
+            # who was measured: under secure aggregation the summed members, else every client
+            "members": sorted(self.fed.secure.last_survivors if AGGREGATE in tests else tests),
         }
 
     def _kept(self, ck: Checkpoint) -> tuple[dict[str, Any], dict[str, Any]]:

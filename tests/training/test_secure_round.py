@@ -7,6 +7,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
 
 from retexo_fl import protocol as P
 from retexo_fl.config import TrainConfig
@@ -171,6 +172,7 @@ class AskingTwiceTransport(InProcessTransport):
             if kind == P.TRAIN:
                 first = handle(self.clients[0], kind, requests[0]).records
                 self.seen["first"] = first[P.MASKED]
+                self.seen["residual"] = {k: v.clone() for k, v in self.clients[0].residual.items()}
             if kind == P.UNMASK:
                 other = dict(requests[0])
                 survivors = [0, 1, 2]  # another story: client 3 "dropped"
@@ -184,17 +186,22 @@ class AskingTwiceTransport(InProcessTransport):
         batch = super().send(kind, requests, phase, stage)
         if kind == P.TRAIN and "first" in self.seen and "again" not in self.seen:
             self.seen["again"] = batch.replies[0][P.MASKED]
+            self.seen["residual again"] = self.clients[0].residual
         return batch
 
 
 def test_a_round_sent_twice_gets_one_masked_reply_and_one_story(sbm):
     parts = partition_graph(sbm, 4, "metis", seed=0)
-    cfg = dataclasses.replace(BASE, secure_aggregation=True, clients=4)
+    cfg = dataclasses.replace(BASE, secure_aggregation=True, clients=4, update_bits=4)
     transport = AskingTwiceTransport([LazyClient(p, cfg) for p in parts])
     LazyStageMachine(transport, cfg, RunRecorder(None, stream=None)).run()
-    # A client masks a round once: the second request gets the first reply, byte for byte.
+    # A client masks a round once: the second request gets the first reply, byte for byte, and
+    # keeps the error-feedback residual that reply left (round 2 is on the grid).
     first, again = transport.seen["first"], transport.seen["again"]
     assert first[P.VECTOR] == again[P.VECTOR] and first == again
+    residual, kept = transport.seen["residual"], transport.seen["residual again"]
+    assert any(float(v.abs().max()) > 0 for v in residual.values())
+    assert all(torch.equal(residual[k], kept[k]) for k in residual)
     assert "refusing a second story" in transport.seen["refused"]
 
 
@@ -327,3 +334,54 @@ def test_compressed_updates_are_masked_at_close_to_their_width(sbm):
     assert transport.sizes[(0, 1)] == {tail + 4 * size}
     for r in (2, 3, 4):
         assert transport.sizes[(0, r)] == {tail + (6 * size + 7) // 8}
+
+
+def test_a_grid_clip_never_rounds_above_the_runs_clip():
+    """0.1 is not a float32: rounded to one it is 0.10000000149, which every client would refuse."""
+    cfg = dataclasses.replace(BASE, secure_aggregation=True, update_bits=4, secagg_clip=0.1)
+    grid = secure_round.SecureAggregator(cfg).next_grid(np.array([5.0, 0.3, 1e-3]), 4)
+    assert grid.dtype == np.dtype("<f4") and float(grid.max()) <= 0.1
+    like = {"w": torch.zeros(3, 2)}
+    clips = secure_round.parse_grid(grid.tobytes(), cfg, like, 4, "client 0")
+    assert clips[2] == pytest.approx(1.5 * 1e-3 / 4)
+
+
+class RecordingStates(InProcessTransport):
+    """Keeps each train message's state, as the clients received it."""
+
+    def __init__(self, clients) -> None:
+        super().__init__(clients)
+        self.received: list = []
+
+    def send(self, kind, requests, phase, stage):
+        batch = super().send(kind, requests, phase, stage)
+        if kind == P.TRAIN and stage == 0:
+            self.received.append(self.clients[0].view)
+        return batch
+
+
+def test_a_train_rounds_validation_and_an_evaluation_of_its_state_share_one_member_set(sbm):
+    """A train round validates the state it receives, summed over its survivors. A server that
+    then declares one of them dropped in a later round, and evaluates that same state on val over
+    the rest, would difference the two sums to the dropped client's figures: refused."""
+    parts = partition_graph(sbm, 4, "metis", seed=0)
+    cfg = dataclasses.replace(BASE, secure_aggregation=True, stages=1, rounds=3, patience=0)
+    transport = RecordingStates([LazyClient(p, cfg) for p in parts])
+    LazyStageMachine(transport, cfg, RunRecorder(None, stream=None)).run()
+    client = transport.clients[0]
+    state = transport.received[1]  # round 2's state: its validation went into round 2's sum
+    client.secagg["answered_state"]["survivors"] = [0, 1, 2]  # "client 3 dropped" later
+    config = {
+        P.SPLIT: "val",
+        P.STAGE: 0,
+        P.SECAGG_MEMBERS: "[0, 1, 2]",
+        P.SECAGG_BOUND: max(p.num_nodes for p in parts),
+        P.SECAGG_EVAL: 99,
+    }
+    result = client.evaluate(state, "val")
+    summed = r"this state's val figures were summed over members \[0, 1, 2, 3\]"
+    with pytest.raises(SecAggError, match=summed):
+        secure_round.masked_evaluation(client, config, state, result)
+    # Another state passes: the near-equal-state route stays open (docs/security.md says so).
+    fresh = {k: v + 1e-3 for k, v in state.items()}
+    assert P.MASKED in secure_round.masked_evaluation(client, config, fresh, client.evaluate(fresh, "val"))

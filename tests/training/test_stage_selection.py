@@ -50,6 +50,21 @@ def test_ties_go_to_the_later_stage():
     assert keep_best_stage(rows)["stage"] == 1
 
 
+def test_only_stages_measured_on_the_last_stages_members_compete():
+    """Under secure aggregation there are no per-client rows, only the members whose figures were
+    summed: a stage measured before a client was lost does not compete with the last one."""
+    from retexo_fl.training.selection import keep_best_stage
+
+    rows = [
+        {"pass": 0, "stage": 0, "val_accuracy": 0.9, "clients": [], "members": [0, 1, 2, 3]},
+        {"pass": 0, "stage": 1, "val_accuracy": 0.7, "clients": [], "members": [0, 1, 2]},
+        {"pass": 0, "stage": 2, "val_accuracy": 0.8, "clients": [], "members": [0, 1, 2]},
+    ]
+    assert keep_best_stage(rows)["stage"] == 2
+    rows[0]["members"] = [0, 1, 2]
+    assert keep_best_stage(rows)["stage"] == 0
+
+
 @pytest.mark.slow
 def test_both_engines_deliver_the_same_earlier_stage_with_the_same_bytes(tmp_path):
     from retexo_fl.metrics import RunRecorder

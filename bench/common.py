@@ -15,7 +15,7 @@ from pathlib import Path
 
 DEFAULT_ROOT = Path(__file__).resolve().parents[1].parent / "shared" / "datasets"
 
-# A peer measured on these machines (issue 5): FedGraph 0.2.5 running FedGCN on Cora, 10
+# A peer measured on these machines: FedGraph 0.2.5 running FedGCN on Cora, 10
 # trainers, public split, 100 rounds, its documented settings. Its bytes are computed by FedGraph,
 # not measured; ours are counted on the payloads.
 PEER = {

@@ -8,8 +8,8 @@ On one generated graph (at least 2,000 nodes and 150,000 edges by default), it t
 - the centralized 2-layer GCN of ``retexo-fl train --mode centralized`` (``run_centralized``),
   on the cached CSR adjacency it now uses, and on the edge list it used before;
 - PyG's ``GCNConv`` trained by a plain loop on a cached ``torch.sparse_csr`` adjacency (the
-  reference the issue names) and on ``edge_index``, with the same weights, epochs and
-  per-epoch validation;
+  reference the centralized GCN's time is held to) and on ``edge_index``, with the same
+  weights, epochs and per-epoch validation;
 - a whole lazy run in process (every stage, default settings but ``--lazy-rounds``), on the
   CSR path and on the edge list.
 

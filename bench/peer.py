@@ -1,6 +1,6 @@
 """Lazy mode at a tenth of FedGCN's bytes: the peer's setting, our small-budget configuration.
 
-The peer (issue 5) is FedGraph 0.2.5 running FedGCN on Cora with 10 trainers, the public split,
+The peer is FedGraph 0.2.5 running FedGCN on Cora with 10 trainers, the public split,
 100 rounds: 0.788 test accuracy with 379 MB of communication that FedGraph computes, about
 2 minutes and about 5 GB across its processes, measured on these machines. This runs lazy mode
 in the same setting (10 random clients: FedGCN's near-iid split of nodes) with a configuration

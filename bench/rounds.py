@@ -1,7 +1,7 @@
 """The headline: what a user gets with default settings, against the previous defaults, FedGCN
 and the centralized GCN, in rounds, bytes, seconds and memory.
 
-Cells (issue 16), each with three seeds, through the command line as a user runs it:
+Cells, each with three seeds, through the command line as a user runs it:
 
 - Cora, 10 random clients, public split, Flower simulation (bytes: serialized messages), beside
   FedGCN's measured row;

@@ -1,4 +1,4 @@
-"""Candidate sweep for the defaults (issue 16, item 5): every candidate x cell x seed, in process.
+"""Candidate sweep for the defaults: every candidate x cell x seed, in process.
 
 A candidate is a name and the flags a user would type (``retexo-fl train`` flags). A cell is a
 dataset, a partitioning and a client count. Every run is appended at once to ``--out`` (JSON

@@ -1,4 +1,4 @@
-"""A node worker's resident memory over a whole deployed run on the edge test's graph (issue 17).
+"""A node worker's resident memory over a whole deployed run on the edge test's graph.
 
 The graph is the one ``tests/test_edge.py`` states the edge profile's ceiling on: a generated
 40,000-node SBM with about 2,000,000 edges. It is cut into ``--parties`` random partitions (one,

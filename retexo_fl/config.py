@@ -456,7 +456,7 @@ class TrainConfig:
     profile: str = "default"
     threads: int = 0  # torch threads per client (0: torch's default)
     chunk_rows: int = 0  # embeddings for this many target rows at a time (0: all at once)
-    # Compression (DESIGN section 5): boundary rows and model updates.
+    # Compression of boundary rows, model updates and broadcasts (docs/compression.md).
     bits: int = 32
     bit_policy: str = "fixed"
     byte_budget: str = ""
@@ -466,7 +466,7 @@ class TrainConfig:
     update_bits: int = 4
     broadcast_bits: int = 4  # the server's model broadcast as b-bit deltas (32: whole state)
     range_dtype: str = "fp16"
-    # End-to-end encryption of boundary payloads between clients (DESIGN section 6).
+    # End-to-end encryption of boundary payloads between clients (docs/security.md).
     encrypt: bool = True
     identity_keys: str = ""  # folder of client-<id>.key identity keys (else one key pair per run)
     pinned_keys: str = ""  # JSON {client id: public key hex} exchanged out of band

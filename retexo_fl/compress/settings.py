@@ -25,7 +25,7 @@ BIT_POLICIES = ("fixed", "adaptive-budget", "adaptive-bandwidth")
 
 @dataclass(frozen=True)
 class CompressionSettings:
-    r"""Compression of boundary rows, model updates and model broadcasts (DESIGN section 5).
+    r"""Compression of boundary rows, model updates and model broadcasts (``docs/compression.md``).
 
     The ``compression`` section of :class:`~retexo_fl.config.TrainConfig`, and what
     :class:`~retexo_fl.compress.boundary.BoundaryEncoder` takes.

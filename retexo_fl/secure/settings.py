@@ -25,7 +25,7 @@ def min_threshold(members: int) -> int:
 class SecuritySettings:
     r"""What protects a run's data in flight: end-to-end encryption, audit records, DP-FedAvg.
 
-    The ``security`` section of :class:`~retexo_fl.config.TrainConfig` (DESIGN section 6).
+    The ``security`` section of :class:`~retexo_fl.config.TrainConfig` (guide: ``docs/security.md``).
 
     Args:
         encrypt (bool, optional): seal boundary payloads end to end between clients (:obj:`False`

@@ -10,7 +10,7 @@ from retexo_fl.training.lazy import run_lazy
 
 BASE = {"stages": 3, "hidden": 16, "rounds": 10, "seed": 0, "self_training": 0}
 # lr 0 on the last stage: it never leaves its random initial weights, so it validates far below
-# the stages before it (the example: a last stage whose inputs carry nothing).
+# the stages before it (a last stage whose inputs carry nothing).
 SPOILED = {**BASE, "lr": [1.0, 1.0, 0.0]}
 
 

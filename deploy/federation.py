@@ -30,6 +30,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -51,6 +52,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def tool_path(path: str | None = None) -> str:
+    """``PATH`` (default: this process's) with the running interpreter's folder first, so that
+    Flower's executables and ``retexo-fl`` installed beside it are found (a virtual environment
+    used without activating it), by us and by the processes Flower starts itself."""
+    here = str(Path(sys.executable).parent)
+    rest = (os.environ.get("PATH", "") if path is None else path).split(os.pathsep)
+    return os.pathsep.join([here, *(p for p in rest if p and p != here)])
+
+
+def require_tool(name: str, path: str) -> None:
+    """Refuse to start a process whose program is missing, naming it and where it was looked for.
+
+    Raises:
+        FileNotFoundError: ``name`` is on neither ``path`` nor beside the running interpreter.
+    """
+    if shutil.which(name, path=path) is None:
+        raise FileNotFoundError(
+            f"{name} is not beside {sys.executable} nor on PATH; install the project there "
+            "(pip install -e .) or put its folder on PATH"
+        )
 
 
 class Federation:
@@ -75,7 +98,7 @@ class Federation:
         self.work.mkdir(parents=True, exist_ok=True)
         self.home = self.work / "flwr-home"
         self.home.mkdir(exist_ok=True)
-        self.env = {**os.environ, **ENV, "FLWR_HOME": str(self.home)}
+        self.env = {**os.environ, **ENV, "FLWR_HOME": str(self.home), "PATH": tool_path()}
         self.procs: dict[str, subprocess.Popen] = {}
         self.http, self.fleet = free_port(), free_port()
         #: The pins file the parties hold (set by :meth:`start_supernode` with keys): a party that
@@ -84,6 +107,8 @@ class Federation:
 
     # -- processes ---------------------------------------------------------------------------
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        program = argv[4] if argv[:3] == ["ip", "netns", "exec"] else argv[0]  # ip netns exec NS prog
+        require_tool(program, self.env["PATH"])
         print(f"$ {shlex.join(argv)}", flush=True)
         log = open(self.work / f"{name}.log", "wb")  # noqa: SIM115 (the process keeps it)
         proc = subprocess.Popen(
@@ -119,6 +144,7 @@ class Federation:
                 os.killpg(proc.pid, signal.SIGKILL)
 
     def flwr(self, *args: str, timeout: float = 120, echo: bool = True) -> subprocess.CompletedProcess:
+        require_tool("flwr", self.env["PATH"])
         argv = ["flwr", *args]
         if echo:
             print(f"$ {shlex.join(argv)}", flush=True)

@@ -179,14 +179,12 @@ def test_a_client_dying_mid_stage_is_dropped_and_the_run_finishes(node_work_dir)
     assert summary["lost_clients"][0]["phase"].startswith("stage 1")
     assert "client 2" in summary["lost_clients"][0]["reason"]
     assert summary["test_accuracy"] > 0.5  # the two others trained on; 3 classes
-    assert time.time() - started < 240
 
 
 @pytest.mark.slow
 def test_a_client_that_hangs_is_timed_out_and_dropped():
     from server.simulation import simulate
 
-    started = time.time()
     cfg = TrainConfig(
         profile="exact",
         mode="eager",
@@ -206,4 +204,3 @@ def test_a_client_that_hangs_is_timed_out_and_dropped():
     assert [c["client"] for c in lost] == [1]
     assert "did not reply to eager round 1 within 25s" in lost[0]["reason"]
     assert len(summary["local_steps"]) >= 5 and all(len(s) == 2 for s in summary["local_steps"])
-    assert time.time() - started < 240

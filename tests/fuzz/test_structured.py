@@ -63,9 +63,7 @@ SHAPES = st.one_of(
 
 @FUZZ
 @given(st.sampled_from(ARRAYS), st.sampled_from(DESCRS), SHAPES, st.binary(max_size=2048), st.booleans())
-def test_valid_npy_headers_with_hostile_shapes_give_one_clear_error(
-    good_partition, reseal, tmp_path, name, descr, shape, body, fortran
-):
+def _npy_fuzz(good_partition, reseal, tmp_path, name, descr, shape, body, fortran):
     root = tmp_path / "p"
     shutil.rmtree(root, ignore_errors=True)
     shutil.copytree(good_partition, root)
@@ -92,8 +90,7 @@ _TRANSCRIPT = transcript_hash(9, _DIR, {0: bytes(32), 1: bytes([1]) * 32})
     st.lists(st.tuples(st.integers(0, 10_000), st.integers(1, 255)), min_size=1, max_size=4),
     st.booleans(),
 )
-def test_flipped_ciphertext_in_a_valid_envelope_fails_authentication(plain, flips, in_header):
-    """The header is left valid (or changed to another valid route), so every case reaches AES-GCM."""
+def _envelope_fuzz(plain, flips, in_header):
     sender, receiver = Envelopes(0, _KEYS[0], _TRANSCRIPT, _DIR), Envelopes(1, _KEYS[1], _TRANSCRIPT, _DIR)
     original = sender.seal(plain, Route("halo", 3, 2, 0, 1))
     blob = bytearray(original)
@@ -130,9 +127,7 @@ MANIFEST_FIELDS = ["num_classes", "num_partitions", "partition_id", "num_global_
         st.text(max_size=20).map(lambda v: ("value", v)),
     ),
 )
-def test_valid_json_manifests_with_hostile_values_give_one_clear_error(
-    good_partition, tmp_path, field, change
-):
+def _manifest_fuzz(good_partition, tmp_path, field, change):
     root = tmp_path / "m"
     shutil.rmtree(root, ignore_errors=True)
     shutil.copytree(good_partition, root)
@@ -155,13 +150,31 @@ def test_valid_json_manifests_with_hostile_values_give_one_clear_error(
         LAYERS[("manifest", "accepted")] += 1
 
 
-def test_every_layer_was_reached():
-    """The fuzzers above reached the layers they were built for (run after them, as pytest does)."""
-    if not LAYERS:
-        pytest.skip("run with the fuzzers above: it reports what they reached")
-    for (fuzzer, layer), n in sorted(LAYERS.items()):
-        print(f"{fuzzer:9s} {layer:22s} {n:5d}")
-    assert LAYERS[("envelope", "AES-GCM")] > 0
-    assert LAYERS[("npy", "numpy header / body")] > 0
-    assert LAYERS[("npy", "shape check")] + LAYERS[("npy", "dtype check")] > 0
-    assert LAYERS[("manifest", "field checks")] > 0
+def _reached(fuzz, **fixtures) -> collections.Counter:
+    """Run one fuzzer (its Hypothesis search), and count the layers its cases reached."""
+    before = collections.Counter(LAYERS)
+    fuzz(**fixtures)
+    return LAYERS - before
+
+
+# Each test runs its own fuzzer and checks it reached the layer it was built for: a fuzzer
+# whose cases all stop at the first check would pass while testing nothing. No test depends on
+# another having run first.
+def test_valid_npy_headers_with_hostile_shapes_give_one_clear_error(good_partition, reseal, tmp_path):
+    reached = _reached(_npy_fuzz, good_partition=good_partition, reseal=reseal, tmp_path=tmp_path)
+    assert reached[("npy", "numpy header / body")] > 0
+    assert reached[("npy", "shape check")] + reached[("npy", "dtype check")] > 0
+
+
+def test_flipped_ciphertext_in_a_valid_envelope_fails_authentication():
+    """The header is left valid (or changed to another valid route), so every case reaches AES-GCM."""
+    assert _reached(_envelope_fuzz)[("envelope", "AES-GCM")] > 0
+
+
+def test_valid_json_manifests_with_hostile_values_give_one_clear_error(good_partition, tmp_path):
+    assert (
+        _reached(_manifest_fuzz, good_partition=good_partition, tmp_path=tmp_path)[
+            ("manifest", "field checks")
+        ]
+        > 0
+    )

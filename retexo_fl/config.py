@@ -579,6 +579,13 @@ class TrainConfig:
         """Which layer of the stack a lazy run's ``stage`` trains (passes repeat the stack)."""
         return stage % self.stages
 
+    def stage_name(self, stage: int) -> str:
+        """How progress lines name a lazy run's ``stage``: ``"stage 2"``, or with self-training
+        passes ``"pass 2 stage 0"`` (passes from 1, stages within a pass from 0)."""
+        if self.self_training <= 0:
+            return f"stage {stage}"
+        return f"pass {stage // self.stages + 1} stage {self.layer(stage)}"
+
     def ends_pass(self, stage: int) -> bool:
         """Whether ``stage`` is the last of a self-training pass that another pass follows."""
         return stage < self.total_stages - 1 and self.layer(stage) == self.stages - 1

@@ -33,11 +33,17 @@ class StageTracker:
     """
 
     def __init__(
-        self, stage: int, patience: int = 0, min_rounds: int = 0, stop_metric: str = "accuracy"
+        self,
+        stage: int,
+        patience: int = 0,
+        min_rounds: int = 0,
+        stop_metric: str = "accuracy",
+        name: str | None = None,
     ) -> None:
         if stop_metric not in STOP_METRICS:
             raise ValueError(f"stop-metric must be one of {STOP_METRICS}, got {stop_metric!r}")
         self.stage = stage
+        self.name = name or f"stage {stage}"  # how progress lines call it
         self.patience = patience
         self.min_rounds = min_rounds
         self.stop_metric = stop_metric
@@ -89,14 +95,14 @@ class StageTracker:
             rounds (int): the stage's number of rounds.
 
         Returns:
-            The line (stage, round, last train loss and validation accuracy, best so far), or ``None``.
+            The line (stage, round, last train loss and validation accuracy, best so far), or
+            ``None`` (also before the stage's first validation).
         """
-        if round_ == 1 or round_ == rounds or round_ % max(1, rounds // 5) == 0:
-            last = self.history[-1] if self.history else {}
+        if self.history and (round_ == 1 or round_ == rounds or round_ % max(1, rounds // 5) == 0):
+            last = self.history[-1]  # nothing to say before the first validation
             loss = f"loss {last['train_loss']:.4f}  " if "train_loss" in last else ""
-            val = f"val {last['val_accuracy']:.4f}  " if last else ""
-            best = f"best {max(self.best_val, 0):.4f}@{self.best_round}"
-            return f"stage {self.stage} round {round_:4d}/{rounds}  {loss}{val}{best}"
+            best = f"best {self.best_val:.4f}@{self.best_round}"
+            return f"{self.name} round {round_:4d}/{rounds}  {loss}val {last['val_accuracy']:.4f}  {best}"
         return None
 
     def figures(self, seconds: float) -> dict[str, Any]:

@@ -109,7 +109,7 @@ class LazyStageMachine:
                 figures.update(exchange_figures(self.exchange_stats[stage]))
             ck.stages.append(figures)
             self.rec.progress(
-                f"stage {stage} done: best val {figures['val_accuracy']:.4f} at round "
+                f"{cfg.stage_name(stage)} done: best val {figures['val_accuracy']:.4f} at round "
                 f"{figures['best_round']}, boundary so far {human_bytes(fed.bytes_boundary)}"
             )
             ck.stage, ck.boundary_before, ck.deliveries, ck.round_state, ck.kept = (
@@ -156,7 +156,8 @@ class LazyStageMachine:
             else:
                 model = build_stage_model(cfg, stage, in_dim, ref.num_classes)
                 state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            tracker = StageTracker(stage, cfg.patience, cfg.min_rounds, cfg.stop_metric)
+            name = cfg.stage_name(stage)
+            tracker = StageTracker(stage, cfg.patience, cfg.min_rounds, cfg.stop_metric, name)
             tracker.bytes_offset = fed.bytes_boundary + self.model_bytes_done
             rs = self.loop.start(state, layer, tracker, derive_seed(cfg.seed, stage, BROADCAST_TAG))
 

@@ -101,3 +101,18 @@ def test_a_stopped_stage_counts_exactly_the_rounds_it_sent():
         assert s["bytes_model"] == s["rounds_sent"] * b
     assert stopped >= 1  # the setting must exercise early stopping, or this test proves nothing
     assert run["bytes_model"] == sum(s["bytes_model"] for s in run["stages"])
+
+
+def test_progress_lines_name_pass_and_stage_and_wait_for_a_validation():
+    cfg = TrainConfig(stages=3, self_training=1)
+    assert [cfg.stage_name(s) for s in (0, 2, 3, 5)] == [
+        "pass 1 stage 0",
+        "pass 1 stage 2",
+        "pass 2 stage 0",
+        "pass 2 stage 2",
+    ]
+    assert TrainConfig(stages=3, self_training=0).stage_name(2) == "stage 2"
+    t = StageTracker(3, name=cfg.stage_name(3))
+    assert t.progress_line(1, 16) is None  # no validation yet: no "best 0.0000@0"
+    t.record(1, {"w": torch.tensor([1.0])}, 0.5)
+    assert t.progress_line(1, 16) == "pass 2 stage 0 round    1/16  val 0.5000  best 0.5000@1"

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -16,6 +20,38 @@ from retexo_fl.config import TrainConfig
 from retexo_fl.secure.policy import POLICY_ENV, PartyPolicy
 from server.app import run_server
 from server.checkpoint import resumed_config
+
+
+class _DropRunSimulationBanner(logging.Filter):
+    """Drops the one record of Flower's ``run_simulation`` deprecation banner.
+
+    Flower 1.38-1.39 (``flwr/simulation/run_simulation.py``, ``run_simulation``) logs "DEPRECATED
+    FEATURE: The `run_simulation` function is deprecated ..." through ``warn_deprecated_feature``
+    on every call. It is the only in-process simulation entry point of that range (``flwr run``
+    needs a SuperLink), so the banner tells a user of this engine nothing to act on.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = str(record.msg) + " " + " ".join(str(a) for a in (record.args or ()))
+        return not ("DEPRECATED FEATURE" in text and "run_simulation" in text)
+
+
+@contextlib.contextmanager
+def _quiet_run_simulation() -> Iterator[None]:
+    """Flower's logger without the ``run_simulation`` banner for the call's length, and without
+    Ray's ``ray.init`` "Tip: In future versions of Ray ... RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"
+    FutureWarning (``ray/_private/worker.py``, ``init``): it announces a default change for
+    actors given no GPU, which run on the CPU here either way. Nothing else is filtered."""
+    banner = _DropRunSimulationBanner()
+    flwr_logger = logging.getLogger("flwr")
+    flwr_logger.addFilter(banner)
+    try:
+        with warnings.catch_warnings():
+            tip = "Tip: In future versions of Ray"
+            warnings.filterwarnings("ignore", message=tip, category=FutureWarning)
+            yield
+    finally:
+        flwr_logger.removeFilter(banner)
 
 
 def simulate(
@@ -85,18 +121,19 @@ def simulate(
     previous = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        run_simulation(
-            server_app=server_app,
-            client_app=client_app or default_client_app,
-            num_supernodes=cfg.clients,
-            backend_config={
-                "client_resources": {
-                    "num_cpus": cpus_per_client,
-                    "num_gpus": gpus_for_clients(cfg) if gpus_per_client is None else gpus_per_client,
+        with _quiet_run_simulation():
+            run_simulation(
+                server_app=server_app,
+                client_app=client_app or default_client_app,
+                num_supernodes=cfg.clients,
+                backend_config={
+                    "client_resources": {
+                        "num_cpus": cpus_per_client,
+                        "num_gpus": gpus_for_clients(cfg) if gpus_per_client is None else gpus_per_client,
+                    },
+                    "init_args": {"num_cpus": os.cpu_count() or 1},
                 },
-                "init_args": {"num_cpus": os.cpu_count() or 1},
-            },
-        )
+            )
     finally:
         for k, v in previous.items():
             if v is None:

@@ -66,8 +66,9 @@ NOISE_SIGMAS = 8.0
 #: makes every step coarser. Chosen on validation, 2026-11-26: at 4 bits, Cora, 4 METIS clients,
 #: defaults, seeds 0-2, mean val 0.763 at 1.0, 0.771 at 1.5, 0.760 at 2.0, 0.766 at 3.0 (0.777
 #: without secure aggregation); at 8 and 16 bits (the generated 600-node graph, 8 rounds a
-#: stage) 1.5 clipped ~300 coordinates and lost 4-5 points of test accuracy, 4.0 clipped 6 and
-#: matched the plain run within 0.7 points (steps of 4/127 of a peak cost nothing there).
+#: stage) 1.5 clipped ~300 coordinates and lost 5.7 (8 bits) and 4.7 (16 bits) points of test
+#: accuracy, 4.0 clipped 6-7 and matched the plain run within 0.7 points (steps of 4/127 of a
+#: peak cost nothing there).
 GRID_MARGIN = {2: 1.5, 4: 1.5}
 #: The margin of wider codes (see :data:`GRID_MARGIN`).
 WIDE_GRID_MARGIN = 4.0
@@ -286,8 +287,7 @@ def prepare(client: Client, config: dict[str, Any], state: StateDict) -> Prepare
     agreed = int(client.cfg.secagg_threshold) or min_threshold(client.cfg.clients)
     if threshold != agreed:
         raise SecAggError(f"{where}: {P.SECAGG_THRESHOLD} {threshold}; the run config's is {agreed}")
-    if not (math.isfinite(bound) and bound >= 1):
-        raise SecAggError(f"{where}: secure aggregation weight bound {bound} is not a count >= 1")
+    _check_bound(bound, where)
     if client.id not in members or len(members) > len(directory):
         raise SecAggError(
             f"{where}: {P.SECAGG_MEMBERS} {members} must hold this client and at most the "
@@ -356,8 +356,7 @@ def masked_records(
     in ``client.residual``), as the plain run's update codec does; else as field elements.
     """
     if prep.stored is not None:  # sent again: the reply and the residual it left, as they were
-        residual = _state(client)["sent"].get("residual")
-        client.residual = None if residual is None else unflatten(np.asarray(residual), base)
+        client.residual = _state(client)["sent"].get("residual")
         return prep.stored
     cfg = client.cfg
     stage, round_ = int(config[P.STAGE]), int(config[P.ROUND])
@@ -419,7 +418,7 @@ def masked_records(
         "survivors": None,
         "own_share": prep.own_share,
         "records": records,
-        "residual": None if client.residual is None else _flat(client.residual).tolist(),
+        "residual": client.residual,  # a new dict each round: the reference stays as it was
     }
     return records
 
@@ -503,10 +502,21 @@ def evaluation_terms(split: str, digest: str, members: list[int], bound: float, 
     return hashlib.sha256(b"retexo-fl secagg evaluation v1\0" + text.encode()).digest()
 
 
+def _check_bound(bound: float, where: str) -> None:
+    if not (math.isfinite(bound) and bound >= 1):
+        raise SecAggError(f"{where}: {P.SECAGG_BOUND} {bound} is not a count >= 1")
+
+
+def _evaluated(state: dict[str, Any]) -> dict[str, Any]:
+    """A client's record of its masked figures: the last evaluation counter and reply, and the
+    member set each (split, state digest) was summed over."""
+    return state.setdefault("evaluated", {"counter": -1, "sets": {}, "last": None})
+
+
 def _register(state: dict[str, Any], key: str, members: list[int], where: str) -> None:
     """Record that the figures of ``key`` (split and state digest) went into a sum over
     ``members``, or refuse another set: the difference of two such sums is one client's."""
-    done = state.setdefault("evaluated", {"counter": -1, "sets": {}, "last": None})
+    done = _evaluated(state)
     before = done["sets"].get(key)
     if before is not None and sorted(before) != sorted(members):
         split = key.split(":", 1)[0]
@@ -537,15 +547,13 @@ def masked_evaluation(
     split, stage = str(config[P.SPLIT]), int(config[P.STAGE])
     try:
         members = parse_members(config[P.SECAGG_MEMBERS], where, P.SECAGG_MEMBERS)
-        P.count_entries(config, where)
-        counter = int(config[P.SECAGG_EVAL])
+        counter = int(config[P.SECAGG_EVAL])  # a count: handle() checks it as it does round
         bound = float(config[P.SECAGG_BOUND])
     except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise SecAggError(
             f"{where}: an evaluation under secure aggregation without its settings ({exc})"
         ) from None
-    if not (math.isfinite(bound) and bound >= 1):
-        raise SecAggError(f"{where}: {P.SECAGG_BOUND} {bound} is not a count >= 1")
+    _check_bound(bound, where)
     state_ = _state(client)
     answered = state_.get("answered_state")
     if answered is None or client.id not in members or sorted(members) != sorted(answered["survivors"]):
@@ -554,7 +562,7 @@ def masked_evaluation(
             f"{where}: {P.SECAGG_MEMBERS} {members} for an evaluation; it must be the survivors of "
             f"the last round this client unmasked ({last})"
         )
-    done = state_.setdefault("evaluated", {"counter": -1, "sets": {}, "last": None})
+    done = _evaluated(state_)
     digest = state_digest(state)
     terms = evaluation_terms(split, digest, members, bound, counter)
     last = done.get("last")

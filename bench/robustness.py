@@ -66,6 +66,11 @@ def graphs(root: Path) -> dict[str, tuple[str, str]]:
 
 #: The partitionings of every row: (method, clients).
 PARTITIONINGS = (("metis", 4), ("random", 10), ("label-skew", 10))
+
+#: ``--tune-references``: each centralized reference (GCN and MLP) runs at every one of these
+#: settings, and the cell compares with the one that validates best (mean over seeds). Four
+#: settings a reference: the lazy candidates compared in one table are about as many.
+REFERENCE_GRID = tuple({"hidden": hidden, "weight_decay": wd} for hidden in (64, 256) for wd in (5e-4, 5e-3))
 QUICK_GRAPHS = ("twitch-ES", "twitch-PTBR", "squirrel")
 
 
@@ -134,16 +139,47 @@ def grid(args: argparse.Namespace, table: dict[str, tuple[str, str]]) -> list[di
         base = {"_graph": name, "dataset": dataset, "split": split}
         for seed in args.seeds:
             if not args.lazy_only:
-                jobs.append({**base, "_method": "central-gcn", "mode": "centralized", "seed": seed})
-                jobs.append(
-                    {**base, "_method": "central-mlp", "mode": "centralized", "model": "mlp", "seed": seed}
-                )
+                for ref in REFERENCE_GRID if args.tune_references else ({},):
+                    tag = {"_ref_config": reference_tag(ref)} if ref else {}
+                    jobs.append(
+                        {**base, **ref, **tag, "_method": "central-gcn", "mode": "centralized", "seed": seed}
+                    )
+                    jobs.append(
+                        {
+                            **base,
+                            **ref,
+                            **tag,
+                            "_method": "central-mlp",
+                            "mode": "centralized",
+                            "model": "mlp",
+                            "seed": seed,
+                        }
+                    )
+            if args.references_only:
+                continue
             for method, clients in args.partitionings:
                 part = {"method": method, "clients": clients, "seed": seed, "_part": f"{method}-{clients}"}
                 jobs.append({**base, **part, **lazy_set, "_method": "lazy", "_tag": args.tag, "mode": "lazy"})
                 if args.eager:
                     jobs.append({**base, **part, "_method": "eager", "mode": "eager"})
     return jobs
+
+
+def reference_tag(settings: dict) -> str:
+    """A reference setting's name in the JSON rows: ``hidden=256,weight_decay=0.005``."""
+    return ",".join(f"{k}={v}" for k, v in sorted(settings.items()))
+
+
+def best_reference(rows: list[dict]) -> tuple[str, list[dict]]:
+    """The reference setting whose mean validation over seeds is highest, and its rows.
+
+    Rows without a setting (the references at their defaults) form one setting, ``""``.
+    """
+    by_setting: dict[str, list[dict]] = {}
+    for r in rows:
+        by_setting.setdefault(r.get("_ref_config", ""), []).append(r)
+    best = max(sorted(by_setting), key=lambda k: _stats([r["val_accuracy"] for r in by_setting[k]])[0])
+    return best, by_setting[best]
 
 
 def parse_set(text: str) -> tuple[str, object]:
@@ -169,7 +205,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             m: [r for r in rows if r["_graph"] == g and r["_method"] == m]
             for m in ("central-gcn", "central-mlp")
         }
-        refs = {m: rs for m, rs in ref_rows.items() if rs}
+        refs = {m: best_reference(rs)[1] for m, rs in ref_rows.items() if rs}
         ref = max(refs, key=lambda m: _stats([r["val_accuracy"] for r in refs[m]])[0]) if refs else None
         lazy = [r for r in rows if r["_graph"] == g and r["_method"] == "lazy"]
         for part, tag in sorted({(r["_part"], r.get("_tag", "")) for r in lazy}):
@@ -180,11 +216,14 @@ def summarize(rows: list[dict]) -> list[dict]:
             cell["lazy_val"] = _stats([r["val_accuracy"] for r in mine])[0]
             for m, rs in refs.items():
                 cell[f"{m}_test"], cell[f"{m}_std"] = _stats([r["test_accuracy"] for r in rs])
+                cell[f"{m}_val"] = _stats([r["val_accuracy"] for r in rs])[0]
+                cell[f"{m}_setting"] = rs[0].get("_ref_config", "")
             if eager:
                 cell["eager_test"], cell["eager_std"] = _stats([r["test_accuracy"] for r in eager])
             if ref is not None:
                 cell["reference"] = ref
                 cell["gap"] = cell["lazy_test"] - cell[f"{ref}_test"]
+                cell["val_gap"] = cell["lazy_val"] - cell[f"{ref}_val"]
             cell["rounds"] = _stats([r["rounds"] for r in mine])[0]
             cell["bytes_total"] = _stats([r["bytes_total"] for r in mine])[0]
             cell["wall_seconds"] = _stats([r["wall_seconds"] for r in mine])[0]
@@ -219,6 +258,54 @@ def print_table(cells: list[dict]) -> None:
         )
 
 
+def candidate_table(cells: list[dict]) -> list[dict]:
+    """Per lazy tag over the cells it ran: the worst and mean gap on validation and on test.
+
+    Candidates are chosen by the worst validation gap, then the mean; compare only tags that ran
+    the same cells (the table gives the count).
+    """
+    out = []
+    for tag in sorted({c["tag"] for c in cells}):
+        mine = [c for c in cells if c["tag"] == tag and "gap" in c]
+        if not mine:
+            continue
+        worst_val = min(mine, key=lambda c: c["val_gap"])
+        worst_test = min(mine, key=lambda c: c["gap"])
+        out.append(
+            {
+                "tag": tag,
+                "cells": len(mine),
+                "worst_val_gap": worst_val["val_gap"],
+                "worst_val_cell": f"{worst_val['graph']} {worst_val['partitioning']}",
+                "mean_val_gap": statistics.mean(c["val_gap"] for c in mine),
+                "worst_test_gap": worst_test["gap"],
+                "worst_test_cell": f"{worst_test['graph']} {worst_test['partitioning']}",
+                "mean_test_gap": statistics.mean(c["gap"] for c in mine),
+                "mean_rounds": statistics.mean(c["rounds"] for c in mine),
+                "mean_mb": statistics.mean(c["bytes_total"] for c in mine) / 1e6,
+            }
+        )
+    return sorted(out, key=lambda r: (-r["worst_val_gap"], -r["mean_val_gap"]))
+
+
+def print_candidates(rows: list[dict]) -> None:
+    """The candidate table, best first (worst validation gap, then mean), in points."""
+    if len(rows) < 2:
+        return
+    head = (
+        f"\n{'candidate':<12}{'cells':>6}{'worst val':>10}  {'(cell)':<26}{'mean val':>9}"
+        f"{'worst test':>11}  {'(cell)':<26}{'mean test':>10}{'rounds':>8}{'MB':>7}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(
+            f"{r['tag']:<12}{r['cells']:>6}{100 * r['worst_val_gap']:>+10.1f}  {r['worst_val_cell']:<26}"
+            f"{100 * r['mean_val_gap']:>+9.2f}{100 * r['worst_test_gap']:>+11.1f}  {r['worst_test_cell']:<26}"
+            f"{100 * r['mean_test_gap']:>+10.2f}{r['mean_rounds']:>8.0f}{r['mean_mb']:>7.1f}"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", type=Path, default=DEFAULT_ROOT, help="the shared datasets folder")
@@ -233,6 +320,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tag", default="default", help="names the lazy candidate in the JSON")
     ap.add_argument("--eager", action="store_true", help="also run the eager default")
     ap.add_argument("--lazy-only", action="store_true", help="skip the centralized references")
+    ap.add_argument("--references-only", action="store_true", help="only the centralized references")
+    ap.add_argument(
+        "--tune-references",
+        action="store_true",
+        help="run each reference at every setting of REFERENCE_GRID; cells use the best on validation",
+    )
     ap.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK_GRAPHS)}, seed 0")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("robustness.json"))
@@ -242,6 +335,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = [json.loads(line) for p in args.from_jsonl for line in p.read_text().splitlines() if line]
         cells = summarize(rows)
         print_table(cells)
+        print_candidates(candidate_table(cells))
         return
     table = graphs(args.root)
     args.graphs = (
@@ -272,7 +366,9 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(root.parent, ignore_errors=True)
     cells = summarize(rows)
     print_table(cells)
-    args.out.write_text(json.dumps({"cells": cells, "runs": rows}, indent=1))
+    candidates = candidate_table(cells)
+    print_candidates(candidates)
+    args.out.write_text(json.dumps({"cells": cells, "candidates": candidates, "runs": rows}, indent=1))
     print(f"-> {args.out}", file=sys.stderr)
 
 

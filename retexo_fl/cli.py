@@ -31,6 +31,8 @@ _HELP = {
     "pass_embedding": "what the next stage receives: hidden or logits",
     "root_weight": "gcn and gat stages add a linear map of each node's own input to what they "
     "aggregate (as SAGE's root weight)",
+    "first_stage": "stage 0: mlp (own features) or local (one model layer over the client's own "
+    "edges; no boundary traffic, but stage 0 then depends on the partitioning)",
     "self_training": "extra passes over all stages, each client training on its own confident "
     "predictions as labels (lazy, centralized)",
     "pseudo_threshold": "softmax confidence a prediction needs to become a self-training label",

@@ -30,6 +30,8 @@ from retexo_fl.datacenter.settings import DatacenterSettings
 from retexo_fl.secure.settings import SecuritySettings, min_threshold
 
 MODES = ("lazy", "eager", "local", "centralized", "datacenter")
+#: What stage 0 of a lazy run can be (``first-stage``).
+FIRST_STAGES = ("mlp", "local")
 #: ``drift-correction``: none, or SCAFFOLD's control variates (:mod:`retexo_fl.training.drift`).
 DRIFT_CORRECTIONS = ("none", "scaffold")
 PER_STAGE = ("rounds", "local_epochs", "lr", "server_lr", "dropout", "input_dropout")
@@ -81,6 +83,10 @@ class ModelSettings:
         root_weight (bool, optional): ``gcn`` and ``gat`` stages add a linear map of each node's
             own input to what they aggregate, as SAGE's root weight does (a GCN layer alone
             weighs a node's own row by ``1 / (degree + 1)``). (default: :obj:`False`)
+        first_stage (str, optional): what stage 0 is: ``"mlp"``, an MLP on each node's own
+            features, or ``"local"``, one ``model`` layer over the client's own edges only (rows
+            of other clients' nodes count as zero): no boundary traffic, so residency holds, but
+            stage 0's output then depends on how the graph was partitioned. (default: :obj:`"mlp"`)
         dropout (float or list[float], optional): dropout, one value or one per stage.
             (default: :obj:`0.5`)
         input_dropout (float or list[float], optional): dropout of each stage's input, one value
@@ -96,6 +102,7 @@ class ModelSettings:
     norm: str = "none"
     heads: int = 4
     root_weight: bool = False
+    first_stage: str = "mlp"
     dropout: float | list[float] = 0.5
     input_dropout: float | list[float] = 0.5
 
@@ -103,6 +110,8 @@ class ModelSettings:
         """Raise :class:`ValueError` naming the first bad setting; return ``self`` otherwise."""
         if self.stages < 1:
             raise ValueError(f"stages must be >= 1, got {self.stages}")
+        if self.first_stage not in FIRST_STAGES:
+            raise ValueError(f"first-stage must be one of {FIRST_STAGES}, got {self.first_stage!r}")
         if self.pass_embedding not in ("hidden", "logits"):
             raise ValueError(f"pass-embedding must be hidden or logits, got {self.pass_embedding!r}")
         if self.eager_model not in ("auto", "standard", "layered"):
@@ -437,6 +446,7 @@ class TrainConfig:
     norm: str = "none"
     heads: int = 4
     root_weight: bool = False  # gcn / gat stages: a separate linear map of a node's own input
+    first_stage: str = "mlp"  # stage 0: mlp, or local (one layer over the client's own edges)
     patience: int = 5  # early stopping: rounds without a validation gain (0: never stop)
     min_rounds: int = 4  # rounds a stage runs before early stopping may end it
     stop_metric: str = "accuracy-or-loss"  # early stopping's progress: accuracy | accuracy-or-loss
@@ -629,6 +639,8 @@ class TrainConfig:
                     f"secagg-threshold must be {least} to {self.clients} for {self.clients} clients "
                     "(0: the least safe one)"
                 )
+        if self.first_stage != "mlp" and self.mode != "lazy":
+            raise ValueError(f"first-stage {self.first_stage} applies to lazy mode, not {self.mode}")
         if self.model == "mlp" and self.mode != "centralized":
             raise ValueError("model mlp (the graph-free reference) trains in centralized mode only")
         # Only a data-center run needs procs to form the algorithm's process grid.

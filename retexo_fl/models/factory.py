@@ -45,7 +45,7 @@ def build_stage_model(cfg: TrainConfig, stage: int, in_dim: int, num_classes: in
     torch.manual_seed(derive_seed(cfg.seed, stage, STAGE_INIT_TAG))
     layer = cfg.layer(stage)
     return StageModel(
-        "mlp" if layer == 0 else cfg.model,
+        "mlp" if layer == 0 and cfg.first_stage == "mlp" else cfg.model,
         in_dim,
         cfg.hidden,
         num_classes,

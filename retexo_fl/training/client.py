@@ -338,15 +338,26 @@ class Client(ABC):
             )
         return self._weights
 
+    @property
+    def reads_zero_halo(self) -> bool:
+        """Whether the current stage reads zero rows in place of halo rows (a lazy run's local
+        stage 0); then no halo degree is needed yet."""
+        return False
+
     def conv_edges(self) -> tuple[Tensor, Tensor | None]:
         """The local graph's edges and, for GCN, their global-degree weights, cached on the device."""
         if self._edges is None:
             if self.cfg.model == "gcn":
-                if self.halo_degree is None:
-                    if self.graph.num_halo:
-                        raise RuntimeError(f"client {self.id}: GCN needs halo degrees first")
+                if self.halo_degree is None and not self.graph.num_halo:
                     self.halo_degree = torch.zeros(0)
-                ei, w = self.graph.gcn_weights(self.halo_degree.cpu())
+                halo_degree = self.halo_degree
+                if halo_degree is None:
+                    if not self.reads_zero_halo:
+                        raise RuntimeError(f"client {self.id}: GCN needs halo degrees first")
+                    # Every halo row read is zero: what their edges weigh multiplies zeros (an
+                    # owned-owned edge's weight depends on owned degrees only).
+                    halo_degree = torch.ones(self.graph.num_halo)
+                ei, w = self.graph.gcn_weights(halo_degree.cpu())
                 self._edges = (ei.to(self.device), w.to(self.device))
             else:
                 self._edges = (self.graph.edge_index.to(self.device), None)

@@ -49,6 +49,7 @@ class LazyClient(Client):
         self.halo: Tensor | None = None
         self._aggregated: tuple[Tensor | None, Tensor | None, Tensor] | None = None
         self._joined: tuple[Tensor, Tensor, Tensor] | None = None
+        self._local_input: tuple[Tensor, Tensor] | None = None  # (owned, owned + zero halo rows)
         # (stage, frames, stats) of the last boundary rows sent: a resumed server may ask again.
         self.sent: tuple[int, dict[int, bytes], dict] | None = None
 
@@ -56,6 +57,12 @@ class LazyClient(Client):
     def layer(self) -> int:
         """The layer of the stack this stage trains (0: the MLP on raw features)."""
         return self.cfg.layer(self.stage)
+
+    @property
+    def row_wise(self) -> bool:
+        """Whether this stage reads each node's own row alone: stage 0's MLP. A ``local`` stage 0
+        passes messages over the client's own edges (see :meth:`stage_input`)."""
+        return self.layer == 0 and self.cfg.first_stage == "mlp"
 
     @property
     def seed_stage(self) -> int:
@@ -73,11 +80,23 @@ class LazyClient(Client):
             self._raw = torch.from_numpy(np.array(self.part.x, dtype=np.float32)).to(self.device)
         return self._raw
 
+    @property
+    def reads_zero_halo(self) -> bool:
+        return self.layer == 0 and not self.row_wise
+
     # -- stage inputs -----------------------------------------------------------------------
     def stage_input(self) -> Tensor:
         """What this stage's model reads: owned rows, and halo rows after them for a conv stage."""
-        if self.layer == 0:
+        if self.row_wise:
             return self.owned
+        if self.layer == 0:
+            # A local stage 0: halo rows are zero, so each node aggregates its own rows and those
+            # of its neighbours on this client only, with the normalization every later stage
+            # uses. No other client's row is read or asked for.
+            if self._local_input is None or self._local_input[0] is not self.owned:
+                zeros = self.owned.new_zeros(self.graph.num_halo, self.owned.shape[1])
+                self._local_input = (self.owned, torch.cat([self.owned, zeros]))
+            return self._local_input[1]
         if self.halo is None:
             raise RuntimeError(f"client {self.id}: stage {self.stage} has no halo rows yet")
         # Joined once per stage input, not per step: on a products-sized client (300,000 owned
@@ -92,7 +111,7 @@ class LazyClient(Client):
     def edges(self) -> tuple[Tensor | None, Tensor | None]:
         """What a conv stage's layer reads (:meth:`~Client.message_graph`: GCN and SAGE a CSR
         adjacency, other kinds edges and weights); ``(None, None)`` at layer 0."""
-        if self.layer == 0:
+        if self.row_wise:
             return None, None
         return self.message_graph()
 
@@ -119,7 +138,7 @@ class LazyClient(Client):
         many at a time: a conv stage's messages, one per edge into the rows, are what dominates
         a client's memory.
         """
-        if self.layer == 0:
+        if self.row_wise:
             hidden, logits = model(self.owned if rows is None else self.owned[rows])
             return hidden, logits
         if self.precomputes(model):
@@ -154,7 +173,7 @@ class LazyClient(Client):
         """
         chunk = self.cfg.chunk_rows
         index = mask.nonzero().squeeze(1)
-        if self.layer == 0 or self.precomputes(model) or not 0 < chunk < index.numel():
+        if self.row_wise or self.precomputes(model) or not 0 < chunk < index.numel():
             return super().step_gradients(model, mask, step)
         ei, w = self.edges()
         x, labels, n = self.stage_input(), self.train_y[mask], self.graph.num_owned

@@ -209,7 +209,9 @@ class RoundLoop:
             if r > 1:  # each reply validated the state it received: the previous round's result
                 self._record(rs, r - 1, val, refresh)
                 if rs.tracker.should_stop:
-                    self.rec.progress(f"{label}: no validation gain for {cfg.patience} rounds, stopping")
+                    # A lazy stage is named as its progress lines name it ("pass 2 stage 0").
+                    who = label if refresh else rs.tracker.name
+                    self.rec.progress(f"{who}: no validation gain for {cfg.patience} rounds, stopping")
                     break
             if refresh:
                 result.local_steps.append([int(m[P.LOCAL_STEPS]) for m in metrics])

@@ -1,0 +1,106 @@
+"""``first-stage local``: stage 0 is one GNN layer over a client's own edges, and reads nothing else.
+
+Checked from first principles: a client's stage-0 output equals a dense GCN layer over the
+whole graph whose cross-client edges are dropped, with the global degrees every later stage
+normalizes by; and no other client's features change it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from retexo_fl.config import TrainConfig
+from retexo_fl.data.datasets import apply_split, synthetic_sbm
+from retexo_fl.data.partitioners import partition_graph
+from retexo_fl.metrics import RunRecorder
+from retexo_fl.training.lazy import run_lazy
+from retexo_fl.training.lazy_client import LazyClient
+
+
+def _graph():
+    data = synthetic_sbm(240, 3, avg_degree=6, homophily=0.8, num_features=6, seed=3)
+    apply_split(data, "random:0.3,0.2,0.5", seed=3)
+    return data
+
+
+def _local_gcn(data, owner: np.ndarray, pid: int, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """ReLU(Â_p X W^T + b) for partition ``pid``'s nodes: Â keeps self loops and the edges whose
+    two ends ``pid`` owns, each weighted 1 / sqrt((d_i + 1)(d_j + 1)) with whole-graph degrees."""
+    n = data.num_nodes
+    src, dst = data.edge_index
+    deg = torch.bincount(dst, minlength=n).double() + 1.0
+    adj = torch.zeros(n, n, dtype=torch.float64)
+    own = torch.from_numpy(owner == pid)
+    keep = own[src] & own[dst]
+    adj[dst[keep], src[keep]] = 1.0 / torch.sqrt(deg[dst[keep]] * deg[src[keep]])
+    adj += torch.diag(1.0 / deg)
+    out = adj @ data.x.double() @ weight.double().T + bias.double()
+    return torch.relu(out)[own].float()
+
+
+def _owner(parts, n: int) -> np.ndarray:
+    owner = np.full(n, -1)
+    for p in parts:
+        owner[p.node_ids] = p.partition_id
+    return owner
+
+
+def test_a_local_first_stage_is_a_gcn_layer_over_the_clients_own_edges():
+    data = _graph()
+    parts = partition_graph(data, 3, "random", seed=0)
+    owner = _owner(parts, data.num_nodes)
+    cfg = TrainConfig(first_stage="local", hidden=8, dropout=0.0, input_dropout=0.0).validate()
+    cut = 0
+    for part in parts:
+        client = LazyClient(part, cfg)
+        assert client.graph.num_halo > 0  # random partitions: every client has cross edges
+        cut += int(client.graph.num_halo)
+        model = client.make_model().eval()
+        hidden, _ = client.outputs(model)
+        body = model.body
+        expected = _local_gcn(data, owner, part.partition_id, body.lin.weight.detach(), body.bias.detach())
+        torch.testing.assert_close(hidden, expected, rtol=1e-5, atol=1e-5)
+    assert cut > 0
+
+
+def test_a_local_first_stage_reads_no_other_clients_features():
+    data = _graph()
+    parts = partition_graph(data, 3, "random", seed=0)
+    cfg = TrainConfig(first_stage="local", hidden=8, dropout=0.0, input_dropout=0.0).validate()
+    before = LazyClient(parts[0], cfg)
+    h0, _ = before.outputs(before.make_model().eval())
+    # Every other client's features replaced: client 0's stage 0 cannot tell.
+    for p in parts[1:]:
+        p.x = np.random.default_rng(0).normal(size=p.x.shape).astype(np.float32)
+    after = LazyClient(parts[0], cfg)
+    h1, _ = after.outputs(after.make_model().eval())
+    torch.testing.assert_close(h0, h1, rtol=0, atol=0)
+    # ...while its own features do change it: the comparison can fail.
+    parts[0].x = parts[0].x * 2.0
+    mine = LazyClient(parts[0], cfg)
+    h2, _ = mine.outputs(mine.make_model().eval())
+    assert not torch.allclose(h0, h2)
+
+
+def test_a_local_first_stage_trains_and_its_stage_0_beats_the_mlp_on_a_structural_graph():
+    # Features weak on their own, structure strong, 2 METIS clients (most edges inside a client):
+    # stage 0 over own edges validates above the MLP stage 0. Seed 0: measured 0.86 against
+    # 0.41 when written; the bar is a 5-point gain, far below that, so it holds across platforms.
+    data = synthetic_sbm(400, 3, avg_degree=8, homophily=0.9, num_features=16, feature_signal=0.2, seed=1)
+    apply_split(data, "random:0.3,0.2,0.5", seed=1)
+    parts = partition_graph(data, 2, "metis", seed=0)
+    vals = {}
+    for first in ("mlp", "local"):
+        cfg = TrainConfig(stages=1, self_training=0, first_stage=first, seed=0).validate()
+        summary = run_lazy(parts, cfg, RunRecorder(None, stream=None))
+        vals[first] = summary["stages"][0]["val_accuracy"]
+    assert vals["local"] > vals["mlp"] + 0.05, vals
+
+
+def test_an_unknown_first_stage_or_one_outside_lazy_mode_is_refused():
+    with pytest.raises(ValueError, match="first-stage must be one of"):
+        TrainConfig(first_stage="gcn").validate()
+    with pytest.raises(ValueError, match="first-stage local applies to lazy mode, not eager"):
+        TrainConfig(mode="eager", first_stage="local").validate()

@@ -113,7 +113,13 @@ def _job(args: tuple[dict, str]) -> dict:
     from retexo_fl.runner import train
 
     run = {k: v for k, v in settings.items() if not k.startswith("_")}
-    summary = train(TrainConfig(data_root=root, device="cpu", **run), RunRecorder(None, stream=None))
+    try:
+        summary = train(TrainConfig(data_root=root, device="cpu", **run), RunRecorder(None, stream=None))
+    except Exception as exc:  # one graph that cannot be read or trained must not end the sweep
+        return {
+            **{k: v for k, v in settings.items() if k != "dataset"},
+            "error": f"{type(exc).__name__}: {exc}",
+        }
     stages = summary.get("stages", [])
     results = summary.get("stage_results") or []
     stage0 = results[0]["val_accuracy"] if results else None
@@ -197,7 +203,11 @@ def _stats(values: list[float]) -> tuple[float, float]:
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """One cell per (graph, partitioning, lazy tag): means, the reference and the gap."""
+    """One cell per (graph, partitioning, lazy tag): means, the reference and the gap.
+
+    Runs that failed (an ``error`` row) are left out; :func:`main` prints them.
+    """
+    rows = [r for r in rows if "error" not in r]
     cells = []
     graphs_seen = sorted({r["_graph"] for r in rows})
     for g in graphs_seen:
@@ -359,13 +369,20 @@ def main(argv: list[str] | None = None) -> None:
             args.workers,
             lambda r: (
                 f"{r['_graph']} {r.get('_part', '')} {r['_method']} seed {r['seed']}: "
-                f"test {r['test_accuracy']:.3f} val {r['val_accuracy']:.3f}"
+                + (
+                    f"FAILED {r['error']}"
+                    if "error" in r
+                    else f"test {r['test_accuracy']:.3f} val {r['val_accuracy']:.3f}"
+                )
             ),
         )
     finally:
         shutil.rmtree(root.parent, ignore_errors=True)
     cells = summarize(rows)
     print_table(cells)
+    for r in rows:
+        if "error" in r:
+            print(f"FAILED {r['_graph']} {r.get('_part', '')} {r['_method']} seed {r['seed']}: {r['error']}")
     candidates = candidate_table(cells)
     print_candidates(candidates)
     args.out.write_text(json.dumps({"cells": cells, "candidates": candidates, "runs": rows}, indent=1))

@@ -11,6 +11,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 from retexo_fl.config import PER_STAGE, TrainConfig
+from retexo_fl.summary import RunSummary
 
 _HELP = {
     "mode": "lazy (RETEXO), eager (standard federated GNN), local (no cross edges, TMA), centralized, "
@@ -71,7 +72,7 @@ def engines() -> list[str]:
     return sorted({ep.name for ep in entry_points(group=ENGINE_GROUP)})
 
 
-def load_engine(name: str) -> Callable[[TrainConfig], dict]:
+def load_engine(name: str) -> Callable[[TrainConfig], RunSummary]:
     """The engine registered as ``name``: a callable that trains a config and returns its summary.
 
     Args:
@@ -173,15 +174,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(
         json.dumps(
             {
-                k: summary[k]
-                for k in (
-                    "test_accuracy",
-                    "val_accuracy",
-                    "bytes_total",
-                    "bytes_boundary",
-                    "bytes_model",
-                    "wall_seconds",
-                )
+                "test_accuracy": summary.test_accuracy,
+                "val_accuracy": summary.val_accuracy,
+                "bytes_total": summary.bytes_total,
+                "bytes_boundary": summary.bytes_boundary,
+                "bytes_model": summary.bytes_model,
+                "wall_seconds": summary.wall_seconds,
             }
         )
     )

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from retexo_fl.summary import RunSummary
 
-def write_plots(summary: dict, out_dir: str | Path) -> list[Path]:
+
+def write_plots(summary: RunSummary, out_dir: str | Path) -> list[Path]:
     """Write ``val_accuracy.png`` and ``bytes.png`` into ``out_dir``; returns their paths.
 
     Cumulative bytes grow by an equal share of a stage's model traffic each round and by the
@@ -13,8 +15,7 @@ def write_plots(summary: dict, out_dir: str | Path) -> list[Path]:
     as the GCN degree exchange, are counted with the first stage's).
 
     Args:
-        summary (dict): a run summary (``mode``, ``engine``, ``test_accuracy``,
-            ``bytes_boundary``, ``bytes_model`` and ``stages`` with their ``history``).
+        summary (RunSummary): the run's summary (its ``stages`` with their ``history``).
         out_dir (str | Path): an existing folder.
 
     Returns:
@@ -27,7 +28,7 @@ def write_plots(summary: dict, out_dir: str | Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     out = Path(out_dir)
-    stages = summary.get("stages", [])
+    stages = summary.stages
     fig, ax = plt.subplots(figsize=(7, 4))
     for s in stages:
         hist = s.get("history", [])
@@ -38,7 +39,7 @@ def write_plots(summary: dict, out_dir: str | Path) -> list[Path]:
     ax.set_xlabel("round")
     ax.set_ylabel("validation accuracy")
     ax.set_title(
-        f"{summary.get('mode', '')} {summary.get('engine', '')}: test {summary.get('test_accuracy', 0):.4f}"
+        f"{summary.mode} {summary.engine}: test {summary.test_accuracy:.4f}"
     )
     ax.grid(alpha=0.3)
     if stages:
@@ -49,7 +50,7 @@ def write_plots(summary: dict, out_dir: str | Path) -> list[Path]:
     plt.close(fig)
 
     xs, model, boundary, step = [0], [0.0], [0.0], 0
-    extra = summary.get("bytes_boundary", 0) - sum(s.get("bytes_boundary", 0) for s in stages)
+    extra = summary.bytes_boundary - sum(s.get("bytes_boundary", 0) for s in stages)
     for i, s in enumerate(stages):
         n = max(1, s.get("rounds_run", 0))
         for _ in range(n):
@@ -66,7 +67,7 @@ def write_plots(summary: dict, out_dir: str | Path) -> list[Path]:
     ax.set_xlabel("round (all stages)")
     ax.set_ylabel("cumulative bytes")
     ax.set_title(
-        f"boundary {summary.get('bytes_boundary', 0):,} B, model {summary.get('bytes_model', 0):,} B"
+        f"boundary {summary.bytes_boundary:,} B, model {summary.bytes_model:,} B"
     )
     ax.grid(alpha=0.3)
     ax.legend()

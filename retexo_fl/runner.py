@@ -12,6 +12,7 @@ from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.datacenter.launch import run_datacenter
 from retexo_fl.metrics import RunRecorder
 from retexo_fl.plots import write_plots
+from retexo_fl.summary import RunSummary
 from retexo_fl.training.centralized import run_centralized, whole_graph_partition
 from retexo_fl.training.eager import run_eager
 from retexo_fl.training.lazy import run_lazy
@@ -35,7 +36,7 @@ def make_partitions(cfg: TrainConfig, rec: RunRecorder | None = None) -> list[Pa
     return parts
 
 
-def train(cfg: TrainConfig, rec: RunRecorder | None = None) -> dict:
+def train(cfg: TrainConfig, rec: RunRecorder | None = None) -> RunSummary:
     """Train as ``cfg`` says and return the summary (also written to ``cfg.out_dir`` if set)."""
     cfg.validate()
     if cfg.audit:
@@ -51,21 +52,16 @@ def train(cfg: TrainConfig, rec: RunRecorder | None = None) -> dict:
             raise ValueError("centralized mode trains on the whole graph: give --dataset, not --partitions")
         summary = run_centralized(whole_graph_partition(load_graph(cfg)), cfg, rec)
     elif cfg.mode == "datacenter":
-        summary = run_datacenter(cfg, rec)
+        summary = RunSummary.from_dict(run_datacenter(cfg, rec))
     elif cfg.mode in ("eager", "local"):
         summary = run_eager(make_partitions(cfg, rec), cfg, rec, local=cfg.mode == "local")
     else:
         summary = run_lazy(make_partitions(cfg, rec), cfg, rec)
-    summary["wall_seconds"] = time.perf_counter() - t0
-    summary["config"] = cfg.to_dict()
-    rec.write_json("summary.json", summary)
+    summary.wall_seconds = time.perf_counter() - t0
+    summary.config = cfg.to_dict()
+    rec.write_json("summary.json", summary.to_dict())
     if cfg.out_dir:
         write_plots(summary, cfg.out_dir)
-    rec.event("done", test_accuracy=summary["test_accuracy"])
-    rec.progress(
-        f"test accuracy {summary['test_accuracy']:.4f}  val {summary['val_accuracy']:.4f}  "
-        f"bytes boundary {summary['bytes_boundary']}  model {summary['bytes_model']}  "
-        f"in {summary['wall_seconds']:.1f}s"
-        + (f"  -> {Path(cfg.out_dir) / 'summary.json'}" if cfg.out_dir else "")
-    )
+    rec.event("done", test_accuracy=summary.test_accuracy)
+    rec.progress(summary.line() + (f"  -> {Path(cfg.out_dir) / 'summary.json'}" if cfg.out_dir else ""))
     return summary

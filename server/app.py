@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
@@ -11,6 +9,7 @@ from clients.flower_patch import shorten_object_pulls
 from retexo_fl.config import TrainConfig
 from retexo_fl.metrics import RunRecorder, human_bytes
 from retexo_fl.plots import write_plots
+from retexo_fl.summary import RunSummary
 from retexo_fl.training.rounds import BaselineRun
 from retexo_fl.training.stages import LazyStageMachine
 from server.checkpoint import FileCheckpoints, resumed_config
@@ -19,7 +18,7 @@ from server.grid_transport import GridTransport
 app = ServerApp()
 
 
-def run_server(grid: Grid, cfg: TrainConfig) -> dict[str, Any]:
+def run_server(grid: Grid, cfg: TrainConfig) -> RunSummary:
     """Run a job on ``grid`` (or resume the one in ``cfg.resume``) and write the run folder.
 
     Args:
@@ -43,12 +42,12 @@ def run_server(grid: Grid, cfg: TrainConfig) -> dict[str, Any]:
         summary = LazyStageMachine(transport, cfg, rec, store).run(resume=bool(cfg.resume))
     else:
         summary = BaselineRun(transport, cfg, rec).run()
-    rec.write_json("summary.json", summary)
+    rec.write_json("summary.json", summary.to_dict())
     if cfg.out_dir:
         write_plots(summary, cfg.out_dir)
     rec.progress(
-        f"test accuracy {summary['test_accuracy']:.4f}  boundary {human_bytes(summary['bytes_boundary'])}"
-        f"  model {human_bytes(summary['bytes_model'])}  in {summary['wall_seconds']:.1f}s"
+        f"test accuracy {summary.test_accuracy:.4f}  boundary {human_bytes(summary.bytes_boundary)}"
+        f"  model {human_bytes(summary.bytes_model)}  in {summary.wall_seconds:.1f}s"
     )
     return summary
 

@@ -18,6 +18,7 @@ from clients.node import WORK_DIR_ENV, cut_folder, cut_lock, default_work_base
 from clients.node_client import write_cut
 from retexo_fl.config import TrainConfig
 from retexo_fl.secure.policy import POLICY_ENV, PartyPolicy
+from retexo_fl.summary import RunSummary
 from server.app import run_server
 from server.checkpoint import resumed_config
 
@@ -62,7 +63,7 @@ def simulate(
     work_dir: str | Path | None = None,
     policy: PartyPolicy | None = None,
     client_app: ClientApp | None = None,
-) -> dict:
+) -> RunSummary:
     """Run one lazy, eager or local job through Flower's simulation engine (Ray) and return its summary.
 
     Flower's Python ``run_simulation`` API passes no run config, so the config travels in the
@@ -106,12 +107,12 @@ def simulate(
         with cut_lock(folder, exclusive=True):
             write_cut(cfg, folder, graph)
 
-    result: dict = {}
+    result: list[RunSummary] = []
     server_app = ServerApp()
 
     @server_app.main()
     def _main(grid, context) -> None:
-        result.update(run_server(grid, cfg))
+        result.append(run_server(grid, cfg))
 
     # Ray's workers inherit the driver's environment when run_simulation starts them: the
     # virtual nodes' work folders and their own policy travel that way, not in a server message.
@@ -140,11 +141,11 @@ def simulate(
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    if "test_accuracy" not in result:
+    if not result:
         raise RuntimeError(
             "the Flower simulation ended without a summary (see the log above for the ServerApp error)"
         )
-    return result
+    return result[0]
 
 
 def gpus_for_clients(cfg: TrainConfig, gpus: int | None = None) -> float:

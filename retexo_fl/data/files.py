@@ -57,6 +57,10 @@ class FileGraphError(DatasetError):
         super().__init__(f"{where}: {reason}")
         self.path, self.line, self.reason = str(path), line, reason
 
+    def __reduce__(self) -> tuple[type, tuple[str, str, int | None]]:
+        # Rebuilt from its parts when unpickled (a worker process or a Ray actor raised it).
+        return type(self), (self.path, self.reason, self.line)
+
 
 def parse_files_spec(spec: str) -> dict[str, str]:
     """The ``key=value`` pairs after ``files:`` (``edges``, ``features``, ``labels`` required).
@@ -227,7 +231,16 @@ def _read_labels(path: Path, id_column: str | None, label_column: str | None) ->
         if not node:
             raise FileGraphError(path, "empty node id", line)
         if node in lines:
-            raise FileGraphError(path, f"node {node!r} labelled twice (first on line {lines[node]})", line)
+            # A repeated row with the same label is harmless (MUSAE's Twitch FR file has one,
+            # its other columns a view count apart); two different labels for one node are not.
+            first = raw[ids.index(node)]
+            if row[label_col] == first:
+                continue
+            raise FileGraphError(
+                path,
+                f"node {node!r} labelled twice, {first!r} on line {lines[node]} and {row[label_col]!r}",
+                line,
+            )
         lines[node] = line
         ids.append(node)
         raw.append(row[label_col])

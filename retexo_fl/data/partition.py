@@ -56,6 +56,10 @@ class PartitionError(ValueError):
         self.reason = reason
         super().__init__(f"{self.path}: field '{field}': {reason}")
 
+    def __reduce__(self) -> tuple[type, tuple[str, str, str]]:
+        # Rebuilt from its parts when unpickled (a worker process or a Ray actor raised it).
+        return type(self), (self.path, self.field, self.reason)
+
 
 @dataclass
 class Partition:

@@ -16,6 +16,7 @@ from retexo_fl.models.adjacency import SPARSE_KINDS, sparse_adjacency
 from retexo_fl.models.gnn import GNN
 from retexo_fl.plan import BoundaryPlan, LocalGraph
 from retexo_fl.seeding import derive_seed, resolve_device
+from retexo_fl.summary import RunSummary
 from retexo_fl.training.pseudo import pseudo_labels
 from retexo_fl.training.selection import keep_best_stage
 
@@ -29,7 +30,7 @@ def whole_graph_partition(data) -> Partition:
     return split_graph(data, np.zeros(data.num_nodes, dtype=np.int64), 1, method="whole")[0]
 
 
-def run_centralized(part: Partition, cfg: TrainConfig, rec: RunRecorder | None = None) -> dict:
+def run_centralized(part: Partition, cfg: TrainConfig, rec: RunRecorder | None = None) -> RunSummary:
     """Standard full-batch training of a ``cfg.central_layers``-layer GNN (default 2) on one graph.
 
     Uses the same GCN normalization as lazy mode and the settings of stage 1: epochs =
@@ -133,14 +134,14 @@ def run_centralized(part: Partition, cfg: TrainConfig, rec: RunRecorder | None =
             f"kept self-training pass {kept['stage']}: validation {kept['val_accuracy']:.4f}, "
             f"the last pass's {passes[-1]['val_accuracy']:.4f}"
         )
-    return {
-        "mode": "centralized",
-        "engine": "in-process",
-        "test_accuracy": kept["test_accuracy"],
-        "val_accuracy": kept["val_accuracy"],
-        "bytes_total": 0,
-        "bytes_boundary": 0,
-        "bytes_model": 0,
-        "stages": passes,
-        **({"kept_pass": kept["stage"]} if len(passes) > 1 else {}),
-    }
+    return RunSummary(
+        mode="centralized",
+        engine="in-process",
+        test_accuracy=kept["test_accuracy"],
+        val_accuracy=kept["val_accuracy"],
+        bytes_total=0,
+        bytes_boundary=0,
+        bytes_model=0,
+        stages=passes,
+        kept_pass=kept["stage"] if len(passes) > 1 else None,
+    )

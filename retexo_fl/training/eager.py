@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partition import Partition, check_cross_consistency
 from retexo_fl.metrics import RunRecorder
+from retexo_fl.summary import RunSummary
 from retexo_fl.training.eager_client import EagerClient
 from retexo_fl.training.inprocess import InProcessTransport
 from retexo_fl.training.lazy import with_clients
@@ -17,7 +17,7 @@ from retexo_fl.training.rounds import BaselineRun
 
 def run_eager(
     parts: Sequence[Partition], cfg: TrainConfig, rec: RunRecorder | None = None, local: bool = False
-) -> dict[str, Any]:
+) -> RunSummary:
     """Eager (or, with ``local``, local-only) federated training in one process; returns the summary.
 
     The same :class:`~retexo_fl.training.rounds.BaselineRun` the Flower ServerApp runs, over an

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partition import Partition, check_cross_consistency
 from retexo_fl.metrics import RunRecorder
+from retexo_fl.summary import RunSummary
 from retexo_fl.training.inprocess import InProcessTransport
 from retexo_fl.training.lazy_client import LazyClient
 from retexo_fl.training.stages import LazyStageMachine
@@ -20,7 +20,7 @@ def run_lazy(
     cfg: TrainConfig,
     rec: RunRecorder | None = None,
     on_stage: Callable[[int, StateDict], None] | None = None,
-) -> dict[str, Any]:
+) -> RunSummary:
     """Lazy message passing over ``parts`` in one process; returns the run summary.
 
     The same :class:`~retexo_fl.training.stages.LazyStageMachine` the Flower ServerApp runs,

@@ -22,6 +22,7 @@ from retexo_fl.config import TrainConfig
 from retexo_fl.metrics import RunRecorder, human_bytes
 from retexo_fl.models.factory import build_layered_model
 from retexo_fl.seeding import derive_seed
+from retexo_fl.summary import RunSummary
 from retexo_fl.training.aggregate import ServerOptimizer
 from retexo_fl.training.checkpoint import RoundState
 from retexo_fl.training.drift import ServerControl
@@ -297,7 +298,7 @@ class BaselineRun:
         self.fed = Federation(transport, cfg, rec)
         self.loop = RoundLoop(self.fed)
 
-    def run(self) -> dict[str, Any]:
+    def run(self) -> RunSummary:
         """Set up, train, test; returns the run summary."""
         cfg, fed = self.cfg, self.fed
         t0 = time.perf_counter()
@@ -316,23 +317,22 @@ class BaselineRun:
         figures.update(bytes_boundary=fed.bytes_boundary, **exchange_figures(result.stats))
         tests = fed.evaluate(result.best_state, "test", 0, deliveries)
         test = total(tests)
-        return {
+        return RunSummary(
+            mode=cfg.mode,
+            engine=fed.transport.engine,
+            test_accuracy=test.accuracy,
+            val_accuracy=figures["val_accuracy"],
+            bytes_total=fed.bytes_boundary + figures["bytes_model"] + fed.bytes_secure,
+            bytes_boundary=fed.bytes_boundary,
+            bytes_model=figures["bytes_model"],
+            stages=[figures],
+            wall_seconds=time.perf_counter() - t0,
+            config=cfg.to_dict(),
+            clients=per_client(fed, tests),
             **compression_totals([figures]),
-            "mode": cfg.mode,
-            "engine": fed.transport.engine,
-            "test_accuracy": test.accuracy,
-            "val_accuracy": figures["val_accuracy"],
-            "bytes_total": fed.bytes_boundary + figures["bytes_model"] + fed.bytes_secure,
-            "bytes_boundary": fed.bytes_boundary,
-            "bytes_model": figures["bytes_model"],
-            "bytes_halo_refresh": refreshed,
-            "local_steps": result.local_steps,
-            "clients": per_client(fed, tests),
-            **fed.summary(),
-            "stages": [figures],
-            "wall_seconds": time.perf_counter() - t0,
-            "config": cfg.to_dict(),
-        }
+            federation=fed.summary(),
+            extra={"bytes_halo_refresh": refreshed, "local_steps": result.local_steps},
+        )
 
     def refresh_halos(self, result: StageResult, rounds: int) -> dict[int, Frames] | None:
         """Eager: the halo rows of the best state, for its test.

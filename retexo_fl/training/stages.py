@@ -19,6 +19,7 @@ from retexo_fl.config import TrainConfig
 from retexo_fl.metrics import RunRecorder, human_bytes
 from retexo_fl.models.factory import build_stage_model, stage_input_dim
 from retexo_fl.seeding import derive_seed
+from retexo_fl.summary import RunSummary
 from retexo_fl.training.checkpoint import Checkpoint, CheckpointStore, RoundState
 from retexo_fl.training.federation import AGGREGATE, Federation, Frames, total
 from retexo_fl.training.rounds import (
@@ -63,7 +64,7 @@ class LazyStageMachine:
         self.model_bytes_done = 0  # model bytes of finished stages
         self.relabeled = 0  # training nodes after the last relabelling (self-training)
 
-    def run(self, resume: bool = False) -> dict[str, Any]:
+    def run(self, resume: bool = False) -> RunSummary:
         """Run every stage (or, with ``resume``, go on from the store's checkpoint); returns the summary."""
         cfg, fed = self.cfg, self.fed
         t0 = time.perf_counter()
@@ -125,23 +126,23 @@ class LazyStageMachine:
             ck.passes.append(self._stage_result(state, last, stages[-1]["val_accuracy"]))
         kept, selection = self._kept(ck)
         bytes_model = sum(s["bytes_model"] for s in stages)
-        return {
+        return RunSummary(
+            mode="lazy",
+            engine=fed.transport.engine,
+            test_accuracy=kept["test_accuracy"],
+            val_accuracy=kept["val_accuracy"],
+            bytes_total=fed.bytes_boundary + bytes_model + fed.bytes_secure,
+            bytes_boundary=fed.bytes_boundary,
+            bytes_model=bytes_model,
+            stages=stages,
+            wall_seconds=time.perf_counter() - t0,
+            config=cfg.to_dict(),
+            clients=kept["clients"],
             **compression_totals(stages),
-            "mode": "lazy",
-            "engine": fed.transport.engine,
-            "test_accuracy": kept["test_accuracy"],
-            "val_accuracy": kept["val_accuracy"],
-            "bytes_total": fed.bytes_boundary + bytes_model + fed.bytes_secure,
-            "bytes_boundary": fed.bytes_boundary,
-            "bytes_model": bytes_model,
-            "clients": kept["clients"],
             **selection,
-            **fed.summary(),
-            "stages": stages,
-            "wall_seconds": time.perf_counter() - t0,
-            "config": cfg.to_dict(),
-            "resumed": resume,
-        }
+            resumed=resume,
+            federation=fed.summary(),
+        )
 
     def _train_stage(self, stage: int, ck: Checkpoint) -> tuple[StateDict, dict[str, Any]]:
         """The stage's rounds, from its initial weights or from the checkpoint's round."""

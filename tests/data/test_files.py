@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch
 from retexo_fl.data.datasets import DatasetError, load_dataset
 from retexo_fl.data.edges import undirected_coalesced
 from retexo_fl.data.files import FileGraphError, load_files_graph
+from retexo_fl.data.partition import PartitionError
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "datasets"
 
@@ -53,6 +55,30 @@ def test_plain_files_load_equal_to_the_graph_built_in_memory(tmp_path, features)
     assert data.edge_index.size(1) == 10  # 5 undirected edges, the repeat merged
 
 
+def test_a_repeated_label_row_that_agrees_is_read_once(tmp_path):
+    # As in MUSAE's Twitch FR target file: one node's row twice, its label the same.
+    spec = _write(tmp_path)
+    labels = tmp_path / "target.csv"
+    labels.write_text(labels.read_text() + "999,True,3\n")
+    data = load_files_graph(spec[len("files:") :])
+    assert torch.equal(data.y, Y)
+
+
+def test_loader_errors_survive_a_process_boundary():
+    # Bench workers and Ray actors pickle what they raise: the error must come back whole.
+    err = FileGraphError("labels.csv", "node '3' labelled twice", 7)
+    back = pickle.loads(pickle.dumps(err))
+    assert (type(back), str(back), back.path, back.line, back.reason) == (
+        FileGraphError,
+        "labels.csv:7: node '3' labelled twice",
+        "labels.csv",
+        7,
+        "node '3' labelled twice",
+    )
+    part = pickle.loads(pickle.dumps(PartitionError("part-0", "x", "bad shape")))
+    assert (str(part), part.field) == ("part-0: field 'x': bad shape", "x")
+
+
 def test_a_files_graph_runs_through_load_dataset_with_a_split(tmp_path):
     data = load_dataset(_write(tmp_path), split="random:0.6,0.2,0.2", seed=0)
     assert data.name == "edges"
@@ -80,7 +106,7 @@ def test_malformed_files_fail_naming_the_file_and_line(tmp_path):
     labels.write_text("views,mature,new_id\n1,True,0\n2,False\n")
     _expect(spec, f"{labels}:3", "2 fields")
     labels.write_text("views,mature,new_id\n1,True,0\n2,False,0\n")
-    _expect(spec, f"{labels}:3", "labelled twice", "line 2")
+    _expect(spec, f"{labels}:3", "labelled twice", "'True' on line 2 and 'False'")
     labels.write_text("a,b,c\n1,2,3\n")
     _expect(spec.replace(",id-column=new_id,label-column=mature", ""), str(labels), "label-column=NAME")
     _write(tmp_path)

@@ -38,9 +38,7 @@ def write_plots(summary: RunSummary, out_dir: str | Path) -> list[Path]:
             )
     ax.set_xlabel("round")
     ax.set_ylabel("validation accuracy")
-    ax.set_title(
-        f"{summary.mode} {summary.engine}: test {summary.test_accuracy:.4f}"
-    )
+    ax.set_title(f"{summary.mode} {summary.engine}: test {summary.test_accuracy:.4f}")
     ax.grid(alpha=0.3)
     if stages:
         ax.legend()
@@ -66,9 +64,7 @@ def write_plots(summary: RunSummary, out_dir: str | Path) -> list[Path]:
     ax.plot(xs, boundary, label="boundary embeddings")
     ax.set_xlabel("round (all stages)")
     ax.set_ylabel("cumulative bytes")
-    ax.set_title(
-        f"boundary {summary.bytes_boundary:,} B, model {summary.bytes_model:,} B"
-    )
+    ax.set_title(f"boundary {summary.bytes_boundary:,} B, model {summary.bytes_model:,} B")
     ax.grid(alpha=0.3)
     ax.legend()
     paths.append(out / "bytes.png")

@@ -21,6 +21,7 @@ module either.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -531,6 +532,21 @@ class TrainConfig:
             self.update_bits = 8 if self.update_bits == 32 else self.update_bits
             self.broadcast_bits = 8 if self.broadcast_bits == 32 else self.broadcast_bits
 
+    def replace(self, **changes: Any) -> TrainConfig:
+        """A copy with ``changes``, built as this one was.
+
+        The settings this config was given and ``changes`` count as given; a changed mode or
+        profile brings its own defaults for the rest. (``dataclasses.replace`` passes every field
+        by name, so no mode default would apply: ``dataclasses.replace(TrainConfig(),
+        mode="eager")`` keeps the lazy hidden width, where ``TrainConfig().replace(mode="eager")``
+        equals ``TrainConfig(mode="eager")``.)
+
+        Args:
+            **changes: settings by snake-case name.
+        """
+        given = {name: getattr(self, name) for name in self._given if name not in changes}
+        return type(self)(**given, **changes)
+
     def _fill(self, values: dict[str, Any]) -> None:
         """Set each of ``values`` that the constructor was not given."""
         given = getattr(self, "_given", frozenset())
@@ -664,21 +680,33 @@ class TrainConfig:
         return cls(**kwargs).validate()
 
     @classmethod
-    def from_run_config(cls, values: dict[str, Any]) -> TrainConfig:
-        """Build from a Flower run config, in which a key equal to its default counts as not given.
+    def from_run_config(cls, values: dict[str, Any], overridden: Iterable[str] | None = None) -> TrainConfig:
+        """Build from a Flower run config.
 
         Flower merges ``[tool.flwr.app.config]`` into every run config, so every key arrives;
-        those still at the lazy defaults must leave room for the mode's and profile's own
-        defaults (``--run-config "mode='eager'"`` gets eager's). A value given on purpose that
-        equals the lazy default is taken as the mode's default: give another value to pin it.
+        those the submitter did not set must leave room for the mode's and profile's own
+        defaults (``--run-config "mode='eager'"`` gets eager's). With ``overridden``, the keys
+        the submitter set (Flower's ``Run.override_config``), exactly those count as given, so
+        ``hidden=32`` in eager mode is kept although it is the lazy default. Without it, a key
+        equal to its lazy default counts as not given (such a value set on purpose is then taken
+        as the mode's default).
+
+        Args:
+            values (dict): the run config, kebab-case keys.
+            overridden (Iterable[str], optional): the keys the run's submitter set.
+                (default: :obj:`None`)
         """
         defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        given = None if overridden is None else {k.replace("-", "_") for k in overridden}
         kept = {}
         for key, value in values.items():
             name = key.replace("-", "_")
-            parsed = parse_list(value) if name in PER_STAGE else value
-            if name in defaults and parsed == defaults[name] and name not in ("mode", "profile"):
-                continue
+            if name not in ("mode", "profile"):
+                if given is not None and name in defaults and name not in given:
+                    continue
+                parsed = parse_list(value) if name in PER_STAGE else value
+                if given is None and name in defaults and parsed == defaults[name]:
+                    continue
             kept[key] = value
         return cls.from_mapping(kept)
 

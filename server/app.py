@@ -56,4 +56,6 @@ def run_server(grid: Grid, cfg: TrainConfig) -> RunSummary:
 def main(grid: Grid, context: Context) -> None:
     """The ServerApp's entry point: the run config is the federation's ``[tool.flwr.app.config]``."""
     shorten_object_pulls()  # replies' objects: retry after 20 ms, not Flower's 1 s
-    run_server(grid, TrainConfig.from_run_config(dict(context.run_config)))
+    # The keys the submitter set count as given, whatever their value (the rest are pyproject's).
+    overridden = grid.run.override_config.keys()
+    run_server(grid, TrainConfig.from_run_config(dict(context.run_config), overridden))

@@ -139,10 +139,31 @@ def test_edge_profile_fills_only_what_was_left_at_its_default():
     )  # updates and broadcasts: already 4-bit by default
 
 
+def test_a_replaced_mode_brings_its_defaults_as_a_new_config_does():
+    eager = TrainConfig(mode="eager")
+    assert TrainConfig().replace(mode="eager") == eager
+    # dataclasses.replace passes every field: the lazy defaults stay (what replace() is for).
+    plain = dataclasses.replace(TrainConfig(), mode="eager")
+    assert (plain.hidden, eager.hidden) == (32, 64) and plain != eager
+    # What a config was given stays given, whatever the new mode's default is.
+    mine = TrainConfig(hidden=16, seed=3).replace(mode="eager")
+    assert (mine.hidden, mine.seed, mine.rounds) == (16, 3, eager.rounds)
+    assert TrainConfig(profile="exact").replace(clients=7) == TrainConfig(profile="exact", clients=7)
+
+
 def test_the_apps_run_config_is_a_valid_train_config():
     app = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     cfg = TrainConfig.from_mapping({k: v for k, v in app.items() if k.replace("-", "_") in _flat_names()})
     assert cfg.mode in ("lazy", "eager", "local")
+
+
+def test_a_run_config_value_set_by_the_submitter_is_kept_even_at_the_lazy_default():
+    app = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    fused = {**app, "mode": "eager", "hidden": 32}  # Flower's run config: pyproject's, then overrides
+    asked = TrainConfig.from_run_config(fused, overridden=["mode", "hidden"])
+    assert (asked.mode, asked.hidden, asked.rounds) == ("eager", 32, TrainConfig(mode="eager").rounds)
+    # Without the submitter's keys, 32 reads as "not given" and eager's own width applies.
+    assert TrainConfig.from_run_config(fused).hidden == TrainConfig(mode="eager").hidden == 64
 
 
 def test_section_defaults_are_the_flat_defaults():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 from retexo_fl.config import TrainConfig
@@ -34,6 +33,6 @@ def run_eager(
     cfg = with_clients(cfg, len(parts))
     mode = "local" if local else "eager"
     if cfg.mode != mode:
-        cfg = dataclasses.replace(cfg, mode=mode)
+        cfg = cfg.replace(mode=mode)  # the mode's defaults for what cfg was not given
     transport = InProcessTransport([EagerClient(p, cfg, local) for p in parts])
     return BaselineRun(transport, cfg, rec).run()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 
 from retexo_fl.config import TrainConfig
@@ -44,4 +43,4 @@ def with_clients(cfg: TrainConfig, count: int) -> TrainConfig:
     """``cfg`` for ``count`` clients (in process, the partitions say how many there are)."""
     if cfg.clients == count:
         return cfg
-    return dataclasses.replace(cfg, clients=count, min_clients=min(cfg.min_clients, count))
+    return cfg.replace(clients=count, min_clients=min(cfg.min_clients, count))

@@ -22,8 +22,17 @@ def _cfg(**kw) -> TrainConfig:
     # One plain SGD step at lr 1 and no dropout or weight decay: a client's update is exactly
     # minus the gradient of its objective at the round's state.
     base = {
-        "mode": "eager", "model": "gcn", "hidden": 8, "stages": 3, "clients": 3, "seed": 0,
-        "dropout": 0.0, "input_dropout": 0.0, "weight_decay": 0.0, "local_epochs": 1, "lr": 1.0,
+        "mode": "eager",
+        "model": "gcn",
+        "hidden": 8,
+        "stages": 3,
+        "clients": 3,
+        "seed": 0,
+        "dropout": 0.0,
+        "input_dropout": 0.0,
+        "weight_decay": 0.0,
+        "local_epochs": 1,
+        "lr": 1.0,
     }
     return TrainConfig(**{**base, **kw})
 

@@ -42,7 +42,9 @@ _HELP = {
     "pass_init": "where a self-training pass's stages start: warm (the previous pass's kept "
     "weights) or fresh (new initial weights)",
     "patience": "early stopping: rounds without a validation gain before a stage stops (0: never)",
-    "min_rounds": "rounds a stage runs before early stopping may end it",
+    "min_rounds": "rounds a stage from fresh weights runs before early stopping may end it",
+    "warm_min_rounds": "rounds a stage warm-started from the previous self-training pass runs "
+    "before early stopping may end it",
     "stop_metric": "what early stopping counts as progress: accuracy (a higher validation "
     "accuracy) or accuracy-or-loss (that, or a lower validation loss)",
     "precompute": "gcn and sage stages aggregate their frozen inputs once a stage, so a round is "

@@ -157,8 +157,11 @@ class TrainingSettings:
         weight_decay (float, optional): L2 weight decay. (default: :obj:`5e-4`)
         patience (int, optional): rounds without a better validation accuracy before a stage
             stops early; :obj:`0` never stops. (default: :obj:`5`)
-        min_rounds (int, optional): rounds a stage runs before early stopping may end it.
-            (default: :obj:`4`)
+        min_rounds (int, optional): rounds a stage that starts from fresh weights runs before
+            early stopping may end it. (default: :obj:`4`)
+        warm_min_rounds (int, optional): the same for a stage that starts from the previous
+            self-training pass's weights (``pass-init warm``): it starts past the plateau a fresh
+            stage must first leave. (default: :obj:`4`)
         stop_metric (str, optional): what early stopping counts as progress: ``"accuracy"``
             (a higher validation accuracy) or ``"accuracy-or-loss"`` (that, or a lower
             validation loss). (default: :obj:`"accuracy-or-loss"`)
@@ -212,6 +215,7 @@ class TrainingSettings:
     weight_decay: float = 5e-4
     patience: int = 5
     min_rounds: int = 4
+    warm_min_rounds: int = 4
     stop_metric: str = "accuracy-or-loss"
     precompute: bool = False
     drift_correction: str = "none"
@@ -262,9 +266,10 @@ class TrainingSettings:
             )
         if self.stop_metric not in ("accuracy", "accuracy-or-loss"):
             raise ValueError(f"stop-metric must be accuracy or accuracy-or-loss, got {self.stop_metric!r}")
-        if self.patience < 0 or self.min_rounds < 0:
+        if self.patience < 0 or self.min_rounds < 0 or self.warm_min_rounds < 0:
             raise ValueError(
-                f"patience and min-rounds must be >= 0, got {self.patience} and {self.min_rounds}"
+                "patience, min-rounds and warm-min-rounds must be >= 0, got "
+                f"{self.patience}, {self.min_rounds} and {self.warm_min_rounds}"
             )
         for s in range(stages):
             rounds = int(stage_value("rounds", self.rounds, s))
@@ -346,6 +351,7 @@ EXACT_PROFILE: dict[str, Any] = {
     "server_lr": 0.01,
     "patience": 0,
     "min_rounds": 0,
+    "warm_min_rounds": 0,
     "self_training": 0,
     "update_bits": 32,
     "broadcast_bits": 32,
@@ -365,6 +371,7 @@ _END_TO_END: dict[str, Any] = {
     "server_lr": 0.01,
     "patience": 0,
     "min_rounds": 0,
+    "warm_min_rounds": 0,
     "self_training": 0,
 }
 
@@ -449,7 +456,8 @@ class TrainConfig:
     root_weight: bool = False  # gcn / gat stages: a separate linear map of a node's own input
     first_stage: str = "mlp"  # stage 0: mlp, or local (one layer over the client's own edges)
     patience: int = 5  # early stopping: rounds without a validation gain (0: never stop)
-    min_rounds: int = 4  # rounds a stage runs before early stopping may end it
+    min_rounds: int = 4  # rounds a fresh stage runs before early stopping may end it
+    warm_min_rounds: int = 4  # the same for a stage warm-started from the previous pass
     stop_metric: str = "accuracy-or-loss"  # early stopping's progress: accuracy | accuracy-or-loss
     # GCN / SAGE stages: aggregate the frozen stage input once, then every round is dense.
     precompute: bool = False

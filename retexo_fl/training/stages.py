@@ -152,13 +152,15 @@ class LazyStageMachine:
         if rs is None:
             ref = fed.reference
             in_dim = stage_input_dim(cfg, stage, ref.num_features, ref.num_classes)
-            if stage >= cfg.stages and cfg.pass_init == "warm":
+            warm = stage >= cfg.stages and cfg.pass_init == "warm"
+            if warm:
                 state = {k: v.detach().clone() for k, v in ck.pass_weights[layer].items()}
             else:
                 model = build_stage_model(cfg, stage, in_dim, ref.num_classes)
                 state = {k: v.detach().clone() for k, v in model.state_dict().items()}
             name = cfg.stage_name(stage)
-            tracker = StageTracker(stage, cfg.patience, cfg.min_rounds, cfg.stop_metric, name)
+            min_rounds = cfg.warm_min_rounds if warm else cfg.min_rounds
+            tracker = StageTracker(stage, cfg.patience, min_rounds, cfg.stop_metric, name)
             tracker.bytes_offset = fed.bytes_boundary + self.model_bytes_done
             rs = self.loop.start(state, layer, tracker, derive_seed(cfg.seed, stage, BROADCAST_TAG))
 

@@ -339,8 +339,8 @@ class Client(ABC):
         return self._weights
 
     @property
-    def reads_zero_halo(self) -> bool:
-        """Whether the current stage reads zero rows in place of halo rows (a lazy run's local
+    def reads_no_halo(self) -> bool:
+        """Whether the current stage passes messages over owned rows only (a lazy run's local
         stage 0); then no halo degree is needed yet."""
         return False
 
@@ -352,11 +352,13 @@ class Client(ABC):
                     self.halo_degree = torch.zeros(0)
                 halo_degree = self.halo_degree
                 if halo_degree is None:
-                    if not self.reads_zero_halo:
+                    if not self.reads_no_halo:
                         raise RuntimeError(f"client {self.id}: GCN needs halo degrees first")
-                    # Every halo row read is zero: what their edges weigh multiplies zeros (an
-                    # owned-owned edge's weight depends on owned degrees only).
-                    halo_degree = torch.ones(self.graph.num_halo)
+                    # Placeholders: the halo edges they weigh are not read, and an owned-owned
+                    # edge's weight depends on owned (global) degrees only. Not cached, so the
+                    # real degrees are used once they arrive.
+                    ei, w = self.graph.gcn_weights(torch.ones(self.graph.num_halo))
+                    return ei.to(self.device), w.to(self.device)
                 ei, w = self.graph.gcn_weights(halo_degree.cpu())
                 self._edges = (ei.to(self.device), w.to(self.device))
             else:

@@ -12,6 +12,7 @@ from retexo_fl.compress.boundary import ExchangeStats
 from retexo_fl.compress.payload import decode_rows
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partition import Partition
+from retexo_fl.models.adjacency import SPARSE_KINDS, sparse_adjacency
 from retexo_fl.models.factory import build_stage_model
 from retexo_fl.models.stage import StageModel
 from retexo_fl.protocol import HALO
@@ -49,7 +50,7 @@ class LazyClient(Client):
         self.halo: Tensor | None = None
         self._aggregated: tuple[Tensor | None, Tensor | None, Tensor] | None = None
         self._joined: tuple[Tensor, Tensor, Tensor] | None = None
-        self._local_input: tuple[Tensor, Tensor] | None = None  # (owned, owned + zero halo rows)
+        self._own_graph: tuple[Tensor, Tensor | None] | None = None  # a local stage 0's messages
         # (stage, frames, stats) of the last boundary rows sent: a resumed server may ask again.
         self.sent: tuple[int, dict[int, bytes], dict] | None = None
 
@@ -81,22 +82,14 @@ class LazyClient(Client):
         return self._raw
 
     @property
-    def reads_zero_halo(self) -> bool:
+    def reads_no_halo(self) -> bool:
         return self.layer == 0 and not self.row_wise
 
     # -- stage inputs -----------------------------------------------------------------------
     def stage_input(self) -> Tensor:
         """What this stage's model reads: owned rows, and halo rows after them for a conv stage."""
-        if self.row_wise:
+        if self.layer == 0:  # the MLP, or a local stage 0 over owned rows (see edges())
             return self.owned
-        if self.layer == 0:
-            # A local stage 0: halo rows are zero, so each node aggregates its own rows and those
-            # of its neighbours on this client only, with the normalization every later stage
-            # uses. No other client's row is read or asked for.
-            if self._local_input is None or self._local_input[0] is not self.owned:
-                zeros = self.owned.new_zeros(self.graph.num_halo, self.owned.shape[1])
-                self._local_input = (self.owned, torch.cat([self.owned, zeros]))
-            return self._local_input[1]
         if self.halo is None:
             raise RuntimeError(f"client {self.id}: stage {self.stage} has no halo rows yet")
         # Joined once per stage input, not per step: on a products-sized client (300,000 owned
@@ -113,7 +106,29 @@ class LazyClient(Client):
         adjacency, other kinds edges and weights); ``(None, None)`` at layer 0."""
         if self.row_wise:
             return None, None
+        if self.layer == 0:
+            return self.own_graph()
         return self.message_graph()
+
+    def own_graph(self) -> tuple[Tensor, Tensor | None]:
+        """A local stage 0's messages: :meth:`~Client.message_graph` without the edges from halo
+        rows, so each node aggregates itself and its neighbours on this client, with the
+        global-degree normalization every later stage uses. No other client's row is read.
+
+        Shapes:
+            - **output:** CSR ``[n, n]`` and ``None`` (GCN, SAGE), or ``[2, E_own]`` edges and
+              ``[E_own]`` weights
+        """
+        if self._own_graph is None:
+            ei, w = self.conv_edges()
+            n = self.graph.num_owned
+            keep = ei[0] < n  # halo rows are numbered after the owned ones
+            ei, w = ei[:, keep], None if w is None else w[keep]
+            if self.cfg.model in SPARSE_KINDS:
+                self._own_graph = (sparse_adjacency(ei, w, n, n), None)
+            else:
+                self._own_graph = (ei, w)
+        return self._own_graph
 
     def make_model(self) -> StageModel:
         """This stage's model with its initial weights."""
@@ -206,7 +221,7 @@ class LazyClient(Client):
         if cached is not None and cached[0] is self.owned and cached[1] is self.halo:
             return cached[2]
         x = self.stage_input()
-        adj, _ = self.message_graph()  # GCN and SAGE: the CSR adjacency, weights folded in
+        adj, _ = self.edges()  # GCN and SAGE: the CSR adjacency, weights folded in
         total = torch.sparse.mm(adj, x)
         if self.cfg.model == "sage":  # mean aggregation (a node without in-neighbours: zero)
             ptr = adj.crow_indices()

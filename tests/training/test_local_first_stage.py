@@ -65,10 +65,11 @@ def test_a_local_first_stage_is_a_gcn_layer_over_the_clients_own_edges():
     assert cut > 0
 
 
-def test_a_local_first_stage_reads_no_other_clients_features():
+@pytest.mark.parametrize("model", ["gcn", "sage", "sage-max", "gat"])
+def test_a_local_first_stage_reads_no_other_clients_features(model):
     data = _graph()
     parts = partition_graph(data, 3, "random", seed=0)
-    cfg = TrainConfig(first_stage="local", hidden=8, dropout=0.0, input_dropout=0.0).validate()
+    cfg = TrainConfig(model=model, first_stage="local", hidden=8, dropout=0.0, input_dropout=0.0).validate()
     before = LazyClient(parts[0], cfg)
     h0, _ = before.outputs(before.make_model().eval())
     # Every other client's features replaced: client 0's stage 0 cannot tell.

@@ -338,28 +338,15 @@ class Client(ABC):
             )
         return self._weights
 
-    @property
-    def reads_no_halo(self) -> bool:
-        """Whether the current stage passes messages over owned rows only (a lazy run's local
-        stage 0); then no halo degree is needed yet."""
-        return False
-
     def conv_edges(self) -> tuple[Tensor, Tensor | None]:
         """The local graph's edges and, for GCN, their global-degree weights, cached on the device."""
         if self._edges is None:
             if self.cfg.model == "gcn":
-                if self.halo_degree is None and not self.graph.num_halo:
-                    self.halo_degree = torch.zeros(0)
-                halo_degree = self.halo_degree
-                if halo_degree is None:
-                    if not self.reads_no_halo:
+                if self.halo_degree is None:
+                    if self.graph.num_halo:
                         raise RuntimeError(f"client {self.id}: GCN needs halo degrees first")
-                    # Placeholders: the halo edges they weigh are not read, and an owned-owned
-                    # edge's weight depends on owned (global) degrees only. Not cached, so the
-                    # real degrees are used once they arrive.
-                    ei, w = self.graph.gcn_weights(torch.ones(self.graph.num_halo))
-                    return ei.to(self.device), w.to(self.device)
-                ei, w = self.graph.gcn_weights(halo_degree.cpu())
+                    self.halo_degree = torch.zeros(0)
+                ei, w = self.graph.gcn_weights(self.halo_degree.cpu())
                 self._edges = (ei.to(self.device), w.to(self.device))
             else:
                 self._edges = (self.graph.edge_index.to(self.device), None)

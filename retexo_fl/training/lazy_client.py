@@ -81,10 +81,6 @@ class LazyClient(Client):
             self._raw = torch.from_numpy(np.array(self.part.x, dtype=np.float32)).to(self.device)
         return self._raw
 
-    @property
-    def reads_no_halo(self) -> bool:
-        return self.layer == 0 and not self.row_wise
-
     # -- stage inputs -----------------------------------------------------------------------
     def stage_input(self) -> Tensor:
         """What this stage's model reads: owned rows, and halo rows after them for a conv stage."""
@@ -111,19 +107,30 @@ class LazyClient(Client):
         return self.message_graph()
 
     def own_graph(self) -> tuple[Tensor, Tensor | None]:
-        """A local stage 0's messages: :meth:`~Client.message_graph` without the edges from halo
-        rows, so each node aggregates itself and its neighbours on this client, with the
-        global-degree normalization every later stage uses. No other client's row is read.
+        """A local stage 0's messages: the client's own edges only (no edge from a halo row), so
+        no other client's row is read.
+
+        GCN normalizes by the degrees within the client, as PyG's ``gcn_norm`` on the client's
+        induced subgraph: a node with no neighbour on its client keeps its own row whole (the
+        MLP), where global degrees would shrink it by ``1 / (degree + 1)`` and give rows of
+        very different scales on a partition that cuts most edges.
 
         Shapes:
             - **output:** CSR ``[n, n]`` and ``None`` (GCN, SAGE), or ``[2, E_own]`` edges and
-              ``[E_own]`` weights
+              ``[E_own]`` GCN weights (``None`` for other kinds)
         """
         if self._own_graph is None:
-            ei, w = self.conv_edges()
             n = self.graph.num_owned
-            keep = ei[0] < n  # halo rows are numbered after the owned ones
-            ei, w = ei[:, keep], None if w is None else w[keep]
+            ei = self.graph.edge_index
+            ei = ei[:, ei[0] < n]  # halo rows are numbered after the owned ones
+            w = None
+            if self.cfg.model == "gcn":
+                loops = torch.arange(n).repeat(2, 1)
+                ei = torch.cat([ei, loops], dim=1)
+                inv_sqrt = torch.bincount(ei[1], minlength=n).float().pow(-0.5)  # own degree + 1
+                w = inv_sqrt[ei[0]] * inv_sqrt[ei[1]]
+            ei = ei.to(self.device)
+            w = None if w is None else w.to(self.device)
             if self.cfg.model in SPARSE_KINDS:
                 self._own_graph = (sparse_adjacency(ei, w, n, n), None)
             else:

@@ -1,8 +1,7 @@
 """``first-stage local``: stage 0 is one GNN layer over a client's own edges, and reads nothing else.
 
 Checked from first principles: a client's stage-0 output equals a dense GCN layer over the
-whole graph whose cross-client edges are dropped, with the global degrees every later stage
-normalizes by; and no other client's features change it.
+subgraph its nodes induce (degrees counted inside it); and no other client's features change it.
 """
 
 from __future__ import annotations
@@ -26,18 +25,23 @@ def _graph():
 
 
 def _local_gcn(data, owner: np.ndarray, pid: int, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """ReLU(Â_p X W^T + b) for partition ``pid``'s nodes: Â keeps self loops and the edges whose
-    two ends ``pid`` owns, each weighted 1 / sqrt((d_i + 1)(d_j + 1)) with whole-graph degrees."""
-    n = data.num_nodes
-    src, dst = data.edge_index
-    deg = torch.bincount(dst, minlength=n).double() + 1.0
-    adj = torch.zeros(n, n, dtype=torch.float64)
+    """ReLU(Â_p X W^T + b) for partition ``pid``'s nodes, in float64: Â is GCN's normalized
+    adjacency of the subgraph ``pid``'s nodes induce (self loops, the edges whose two ends it
+    owns, 1 / sqrt((d_i + 1)(d_j + 1)) with degrees counted inside that subgraph)."""
     own = torch.from_numpy(owner == pid)
+    idx = own.nonzero().squeeze(1)
+    local = torch.full((data.num_nodes,), -1, dtype=torch.long)
+    local[idx] = torch.arange(idx.numel())
+    src, dst = data.edge_index
     keep = own[src] & own[dst]
-    adj[dst[keep], src[keep]] = 1.0 / torch.sqrt(deg[dst[keep]] * deg[src[keep]])
+    s, d = local[src[keep]], local[dst[keep]]
+    n = idx.numel()
+    deg = torch.bincount(d, minlength=n).double() + 1.0
+    adj = torch.zeros(n, n, dtype=torch.float64)
+    adj[d, s] = 1.0 / torch.sqrt(deg[d] * deg[s])
     adj += torch.diag(1.0 / deg)
-    out = adj @ data.x.double() @ weight.double().T + bias.double()
-    return torch.relu(out)[own].float()
+    out = adj @ data.x[idx].double() @ weight.double().T + bias.double()
+    return torch.relu(out).float()
 
 
 def _owner(parts, n: int) -> np.ndarray:
@@ -47,7 +51,7 @@ def _owner(parts, n: int) -> np.ndarray:
     return owner
 
 
-def test_a_local_first_stage_is_a_gcn_layer_over_the_clients_own_edges():
+def test_a_local_first_stage_is_a_gcn_layer_over_the_clients_induced_subgraph():
     data = _graph()
     parts = partition_graph(data, 3, "random", seed=0)
     owner = _owner(parts, data.num_nodes)
@@ -87,7 +91,7 @@ def test_a_local_first_stage_reads_no_other_clients_features(model):
 
 def test_a_local_first_stage_trains_and_its_stage_0_beats_the_mlp_on_a_structural_graph():
     # Features weak on their own, structure strong, 2 METIS clients (most edges inside a client):
-    # stage 0 over own edges validates above the MLP stage 0. Seed 0: measured 0.86 against
+    # stage 0 over own edges validates above the MLP stage 0. Seed 0: measured 0.89 against
     # 0.41 when written; the bar is a 5-point gain, far below that, so it holds across platforms.
     data = synthetic_sbm(400, 3, avg_degree=8, homophily=0.9, num_features=16, feature_signal=0.2, seed=1)
     apply_split(data, "random:0.3,0.2,0.5", seed=1)

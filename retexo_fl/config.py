@@ -158,7 +158,7 @@ class TrainingSettings:
         patience (int, optional): rounds without a better validation accuracy before a stage
             stops early; :obj:`0` never stops. (default: :obj:`5`)
         min_rounds (int, optional): rounds a stage that starts from fresh weights runs before
-            early stopping may end it. (default: :obj:`4`)
+            early stopping may end it. (default: :obj:`16`)
         warm_min_rounds (int, optional): the same for a stage that starts from the previous
             self-training pass's weights (``pass-init warm``): it starts past the plateau a fresh
             stage must first leave. (default: :obj:`4`)
@@ -214,7 +214,7 @@ class TrainingSettings:
     server_lr: float | list[float] = 1.0
     weight_decay: float = 5e-4
     patience: int = 5
-    min_rounds: int = 4
+    min_rounds: int = 16
     warm_min_rounds: int = 4
     stop_metric: str = "accuracy-or-loss"
     precompute: bool = False
@@ -456,7 +456,7 @@ class TrainConfig:
     root_weight: bool = False  # gcn / gat stages: a separate linear map of a node's own input
     first_stage: str = "mlp"  # stage 0: mlp, or local (one layer over the client's own edges)
     patience: int = 5  # early stopping: rounds without a validation gain (0: never stop)
-    min_rounds: int = 4  # rounds a fresh stage runs before early stopping may end it
+    min_rounds: int = 16  # rounds a fresh stage runs before early stopping may end it
     warm_min_rounds: int = 4  # the same for a stage warm-started from the previous pass
     stop_metric: str = "accuracy-or-loss"  # early stopping's progress: accuracy | accuracy-or-loss
     # GCN / SAGE stages: aggregate the frozen stage input once, then every round is dense.

@@ -85,9 +85,10 @@ class ModelSettings:
             own input to what they aggregate, as SAGE's root weight does (a GCN layer alone
             weighs a node's own row by ``1 / (degree + 1)``). (default: :obj:`False`)
         first_stage (str, optional): what stage 0 is: ``"mlp"``, an MLP on each node's own
-            features, or ``"local"``, one ``model`` layer over the client's own edges only (rows
-            of other clients' nodes count as zero): no boundary traffic, so residency holds, but
-            stage 0's output then depends on how the graph was partitioned. (default: :obj:`"mlp"`)
+            features, or ``"local"``, one ``model`` layer over the subgraph the client's own
+            nodes induce (GCN normalized by degrees inside it): no boundary traffic, so
+            residency holds, but stage 0's output then depends on how the graph was partitioned.
+            (default: :obj:`"mlp"`)
         dropout (float or list[float], optional): dropout, one value or one per stage.
             (default: :obj:`0.5`)
         input_dropout (float or list[float], optional): dropout of each stage's input, one value

@@ -49,8 +49,12 @@ class EdgeLists:
         client.SPARSE_KINDS, centralized.SPARSE_KINDS = self.saved
 
 
-def pyg_loop(part, epochs: int, hidden: int, sparse: bool, seed: int = 0) -> float:
-    """Seconds of a plain PyG training loop: 2 GCNConv layers, Adam, validation every epoch."""
+def pyg_loop(
+    part, epochs: int, hidden: int, sparse: bool, seed: int = 0, device: torch.device | None = None
+) -> float:
+    """Seconds of a plain PyG training loop: 2 GCNConv layers, Adam, validation every epoch
+    (on ``device``, default the CPU; the tensors are moved there before the clock starts)."""
+    device = device or torch.device("cpu")
     from torch_geometric.nn import GCNConv
 
     graph = LocalGraph.build(part, BoundaryPlan.from_partition(part))
@@ -59,14 +63,18 @@ def pyg_loop(part, epochs: int, hidden: int, sparse: bool, seed: int = 0) -> flo
     if sparse:  # PyG's own conversion, as its docs show; built once, outside the timing
         from torch_geometric.utils import to_torch_csr_tensor
 
-        adj = to_torch_csr_tensor(ei.flip(0), w, size=(n, n))
-    x = torch.from_numpy(part.x.astype("float32"))
-    y = torch.from_numpy(part.y.astype("int64"))
-    train_mask, val_mask = (torch.from_numpy(m.astype(bool)) for m in (part.train_mask, part.val_mask))
+        adj = to_torch_csr_tensor(ei.flip(0), w, size=(n, n)).to(device)
+    ei, w = ei.to(device), w.to(device)
+    x = torch.from_numpy(part.x.astype("float32")).to(device)
+    y = torch.from_numpy(part.y.astype("int64")).to(device)
+    train_mask, val_mask = (
+        torch.from_numpy(m.astype(bool)).to(device) for m in (part.train_mask, part.val_mask)
+    )
     torch.manual_seed(seed)
     convs = torch.nn.ModuleList(
         [GCNConv(x.shape[1], hidden, normalize=False), GCNConv(hidden, part.num_classes, normalize=False)]
     )
+    convs = convs.to(device)
     drop = torch.nn.Dropout(0.5)
 
     def forward() -> torch.Tensor:
@@ -89,6 +97,8 @@ def pyg_loop(part, epochs: int, hidden: int, sparse: bool, seed: int = 0) -> flo
         convs.eval()
         with torch.no_grad():
             (forward().argmax(1)[val_mask] == y[val_mask]).float().mean()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return time.perf_counter() - t0
 
 

@@ -12,6 +12,7 @@ from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.datacenter.launch import run_datacenter
 from retexo_fl.metrics import RunRecorder
 from retexo_fl.plots import write_plots
+from retexo_fl.seeding import device_choice
 from retexo_fl.summary import RunSummary
 from retexo_fl.training.centralized import run_centralized, whole_graph_partition
 from retexo_fl.training.eager import run_eager
@@ -36,6 +37,25 @@ def make_partitions(cfg: TrainConfig, rec: RunRecorder | None = None) -> list[Pa
     return parts
 
 
+def device_line(setting: str, sizes: list[int]) -> str:
+    """The progress line that says where the parties of a run compute, and why.
+
+    Args:
+        setting (str): the ``device`` setting (``auto``, ``cpu``, ``cuda[:i]``).
+        sizes (list[int]): the nodes of each partition (one entry for a centralized run).
+    """
+    picks = [device_choice(setting, n) for n in sizes]
+    counts: dict[str, int] = {}
+    for device, _ in picks:
+        counts[str(device)] = counts.get(str(device), 0) + 1
+    # The reason given is the smallest partition's: the one a size rule keeps off the GPU.
+    reason = picks[min(range(len(sizes)), key=sizes.__getitem__)][1] if picks else setting
+    if len(sizes) == 1:
+        return f"device {reason}"
+    where = ", ".join(f"{d} for {k} of {len(sizes)} partitions" for d, k in counts.items())
+    return f"device {where} ({reason})"
+
+
 def train(cfg: TrainConfig, rec: RunRecorder | None = None) -> RunSummary:
     """Train as ``cfg`` says and return the summary (also written to ``cfg.out_dir`` if set)."""
     cfg.validate()
@@ -50,13 +70,18 @@ def train(cfg: TrainConfig, rec: RunRecorder | None = None) -> RunSummary:
     if cfg.mode == "centralized":
         if cfg.partitions:
             raise ValueError("centralized mode trains on the whole graph: give --dataset, not --partitions")
-        summary = run_centralized(whole_graph_partition(load_graph(cfg)), cfg, rec)
+        whole = whole_graph_partition(load_graph(cfg))
+        rec.progress(device_line(cfg.device, [whole.num_nodes]))
+        summary = run_centralized(whole, cfg, rec)
     elif cfg.mode == "datacenter":
         summary = RunSummary.from_dict(run_datacenter(cfg, rec))
-    elif cfg.mode in ("eager", "local"):
-        summary = run_eager(make_partitions(cfg, rec), cfg, rec, local=cfg.mode == "local")
     else:
-        summary = run_lazy(make_partitions(cfg, rec), cfg, rec)
+        parts = make_partitions(cfg, rec)
+        rec.progress(device_line(cfg.device, [p.num_nodes for p in parts]))
+        if cfg.mode in ("eager", "local"):
+            summary = run_eager(parts, cfg, rec, local=cfg.mode == "local")
+        else:
+            summary = run_lazy(parts, cfg, rec)
     summary.wall_seconds = time.perf_counter() - t0
     summary.config = cfg.to_dict()
     rec.write_json("summary.json", summary.to_dict())

@@ -52,7 +52,7 @@ def run_centralized(part: Partition, cfg: TrainConfig, rec: RunRecorder | None =
         one ``stages`` entry per pass.
     """
     rec = rec or RunRecorder(None, stream=None)
-    device = resolve_device(cfg.device)
+    device = resolve_device(cfg.device, part.num_nodes)
     t0 = time.perf_counter()
     graph = LocalGraph.build(part, BoundaryPlan.from_partition(part))
     if cfg.model == "gcn":

@@ -1,4 +1,5 @@
-"""Where training runs: ``--device auto`` picks the GPU when there is one; CUDA runs skip without one."""
+"""Where training runs: ``--device auto`` picks the GPU when there is one and the partition is
+large enough for it to be the faster device; CUDA runs skip without one."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import torch
 
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partitioners import partition_graph
-from retexo_fl.seeding import resolve_device
+from retexo_fl.runner import device_line
+from retexo_fl.seeding import AUTO_GPU_MIN_NODES, device_choice, resolve_device
 from retexo_fl.training.centralized import run_centralized, whole_graph_partition
 from retexo_fl.training.lazy import run_lazy
 from retexo_fl.training.lazy_client import LazyClient
@@ -27,10 +29,37 @@ def test_auto_is_the_gpu_when_there_is_one_and_bad_names_are_refused():
             resolve_device("cuda")
 
 
+def test_auto_keeps_a_small_partition_on_the_cpu_and_says_why(sbm, monkeypatch):
+    # A machine with a GPU, as far as the choice can tell: nothing here touches the GPU.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "Test GPU")
+    small, reason = device_choice("auto", 270)
+    assert small == torch.device("cpu")
+    assert reason == (
+        f"auto: cpu, as 270 nodes are under the {AUTO_GPU_MIN_NODES} from which the GPU is "
+        "faster (--device cuda to use it)"
+    )
+    assert device_choice("auto", AUTO_GPU_MIN_NODES) == (torch.device("cuda"), "auto: cuda (Test GPU)")
+    assert device_choice("auto") == (torch.device("cuda"), "auto: cuda (Test GPU)")  # size unknown
+    parts = partition_graph(sbm, 3, "metis", seed=0)
+    assert LazyClient(parts[0], TrainConfig(stages=2, hidden=16, device="auto")).device.type == "cpu"
+    # The run's first lines say where its parties compute: per partition, by its own size.
+    assert device_line("auto", [270, 5000, 300]) == (
+        "device cpu for 2 of 3 partitions, cuda for 1 of 3 partitions (auto: cpu, as 270 nodes are "
+        f"under the {AUTO_GPU_MIN_NODES} from which the GPU is faster (--device cuda to use it))"
+    )
+    assert device_line("cpu", [2708]) == "device cpu: as set"
+
+
+def test_auto_without_a_gpu_is_the_cpu_whatever_the_size(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert device_choice("auto", 10**7) == (torch.device("cpu"), "auto: cpu, as torch sees no CUDA device")
+
+
 @pytest.mark.skipif(not HAVE_CUDA, reason="needs a GPU")
 def test_a_client_keeps_its_partition_and_stage_model_on_the_gpu(sbm):
     part = partition_graph(sbm, 3, "metis", seed=0)[0]
-    client = LazyClient(part, TrainConfig(stages=2, hidden=16, device="auto"))
+    client = LazyClient(part, TrainConfig(stages=2, hidden=16, device="cuda"))
     assert client.device.type == "cuda"
     assert client.owned.is_cuda and all(m.is_cuda for m in client.masks.values())
     assert all(p.is_cuda for p in client.make_model().parameters())

@@ -1,0 +1,544 @@
+"""One GPU check: the GPU and the same host's CPU side by side, in one call of at most 5 minutes.
+
+    python bench/gpu.py --out gpu-check                # on a machine with a GPU
+    python bench/gpu.py --out /tmp/smoke --device cpu --quick   # the plumbing, anywhere
+
+Each section runs in a child process of its own (this script with ``--section``), under a time
+limit of its own, so that one that fails or hangs costs its own row and no other:
+
+- ``env``: the GPU's name, torch, CUDA and PyG versions, the host's cores.
+- ``tests``: the tests that need a GPU (``tests/training/test_device.py`` and the CUDA codec
+  test), passed / failed.
+- ``codec``: the 8-bit row codec, encode + decode of a 1,000,000 x 64 float32 block, against a
+  ``clone`` of it, on the GPU and on the host's CPU (compiled loops).
+- ``cora``: Cora, 10 random clients, the defaults, in process, on each device: training seconds,
+  rounds, test accuracy (Cora from ``--root``; skipped without it).
+- ``crossover``: one client holding a whole generated graph of 2k to 128k nodes, a 2-stage lazy
+  run of fixed rounds on each device: the partition size from which the GPU is faster, what
+  ``--device auto`` is held to.
+- ``large``: a generated graph of 300,000 nodes and about 6M directed edges, 8 random clients,
+  the defaults, in process, on each device.
+- ``centralized``: the centralized GCN (2 x 256, 200 epochs) on the same graph on the GPU,
+  against PyG's ``GCNConv`` on a cached CSR adjacency in the same process.
+- ``shared-gpu``: a deployed federation on 127.0.0.1 (``deploy/federation.py``: a SuperLink and
+  three SuperNodes) whose three clients share the one GPU, on Cora. It needs Flower's
+  executables beside the interpreter or on ``PATH``; without them the row says so.
+
+It prints one table and writes ``gpu.json`` and ``gpu.log`` into ``--out``. ``--device cpu``
+runs every section with the "GPU" side on the CPU too: a check of the script, not of a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+MARK = "@@gpu-row "
+#: Sections in the order they run, each with its time limit in seconds (full, --quick).
+SECTIONS: dict[str, tuple[float, float]] = {
+    "env": (60, 30),
+    "tests": (120, 120),
+    "codec": (60, 30),
+    "cora": (75, 60),
+    "crossover": (60, 60),
+    "large": (150, 60),
+    "centralized": (60, 30),
+    "shared-gpu": (110, 120),
+}
+
+
+def emit(row: dict) -> None:
+    """Hand one result row to the parent (a marked JSON line on stdout)."""
+    print(MARK + json.dumps(row), flush=True)
+
+
+def sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device, repeats: int = 1) -> tuple[float, object]:
+    """Median seconds of ``fn`` over ``repeats`` runs (the device synchronized around each)."""
+    times, out = [], None
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        out = fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def devices(args: argparse.Namespace):
+    import torch
+
+    return [("gpu", torch.device(args.device)), ("cpu", torch.device("cpu"))]
+
+
+def quiet():
+    from retexo_fl.metrics import RunRecorder
+
+    return RunRecorder(None, stream=None)
+
+
+def total_rounds(summary) -> int:
+    return int(sum(int(s.get("rounds_run", 0)) for s in summary.stages))
+
+
+# -- sections ------------------------------------------------------------------------------------
+def section_env(args: argparse.Namespace) -> None:
+    import torch
+    import torch_geometric
+
+    cuda = torch.cuda.is_available()
+    emit(
+        {
+            "section": "env",
+            "gpu": torch.cuda.get_device_name(0) if cuda else "none",
+            "gpu_memory_gb": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+            if cuda
+            else 0,
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "pyg": torch_geometric.__version__,
+            "python": platform.python_version(),
+            "cpu_cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+        }
+    )
+
+
+def section_tests(args: argparse.Namespace) -> None:
+    argv = [
+        sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+        "--import-mode=importlib", "tests/training/test_device.py", "tests/compress/test_quantize.py",
+        "-k", "gpu or cuda or device",
+    ]  # fmt: skip
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=SECTIONS["tests"][0] - 5)
+    print(done.stdout[-4000:], done.stderr[-2000:], flush=True)
+    counts = {
+        f"tests_{k}": int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", done.stdout)
+    }
+    failed = re.findall(r"^FAILED (\S+)", done.stdout, re.M)
+    emit({"section": "tests", **counts, "failed_tests": failed, "rc": done.returncode})
+
+
+def section_codec(args: argparse.Namespace) -> None:
+    import torch
+
+    from retexo_fl.compress.quantize import dequantize_rows, quantize_rows
+
+    rows = 100_000 if args.quick else 1_000_000
+    for side, device in devices(args):
+        x = torch.randn(rows, 64, device=device)
+        gen = torch.Generator(device=device).manual_seed(0)
+        timed(lambda x=x: x.clone(), device)  # warm-up (allocator, kernels)
+        clone, _ = timed(lambda x=x: x.clone(), device, 5)
+        for bits in (8, 4):
+            quantize_rows(x, bits, generator=gen)  # warm-up
+            enc, q = timed(lambda b=bits, x=x, g=gen: quantize_rows(x, b, generator=g), device, 5)
+            dec, _ = timed(lambda q=q: dequantize_rows(q), device, 5)
+            emit(
+                {
+                    "section": "codec",
+                    "side": side,
+                    "device": str(device),
+                    "rows": rows,
+                    "bits": bits,
+                    "clone_s": clone,
+                    "encode_s": enc,
+                    "decode_s": dec,
+                    "vs_clone": (enc + dec) / clone,
+                    "packed_on": str(q.data.device),
+                }
+            )
+
+
+def _lazy_on(parts, cfg, device, label: str) -> dict:
+    import copy
+
+    from retexo_fl.training.lazy import run_lazy
+
+    seconds, summary = timed(
+        lambda: run_lazy(copy.deepcopy(parts), cfg.replace(device=str(device)), quiet()), device
+    )
+    return {
+        "device": str(device),
+        "seconds": round(seconds, 2),
+        "rounds": total_rounds(summary),
+        "test_accuracy": round(summary.test_accuracy, 4),
+        "val_accuracy": round(summary.val_accuracy, 4),
+        "bytes_boundary": summary.bytes_boundary,
+        "label": label,
+    }
+
+
+def section_cora(args: argparse.Namespace) -> None:
+    from retexo_fl.config import TrainConfig
+    from retexo_fl.data.loading import load_graph
+    from retexo_fl.data.partitioners import partition_graph
+
+    if not args.root:
+        emit({"section": "cora", "skipped": "no --root with Planetoid/Cora"})
+        return
+    from common import private_planetoid
+
+    root = private_planetoid(args.root, ("Cora",))
+    cfg = TrainConfig(dataset="Cora", data_root=str(root), clients=10, method="random", seed=0)
+    if args.quick:
+        cfg = cfg.replace(rounds=4, min_rounds=0, warm_min_rounds=0, self_training=0)
+    data = load_graph(cfg)
+    parts = partition_graph(data, cfg.clients, cfg.method, seed=cfg.seed)
+    for side, device in devices(args):
+        emit({"section": "cora", "side": side, **_lazy_on(parts, cfg, device, "Cora 10 random")})
+
+
+def _generated(nodes: int, degree: float, seed: int = 0):
+    from retexo_fl.data.datasets import apply_split, synthetic_sbm
+
+    data = synthetic_sbm(nodes, 10, avg_degree=degree, homophily=0.8, num_features=64, seed=seed)
+    apply_split(data, "random:0.6,0.2,0.2", seed=seed)
+    return data
+
+
+def section_crossover(args: argparse.Namespace) -> None:
+    from retexo_fl.config import TrainConfig
+    from retexo_fl.data.partitioners import partition_graph
+
+    sizes = (2_000, 8_000) if args.quick else (2_000, 8_000, 32_000, 128_000)
+    cfg = TrainConfig(
+        stages=2, rounds=10, min_rounds=10, warm_min_rounds=0, self_training=0, clients=1, seed=0
+    )
+    for nodes in sizes:
+        parts = partition_graph(_generated(nodes, 20.0), 1, "random", seed=0)
+        for side, device in devices(args):
+            if nodes == sizes[0]:
+                _lazy_on(parts, cfg, device, "warm-up")
+            row = _lazy_on(parts, cfg, device, f"{nodes} nodes, one client")
+            emit({"section": "crossover", "side": side, "nodes": nodes, **row})
+
+
+def section_large(args: argparse.Namespace) -> None:
+    from retexo_fl.config import TrainConfig
+    from retexo_fl.data.partitioners import partition_graph
+
+    nodes = 30_000 if args.quick else 300_000
+    t0 = time.perf_counter()
+    data = _generated(nodes, 20.0)
+    parts = partition_graph(data, 8, "random", seed=0)
+    made = time.perf_counter() - t0
+    cfg = TrainConfig(clients=8, method="random", seed=0)
+    if args.quick:
+        cfg = cfg.replace(rounds=4, min_rounds=0, warm_min_rounds=0, self_training=0)
+    edges = int(data.edge_index.shape[1])
+    for side, device in devices(args):
+        row = _lazy_on(parts, cfg, device, f"{nodes} nodes, {edges} directed edges, 8 random")
+        emit(
+            {
+                "section": "large",
+                "side": side,
+                "nodes": nodes,
+                "edges": edges,
+                "made_s": round(made, 1),
+                **row,
+            }
+        )
+
+
+def section_centralized(args: argparse.Namespace) -> None:
+    from kernels import pyg_loop
+
+    from retexo_fl.config import TrainConfig
+    from retexo_fl.training.centralized import run_centralized, whole_graph_partition
+
+    nodes = 30_000 if args.quick else 300_000
+    epochs = 20 if args.quick else 200
+    part = whole_graph_partition(_generated(nodes, 20.0))
+    device = devices(args)[0][1]
+    cfg = TrainConfig(
+        mode="centralized", hidden=256, rounds=epochs, server_lr=0.01, local_epochs=1,
+        self_training=0, patience=0, seed=0, device=str(device),
+    )  # fmt: skip
+    pyg_loop(part, 2, 256, True, device=device)  # warm-up: kernels, allocator
+    ref, _ = timed(lambda: pyg_loop(part, epochs, 256, True, device=device), device)
+    ours, summary = timed(lambda: run_centralized(part, cfg, quiet()), device)
+    emit(
+        {
+            "section": "centralized",
+            "device": str(device),
+            "nodes": nodes,
+            "epochs": epochs,
+            "pyg_csr_s": round(ref, 2),
+            "ours_s": round(ours, 2),
+            "ours_over_pyg": round(ours / ref, 3),
+            "epochs_run": total_rounds(summary),
+            "test_accuracy": round(summary.test_accuracy, 4),
+        }
+    )
+
+
+def section_shared_gpu(args: argparse.Namespace) -> None:
+    from retexo_fl.cli import main as cli
+
+    if not args.root:
+        emit({"section": "shared-gpu", "skipped": "no --root with Planetoid/Cora"})
+        return
+    sys.path.insert(0, str(ROOT / "deploy"))
+    from common import private_planetoid
+    from federation import main as federate
+    from federation import tool_path
+
+    missing = [t for t in ("flower-superlink", "flwr", "retexo-fl") if not _which(t, tool_path())]
+    if missing:
+        emit({"section": "shared-gpu", "skipped": f"not found beside the interpreter or on PATH: {missing}"})
+        return
+    root = private_planetoid(args.root, ("Cora",))
+    work = Path(tempfile.mkdtemp(prefix="retexo-gpu-shared-"))
+    argv = [
+        "partition",
+        "--dataset",
+        "Cora",
+        "--root",
+        str(root),
+        "--clients",
+        "3",
+        "--out",
+        str(work / "parts"),
+    ]
+    assert cli(argv) == 0
+    device = devices(args)[0][1]
+    rounds = 3 if args.quick else 8
+    run = f"device='{device}' stages=2 rounds='{rounds}' min-rounds={rounds} self-training=0 seed=0"
+    t0 = time.perf_counter()
+    rc = federate(
+        [
+            "--partitions",
+            str(work / "parts"),
+            "--out",
+            str(work / "run"),
+            "--run-config",
+            run,
+            "--timeout",
+            "90",
+        ]
+    )
+    seconds = time.perf_counter() - t0
+    summary_file = work / "run" / "summary.json"
+    summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
+    row = {
+        "section": "shared-gpu",
+        "device": str(device),
+        "clients": 3,
+        "rc": rc,
+        "seconds": round(seconds, 1),
+    }
+    row["test_accuracy"] = summary.get("test_accuracy")
+    row["config_device"] = summary.get("config", {}).get("device")
+    if rc != 0:
+        logs = sorted((work / "run" / "federation").glob("*.log"))
+        row["log_tail"] = "".join(p.read_text(errors="replace")[-600:] for p in logs)[-2400:]
+    emit(row)
+
+
+def _which(name: str, path: str) -> str | None:
+    import shutil
+
+    return shutil.which(name, path=path)
+
+
+RUNNERS = {
+    "env": section_env,
+    "tests": section_tests,
+    "codec": section_codec,
+    "cora": section_cora,
+    "crossover": section_crossover,
+    "large": section_large,
+    "centralized": section_centralized,
+    "shared-gpu": section_shared_gpu,
+}
+
+
+# -- the parent: run sections, print the table ---------------------------------------------------
+def run_section(name: str, args: argparse.Namespace, limit: float, log) -> list[dict]:
+    """Run one section in a child process; its rows, or one row saying why there are none."""
+    argv = [sys.executable, __file__, "--section", name, "--device", args.device, "--out", args.out]
+    argv += ["--root", args.root] if args.root else []
+    argv += ["--quick"] if args.quick else []
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    t0 = time.perf_counter()
+    rows: list[dict] = []
+    log.write(f"\n=== {name} (limit {limit:.0f} s)\n")
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=limit, cwd=ROOT, env=env)
+        out, err, rc = done.stdout, done.stderr, done.returncode
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        rc = "timeout"
+    log.write(out + err)
+    log.flush()
+    for line in out.splitlines():
+        if line.startswith(MARK):
+            rows.append(json.loads(line[len(MARK) :]))
+    seconds = round(time.perf_counter() - t0, 1)
+    if rc != 0:
+        rows.append({"section": name, "error": f"exit {rc}", "tail": err.strip()[-800:]})
+    for row in rows:
+        row.setdefault("section_seconds", seconds)
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    def pair(section: str) -> dict[str, dict]:
+        return {r["side"]: r for r in rows if r.get("section") == section and "side" in r}
+
+    env = next((r for r in rows if r.get("section") == "env" and "gpu" in r), {})
+    print(
+        f"\nGPU check: {env.get('gpu', '?')} ({env.get('gpu_memory_gb', '?')} GiB), "
+        f"torch {env.get('torch', '?')} "
+        f"(CUDA {env.get('cuda', '?')}), PyG {env.get('pyg', '?')}, {env.get('cpu_cores', '?')} CPU cores"
+    )
+    head = f"{'check':<44} {'GPU':>12} {'host CPU':>12} {'ratio':>9}  note"
+    print(head)
+    print("-" * len(head))
+
+    def line(name: str, gpu, cpu, ratio, note: str = "") -> None:
+        def cell(v):
+            return f"{v:>12.3f}" if isinstance(v, float) else f"{'' if v is None else v!s:>12}"
+
+        r = f"{ratio:>8.2f}x" if isinstance(ratio, float) else f"{'':>9}"
+        print(f"{name:<44} {cell(gpu)} {cell(cpu)} {r}  {note}")
+
+    for r in rows:
+        if r.get("section") == "tests" and "rc" in r:
+            passed, failed = r.get("tests_passed", 0), r.get("tests_failed", 0) + r.get("tests_error", 0)
+            line("CUDA tests passed / failed", passed, failed, None, " ".join(r["failed_tests"]))
+    codec = [r for r in rows if r.get("section") == "codec" and "side" in r]
+    for bits in sorted({r["bits"] for r in codec}, reverse=True):
+        by = {r["side"]: r for r in codec if r["bits"] == bits}
+        g, c = by.get("gpu", {}), by.get("cpu", {})
+        line(
+            f"{bits}-bit row codec, enc+dec / clone",
+            g.get("vs_clone"),
+            c.get("vs_clone"),
+            None,
+            "target GPU <= 4x",
+        )
+    for section, what in (
+        ("cora", "Cora 10 random, defaults: seconds"),
+        ("large", "generated graph, 8 random: seconds"),
+    ):
+        p = pair(section)
+        if p:
+            g, c = p.get("gpu", {}), p.get("cpu", {})
+            ratio = c["seconds"] / g["seconds"] if g.get("seconds") and c.get("seconds") else None
+            line(what, g.get("seconds"), c.get("seconds"), ratio, "CPU / GPU")
+            line(
+                f"  test accuracy ({g.get('rounds')} / {c.get('rounds')} rounds)",
+                g.get("test_accuracy"),
+                c.get("test_accuracy"),
+                None,
+            )
+    cross = [r for r in rows if r.get("section") == "crossover" and "side" in r]
+    for nodes in sorted({r["nodes"] for r in cross}):
+        by = {r["side"]: r for r in cross if r["nodes"] == nodes}
+        g, c = by.get("gpu", {}), by.get("cpu", {})
+        ratio = c["seconds"] / g["seconds"] if g.get("seconds") and c.get("seconds") else None
+        line(
+            f"one client, {nodes} nodes, 2 stages x 10 rounds: s",
+            g.get("seconds"),
+            c.get("seconds"),
+            ratio,
+            "CPU / GPU",
+        )
+    for r in rows:
+        if r.get("section") == "centralized" and "ours_s" in r:
+            line(
+                "centralized GCN: ours / PyG cached CSR (s)",
+                r["ours_s"],
+                r["pyg_csr_s"],
+                r["ours_over_pyg"],
+                "ours / PyG; target <= 1.1x",
+            )
+        if r.get("section") == "shared-gpu" and "rc" in r:
+            line(
+                "3 SuperNodes sharing the GPU (s, rc)",
+                r["seconds"],
+                r["rc"],
+                None,
+                f"test {r.get('test_accuracy')}",
+            )
+    for r in rows:
+        if "error" in r or "skipped" in r:
+            print(f"{r['section']}: {r.get('error') or r.get('skipped')} {r.get('tail', '')[-300:]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="folder for gpu.json and gpu.log")
+    parser.add_argument(
+        "--device", default="cuda", help="the accelerator compared with the host's CPU (default cuda)"
+    )
+    parser.add_argument("--root", default="", help="dataset root holding Planetoid/Cora/raw (Cora sections)")
+    parser.add_argument("--quick", action="store_true", help="small sizes: a check of the script itself")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset, in order")
+    parser.add_argument(
+        "--budget", type=float, default=330.0, help="seconds for the whole check (default 330)"
+    )
+    parser.add_argument("--section", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+    if args.section:
+        RUNNERS[args.section](args)
+        return 0
+    import torch
+
+    if args.device != "cpu" and not torch.cuda.is_available():
+        print(
+            f"--device {args.device}: torch sees no GPU here; --device cpu checks the script alone",
+            file=sys.stderr,
+        )
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    rows: list[dict] = []
+    with open(out / "gpu.log", "w") as log:
+        for name in [s for s in args.sections.split(",") if s]:
+            left = args.budget - (time.perf_counter() - start)
+            limit = min(SECTIONS[name][1 if args.quick else 0], left)
+            if limit < 10:
+                rows.append({"section": name, "skipped": f"budget of {args.budget:.0f} s spent"})
+                continue
+            print(f"[{time.perf_counter() - start:6.1f} s] {name}", flush=True)
+            rows.extend(run_section(name, args, limit, log))
+            with contextlib.suppress(OSError):
+                (out / "gpu.json").write_text(json.dumps({"device": args.device, "rows": rows}, indent=1))
+    print_table(rows)
+    print(f"{time.perf_counter() - start:.0f} s; wrote {out / 'gpu.json'} and {out / 'gpu.log'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

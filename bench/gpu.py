@@ -55,7 +55,7 @@ SECTIONS: dict[str, tuple[float, float]] = {
     "codec": (60, 30),
     "cora": (75, 60),
     "crossover": (60, 60),
-    "large": (150, 60),
+    "large": (240, 60),
     "centralized": (60, 30),
     "shared-gpu": (110, 120),
 }

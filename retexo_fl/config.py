@@ -191,7 +191,10 @@ class TrainingSettings:
             ``"exact"``, the exact mode (one full-batch step a round, server Adam, 5 stages x
             200 rounds, 32-bit; :data:`EXACT_PROFILE`) wherever the defaults are left.
             (default: :obj:`"default"`)
-        device (str, optional): ``"auto"``, ``"cpu"`` or ``"cuda[:i]"``. (default: :obj:`"auto"`)
+        device (str, optional): ``"auto"``, ``"cpu"`` or ``"cuda[:i]"``. ``auto`` puts a party
+            on the GPU when there is one and its partition holds at least 4,096 nodes (below
+            that, the CPU measured faster); the run's first lines say where each party computes.
+            (default: :obj:`"auto"`)
         threads (int, optional): torch threads per client; :obj:`0` for torch's default.
             (default: :obj:`0`)
         chunk_rows (int, optional): compute embeddings for this many target rows at a time;

@@ -65,14 +65,41 @@ def test_a_client_keeps_its_partition_and_stage_model_on_the_gpu(sbm):
     assert all(p.is_cuda for p in client.make_model().parameters())
 
 
+# A graph and settings whose seed-to-seed spread is small enough for a device bug to stand out:
+# over seeds 0-9 on the CPU, lazy 0.851 +- 0.006 and centralized 0.930 +- 0.007 (test accuracy,
+# mean +- sd, measured 2026-11-26). The mean of 4 seeds then has a device-to-device sd of about
+# 0.0045; the tolerance, 0.025, is over 5 of those. The GPU run that found learning broken gave
+# 0.55 against the CPU's 0.87 on the old, noisier test (sd 0.105 over 12 seeds, each device).
+SPREAD_SEEDS = (0, 1, 2, 3)
+SPREAD_TOLERANCE = 0.025
+
+
+def spread_graph():
+    from retexo_fl.data.datasets import apply_split, synthetic_sbm
+
+    data = synthetic_sbm(3000, 4, avg_degree=10, homophily=0.55, num_features=32, feature_signal=0.3, seed=1)
+    apply_split(data, "random:0.3,0.2,0.5", seed=1)
+    return data
+
+
 @pytest.mark.skipif(not HAVE_CUDA, reason="needs a GPU")
-def test_gpu_runs_learn_as_cpu_runs_do(sbm):
-    # Kernels differ between devices (summation order), so the runs are close, not equal.
-    cfg = {"stages": 2, "hidden": 16, "rounds": 20, "seed": 0, "self_training": 0}
-    parts = partition_graph(sbm, 3, "metis", seed=0)
-    on = {d: run_lazy(parts, TrainConfig(**cfg, device=d)) for d in ("cpu", "cuda")}
-    assert abs(on["cuda"]["test_accuracy"] - on["cpu"]["test_accuracy"]) <= 0.03
-    assert on["cuda"]["bytes_boundary"] == on["cpu"]["bytes_boundary"]
-    whole = whole_graph_partition(sbm)
-    central = {d: run_centralized(whole, TrainConfig(**cfg, device=d)) for d in ("cpu", "cuda")}
-    assert abs(central["cuda"]["test_accuracy"] - central["cpu"]["test_accuracy"]) <= 0.03
+def test_gpu_runs_learn_as_cpu_runs_do():
+    # Kernels differ between devices (summation order, dropout streams), so single runs differ;
+    # the mean over seeds is compared, on a configuration whose spread is measured (above).
+    data = spread_graph()
+    parts = partition_graph(data, 3, "metis", seed=0)
+    whole = whole_graph_partition(data)
+    settings = {"stages": 2, "hidden": 32, "rounds": 30, "min_rounds": 30, "self_training": 0}
+    means, boundary = {}, {}
+    for device in ("cpu", "cuda"):
+        lazy, central = [], []
+        for seed in SPREAD_SEEDS:
+            cfg = TrainConfig(**settings, seed=seed, device=device)
+            run = run_lazy(parts, cfg)
+            lazy.append(run.test_accuracy)
+            boundary.setdefault(device, run.bytes_boundary)
+            central.append(run_centralized(whole, cfg).test_accuracy)
+        means[device] = (sum(lazy) / len(lazy), sum(central) / len(central))
+    for kind, cpu, cuda in zip(("lazy", "centralized"), means["cpu"], means["cuda"], strict=True):
+        assert abs(cuda - cpu) <= SPREAD_TOLERANCE, f"{kind}: cuda {cuda:.4f} against cpu {cpu:.4f}"
+    assert boundary["cuda"] == boundary["cpu"]

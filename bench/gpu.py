@@ -142,6 +142,7 @@ def section_tests(args: argparse.Namespace) -> None:
 def section_codec(args: argparse.Namespace) -> None:
     import torch
 
+    from retexo_fl.compress import native, quantize
     from retexo_fl.compress.quantize import dequantize_rows, quantize_rows
 
     rows = 100_000 if args.quick else 1_000_000
@@ -150,24 +151,30 @@ def section_codec(args: argparse.Namespace) -> None:
         gen = torch.Generator(device=device).manual_seed(0)
         timed(lambda x=x: x.clone(), device)  # warm-up (allocator, kernels)
         clone, _ = timed(lambda x=x: x.clone(), device, 5)
-        for bits in (8, 4):
-            quantize_rows(x, bits, generator=gen)  # warm-up
-            enc, q = timed(lambda b=bits, x=x, g=gen: quantize_rows(x, b, generator=g), device, 5)
-            dec, _ = timed(lambda q=q: dequantize_rows(q), device, 5)
-            emit(
-                {
-                    "section": "codec",
-                    "side": side,
-                    "device": str(device),
-                    "rows": rows,
-                    "bits": bits,
-                    "clone_s": clone,
-                    "encode_s": enc,
-                    "decode_s": dec,
-                    "vs_clone": (enc + dec) / clone,
-                    "packed_on": str(q.data.device),
-                }
-            )
+        # "1": compiled CPU loops / fused GPU kernels where they serve; "0": torch ops alone.
+        for switch in ("1", "0"):
+            os.environ[native.NATIVE_ENV] = switch
+            path = "compiled" if switch == "1" and (native.usable(x) or quantize._fused(x)) else "torch ops"
+            for bits in (8, 4):
+                quantize_rows(x, bits, generator=gen)  # warm-up (and the kernels' compilation)
+                enc, q = timed(lambda b=bits, x=x, g=gen: quantize_rows(x, b, generator=g), device, 5)
+                dec, _ = timed(lambda q=q: dequantize_rows(q), device, 5)
+                emit(
+                    {
+                        "section": "codec",
+                        "side": side,
+                        "path": path,
+                        "device": str(device),
+                        "rows": rows,
+                        "bits": bits,
+                        "clone_s": clone,
+                        "encode_s": enc,
+                        "decode_s": dec,
+                        "vs_clone": (enc + dec) / clone,
+                        "packed_on": str(q.data.device),
+                    }
+                )
+    os.environ.pop(native.NATIVE_ENV, None)
 
 
 def _lazy_on(parts, cfg, device, label: str) -> dict:
@@ -435,15 +442,12 @@ def print_table(rows: list[dict]) -> None:
             line("CUDA tests passed / failed", passed, failed, None, " ".join(r["failed_tests"]))
     codec = [r for r in rows if r.get("section") == "codec" and "side" in r]
     for bits in sorted({r["bits"] for r in codec}, reverse=True):
-        by = {r["side"]: r for r in codec if r["bits"] == bits}
-        g, c = by.get("gpu", {}), by.get("cpu", {})
-        line(
-            f"{bits}-bit row codec, enc+dec / clone",
-            g.get("vs_clone"),
-            c.get("vs_clone"),
-            None,
-            "target GPU <= 4x",
-        )
+        for path in ("compiled", "torch ops"):
+            by = {r["side"]: r for r in codec if r["bits"] == bits and r.get("path", "compiled") == path}
+            g, c = by.get("gpu", {}), by.get("cpu", {})
+            if g or c:
+                what = f"{bits}-bit row codec ({path}), enc+dec / clone"
+                line(what, g.get("vs_clone"), c.get("vs_clone"), None, "target GPU <= 4x")
     for section, what in (
         ("cora", "Cora 10 random, defaults: seconds"),
         ("large", "generated graph, 8 random: seconds"),

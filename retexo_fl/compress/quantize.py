@@ -28,6 +28,16 @@ RANGE_DTYPES = dict(zip(RANGE_DTYPE_NAMES, (torch.float16, torch.bfloat16), stri
 _BLOCK_VALUES = 1 << 20
 
 
+def _fused(t: Tensor) -> bool:
+    """Whether the fused GPU kernels (:mod:`retexo_fl.compress.fused`) serve ``t``; imported
+    only for CUDA tensors, so a CPU process never pays for importing Triton."""
+    if not t.is_cuda:
+        return False
+    from retexo_fl.compress import fused
+
+    return fused.usable(t)
+
+
 def _one_pass(device: torch.device) -> bool:
     """Whether the torch ops run over a whole group at once rather than block by block.
 
@@ -154,6 +164,10 @@ def _quantize_group(
     shift = torch.rand(k, generator=generator, device=x.device)
     if compiled:
         return native.quantize(x, table, shift, inv, offset, levels).view(-1)
+    if _fused(x):
+        from retexo_fl.compress import fused
+
+        return fused.quantize(x, table, shift, inv, offset, levels).view(-1)
     # The same single-rounding float32 operations as the compiled loop, in its order, so codes
     # are equal with and without a compiler (native.py).
     codes = torch.empty(k, d, dtype=torch.uint8, device=x.device)
@@ -308,9 +322,10 @@ def dequantize_rows(q: QuantizedRows) -> Tensor:
         dtype = torch.float32 if width == 32 else RANGE_DTYPES[q.half]
         return q.data.view(dtype).float().view(k, d)
     compiled = native.usable(q.data)  # decided once for the whole block
+    fused = not compiled and _fused(q.data)
     groups = _width_groups(q.bits, width if width in QUANT_BITS else None)
     # The loops return a whole group's rows: with one group they are the output itself.
-    out = None if compiled and len(groups) == 1 else torch.empty(k, d, device=q.data.device)
+    out = None if (compiled or fused) and len(groups) == 1 else torch.empty(k, d, device=q.data.device)
     offset = 0
     for b, sel in groups:
         n = (k if sel is None else sel.numel()) * d
@@ -320,8 +335,13 @@ def dequantize_rows(q: QuantizedRows) -> Tensor:
         lo, hi = (q.lo, q.hi) if sel is None else (q.lo[sel], q.hi[sel])
         lo, hi = lo.float(), hi.float()
         step = (hi - lo) / float((1 << b) - 1)
-        if compiled:
-            rows = native.dequantize(codes, lo, step)
+        if compiled or fused:
+            if compiled:
+                rows = native.dequantize(codes, lo, step)
+            else:
+                from retexo_fl.compress import fused as kernels
+
+                rows = kernels.dequantize(codes, lo, step)
             if out is None:
                 return rows
             out[sel] = rows

@@ -13,6 +13,8 @@ limit of its own, so that one that fails or hangs costs its own row and no other
   ``clone`` of it, on the GPU and on the host's CPU (compiled loops).
 - ``cora``: Cora, 10 random clients, the defaults, in process, on each device: training seconds,
   rounds, test accuracy (Cora from ``--root``; skipped without it).
+- ``syncs``: the host synchronizations a short Cora run makes on the GPU, per client and round,
+  and the lines that make them (CUDA's sync debug mode).
 - ``crossover``: one client holding a whole generated graph of 2k to 128k nodes, a 2-stage lazy
   run of fixed rounds on each device: the partition size from which the GPU is faster, what
   ``--device auto`` is held to.
@@ -54,6 +56,7 @@ SECTIONS: dict[str, tuple[float, float]] = {
     "tests": (120, 120),
     "codec": (60, 30),
     "cora": (75, 60),
+    "syncs": (60, 60),
     "crossover": (60, 60),
     "large": (240, 60),
     "centralized": (60, 30),
@@ -216,6 +219,55 @@ def section_cora(args: argparse.Namespace) -> None:
         emit({"section": "cora", "side": side, **_lazy_on(parts, cfg, device, "Cora 10 random")})
 
 
+def section_syncs(args: argparse.Namespace) -> None:
+    """Host synchronizations a short Cora run makes on the GPU (``torch.cuda`` sync debug mode
+    warns at each), per round and client."""
+    import warnings
+
+    import torch
+
+    from retexo_fl.config import TrainConfig
+    from retexo_fl.data.loading import load_graph
+    from retexo_fl.data.partitioners import partition_graph
+    from retexo_fl.training.lazy import run_lazy
+
+    device = devices(args)[0][1]
+    if device.type != "cuda" or not args.root:
+        emit({"section": "syncs", "skipped": "needs a CUDA device and --root"})
+        return
+    from common import private_planetoid
+
+    root = private_planetoid(args.root, ("Cora",))
+    rounds = 5
+    cfg = TrainConfig(
+        dataset="Cora", data_root=str(root), clients=10, method="random", seed=0, stages=2,
+        rounds=rounds, min_rounds=rounds, warm_min_rounds=0, self_training=0, device=str(device),
+    )  # fmt: skip
+    parts = partition_graph(load_graph(cfg), cfg.clients, cfg.method, seed=0)
+    run_lazy(parts, cfg, quiet())  # warm-up: the count is of a run, not of first-call set-up
+    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        summary = run_lazy(parts, cfg, quiet())
+    torch.cuda.set_sync_debug_mode(0)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    where: dict[str, int] = {}
+    for w in syncs:
+        key = f"{Path(w.filename).name}:{w.lineno}"
+        where[key] = where.get(key, 0) + 1
+    client_rounds = total_rounds(summary) * cfg.clients
+    emit(
+        {
+            "section": "syncs",
+            "device": str(device),
+            "syncs": len(syncs),
+            "client_rounds": client_rounds,
+            "syncs_per_client_round": round(len(syncs) / max(1, client_rounds), 2),
+            "top": sorted(where.items(), key=lambda kv: -kv[1])[:12],
+        }
+    )
+
+
 def _generated(nodes: int, degree: float, seed: int = 0):
     from retexo_fl.data.datasets import apply_split, synthetic_sbm
 
@@ -374,6 +426,7 @@ RUNNERS = {
     "tests": section_tests,
     "codec": section_codec,
     "cora": section_cora,
+    "syncs": section_syncs,
     "crossover": section_crossover,
     "large": section_large,
     "centralized": section_centralized,
@@ -463,6 +516,9 @@ def print_table(rows: list[dict]) -> None:
                 c.get("test_accuracy"),
                 None,
             )
+    for r in rows:
+        if r.get("section") == "syncs" and "syncs" in r:
+            line("host syncs per client-round (Cora, 2 x 5)", r["syncs_per_client_round"], None, None)
     cross = [r for r in rows if r.get("section") == "crossover" and "side" in r]
     for nodes in sorted({r["nodes"] for r in cross}):
         by = {r["side"]: r for r in cross if r["nodes"] == nodes}

@@ -382,7 +382,7 @@ def section_shared_gpu(args: argparse.Namespace) -> None:
     ]
     assert cli(argv) == 0
     device = devices(args)[0][1]
-    rounds = 3 if args.quick else 8
+    rounds = 4
     run = f"device='{device}' stages=2 rounds='{rounds}' min-rounds={rounds} self-training=0 seed=0"
     t0 = time.perf_counter()
     rc = federate(

@@ -63,6 +63,35 @@ def make_norm(kind: str, dim: int) -> nn.Module:
 ROOTLESS_CONVS = ("gcn", "gat")
 
 
+def select_in_edges(
+    edge_index: Tensor, edge_weight: Tensor | None, rows: Tensor, num_nodes: int
+) -> tuple[Tensor, Tensor | None]:
+    """The graph a conv layer reads to compute ``rows`` alone: their in-edges.
+
+    Over a CSR adjacency its ``rows`` (:func:`~retexo_fl.models.adjacency.adjacency_select`),
+    over an edge list the edges into ``rows``, in their order, with their weights. Either way
+    the size of the result is read off the device: a caller that steps many times over the same
+    rows builds it once and passes it with ``restricted=True`` (:meth:`StageModel.forward`).
+
+    Args:
+        edge_index (Tensor): ``[2, E]`` edges, or a CSR adjacency.
+        edge_weight (Tensor, optional): GCN weights of an edge list.
+        rows (Tensor): int64 indices of the target rows.
+        num_nodes (int): the rows of the input ``x`` the edges index.
+
+    Shapes:
+        - **input:** ``edge_index`` ``[2, E]`` or CSR ``[T, N]``, ``edge_weight`` ``[E]``,
+          ``rows`` ``[R]``
+        - **output:** ``[2, E_rows]`` and ``[E_rows]`` (or ``None``), or CSR ``[R, N]`` and ``None``
+    """
+    if is_sparse(edge_index):
+        return adjacency_select(edge_index, rows), None
+    wanted = torch.zeros(num_nodes, dtype=torch.bool, device=edge_index.device)
+    wanted[rows] = True
+    keep = wanted[edge_index[1]]
+    return edge_index[:, keep], None if edge_weight is None else edge_weight[keep]
+
+
 class StageModel(nn.Module):
     r"""One stage: ``body`` (Linear for stage 0, a conv layer after), norm, ReLU, dropout, head.
 
@@ -125,6 +154,7 @@ class StageModel(nn.Module):
         edge_weight: Tensor | None = None,
         num_targets: int | None = None,
         rows: Tensor | None = None,
+        restricted: bool = False,
     ) -> tuple[Tensor, Tensor]:
         """The stage's hidden representation and logits for the target rows.
 
@@ -141,6 +171,9 @@ class StageModel(nn.Module):
                 ``num_targets``): messages travel along their in-edges alone, and the dropout
                 masks are drawn as for all ``num_targets`` rows, so each row equals its row of
                 the whole computation. Needs ``num_targets``. (default: :obj:`None`)
+            restricted (bool, optional): ``edge_index`` and ``edge_weight`` are already
+                :func:`select_in_edges` of ``rows`` (built once by a caller that steps many
+                times: restricting reads a size off the device). (default: :obj:`False`)
 
         Shapes:
             - **input:** ``x`` ``[N_in, in_dim]``, ``edge_index`` ``[2, E]``, ``edge_weight`` ``[E]``,
@@ -166,14 +199,13 @@ class StageModel(nn.Module):
                 h = run_conv(self.body, self.kind, x, edge_index, edge_weight)
                 if num_targets is not None:
                     h = h[:num_targets]
-            elif is_sparse(edge_index):
-                h = run_conv(self.body, self.kind, x, adjacency_select(edge_index, rows), None, rows)
             else:  # the edges into the rows: each target's messages, in their order
-                wanted = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
-                wanted[rows] = True
-                keep = wanted[edge_index[1]]
-                weight = None if edge_weight is None else edge_weight[keep]
-                h = run_conv(self.body, self.kind, x, edge_index[:, keep], weight)[rows]
+                if not restricted:
+                    edge_index, edge_weight = select_in_edges(edge_index, edge_weight, rows, x.shape[0])
+                if is_sparse(edge_index):
+                    h = run_conv(self.body, self.kind, x, edge_index, None, rows)
+                else:
+                    h = run_conv(self.body, self.kind, x, edge_index, edge_weight)[rows]
             if self.root is not None:
                 own = x if num_targets is None else x[:num_targets]
                 h = h + self.root(own if rows is None else own[rows])

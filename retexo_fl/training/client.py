@@ -84,7 +84,7 @@ class Client(ABC):
     def __init__(self, part: Partition, cfg: TrainConfig, policy: PartyPolicy | None = None) -> None:
         self.part = part
         self.cfg = cfg
-        self.device = resolve_device(cfg.device)
+        self.device = resolve_device(cfg.device, part.num_nodes)
         if cfg.threads:  # edge devices: bounded compute threads
             torch.set_num_threads(cfg.threads)
         self.plan = BoundaryPlan.from_partition(part)
@@ -98,6 +98,12 @@ class Client(ABC):
         # confident predictions; they stay here, like the labels.
         self.train_y = self.y
         self.given_train = self.masks["train"]
+        # A local step reads rows by index, never by boolean mask: indexing with a mask, or
+        # ``nonzero``, waits for the device to say how many rows there are. The indices of each
+        # split (keyed by the mask tensor, which self-training and restores replace, never edit)
+        # and the training labels at them are built once, outside any step (see split_rows()).
+        self._split_rows: dict[str, tuple[Tensor, Tensor]] = {}
+        self._train_labels: tuple[Tensor, Tensor, Tensor] | None = None
         self.halo_degree: Tensor | None = None
         self._edges: tuple[Tensor, Tensor | None] | None = None
         self._adjacency: Tensor | None = None  # GCN / SAGE: the local graph as one CSR matrix
@@ -142,7 +148,30 @@ class Client(ABC):
     @property
     def num_train(self) -> int:
         """Training nodes (given labels plus self-training labels): the aggregation weight."""
-        return int(self.masks["train"].sum())
+        return self.split_rows("train").numel()  # a host-side size: no read of the mask
+
+    def split_rows(self, split: str) -> Tensor:
+        """The indices of ``split``'s rows (int64, ascending) on the device.
+
+        Built once per mask tensor: the one read of the mask, so that no step, and no later
+        count, waits on the device. The masks are replaced, never modified in place.
+        """
+        mask = self.masks[split]
+        cached = self._split_rows.get(split)
+        if cached is None or cached[0] is not mask:
+            cached = (mask, mask.nonzero().squeeze(1))
+            self._split_rows[split] = cached
+        return cached[1]
+
+    def train_labels(self) -> Tensor:
+        """The labels local training fits (:attr:`train_y`) at :meth:`split_rows` ``("train")``,
+        gathered once per label tensor and mask (self-training replaces both)."""
+        rows = self.split_rows("train")
+        cached = self._train_labels
+        if cached is None or cached[0] is not self.train_y or cached[1] is not rows:
+            cached = (self.train_y, rows, self.train_y.index_select(0, rows))
+            self._train_labels = cached
+        return cached[2]
 
     @property
     def peers(self) -> set[int]:
@@ -160,7 +189,8 @@ class Client(ABC):
 
     @abstractmethod
     def forward(self, model: torch.nn.Module, rows: Tensor | None = None) -> Tensor:
-        """Class logits of the owned nodes, or of boolean ``rows`` of them, ``[n or rows, C]``."""
+        """Class logits of the owned nodes, or of those at int64 indices ``rows`` (in that order;
+        see :meth:`split_rows`), ``[n or rows, C]``."""
 
     @abstractmethod
     def layer_index(self) -> int:
@@ -412,42 +442,82 @@ class Client(ABC):
         model = self.loaded_model(state)
         opt = self.optimizer(model)
         correction = self._correction(control, round_)
+        # What the steps read (row indices, labels, row-restricted graphs) is built here, before
+        # the first step: building reads sizes off the device, which no step may do.
+        rows, labels = self.split_rows("train"), self.train_labels()
+        self.prepare_steps(model, rows, labels)
         seed_dropout(derive_seed(self.cfg.seed, *self.seed_tags(round_)), self.device)
-        mask = self.masks["train"]
         model.train()
         steps, deadline = self.step_budget()
-        losses: list[float] = []
-        while deadline is not None or len(losses) < steps:
+        first, taken = self.run_steps(model, opt, rows, labels, correction, steps, deadline)
+        self.last_steps = taken
+        # A copy: the module is reused next round and would overwrite these tensors in place.
+        new = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        # The round's one read of a loss (the first step's), after the last step was queued.
+        return new, float(first) if first is not None else 0.0
+
+    def run_steps(
+        self,
+        model: torch.nn.Module,
+        opt: torch.optim.Optimizer,
+        rows: Tensor,
+        labels: Tensor,
+        correction: dict[str, Tensor] | None,
+        steps: int,
+        deadline: float | None,
+    ) -> tuple[Tensor | None, int]:
+        """The round's local steps: ``steps`` of them, or (a deadline) as many as fit before it.
+
+        No step waits for the device: the losses stay there (only the first is kept, the loss
+        of the round's state), and what a step branches on is known on the host (sizes of the
+        indices built before, the step count, the clock). On a GPU the clock check does not
+        wait for queued work either; the queue's own depth bounds how far the host runs ahead.
+
+        Returns:
+            tuple[Tensor | None, int]: the first step's loss (a 0-dim tensor on the device;
+            ``None`` without steps) and the steps taken.
+        """
+        first: Tensor | None = None
+        taken = 0
+        while deadline is not None or taken < steps:
             opt.zero_grad()
-            loss = self.step_gradients(model, mask, len(losses))
+            loss = self.step_gradients(model, rows, labels, taken)
             if correction:
                 for name, p in model.named_parameters():
                     if p.grad is not None and name in correction:
                         p.grad.add_(correction[name])
             opt.step()
-            losses.append(loss)
+            if first is None:
+                first = loss
+            taken += 1
             if self.delay:
                 time.sleep(self.delay)
             if deadline is not None and time.perf_counter() >= deadline:
                 break
-        self.last_steps = len(losses)
-        # A copy: the module is reused next round and would overwrite these tensors in place.
-        new = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-        return new, losses[0] if losses else 0.0
+        return first, taken
 
-    def step_gradients(self, model: torch.nn.Module, mask: Tensor, step: int) -> float:
-        """One local step's gradients, accumulated into ``model``'s parameters; its training loss.
+    def prepare_steps(self, model: torch.nn.Module, rows: Tensor, labels: Tensor) -> None:
+        """Build what this round's steps read, once, before the first (the graph a step passes
+        messages over, say), so that no step reads a size off the device. (default: nothing)"""
+        return None
+
+    def step_gradients(self, model: torch.nn.Module, rows: Tensor, labels: Tensor, step: int) -> Tensor:
+        """One local step's gradients, accumulated into ``model``'s parameters; its training loss,
+        a 0-dim tensor left on the device (read once per round, never per step).
 
         Args:
             model (torch.nn.Module): the model being trained.
-            mask (Tensor): the training rows.
+            rows (Tensor): the training rows' indices (:meth:`split_rows`).
+            labels (Tensor): their labels (:meth:`train_labels`).
             step (int): the local step, from 0.
         """
-        loss, objective = self.objective(model, mask, step)
+        loss, objective = self.objective(model, rows, labels, step)
         objective.backward()
-        return loss.item()
+        return loss.detach()
 
-    def objective(self, model: torch.nn.Module, mask: Tensor, step: int) -> tuple[Tensor, Tensor]:
+    def objective(
+        self, model: torch.nn.Module, rows: Tensor, labels: Tensor, step: int
+    ) -> tuple[Tensor, Tensor]:
         """One local step's training loss and the objective the step differentiates.
 
         Both are the cross-entropy of the training rows here; eager adds the term through which
@@ -455,10 +525,11 @@ class Client(ABC):
 
         Args:
             model (torch.nn.Module): the model being trained.
-            mask (Tensor): the training rows.
+            rows (Tensor): the training rows' indices (:meth:`split_rows`).
+            labels (Tensor): their labels (:meth:`train_labels`).
             step (int): the local step, from 0.
         """
-        loss = torch.nn.functional.cross_entropy(self.forward(model, mask), self.train_y[mask])
+        loss = torch.nn.functional.cross_entropy(self.forward(model, rows), labels)
         return loss, loss
 
     def _correction(self, control: StateDict | None, round_: int) -> dict[str, Tensor] | None:
@@ -486,14 +557,17 @@ class Client(ABC):
         """``state``'s accuracy and summed loss on this client's ``split`` nodes."""
         model = self.loaded_model(state)
         model.eval()
-        mask = self.masks[split]
-        count = int(mask.sum())
+        rows = self.split_rows(split)
+        count = rows.numel()
         if count == 0:
             return EvalResult(0, 0, 0.0)
-        logits = self.forward(model, mask)
-        loss = torch.nn.functional.cross_entropy(logits, self.y[mask], reduction="sum")
-        correct = int((logits.argmax(1) == self.y[mask]).sum())
-        return EvalResult(correct, count, float(loss))
+        logits = self.forward(model, rows)
+        y = self.y.index_select(0, rows)
+        loss = torch.nn.functional.cross_entropy(logits, y, reduction="sum")
+        correct = (logits.argmax(1) == y).sum()
+        # One read for both (exact: a float32 loss and a count below 2^53 are float64 values).
+        got_correct, got_loss = torch.stack([correct.double(), loss.double()]).tolist()
+        return EvalResult(int(got_correct), count, got_loss)
 
     _ROUND_STATE = ("view", "kept", "residual", "control", "control_view")
 

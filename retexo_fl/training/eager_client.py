@@ -128,9 +128,16 @@ class EagerClient(Client):
     def forward(self, model: torch.nn.Module, rows: Tensor | None = None) -> Tensor:
         ei, w = self.message_graph() if self.layers > 1 else (None, None)
         logits, _ = model(self.owned, ei, w, self.halo_layers)
-        return logits if rows is None else logits[rows]
+        return logits if rows is None else logits.index_select(0, rows)
 
-    def objective(self, model: torch.nn.Module, mask: Tensor, step: int) -> tuple[Tensor, Tensor]:
+    def prepare_steps(self, model: torch.nn.Module, rows: Tensor, labels: Tensor) -> None:
+        """Build the local graph before the first step (it reads sizes off the device)."""
+        if self.layers > 1:
+            self.message_graph()
+
+    def objective(
+        self, model: torch.nn.Module, rows: Tensor, labels: Tensor, step: int
+    ) -> tuple[Tensor, Tensor]:
         r"""The cross-entropy of the training rows, and with halo gradients, that plus
         :math:`\frac{1}{n}\sum_{q,l} \langle h^{(l)}_{S_q}, G^{(l)}_q \rangle`.
 
@@ -142,20 +149,21 @@ class EagerClient(Client):
         (:meth:`train` returns them to their owners) are taken at the round's state.
         """
         if not self.exchanges_gradients:
-            return super().objective(model, mask, step)
+            return super().objective(model, rows, labels, step)
         ei, w = self.message_graph()
         halo = self.halo_layers
         if step == 0:
             halo = [h.detach().clone().requires_grad_(True) for h in halo]
             self._halo_leaves = halo
         logits, inputs = model(self.owned, ei, w, halo)
-        loss = torch.nn.functional.cross_entropy(logits[mask], self.train_y[mask])
+        # Rows by index and the count from its size: no step waits for the device.
+        loss = torch.nn.functional.cross_entropy(logits.index_select(0, rows), labels)
         peer_term = loss.new_zeros(())
         for q, blocks in self.grads_in.items():
             idx = self._send_index[q]
             for layer, grad in enumerate(blocks):
                 peer_term = peer_term + (inputs[layer][idx] * grad).sum()
-        return loss, loss + peer_term / max(self.num_train, 1)
+        return loss, loss + peer_term / max(rows.numel(), 1)
 
     def train(
         self, state: StateDict, round_: int, control: StateDict | None = None

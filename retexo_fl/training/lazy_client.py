@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -14,7 +15,7 @@ from retexo_fl.config import TrainConfig
 from retexo_fl.data.partition import Partition
 from retexo_fl.models.adjacency import SPARSE_KINDS, sparse_adjacency
 from retexo_fl.models.factory import build_stage_model
-from retexo_fl.models.stage import StageModel
+from retexo_fl.models.stage import StageModel, select_in_edges
 from retexo_fl.protocol import HALO
 from retexo_fl.secure.boundary_noise import release_rows
 from retexo_fl.secure.policy import PartyPolicy
@@ -25,6 +26,41 @@ from retexo_fl.training.state import ClientState, StateDict
 
 #: Seed tag of a client's boundary-row rounding.
 BOUNDARY_TAG = 0xB0
+
+
+@dataclass(eq=False)
+class StepPlan:
+    """What a conv stage's local steps read, built once (:meth:`LazyClient.prepare_steps`): the
+    graph restricted to the training rows' in-edges, whole or per chunk of ``chunk`` rows.
+
+    It is built for the graph ``(ei, w)``, the ``rows`` and ``labels`` tensors, the chunk size
+    and the stage input's row count, and :meth:`matches` them by identity: a new stage input,
+    graph or row set (self-training replaces masks and labels) builds a new plan.
+    """
+
+    ei: Tensor
+    w: Tensor | None
+    rows: Tensor
+    labels: Tensor
+    chunk: int
+    num_nodes: int
+    #: ``(rows, restricted graph)``: the training rows in one piece.
+    whole: tuple[Tensor, tuple[Tensor, Tensor | None]] | None = None
+    #: ``(rows, labels, restricted graph)`` per chunk of ``chunk`` rows.
+    chunks: list[tuple[Tensor, Tensor, tuple[Tensor, Tensor | None]]] = field(default_factory=list)
+
+    def matches(
+        self, ei: Tensor, w: Tensor | None, rows: Tensor, labels: Tensor, chunk: int, num_nodes: int
+    ) -> bool:
+        """Whether this plan was built for these (the tensors compared by identity)."""
+        return (
+            self.ei is ei
+            and self.w is w
+            and self.rows is rows
+            and self.labels is labels
+            and self.chunk == chunk
+            and self.num_nodes == num_nodes
+        )
 
 
 class LazyClient(Client):
@@ -51,6 +87,9 @@ class LazyClient(Client):
         self._aggregated: tuple[Tensor | None, Tensor | None, Tensor] | None = None
         self._joined: tuple[Tensor, Tensor, Tensor] | None = None
         self._own_graph: tuple[Tensor, Tensor | None] | None = None  # a local stage 0's messages
+        # A conv stage's steps: per row set (the training rows, or each chunk of them), the graph
+        # restricted to its in-edges, with the labels of the rows; built by prepare_steps().
+        self._step_plan: StepPlan | None = None
         # (stage, frames, stats) of the last boundary rows sent: a resumed server may ask again.
         self.sent: tuple[int, dict[int, bytes], dict] | None = None
 
@@ -151,7 +190,7 @@ class LazyClient(Client):
         return self.cfg.precompute and isinstance(model, StageModel) and model.aggregates_linearly
 
     def outputs(self, model: torch.nn.Module, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """``(hidden, logits)`` of the owned nodes, or only of boolean ``rows`` of them.
+        """``(hidden, logits)`` of the owned nodes, or only of those at int64 indices ``rows``.
 
         Stage 0 is row-wise, so it runs on the selected rows alone. A conv stage passes messages
         along the selected rows' in-edges only (a round's loss reads the training rows, often a
@@ -159,21 +198,30 @@ class LazyClient(Client):
         of all rows sliced. Without gradients and with ``chunk-rows``, the rows are computed that
         many at a time: a conv stage's messages, one per edge into the rows, are what dominates
         a client's memory.
+
+        The graph restricted to ``rows``' in-edges is the one :meth:`prepare_steps` built when
+        ``rows`` is the tensor it was given (a local step: no size is read off the device);
+        other row sets restrict the graph here.
         """
         if self.row_wise:
-            hidden, logits = model(self.owned if rows is None else self.owned[rows])
+            hidden, logits = model(self.owned if rows is None else self.owned.index_select(0, rows))
             return hidden, logits
         if self.precomputes(model):
             # All owned rows, then sliced, like message passing: the same dropout masks.
             hidden, logits = model.forward_aggregated(self.aggregated_input(), self.owned)
-            return (hidden, logits) if rows is None else (hidden[rows], logits[rows])
+            if rows is None:
+                return hidden, logits
+            return hidden.index_select(0, rows), logits.index_select(0, rows)
         ei, w = self.edges()
         n = self.graph.num_owned
+        x = self.stage_input()
+        plan = self._step_plan
+        if rows is not None and plan is not None and plan.whole is not None and plan.whole[0] is rows:
+            return model(x, *plan.whole[1], num_targets=n, rows=rows, restricted=True)
         chunk = self.cfg.chunk_rows if not torch.is_grad_enabled() else 0
         if rows is None and not 0 < chunk < n:
-            return model(self.stage_input(), ei, w, num_targets=n)
-        x = self.stage_input()
-        index = torch.arange(n, device=self.device) if rows is None else rows.nonzero().squeeze(1)
+            return model(x, ei, w, num_targets=n)
+        index = torch.arange(n, device=self.device) if rows is None else rows
         step = chunk if chunk > 0 else max(1, index.numel())
         pieces = [
             model(x, ei, w, num_targets=n, rows=index[start : start + step])
@@ -183,7 +231,37 @@ class LazyClient(Client):
             return pieces[0]
         return torch.cat([h for h, _ in pieces]), torch.cat([z for _, z in pieces])
 
-    def step_gradients(self, model: torch.nn.Module, mask: Tensor, step: int) -> float:
+    def prepare_steps(self, model: torch.nn.Module, rows: Tensor, labels: Tensor) -> None:
+        """A conv stage passing messages: restrict its graph to the in-edges of the training rows
+        (with ``chunk-rows``, of each chunk of them), once per stage input and row set; one
+        aggregating its inputs once (``precompute``): aggregate them.
+
+        Restricting reads the restricted graph's size off the device; done in every step, that
+        read made each step wait for the device. The plan is kept while the graph, the stage
+        input's row count, the rows and the chunk size stay (a new stage, a relabel or a restore
+        builds a new one).
+        """
+        if self.row_wise:
+            return
+        if self.precomputes(model):
+            self.aggregated_input()  # the stage's dense input, aggregated once
+            return
+        ei, w = self.edges()
+        chunk = self.cfg.chunk_rows
+        num_nodes = self.stage_input().shape[0]  # the rows messages come from (halo ones too)
+        plan = self._step_plan
+        if plan is not None and plan.matches(ei, w, rows, labels, chunk, num_nodes):
+            return
+        plan = StepPlan(ei, w, rows, labels, chunk, num_nodes)
+        if 0 < chunk < rows.numel():
+            for lo in range(0, rows.numel(), chunk):
+                piece = rows[lo : lo + chunk]
+                plan.chunks.append((piece, labels[lo : lo + chunk], select_in_edges(ei, w, piece, num_nodes)))
+        else:
+            plan.whole = (rows, select_in_edges(ei, w, rows, num_nodes))
+        self._step_plan = plan
+
+    def step_gradients(self, model: torch.nn.Module, rows: Tensor, labels: Tensor, step: int) -> Tensor:
         """A local step's gradients; on a conv stage with ``chunk-rows``, that many training rows
         at a time.
 
@@ -191,27 +269,29 @@ class LazyClient(Client):
         tensors, not every training row's (after self-training, most of a partition's rows). The
         random state is replayed for every chunk: each draws the whole step's dropout masks and
         uses its rows' (see :meth:`StageModel.forward`), so the summed gradient is the whole
-        step's, to float rounding.
+        step's, to float rounding. The chunks, their labels and restricted graphs are
+        :meth:`prepare_steps`'s; the loss is summed on the device, in float64 as the host
+        summed it before.
         """
-        chunk = self.cfg.chunk_rows
-        index = mask.nonzero().squeeze(1)
-        if self.row_wise or self.precomputes(model) or not 0 < chunk < index.numel():
-            return super().step_gradients(model, mask, step)
-        ei, w = self.edges()
-        x, labels, n = self.stage_input(), self.train_y[mask], self.graph.num_owned
+        plan = self._step_plan
+        chunked = plan is not None and bool(plan.chunks) and plan.rows is rows
+        if self.row_wise or self.precomputes(model) or not chunked:
+            return super().step_gradients(model, rows, labels, step)
+        assert plan is not None  # chunked
+        x, n, count = self.stage_input(), self.graph.num_owned, rows.numel()
         cuda = self.device.type == "cuda"
         start = torch.cuda.get_rng_state(self.device) if cuda else torch.random.get_rng_state()
-        total = 0.0
-        for lo in range(0, index.numel(), chunk):
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for piece, piece_labels, (ei, w) in plan.chunks:
             if cuda:
                 torch.cuda.set_rng_state(start, self.device)
             else:
                 torch.random.set_rng_state(start)
-            _, logits = model(x, ei, w, num_targets=n, rows=index[lo : lo + chunk])
-            part = torch.nn.functional.cross_entropy(logits, labels[lo : lo + chunk], reduction="sum")
-            part = part / index.numel()
+            _, logits = model(x, ei, w, num_targets=n, rows=piece, restricted=True)
+            part = torch.nn.functional.cross_entropy(logits, piece_labels, reduction="sum")
+            part = part / count
             part.backward()
-            total += part.item()
+            total += part.detach().double()
         return total
 
     def aggregated_input(self) -> Tensor:

@@ -7,8 +7,8 @@ Each section runs in a child process of its own (this script with ``--section``)
 limit of its own, so that one that fails or hangs costs its own row and no other:
 
 - ``env``: the GPU's name, torch, CUDA and PyG versions, the host's cores.
-- ``tests``: the tests that need a GPU (``tests/training/test_device.py`` and the CUDA codec
-  test), passed / failed.
+- ``tests``: the tests that need a GPU (``tests/training/test_device.py``, the fused codec
+  kernels' and the CUDA codec test), passed / failed.
 - ``codec``: the 8-bit row codec, encode + decode of a 1,000,000 x 64 float32 block, against a
   ``clone`` of it, on the GPU and on the host's CPU (compiled loops).
 - ``cora``: Cora, 10 random clients, the defaults, in process, on each device: training seconds,
@@ -130,8 +130,8 @@ def section_env(args: argparse.Namespace) -> None:
 def section_tests(args: argparse.Namespace) -> None:
     argv = [
         sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-        "--import-mode=importlib", "tests/training/test_device.py", "tests/compress/test_quantize.py",
-        "-k", "gpu or cuda or device",
+        "--import-mode=importlib", "tests/training/test_device.py", "tests/compress/test_fused.py",
+        "tests/compress/test_quantize.py", "-k", "gpu or cuda or device or fused",
     ]  # fmt: skip
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=SECTIONS["tests"][0] - 5)
     print(done.stdout[-4000:], done.stderr[-2000:], flush=True)

@@ -2,8 +2,10 @@
 
 A round: the server sends the model (whole, or as compressed deltas) with any relayed frames;
 each client validates what it received (the previous round's result, so validation costs no
-extra message), trains, and replies with its update; the server decodes and checks the updates,
-aggregates them (FedAvg or DP-FedAvg) and takes its optimizer step. :class:`RoundLoop` is that
+extra message), trains, and replies with its update; the round's aggregation
+(:mod:`~retexo_fl.training.round_aggregation`: FedAvg, DP-FedAvg, SCAFFOLD or secure aggregation)
+reads the replies, asking the loop for any further message phase such as the unmasking, and the
+server takes its optimizer step on the aggregate. Only this loop talks to the transport. :class:`RoundLoop` is that
 body, written once: the lazy stage machine runs it once per stage, :class:`BaselineRun` once for
 a whole eager or local run, with the halo refreshed every round.
 """
@@ -17,7 +19,7 @@ from typing import Any
 
 from retexo_fl import protocol as P
 from retexo_fl.compress.boundary import ExchangeStats
-from retexo_fl.compress.updates import ModelBroadcast, UpdateCodec
+from retexo_fl.compress.updates import ModelBroadcast
 from retexo_fl.config import TrainConfig
 from retexo_fl.metrics import RunRecorder, human_bytes
 from retexo_fl.models.factory import build_layered_model
@@ -27,7 +29,7 @@ from retexo_fl.training.aggregate import ServerOptimizer
 from retexo_fl.training.checkpoint import RoundState
 from retexo_fl.training.drift import ServerControl
 from retexo_fl.training.federation import AGGREGATE, Federation, Frames, total
-from retexo_fl.training.privacy import aggregate_round
+from retexo_fl.training.round_aggregation import round_aggregation
 from retexo_fl.training.selection import StageTracker
 from retexo_fl.training.state import StateDict
 from retexo_fl.training.transport import Transport
@@ -158,15 +160,12 @@ class RoundLoop:
     ) -> None:
         """The rounds of :meth:`run` and the stage's last validation."""
         fed, cfg = self.fed, self.cfg
-        codec = UpdateCodec(cfg.update_bits, cfg.range_dtype)
         pending = deliveries
         for r in range(rs.round + 1, rounds + 1):
             rs.sent = r
+            aggregation = round_aggregation(fed, rs, stage, r, label)
             config = {P.STAGE: stage, P.ROUND: r, P.VALIDATE: r > 1, **self._keep(rs)}
-            members = fed.pids  # the round's masking set (secure aggregation)
-            if fed.secure is not None:
-                members = fed.secure.members(stage, members)
-                config.update(fed.secure.round_config(fed, stage, members))
+            config.update(aggregation.configure())
             requests = {
                 pid: fed.content(
                     rs.view,
@@ -178,61 +177,31 @@ class RoundLoop:
                 for pid in fed.pids
             }
             pending = None
-            extra_down = extra_raw = 0
-            if rs.control is not None:  # SCAFFOLD: c goes down with the model
-                for request in requests.values():
-                    request.update(rs.control.records())
-                extra_down, extra_raw = rs.control.nbytes(), rs.control.raw_nbytes()
+            aggregation.decorate(requests)
             replies = fed.send(P.TRAIN, requests, f"{label} round {r}", stage)
             pids = fed.pids  # without any client lost in this round
-            ordered = [replies[pid] for pid in pids]
-            metrics = [m[P.METRICS] for m in ordered]
+            ordered = {pid: replies[pid] for pid in pids}
             # Counted before the stop check: a round whose replies end the stage was still sent.
-            down = rs.broadcast.nbytes() + extra_down
-            if fed.secure is None:
-                states, raw = fed.updates(ordered, rs.view, codec, rs.tracker, down)
-                val = sum_val(metrics)
-            else:  # the server learns the sums only: one more message unmasks them
-                summed = fed.secure.aggregate(
-                    fed,
-                    stage,
-                    r,
-                    members,
-                    dict(zip(pids, ordered, strict=True)),
-                    rs.state,
-                    rs.view,
-                    rs.tracker,
-                    down,
-                    label,
-                )
-                raw, val = summed.raw, summed.val
-            rs.model_raw += raw + extra_raw * len(ordered)
+            down = rs.broadcast.nbytes() + aggregation.extra_down
+            exchange = aggregation.collect(ordered, down)
+            while exchange is not None:  # e.g. secure aggregation's unmasking
+                answers = fed.send(exchange.kind, exchange.requests, exchange.phase, stage)
+                exchange = aggregation.resume(answers)
+            rs.model_raw += aggregation.raw + aggregation.extra_raw * len(ordered)
             if r > 1:  # each reply validated the state it received: the previous round's result
-                self._record(rs, r - 1, val, refresh)
+                self._record(rs, r - 1, aggregation.val, refresh)
                 if rs.tracker.should_stop:
                     # A lazy stage is named as its progress lines name it ("pass 2 stage 0").
                     who = label if refresh else rs.tracker.name
                     self.rec.progress(f"{who}: no validation gain for {cfg.patience} rounds, stopping")
                     break
             if refresh:
+                metrics = [m[P.METRICS] for m in ordered.values()]
                 result.local_steps.append([int(m[P.LOCAL_STEPS]) for m in metrics])
-                fed.add_stats(result.stats, ordered)
-                outgoing = {
-                    pid: m[P.PAYLOADS] for pid, m in zip(pids, ordered, strict=True) if P.PAYLOADS in m
-                }
+                fed.add_stats(result.stats, list(ordered.values()))
+                outgoing = {pid: m[P.PAYLOADS] for pid, m in ordered.items() if P.PAYLOADS in m}
                 pending = fed.route(outgoing, P.HALO) if outgoing else None
-            if fed.secure is not None:
-                rs.train_loss = summed.train_loss
-                aggregate = summed.aggregate
-            else:
-                weights = [m[P.NUM_EXAMPLES] for m in metrics]
-                rs.train_loss = sum(m[P.TRAIN_LOSS] * w for m, w in zip(metrics, weights, strict=True)) / sum(
-                    weights
-                )
-                if rs.control is not None:
-                    steps = [int(m[P.LOCAL_STEPS]) for m in metrics]
-                    rs.control.step(pids, rs.view, states, steps, weights)
-                aggregate = aggregate_round(rs.state, rs.view, states, weights, fed.privacy, (stage, r))
+            aggregate, rs.train_loss = aggregation.aggregate()
             rs.state = rs.server.step(aggregate)
             rs.view = rs.broadcast.prepare(rs.state, r + 1)
             rs.round, rs.seconds = r, time.perf_counter() - t0
@@ -266,15 +235,6 @@ class RoundLoop:
         self.rec.event(
             "round", stage=rs.tracker.stage, round=round_, train_loss=rs.train_loss, val_accuracy=acc
         )
-
-
-def sum_val(metrics: list[dict[str, Any]]) -> tuple[int, int, float]:
-    """Validation (correct, count, summed loss) over train replies' metrics."""
-    return (
-        sum(int(m[P.VAL_CORRECT]) for m in metrics),
-        sum(int(m[P.VAL_COUNT]) for m in metrics),
-        sum(float(m[P.VAL_LOSS]) for m in metrics),
-    )
 
 
 class BaselineRun:

@@ -586,7 +586,8 @@ def masked_evaluation(
 # -- the server's side ---------------------------------------------------------------------------
 class Federation(Protocol):
     """What the server's unmasking needs of :class:`~retexo_fl.training.federation.Federation`
-    (which holds a :class:`SecureAggregator`, so this module cannot import it)."""
+    (which holds a :class:`SecureAggregator`, so this module cannot import it): message content,
+    counts and the DP accountant; never the transport, which only the round loop drives."""
 
     counts: dict[int, Any]
     privacy: UpdatePrivacy | None
@@ -594,12 +595,6 @@ class Federation(Protocol):
     def content(self, state: StateDict | None = None, payloads: Any = None, model: Any = None,
                 by_digest: bool = False, **config: Any) -> Records:  # fmt: skip
         """A message's records (:meth:`Federation.content`)."""
-        ...
-
-    def send(
-        self, kind: str, requests: dict[int, Records], phase: str, stage: int = -1
-    ) -> dict[int, Records]:
-        """Send by partition id; replies by partition id (:meth:`Federation.send`)."""
         ...
 
 
@@ -618,6 +613,29 @@ class RoundSum:
     train_loss: float
     val: tuple[int, int, float]
     raw: int
+
+
+@dataclass
+class PendingUnmask:
+    """A secure round between its masked replies and its unmasking (:meth:`SecureAggregator.collect`).
+
+    Args:
+        stage (int): the stage.
+        round_ (int): the round.
+        members (list[int]): the masking set.
+        codec (Any): the round's field codec.
+        vectors (dict[int, Any]): the survivors' masked vectors.
+        requests (dict[int, Records]): the unmask request to each survivor.
+        label (str): names the round in messages.
+    """
+
+    stage: int
+    round_: int
+    members: list[int]
+    codec: Any
+    vectors: dict[int, Any]
+    requests: dict[int, Records]
+    label: str
 
 
 class SecureAggregator:
@@ -674,36 +692,37 @@ class SecureAggregator:
             config[P.SECAGG_GRID] = grids[stage]
         return config
 
-    def aggregate(
+    def collect(
         self,
         fed: Federation,
         stage: int,
         round_: int,
         members: list[int],
         replies: dict[int, Records],
-        state: StateDict,
         view: StateDict,
         tracker: StageTracker,
         down: int,
         label: str,
-    ) -> RoundSum:
-        """Unmask and decode a round from the survivors' masked replies.
+    ) -> PendingUnmask:
+        """Read a round's masked replies and build the unmask requests to the survivors.
+
+        The round loop sends :attr:`PendingUnmask.requests` (kind :data:`~retexo_fl.protocol.UNMASK`)
+        and hands the answers to :meth:`decode`: this class never talks to a transport.
 
         Args:
-            fed (Federation): the run's clients.
+            fed (Federation): the run's clients (message content, counts).
             stage (int): the stage.
             round_ (int): the round.
             members (list[int]): the masking set the round was sent to.
             replies (dict[int, Records]): the survivors' train replies.
-            state (StateDict): the global state.
             view (StateDict): the state the clients trained from.
             tracker (StageTracker): counts the model bytes.
             down (int): the broadcast's bytes per client.
             label (str): names the round in messages.
 
         Raises:
-            ClientFailure: a reply or answer is malformed (naming its client), fewer than the
-                threshold survive, or the sum does not decode; no model is produced.
+            ClientFailure: a reply is malformed (naming its client), or fewer than the threshold
+                survive; no model is produced.
         """
         config = self.round_config(fed, stage, members)
         grid = config.get(P.SECAGG_GRID)
@@ -740,8 +759,30 @@ class SecureAggregator:
             cfg_entries = {P.STAGE: stage, P.ROUND: round_, P.SECAGG_SURVIVORS: members_json(survivors)}
             requests[s] = {**fed.content(by_digest=True, **cfg_entries), P.SHARES: shares}
             self.bytes_extra += sum(len(b) for b in shares.values())
-        answered = fed.send(P.UNMASK, requests, f"{label} round {round_} unmasking", stage)
-        self.unmask_messages += len(requests)
+        return PendingUnmask(stage, round_, members, codec, vectors, requests, f"{label} round {round_}")
+
+    def decode(
+        self,
+        fed: Federation,
+        pending: PendingUnmask,
+        answered: dict[int, Records],
+        state: StateDict,
+        view: StateDict,
+    ) -> RoundSum:
+        """Unmask and decode a round from the survivors' answers to :meth:`collect`'s requests.
+
+        Args:
+            fed (Federation): the run's clients (its DP accountant).
+            pending (PendingUnmask): what :meth:`collect` left.
+            answered (dict[int, Records]): the unmask answers by partition id.
+            state (StateDict): the global state.
+            view (StateDict): the state the clients trained from.
+
+        Raises:
+            ClientFailure: an answer is malformed (naming its client), or the sum does not
+                decode; no model is produced.
+        """
+        self.unmask_messages += len(pending.requests)
         answers = {}
         for pid, reply in answered.items():
             try:
@@ -749,14 +790,15 @@ class SecureAggregator:
             except SecAggError as exc:
                 raise ClientFailure(str(exc)) from None
             self.bytes_extra += sum(len(v) for v in reply.get(P.UNMASKED, {}).values())
+        codec, members = pending.codec, pending.members
         try:
-            sums, n = unmask_round(codec, vectors, members, self.threshold, answers)
+            sums, n = unmask_round(codec, pending.vectors, members, self.threshold, answers)
         except SecAggError as exc:
             raise ClientFailure(str(exc)) from None
         total, metrics = sums.update, sums.metrics
         self.rounds += 1
         if codec.row_sizes:
-            self.grids = {stage: self.next_grid(sums.peaks, n).tobytes()}
+            self.grids = {pending.stage: self.next_grid(sums.peaks, n).tobytes()}
         self.clipped += int(metrics["clipped"])
         self.dropped_after_masking += len(members) - n
         self.largest_error = max(self.largest_error, codec.sum_error(n))
@@ -766,9 +808,7 @@ class SecureAggregator:
             privacy.account_distributed(n, len(members), int(metrics["dp_clipped"]))
         else:
             if metrics["weight"] <= 0:
-                raise ClientFailure(
-                    f"secure aggregation: {label} round {round_}: no training weight in the sum"
-                )
+                raise ClientFailure(f"secure aggregation: {pending.label}: no training weight in the sum")
             mean = total / metrics["weight"]
         delta = unflatten(mean, view)
         aggregate = {k: (state[k].float() + delta[k]).to(state[k].dtype) for k in state}

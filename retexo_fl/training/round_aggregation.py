@@ -1,0 +1,185 @@
+"""One round's aggregation, the hooks :class:`~retexo_fl.training.rounds.RoundLoop` drives.
+
+The loop owns the transport; an aggregation never sends. A round runs its hooks in this order::
+
+    configure()          -> config entries of the round's train message
+    decorate(requests)   -> records added to the train requests (their extra bytes)
+    collect(replies)     -> the replies read: validation sums, raw bytes; or an Exchange
+    resume(answers)      -> called with the answers to each Exchange until none is asked
+    (the loop records validation and may stop the stage here)
+    aggregate()          -> the aggregate state (before the server optimizer) and training loss
+
+Implementations: :class:`FedAvgRound` (FedAvg, and DP-FedAvg when the run has a DP accountant:
+:func:`~retexo_fl.training.privacy.aggregate_round`), :class:`ScaffoldRound` (FedAvg with
+SCAFFOLD's control variates) and :class:`SecureRound` (secure aggregation: the server learns
+sums only, and one more message, the unmasking, is an :class:`Exchange`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from retexo_fl import protocol as P
+from retexo_fl.compress.updates import UpdateCodec
+from retexo_fl.protocol import Records
+from retexo_fl.training.checkpoint import RoundState
+from retexo_fl.training.federation import Federation
+from retexo_fl.training.privacy import aggregate_round
+from retexo_fl.training.secure_round import PendingUnmask
+from retexo_fl.training.state import StateDict
+
+
+@dataclass
+class Exchange:
+    """A message phase an aggregation asks the round loop to send before it can go on.
+
+    Args:
+        kind (str): the message type (e.g. :data:`~retexo_fl.protocol.UNMASK`).
+        requests (dict[int, Records]): the request to each client, by partition id.
+        phase (str): names the phase in messages and progress.
+    """
+
+    kind: str
+    requests: dict[int, Records]
+    phase: str
+
+
+def sum_val(metrics: list[dict[str, Any]]) -> tuple[int, int, float]:
+    """Validation (correct, count, summed loss) over train replies' metrics."""
+    return (
+        sum(int(m[P.VAL_CORRECT]) for m in metrics),
+        sum(int(m[P.VAL_COUNT]) for m in metrics),
+        sum(float(m[P.VAL_LOSS]) for m in metrics),
+    )
+
+
+class FedAvgRound:
+    """FedAvg of the clients' decoded updates, weighted by their training nodes; DP-FedAvg
+    (clipped, noised, accounted) when the run has a DP accountant.
+
+    Args:
+        fed (Federation): the run's clients (update decoding, the DP accountant).
+        rs (RoundState): the stage's state (view, tracker, broadcast, control variates).
+        stage (int): the stage.
+        round_ (int): the round.
+        label (str): names the round in messages.
+    """
+
+    def __init__(self, fed: Federation, rs: RoundState, stage: int, round_: int, label: str) -> None:
+        self.fed, self.rs, self.stage, self.round, self.label = fed, rs, stage, round_, label
+        #: What :meth:`collect` read: summed validation and the bytes float32 would have taken.
+        self.val: tuple[int, int, float] = (0, 0, 0.0)
+        self.raw = 0
+        self.extra_down = self.extra_raw = 0  # per client: records :meth:`decorate` added
+        self.pids: list[int] = []
+        self.metrics: list[dict[str, Any]] = []
+        self.states: list[StateDict] = []
+
+    def configure(self) -> dict[str, Any]:
+        """Config entries this aggregation adds to the round's train message."""
+        return {}
+
+    def decorate(self, requests: dict[int, Records]) -> None:
+        """Add records to the round's train requests (and count their bytes per client)."""
+
+    def collect(self, replies: dict[int, Records], down: int) -> Exchange | None:
+        """Read the round's train replies (by partition id, live clients in order).
+
+        Args:
+            replies (dict[int, Records]): the replies.
+            down (int): the bytes each client was sent (the broadcast and decorations).
+
+        Raises:
+            ClientFailure: a reply is malformed, naming its sender, before it touches the model.
+        """
+        self.pids = list(replies)
+        ordered = [replies[p] for p in self.pids]
+        self.metrics = [m[P.METRICS] for m in ordered]
+        codec = UpdateCodec(self.fed.cfg.update_bits, self.fed.cfg.range_dtype)
+        self.states, self.raw = self.fed.updates(ordered, self.rs.view, codec, self.rs.tracker, down)
+        self.val = sum_val(self.metrics)
+        return None
+
+    def resume(self, answers: dict[int, Records]) -> Exchange | None:
+        """Go on with the answers to the last :class:`Exchange`; FedAvg asks for none."""
+        raise AssertionError("FedAvg asks for no exchange")
+
+    def weights(self) -> list[float]:
+        return [m[P.NUM_EXAMPLES] for m in self.metrics]
+
+    def aggregate(self) -> tuple[StateDict, float]:
+        """The aggregate state (before the server optimizer) and the weighted training loss.
+
+        Called only for a round the stage keeps (not one whose validation stopped it), so DP
+        noise is drawn and accounted for applied rounds alone.
+        """
+        weights = self.weights()
+        loss = sum(m[P.TRAIN_LOSS] * w for m, w in zip(self.metrics, weights, strict=True)) / sum(weights)
+        rs = self.rs
+        tag = (self.stage, self.round)
+        return aggregate_round(rs.state, rs.view, self.states, weights, self.fed.privacy, tag), loss
+
+
+class ScaffoldRound(FedAvgRound):
+    """FedAvg with SCAFFOLD's control variates: :math:`c` goes down with the model, and each
+    client's :math:`c_i` and then :math:`c` advance from the decoded updates
+    (:class:`~retexo_fl.training.drift.ServerControl`)."""
+
+    def decorate(self, requests: dict[int, Records]) -> None:
+        control = self.rs.control
+        assert control is not None
+        for request in requests.values():
+            request.update(control.records())
+        self.extra_down, self.extra_raw = control.nbytes(), control.raw_nbytes()
+
+    def aggregate(self) -> tuple[StateDict, float]:
+        control = self.rs.control
+        assert control is not None
+        steps = [int(m[P.LOCAL_STEPS]) for m in self.metrics]
+        control.step(self.pids, self.rs.view, self.states, steps, self.weights())
+        return super().aggregate()
+
+
+class SecureRound(FedAvgRound):
+    """Secure aggregation: the masked replies, then the unmasking as one more message phase;
+    the server learns the sums only (:class:`~retexo_fl.training.secure_round.SecureAggregator`).
+    """
+
+    def __init__(self, fed: Federation, rs: RoundState, stage: int, round_: int, label: str) -> None:
+        super().__init__(fed, rs, stage, round_, label)
+        assert fed.secure is not None
+        self.secure = fed.secure
+        self.members = self.secure.members(stage, fed.pids)  # the round's masking set
+        self.pending: PendingUnmask | None = None
+        self.result: tuple[StateDict, float] | None = None
+
+    def configure(self) -> dict[str, Any]:
+        return self.secure.round_config(self.fed, self.stage, self.members)
+
+    def collect(self, replies: dict[int, Records], down: int) -> Exchange | None:
+        rs = self.rs
+        self.pending = self.secure.collect(
+            self.fed, self.stage, self.round, self.members, replies, rs.view, rs.tracker, down, self.label
+        )
+        return Exchange(P.UNMASK, self.pending.requests, f"{self.pending.label} unmasking")
+
+    def resume(self, answers: dict[int, Records]) -> Exchange | None:
+        assert self.pending is not None
+        summed = self.secure.decode(self.fed, self.pending, answers, self.rs.state, self.rs.view)
+        self.val, self.raw = summed.val, summed.raw
+        self.result = (summed.aggregate, summed.train_loss)
+        return None
+
+    def aggregate(self) -> tuple[StateDict, float]:
+        assert self.result is not None
+        return self.result
+
+
+def round_aggregation(fed: Federation, rs: RoundState, stage: int, round_: int, label: str) -> FedAvgRound:
+    """The aggregation a round of this run uses: secure, SCAFFOLD or (DP-)FedAvg."""
+    if fed.secure is not None:
+        return SecureRound(fed, rs, stage, round_, label)
+    if rs.control is not None:
+        return ScaffoldRound(fed, rs, stage, round_, label)
+    return FedAvgRound(fed, rs, stage, round_, label)

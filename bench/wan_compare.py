@@ -40,7 +40,14 @@ from wan import EmulatedWan, wan_unavailable  # noqa: E402
 COMMON = "optimizer='adam' lr='0.01' server-optimizer='avg' local-epochs='10'"
 MODES = {
     "lazy": "mode='lazy' stages=3 rounds='6'",
+    "lazy-local": "mode='lazy' first-stage='local' stages=3 rounds='6'",
     "eager": "mode='eager' stages=3 rounds='12'",
+}
+#: ``--defaults``: what each mode name adds to its mode's defaults.
+DEFAULT_MODES = {
+    "lazy": "mode='lazy'",
+    "lazy-local": "mode='lazy' first-stage='local'",
+    "eager": "mode='eager'",
 }
 
 
@@ -92,9 +99,15 @@ def main() -> int:
     )
     parser.add_argument("--root", default=str(DEFAULT_ROOT), help="datasets root (Planetoid/Cora/raw)")
     parser.add_argument("--rates", default="100,5", help="link rates in Mbit/s, comma separated")
-    parser.add_argument("--modes", default="lazy,eager")
+    parser.add_argument("--modes", default="lazy,eager", help="lazy, lazy-local (first-stage local), eager")
     parser.add_argument("--clients", type=int, default=3)
-    parser.add_argument("--target", type=float, default=0.68, help="validation accuracy to reach")
+    parser.add_argument(
+        "--target",
+        default="0.68",
+        help="validation accuracy to reach, or eager-final: eager's final validation accuracy at the "
+        "same rate minus --margin (eager then runs first)",
+    )
+    parser.add_argument("--margin", type=float, default=0.01, help="below eager's final (eager-final)")
     parser.add_argument("--run-config", default="", help="added to every run's config")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take")
     parser.add_argument("--out", default="bench/results/wan_compare.json")
@@ -127,9 +140,17 @@ def main() -> int:
          "--out", str(parts_dir)])  # fmt: skip
     parts = sorted(parts_dir.glob("part-*"))
     rows = []
+    relative = args.target == "eager-final"
+    modes = args.modes.split(",")
+    if relative:  # the target comes from eager's run at each rate
+        if "eager" not in modes:
+            print("--target eager-final needs eager among --modes", file=sys.stderr)
+            return 2
+        modes = ["eager"] + [m for m in modes if m != "eager"]
     for rate in (float(r) for r in args.rates.split(",")):
-        for mode in args.modes.split(","):
-            base = f"mode='{mode}'" if args.defaults else f"{MODES[mode]} {COMMON}"
+        at_rate = []
+        for mode in modes:
+            base = DEFAULT_MODES[mode] if args.defaults else f"{MODES[mode]} {COMMON}"
             config = f"{base} {args.run_config}".strip()
             print(f"\n== {mode} at {rate:g} Mbit/s: {config}", flush=True)
             t0 = time.perf_counter()
@@ -139,40 +160,42 @@ def main() -> int:
             wall = time.perf_counter() - t0
             summary = json.loads((run / "summary.json").read_text())
             events = round_events(run)
-            seconds, rounds = time_to_target(events, args.target)
             per_client = summary["bytes_total"] / args.clients
-            rows.append(
-                {
-                    "rate_mbit": rate,
-                    "mode": mode,
-                    "supernode": "retexo-fl supernode" if worker else "flower-supernode",
-                    "superlink_state": "in-memory" if args.in_memory else "sqlite",
-                    "config": config,
-                    "target": args.target,
-                    "seconds_to_target": seconds,
-                    "rounds_to_target": rounds,
-                    "run_seconds": summary["wall_seconds"],
-                    "median_round_seconds": median_round_seconds(events),
-                    "wall_seconds": wall,
-                    "test_accuracy": summary["test_accuracy"],
-                    "val_accuracy": summary["val_accuracy"],
-                    "bytes_total": summary["bytes_total"],
-                    "bytes_boundary": summary["bytes_boundary"],
-                    "bytes_model": summary["bytes_model"],
-                    # What one client's link needs at the rate for its share of the bytes.
-                    "link_seconds_per_client": per_client * 8 / (rate * 1e6),
-                }
-            )
-            print(json.dumps(rows[-1]), flush=True)
+            row = {
+                "rate_mbit": rate,
+                "mode": mode,
+                "supernode": "retexo-fl supernode" if worker else "flower-supernode",
+                "superlink_state": "in-memory" if args.in_memory else "sqlite",
+                "config": config,
+                "run_seconds": summary["wall_seconds"],
+                "median_round_seconds": median_round_seconds(events),
+                "wall_seconds": wall,
+                "test_accuracy": summary["test_accuracy"],
+                "val_accuracy": summary["val_accuracy"],
+                "bytes_total": summary["bytes_total"],
+                "bytes_boundary": summary["bytes_boundary"],
+                "bytes_model": summary["bytes_model"],
+                # What one client's link needs at the rate for its share of the bytes.
+                "link_seconds_per_client": per_client * 8 / (rate * 1e6),
+            }
+            at_rate.append((row, events))
+            print(json.dumps(row), flush=True)
+        target = at_rate[0][0]["val_accuracy"] - args.margin if relative else float(args.target)
+        for row, events in at_rate:
+            row["target"] = target
+            row["seconds_to_target"], row["rounds_to_target"] = time_to_target(events, target)
+            rows.append(row)
 
     kind = "flower-supernode" if args.flower_supernode else "retexo-fl supernode"
-    print(f"\nCora, {args.clients} METIS clients on {kind}, target validation accuracy {args.target}")
-    print(f"{'Mbit/s':>7} {'mode':6} {'to target':>10} {'rounds':>6} {'s/round':>7} {'run s':>7} "
+    print(f"\nCora, {args.clients} METIS clients on {kind}, target validation accuracy {args.target}"
+          + (f" (minus {args.margin}; {', '.join(f'{r:.4f}' for r in sorted({x['target'] for x in rows}))})"
+             if relative else ""))  # fmt: skip
+    print(f"{'Mbit/s':>7} {'mode':10} {'to target':>10} {'rounds':>6} {'s/round':>7} {'run s':>7} "
           f"{'link s':>7} {'test':>6} {'MB total':>9} {'MB boundary':>11}")  # fmt: skip
     for r in rows:
         to = f"{r['seconds_to_target']:.1f}" if r["seconds_to_target"] is not None else "not met"
         print(
-            f"{r['rate_mbit']:7g} {r['mode']:6} {to:>10} {r['rounds_to_target'] or '-':>6} "
+            f"{r['rate_mbit']:7g} {r['mode']:10} {to:>10} {r['rounds_to_target'] or '-':>6} "
             f"{r['median_round_seconds']:7.1f} "
             f"{r['run_seconds']:7.1f} {r['link_seconds_per_client']:7.1f} {r['test_accuracy']:6.3f} "
             f"{r['bytes_total'] / 1e6:9.2f} {r['bytes_boundary'] / 1e6:11.3f}"

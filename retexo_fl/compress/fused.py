@@ -15,16 +15,29 @@ So a run's codes do not depend on whether Triton was there (tested on a GPU).
 
 **When they are used:** for CUDA tensors, when Triton imports and ``RETEXO_FL_NATIVE`` is not
 ``0`` (the switch that also turns off the compiled CPU loops, :mod:`retexo_fl.compress.native`).
+A kernel that fails to build or launch here (Triton needs a host C compiler, say) is reported
+once, as a warning, and the torch ops serve from then on: the same codes, more slowly.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 from torch import Tensor
 
 from retexo_fl.compress import native
+
+log = logging.getLogger(__name__)
+
+
+class KernelUnavailable(RuntimeError):
+    """The fused kernels failed here; the caller computes the same values with torch ops."""
+
+
+#: Why the kernels failed on this machine, once they did: they are not tried again.
+_broken: str | None = None
 
 #: Rows one program of a kernel handles, and the widest column tile.
 _ROWS = 32
@@ -78,7 +91,19 @@ def usable(*tensors: Tensor) -> bool:
     and not turned off (``RETEXO_FL_NATIVE=0``)."""
     if os.environ.get(native.NATIVE_ENV, "1") == "0":
         return False
-    return triton is not None and all(t.is_cuda for t in tensors)
+    return triton is not None and _broken is None and all(t.is_cuda for t in tensors)
+
+
+def _launch(kernel, grid: tuple[int, int], *args: object, **options: object) -> None:
+    """Launch ``kernel``; a failure to build or run it turns the kernels off, says why once and
+    raises :class:`KernelUnavailable`."""
+    global _broken
+    try:
+        kernel[grid](*args, **options)
+    except Exception as exc:  # Triton's compiler, its launcher's C build, or the launch
+        _broken = f"{type(exc).__name__}: {exc}"[:500]
+        log.warning("the fused row-codec kernels are unavailable here (%s); using torch ops", _broken)
+        raise KernelUnavailable(_broken) from exc
 
 
 def _cols(d: int) -> int:
@@ -96,7 +121,8 @@ def quantize(x: Tensor, table: Tensor, shift: Tensor, inv: Tensor, offset: Tenso
     k, d = x.shape
     out = torch.empty(k, d, dtype=torch.uint8, device=x.device)
     grid = (triton_cdiv(k, _ROWS), triton_cdiv(d, _cols(d)))
-    encode[grid](  # type: ignore[index]
+    _launch(
+        encode, grid,
         x.contiguous(), table.contiguous(), shift.contiguous(), inv.contiguous(), offset.contiguous(),
         out, k, d, table.shape[0], levels, ROWS=_ROWS, COLS=_cols(d), enable_fp_fusion=False,
     )  # fmt: skip
@@ -112,7 +138,9 @@ def dequantize(codes: Tensor, lo: Tensor, step: Tensor) -> Tensor:
     """
     k, d = codes.shape
     out = torch.empty(k, d, dtype=torch.float32, device=codes.device)
-    decode[(triton_cdiv(k, _ROWS), triton_cdiv(d, _cols(d)))](
+    _launch(
+        decode,
+        (triton_cdiv(k, _ROWS), triton_cdiv(d, _cols(d))),
         codes.contiguous(),
         lo.contiguous(),
         step.contiguous(),

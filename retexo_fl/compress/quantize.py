@@ -167,7 +167,10 @@ def _quantize_group(
     if _fused(x):
         from retexo_fl.compress import fused
 
-        return fused.quantize(x, table, shift, inv, offset, levels).view(-1)
+        try:
+            return fused.quantize(x, table, shift, inv, offset, levels).view(-1)
+        except fused.KernelUnavailable:
+            pass  # the torch ops below: the same codes
     # The same single-rounding float32 operations as the compiled loop, in its order, so codes
     # are equal with and without a compiler (native.py).
     codes = torch.empty(k, d, dtype=torch.uint8, device=x.device)
@@ -341,7 +344,10 @@ def dequantize_rows(q: QuantizedRows) -> Tensor:
             else:
                 from retexo_fl.compress import fused as kernels
 
-                rows = kernels.dequantize(codes, lo, step)
+                try:
+                    rows = kernels.dequantize(codes, lo, step)
+                except kernels.KernelUnavailable:  # the torch ops: the same values
+                    rows = torch.mul(codes.float(), step[:, None]).add_(lo[:, None])
             if out is None:
                 return rows
             out[sel] = rows

@@ -127,3 +127,39 @@ def test_one_pass_over_a_group_gives_the_blockwise_codes(bits, device, monkeypat
     for blockwise, whole in zip(out[False], out[True], strict=True):
         assert torch.equal(blockwise, whole)
     assert not torch.equal(out[True][3], x)  # quantized: a test that compared x to itself would pass
+
+
+def test_fused_kernels_that_fail_here_give_way_to_the_torch_ops(monkeypatch, caplog):
+    # A GPU machine where Triton cannot build its kernels (no host C compiler, say): the first
+    # launch fails, is reported once, and the torch ops give the same codes from then on.
+    from retexo_fl.compress import fused
+
+    class Unbuildable:
+        launches = 0
+
+        def __getitem__(self, grid):
+            def launch(*args, **options):
+                Unbuildable.launches += 1
+                raise RuntimeError("cannot find a C compiler")
+
+            return launch
+
+    monkeypatch.setenv(native.NATIVE_ENV, "0")
+    x = torch.randn(50, 7)
+    reference = quantize_rows(x, 4, generator=torch.Generator().manual_seed(2))
+    monkeypatch.setattr(fused, "encode", Unbuildable(), raising=False)
+    monkeypatch.setattr(fused, "decode", Unbuildable(), raising=False)
+    monkeypatch.setattr(fused, "_broken", None)
+    tried = {"n": 0}
+
+    def as_if_on_a_gpu(t):  # the kernels are offered until they fail once
+        tried["n"] += 1
+        return fused._broken is None
+
+    monkeypatch.setattr(quantize, "_fused", as_if_on_a_gpu)
+    q = quantize_rows(x, 4, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(q.data, reference.data)
+    assert torch.equal(dequantize_rows(q), dequantize_rows(reference))
+    assert Unbuildable.launches == 1  # tried once; decode was not offered after the failure
+    assert fused._broken == "RuntimeError: cannot find a C compiler"
+    assert "fused row-codec kernels are unavailable here" in caplog.text

@@ -563,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes: a check of the script itself")
     parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset, in order")
     parser.add_argument(
-        "--budget", type=float, default=330.0, help="seconds for the whole check (default 330)"
+        "--budget", type=float, default=300.0, help="seconds for the whole check (default 300)"
     )
     parser.add_argument("--section", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

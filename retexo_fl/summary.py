@@ -55,7 +55,8 @@ class RunSummary(Mapping[str, Any]):
         resumed (bool | None, optional): whether a lazy run continued from a checkpoint.
             (default: :obj:`None`)
         federation (dict, optional): the federation's entries: lost clients, missing payloads,
-            privacy spent, secure aggregation, transport figures. (default: :obj:`{}`)
+            messages sent by type (``{"train": 1280, ...}``, one per client each), privacy
+            spent, secure aggregation, transport figures. (default: :obj:`{}`)
         extra (dict, optional): the mode's own figures. (default: :obj:`{}`)
     """
 

@@ -84,6 +84,7 @@ class Checkpoint:
         transport (Any): the transport's own accounting (:meth:`Transport.snapshot`).
         boundary_releases (int): boundary row releases so far (``boundary-noise`` accounting).
         missing_payloads (dict): payloads clients reported missing so far, by stage and pair.
+        messages (dict): messages sent so far, by message type (before this run's resume).
         kept (StateDict, optional): the last finished stage's kept weights (after the last stage:
             what the test evaluates).
         pass_weights (dict[int, StateDict]): kept weights by layer of the stages that a later
@@ -113,6 +114,7 @@ class Checkpoint:
     transport: Any = None
     boundary_releases: int = 0
     missing_payloads: dict[str, dict[str, int]] = field(default_factory=dict)
+    messages: dict[str, int] = field(default_factory=dict)
     kept: StateDict | None = None
     pass_weights: dict[int, StateDict] = field(default_factory=dict)
     passes: list[dict[str, Any]] = field(default_factory=list)

@@ -82,6 +82,8 @@ class Federation:
         self.missing_payloads: dict[str, dict[str, int]] = {}
         self.counts: dict[int, ClientCounts] = {}
         self.bytes_boundary = 0  # relayed frames (degrees and boundary rows), headers included
+        # message type ("train", "evaluate", "unmask", ...) -> messages sent, one per client each
+        self.messages: dict[str, int] = {}
 
     @property
     def pids(self) -> list[int]:
@@ -131,6 +133,8 @@ class Federation:
         Returns:
             dict[int, Records]: address -> reply, for the clients that answered.
         """
+        name = kind.rsplit(".", 1)[-1]
+        self.messages[name] = self.messages.get(name, 0) + len(requests)
         batch = self.transport.send(kind, requests, phase, stage)
         for address in requests:
             if address in batch.failures:
@@ -411,11 +415,13 @@ class Federation:
         }
 
     def summary(self) -> dict[str, Any]:
-        """The run summary's entries about the federation: lost clients, privacy, transport figures."""
+        """The run summary's entries about the federation: lost clients, messages sent by type,
+        privacy, transport figures."""
         names = {a: p for p, a in self.members.nodes.items()}
         return {
             "lost_clients": self.members.lost,
             "missing_payloads": self.missing_payloads,
+            "messages": dict(self.messages),
             "boundary_privacy": self.boundary_privacy(),
             "privacy": self.privacy.spent() if self.privacy else None,
             "secure_aggregation": self.secure.summary() if self.secure else None,

@@ -5,9 +5,9 @@ each client validates what it received (the previous round's result, so validati
 extra message), trains, and replies with its update; the round's aggregation
 (:mod:`~retexo_fl.training.round_aggregation`: FedAvg, DP-FedAvg, SCAFFOLD or secure aggregation)
 reads the replies, asking the loop for any further message phase such as the unmasking, and the
-server takes its optimizer step on the aggregate. Only this loop talks to the transport. :class:`RoundLoop` is that
-body, written once: the lazy stage machine runs it once per stage, :class:`BaselineRun` once for
-a whole eager or local run, with the halo refreshed every round.
+server takes its optimizer step on the aggregate. Only this loop talks to the transport.
+:class:`RoundLoop` is that body, written once: the lazy stage machine runs it once per stage,
+:class:`BaselineRun` once for a whole eager or local run, with the halo refreshed every round.
 """
 
 from __future__ import annotations

@@ -243,6 +243,7 @@ class LazyStageMachine:
             fed.transport.snapshot(),
         )
         ck.boundary_releases, ck.missing_payloads = fed.boundary_releases, fed.missing_payloads
+        ck.messages = dict(fed.messages)
         ck.secure = fed.secure
         self.store.save(ck)
 
@@ -262,6 +263,11 @@ class LazyStageMachine:
         fed.run_key, fed.keys, fed.counts = ck.run_key, ck.keys, ck.counts
         fed.members.lost, fed.bytes_boundary, fed.privacy = ck.lost, ck.bytes_boundary, ck.privacy
         fed.boundary_releases, fed.missing_payloads = ck.boundary_releases, ck.missing_payloads
+        # Counted on: the messages this resume sends again (the round in flight) count twice.
+        resumed = dict(getattr(ck, "messages", {}))  # checkpoints from before the count lack it
+        for name, n in fed.messages.items():  # sent since this server started (hello, setup)
+            resumed[name] = resumed.get(name, 0) + n
+        fed.messages = resumed
         if ck.secure is not None:
             fed.secure = ck.secure
         self.model_bytes_done, self.exchange_stats = ck.model_bytes_done, ck.exchange_stats

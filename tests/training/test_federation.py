@@ -98,3 +98,23 @@ def test_setup_claims_every_partition_and_relays_sealed_degrees(sbm):
         assert sorted(got) == sorted(P.delivery_key(P.DEGREES, q) for q in c.plan.recv)
         assert all(blob[:4] == b"RXE2" for blob in got.values())
     assert fed.bytes_boundary == sum(len(b) for d in degrees.values() for b in d.values())
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_the_summary_counts_every_message_by_type(sbm, secure):
+    from retexo_fl.training.eager import run_eager
+    from retexo_fl.training.lazy import run_lazy
+
+    parts = partition_graph(sbm, 3, "metis", seed=0)
+    cfg = TrainConfig(stages=2, hidden=16, rounds=3, seed=0, self_training=0, secure_aggregation=secure)
+    lazy = run_lazy(parts, cfg)
+    sent = sum(s["rounds_sent"] for s in lazy.stages)  # rounds whose train messages went out
+    messages = lazy.federation["messages"]
+    assert messages["hello"] == messages["setup"] == 3
+    assert messages["train"] == 3 * sent
+    assert messages.get("unmask", 0) == (3 * sent if secure else 0)  # one per survivor and round
+    assert messages["embed"] == 3  # one stage boundary, one embed message per client
+    assert messages["evaluate"] > 0
+    if not secure:
+        eager = run_eager(parts, TrainConfig(mode="eager", stages=2, hidden=16, rounds=4, seed=0))
+        assert eager.federation["messages"]["train"] == 3 * eager.stages[0]["rounds_sent"]

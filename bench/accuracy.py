@@ -39,7 +39,7 @@ def _job(args: tuple[dict, str]) -> dict:
     from retexo_fl.metrics import RunRecorder
     from retexo_fl.runner import train
 
-    cfg = TrainConfig(data_root=root, **settings)
+    cfg = TrainConfig.resolve(data_root=root, **settings)
     summary = train(cfg, RunRecorder(None, stream=None))
     return {
         **settings,

@@ -42,7 +42,7 @@ def _job(args: tuple[dict, str]) -> dict:
     from retexo_fl.runner import train
 
     run = {k: v for k, v in settings.items() if k != "setting"}
-    summary = train(TrainConfig(data_root=root, **run), RunRecorder(None, stream=None))
+    summary = train(TrainConfig.resolve(data_root=root, **run), RunRecorder(None, stream=None))
     exchanged = [s for s in summary["stages"] if "bytes_boundary_sent" in s]
     return {
         **settings,

@@ -44,7 +44,7 @@ def _job(args: tuple[dict, str]) -> dict:
     from retexo_fl.runner import train
 
     run = {k: v for k, v in settings.items() if not k.startswith("_")}
-    summary = train(TrainConfig(data_root=root, **run), RunRecorder(None, stream=None))
+    summary = train(TrainConfig.resolve(data_root=root, **run), RunRecorder(None, stream=None))
     stages = summary.get("stages", [])
     curve = [(h["bytes_total"], h["val_accuracy"]) for s in stages for h in s.get("history", [])]
     best_val = summary["val_accuracy"]

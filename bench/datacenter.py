@@ -75,7 +75,7 @@ def main() -> int:
     rows = []
     for spec in filter(None, args.datasets.split(";")):
         big = spec.startswith("sbm:")
-        cfg = TrainConfig(
+        cfg = TrainConfig.resolve(
             mode="datacenter",
             dataset=spec,
             data_root=str(root),
@@ -94,7 +94,7 @@ def main() -> int:
         single = single_process_seconds(cfg, graph, args.epochs)
         for algorithm, procs in RUNS:
             t0 = time.perf_counter()
-            run = TrainConfig(**{**cfg.to_dict(), "algorithm": algorithm, "procs": procs}).validate()
+            run = TrainConfig.resolve(**{**cfg.to_dict(), "algorithm": algorithm, "procs": procs}).validate()
             s = run_datacenter(run, graph=graph)
             e = s["per_epoch"]
             row = {

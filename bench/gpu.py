@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -186,7 +187,7 @@ def _lazy_on(parts, cfg, device, label: str) -> dict:
     from retexo_fl.training.lazy import run_lazy
 
     seconds, summary = timed(
-        lambda: run_lazy(copy.deepcopy(parts), cfg.replace(device=str(device)), quiet()), device
+        lambda: run_lazy(copy.deepcopy(parts), dataclasses.replace(cfg, device=str(device)), quiet()), device
     )
     return {
         "device": str(device),
@@ -212,7 +213,7 @@ def section_cora(args: argparse.Namespace) -> None:
     root = private_planetoid(args.root, ("Cora",))
     cfg = TrainConfig(dataset="Cora", data_root=str(root), clients=10, method="random", seed=0)
     if args.quick:
-        cfg = cfg.replace(rounds=4, min_rounds=0, warm_min_rounds=0, self_training=0)
+        cfg = dataclasses.replace(cfg, rounds=4, min_rounds=0, warm_min_rounds=0, self_training=0)
     data = load_graph(cfg)
     parts = partition_graph(data, cfg.clients, cfg.method, seed=cfg.seed)
     for side, device in devices(args):
@@ -304,7 +305,7 @@ def section_large(args: argparse.Namespace) -> None:
     made = time.perf_counter() - t0
     cfg = TrainConfig(clients=8, method="random", seed=0)
     if args.quick:
-        cfg = cfg.replace(rounds=4, min_rounds=0, warm_min_rounds=0, self_training=0)
+        cfg = dataclasses.replace(cfg, rounds=4, min_rounds=0, warm_min_rounds=0, self_training=0)
     edges = int(data.edge_index.shape[1])
     for side, device in devices(args):
         row = _lazy_on(parts, cfg, device, f"{nodes} nodes, {edges} directed edges, 8 random")
@@ -330,7 +331,7 @@ def section_centralized(args: argparse.Namespace) -> None:
     epochs = 20 if args.quick else 200
     part = whole_graph_partition(_generated(nodes, 20.0))
     device = devices(args)[0][1]
-    cfg = TrainConfig(
+    cfg = TrainConfig.resolve(
         mode="centralized", hidden=256, rounds=epochs, server_lr=0.01, local_epochs=1,
         self_training=0, patience=0, seed=0, device=str(device),
     )  # fmt: skip

@@ -411,7 +411,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     root = private_planetoid(args.root, ("Cora",))
     try:
-        cfg = TrainConfig(
+        cfg = TrainConfig.resolve(
             mode="eager",
             dataset="Cora",
             data_root=str(root),

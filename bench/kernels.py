@@ -126,7 +126,7 @@ def main() -> None:
     part = whole_graph_partition(data)
     edges = int(data.edge_index.shape[1])
     print(f"{args.dataset}: {data.num_nodes} nodes, {edges // 2} undirected edges ({edges} directed)")
-    central = TrainConfig(
+    central = TrainConfig.resolve(
         **{
             **base.to_dict(),
             "mode": "centralized",
@@ -162,7 +162,7 @@ def main() -> None:
     if args.lazy_defaults:
         lazy = TrainConfig(dataset=args.dataset, clients=args.clients, seed=0, device="cpu")
     else:
-        lazy = TrainConfig(**{**base.to_dict(), "clients": args.clients, "rounds": args.lazy_rounds})
+        lazy = TrainConfig.resolve(**{**base.to_dict(), "clients": args.clients, "rounds": args.lazy_rounds})
     parts = partition_graph(data, args.clients, lazy.method, seed=0)
     lazy_s = timed("retexo-fl lazy, in process, CSR", lambda: run_lazy(copy.deepcopy(parts), lazy, quiet))[
         "seconds"

@@ -10,59 +10,9 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from retexo_fl.config import PER_STAGE, TrainConfig
+from retexo_fl.config import SECTIONS, TrainConfig, settings
+from retexo_fl.setting import SettingInfo, settings_of
 from retexo_fl.summary import RunSummary
-
-_HELP = {
-    "mode": "lazy (RETEXO), eager (standard federated GNN), local (no cross edges, TMA), centralized, "
-    "or datacenter (CAGNET full-graph training on torch.distributed, trusted clusters only)",
-    "dataset": "PyG dataset name, sbm:N,C[,deg,homophily], the path of a saved Data file or an npz "
-    "graph, or files:edges=E.csv,features=F,labels=L.csv[,id-column=C][,label-column=C]",
-    "data_root": "folder with the dataset's raw/ files (PyG downloads there if it can)",
-    "split": "public | random:TRAIN,VAL,TEST | per-class:K,VAL,TEST",
-    "clients": "number of clients (partitions)",
-    "method": "partitioner: metis, louvain, random, supernode, label-skew, node",
-    "partitions": "train on partitions written by `retexo-fl partition` instead of cutting the dataset",
-    "model": "conv of stages >= 1: gcn, sage, sage-max, gat (centralized mode also: mlp, no edges)",
-    "stages": "number of stages (stage 0 is the MLP; K stages = K-1 GNN layers)",
-    "central_layers": "layers of the centralized (end-to-end) reference GNN",
-    "eager_model": "eager / local model of stages-1 GNN layers: standard (the reference GNN, "
-    "split so peers get X W, never X; gcn, sage, 2+ layers), layered (MLP encoder, convs, head) "
-    "or auto (standard where it applies)",
-    "pass_embedding": "what the next stage receives: hidden or logits",
-    "root_weight": "gcn and gat stages add a linear map of each node's own input to what they "
-    "aggregate (as SAGE's root weight)",
-    "first_stage": "stage 0: mlp (own features) or local (one model layer over the client's own "
-    "edges; no boundary traffic, but stage 0 then depends on the partitioning)",
-    "self_training": "extra passes over all stages, each client training on its own confident "
-    "predictions as labels (lazy, centralized)",
-    "pseudo_threshold": "softmax confidence a prediction needs to become a self-training label",
-    "pseudo_per_class": "the most self-training labels a client takes per predicted class, most "
-    "confident first (0: no cap)",
-    "pass_init": "where a self-training pass's stages start: warm (the previous pass's kept "
-    "weights) or fresh (new initial weights)",
-    "patience": "early stopping: rounds without a validation gain before a stage stops (0: never)",
-    "min_rounds": "rounds a stage from fresh weights runs before early stopping may end it",
-    "warm_min_rounds": "rounds a stage warm-started from the previous self-training pass runs "
-    "before early stopping may end it",
-    "stop_metric": "what early stopping counts as progress: accuracy (a higher validation "
-    "accuracy) or accuracy-or-loss (that, or a lower validation loss)",
-    "precompute": "gcn and sage stages aggregate their frozen inputs once a stage, so a round is "
-    "a dense step (exact without input dropout)",
-    "drift_correction": "none, or scaffold: correct each local step by control variates so many "
-    "local steps a round do not drift on skewed partitions (one more state sent down a round)",
-    "halo_gradients": "eager: return each halo row's gradient to its owner, one round stale "
-    "(PipeGCN; on by default in eager mode; peers' gradients tell of the sender's labels)",
-    "server_optimizer": "avg (FedAvg) or adam (FedAdam on the averaged update)",
-    "out_dir": "run folder for config.json, events.jsonl and summary.json",
-    "algorithm": "data-center product: 1d, 1.5d, 2d (P a square) or 3d (P a cube)",
-    "procs": "data-center processes started on this host (torchrun sets its own)",
-    "replication": "1.5d's replication factor c (divides procs)",
-    "trusted_cluster": "let data-center mode pool partitions marked residency-bound",
-    "secure_aggregation": "mask every round reply so that the server learns only the survivors' sum",
-    "secagg_threshold": "shares that rebuild a self seed, and the fewest survivors a round decodes with "
-    "(0: (clients + 1) // 2 + 1)",
-}
 
 #: The entry-point group that names the engines ``train --engine`` offers besides ``in-process``
 #: (pyproject.toml registers Flower's simulation engine, ``server.simulation:simulate``, here).
@@ -105,38 +55,44 @@ def commands() -> dict[str, str]:
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
-    for f in dataclasses.fields(TrainConfig):
-        if f.name == "extra":
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        help_ = _HELP.get(f.name, "")
-        if f.name in PER_STAGE:
-            parser.add_argument(
-                flag,
-                default=None,
-                help=f"{help_} one value or a comma list per stage (default {default})".strip(),
-            )
-        elif isinstance(default, bool):
-            # ``--flag`` alone means true; ``--flag false`` also works (run-config style).
-            parser.add_argument(
-                flag,
-                default=None,
-                nargs="?",
-                const=True,
-                type=lambda v: v.lower() in ("1", "true", "yes"),
-                help=f"{help_} (default {str(default).lower()})".strip(),
-            )
-        else:
-            parser.add_argument(flag, default=None, type=type(default), help=f"{help_} (default {default})")
+    """One flag per declared setting, its help the setting's doc, grouped by section."""
+    for section, cls in SECTIONS.items():
+        group = parser.add_argument_group(f"{section} settings")
+        for info in settings_of(cls):
+            _add_flag(group, info)
     parser.add_argument("--out", dest="out_dir", default=None, help="alias of --out-dir")
+
+
+def _add_flag(parser: argparse._ArgumentGroup, info: SettingInfo) -> None:
+    flag = "--" + info.key
+    if info.per_stage:
+        help_ = f"{info.doc}; one value or a comma list per stage (default {info.default})"
+        parser.add_argument(flag, default=None, help=help_)
+    elif isinstance(info.default, bool):
+        # ``--flag`` alone means true; ``--flag false`` also works (run-config style).
+        parser.add_argument(
+            flag,
+            default=None,
+            nargs="?",
+            const=True,
+            type=lambda v: v.lower() in ("1", "true", "yes"),
+            help=f"{info.doc} (default {str(info.default).lower()})",
+        )
+    else:
+        parser.add_argument(
+            flag,
+            default=None,
+            type=type(info.default),
+            choices=info.choices or None,
+            help=f"{info.doc} (default {info.default})",
+        )
 
 
 def _config_from_args(args: argparse.Namespace) -> TrainConfig:
     values = {
-        f.name: getattr(args, f.name)
-        for f in dataclasses.fields(TrainConfig)
-        if f.name != "extra" and getattr(args, f.name, None) is not None
+        info.name: getattr(args, info.name)
+        for info in settings()
+        if getattr(args, info.name, None) is not None
     }
     return TrainConfig.from_mapping(values)
 

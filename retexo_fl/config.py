@@ -21,21 +21,26 @@ module either.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
 from retexo_fl.compress.settings import CompressionSettings
 from retexo_fl.data.settings import DataSettings
 from retexo_fl.datacenter.settings import DatacenterSettings
 from retexo_fl.secure.settings import SecuritySettings, min_threshold
+from retexo_fl.setting import SettingInfo, check_choices, section, setting, settings_of
 
-MODES = ("lazy", "eager", "local", "centralized", "datacenter")
+Mode = Literal["lazy", "eager", "local", "centralized", "datacenter"]
+#: The training modes (``mode``).
+MODES: tuple[str, ...] = get_args(Mode)
+FirstStage = Literal["mlp", "local"]
 #: What stage 0 of a lazy run can be (``first-stage``).
-FIRST_STAGES = ("mlp", "local")
+FIRST_STAGES: tuple[str, ...] = get_args(FirstStage)
+DriftCorrection = Literal["none", "scaffold"]
 #: ``drift-correction``: none, or SCAFFOLD's control variates (:mod:`retexo_fl.training.drift`).
-DRIFT_CORRECTIONS = ("none", "scaffold")
-PER_STAGE = ("rounds", "local_epochs", "lr", "server_lr", "dropout", "input_dropout")
+DRIFT_CORRECTIONS: tuple[str, ...] = get_args(DriftCorrection)
 
 _Section = TypeVar("_Section")
 
@@ -55,69 +60,50 @@ def stage_value(name: str, value: Any, stage: int) -> Any:
     return value
 
 
-@dataclass(frozen=True)
+@section
 class ModelSettings:
     r"""The model stack: the GNN kind, its depth and widths, its regularization.
 
     The ``architecture`` section of :class:`TrainConfig`.
-
-    Args:
-        model (str, optional): the conv of stages :math:`\geq 1`: ``"gcn"``, ``"sage"``,
-            ``"sage-max"`` or ``"gat"``; centralized mode also takes ``"mlp"``, the graph-free
-            reference. (default: :obj:`"gcn"`)
-        stages (int, optional): stages of a lazy run (stage 0 is the MLP; ``K`` stages are
-            ``K - 1`` GNN layers). (default: :obj:`3`)
-        central_layers (int, optional): layers of the centralized (end-to-end) reference GNN.
-            (default: :obj:`2`)
-        eager_model (str, optional): the eager / local model of ``stages - 1`` GNN layers:
-            ``"standard"``, the centralized reference's GNN split at its linear maps (GCN and
-            mean-SAGE, 2 or more layers: :class:`~retexo_fl.models.split.SplitGNN`);
-            ``"layered"``, an MLP encoder, the conv layers and a linear head
-            (:class:`~retexo_fl.models.layered.LayeredGNN`); ``"auto"``, standard wherever it
-            applies. (default: :obj:`"auto"`)
-        hidden (int, optional): hidden width. (default: :obj:`32`)
-        pass_embedding (str, optional): what the next stage receives, ``"hidden"`` or
-            ``"logits"``. (default: :obj:`"hidden"`)
-        norm (str, optional): the normalization after each layer, ``"layer"`` or ``"none"``.
-            (default: :obj:`"none"`)
-        heads (int, optional): attention heads of ``gat``. (default: :obj:`4`)
-        root_weight (bool, optional): ``gcn`` and ``gat`` stages add a linear map of each node's
-            own input to what they aggregate, as SAGE's root weight does (a GCN layer alone
-            weighs a node's own row by ``1 / (degree + 1)``). (default: :obj:`False`)
-        first_stage (str, optional): what stage 0 is: ``"mlp"``, an MLP on each node's own
-            features, or ``"local"``, one ``model`` layer over the subgraph the client's own
-            nodes induce (GCN normalized by degrees inside it): no boundary traffic, so
-            residency holds, but stage 0's output then depends on how the graph was partitioned.
-            (default: :obj:`"mlp"`)
-        dropout (float or list[float], optional): dropout, one value or one per stage.
-            (default: :obj:`0.5`)
-        input_dropout (float or list[float], optional): dropout of each stage's input, one value
-            or one per stage. (default: :obj:`0.5`)
     """
 
-    model: str = "gcn"
-    stages: int = 3
-    central_layers: int = 2
-    eager_model: str = "auto"
-    hidden: int = 32
-    pass_embedding: str = "hidden"
-    norm: str = "none"
-    heads: int = 4
-    root_weight: bool = False
-    first_stage: str = "mlp"
-    dropout: float | list[float] = 0.5
-    input_dropout: float | list[float] = 0.5
+    model: Literal["gcn", "sage", "sage-max", "gat", "mlp"] = setting(
+        "gcn",
+        "the conv of stages >= 1: gcn, sage, sage-max or gat; centralized mode also takes mlp, "
+        "the graph-free reference",
+    )
+    stages: int = setting(3, "stages of a lazy run (stage 0 is the MLP; K stages are K - 1 GNN layers)")
+    central_layers: int = setting(2, "layers of the centralized (end-to-end) reference GNN")
+    eager_model: Literal["auto", "standard", "layered"] = setting(
+        "auto",
+        "the eager / local model of stages - 1 GNN layers: standard (the centralized reference's "
+        "GNN split at its linear maps, so peers get X W, never X; gcn and mean-sage, 2 or more "
+        "layers), layered (an MLP encoder, the conv layers, a linear head) or auto (standard "
+        "wherever it applies)",
+    )
+    hidden: int = setting(32, "hidden width")
+    pass_embedding: Literal["hidden", "logits"] = setting("hidden", "what the next stage receives")
+    norm: Literal["layer", "none"] = setting("none", "the normalization after each hidden layer")
+    heads: int = setting(4, "attention heads of gat")
+    root_weight: bool = setting(
+        False,
+        "gcn and gat stages add a linear map of each node's own input to what they aggregate, as "
+        "SAGE's root weight does (a GCN layer alone weighs a node's own row by 1 / (degree + 1))",
+    )
+    first_stage: FirstStage = setting(
+        "mlp",
+        "stage 0: mlp (an MLP on each node's own features) or local (one model layer over the "
+        "subgraph the client's own nodes induce, GCN normalized by degrees inside it): no boundary "
+        "traffic, so residency holds, but stage 0 then depends on the partitioning",
+    )
+    dropout: float | list[float] = setting(0.5, "dropout", per_stage=True)
+    input_dropout: float | list[float] = setting(0.5, "dropout of each stage's input", per_stage=True)
 
     def validate(self) -> ModelSettings:
         """Raise :class:`ValueError` naming the first bad setting; return ``self`` otherwise."""
+        check_choices(self)
         if self.stages < 1:
             raise ValueError(f"stages must be >= 1, got {self.stages}")
-        if self.first_stage not in FIRST_STAGES:
-            raise ValueError(f"first-stage must be one of {FIRST_STAGES}, got {self.first_stage!r}")
-        if self.pass_embedding not in ("hidden", "logits"):
-            raise ValueError(f"pass-embedding must be hidden or logits, got {self.pass_embedding!r}")
-        if self.eager_model not in ("auto", "standard", "layered"):
-            raise ValueError(f"eager-model must be auto, standard or layered, got {self.eager_model!r}")
         if self.eager_model == "standard" and (self.model not in ("gcn", "sage") or self.stages < 3):
             raise ValueError(
                 "eager-model standard splits 2 or more gcn or sage layers (stages >= 3), got "
@@ -132,109 +118,99 @@ class ModelSettings:
         return self.eager_model == "standard"
 
 
-@dataclass(frozen=True)
+@section
 class TrainingSettings:
     r"""How a run trains: the mode, the per-stage schedule, optimizers, self-training, resources.
 
     The ``training`` section of :class:`TrainConfig`. ``rounds``, ``local_epochs``, ``lr`` and
     ``server_lr`` take one value for every stage or a list with one value per stage.
-
-    Args:
-        mode (str, optional): ``"lazy"`` (RETEXO), ``"eager"``, ``"local"``, ``"centralized"`` or
-            ``"datacenter"``. (default: :obj:`"lazy"`)
-        seed (int, optional): the run's root seed; every other seed derives from it.
-            (default: :obj:`0`)
-        rounds (int or list[int], optional): rounds per stage (at most: early stopping ends a
-            stage sooner). (default: :obj:`32`)
-        local_epochs (int or list[int], optional): local epochs per round. (default: :obj:`5`)
-        optimizer (str, optional): the clients' optimizer, ``"sgd"`` or ``"adam"``.
-            (default: :obj:`"sgd"`)
-        momentum (float, optional): the clients' SGD momentum. (default: :obj:`0.0`)
-        lr (float or list[float], optional): the clients' learning rate. (default: :obj:`1.0`)
-        server_optimizer (str, optional): ``"avg"`` (FedAvg) or ``"adam"`` (FedAdam on the
-            averaged update). (default: :obj:`"avg"`)
-        server_lr (float or list[float], optional): the server optimizer's learning rate.
-            (default: :obj:`1.0`)
-        weight_decay (float, optional): L2 weight decay. (default: :obj:`5e-4`)
-        patience (int, optional): rounds without a better validation accuracy before a stage
-            stops early; :obj:`0` never stops. (default: :obj:`5`)
-        min_rounds (int, optional): rounds a stage that starts from fresh weights runs before
-            early stopping may end it. (default: :obj:`16`)
-        warm_min_rounds (int, optional): the same for a stage that starts from the previous
-            self-training pass's weights (``pass-init warm``): it starts past the plateau a fresh
-            stage must first leave. (default: :obj:`4`)
-        stop_metric (str, optional): what early stopping counts as progress: ``"accuracy"``
-            (a higher validation accuracy) or ``"accuracy-or-loss"`` (that, or a lower
-            validation loss). (default: :obj:`"accuracy-or-loss"`)
-        precompute (bool, optional): GCN and SAGE stages aggregate their frozen inputs once per
-            stage, so every round is a dense step (exact without input dropout; with it, the
-            dropout hits aggregated rows). (default: :obj:`False`)
-        drift_correction (str, optional): ``"none"``, or ``"scaffold"`` to correct each local
-            step by SCAFFOLD's control variates (one more state sent down a round).
-            (default: :obj:`"none"`)
-        halo_gradients (bool, optional): eager: each client returns, with its rows, the gradient
-            of its loss with respect to the halo rows it trained on, one round stale (PipeGCN),
-            so that the encoder learns through cross-client edges too. Peers' gradients carry
-            information about the sender's labels (see ``docs/baselines.md``). On by default in
-            eager mode. (default: :obj:`False`)
-        self_training (int, optional): extra passes over all stages on each client's own confident
-            predictions (lazy, centralized). (default: :obj:`1`)
-        pseudo_threshold (float, optional): softmax confidence a prediction needs to become a
-            self-training label. (default: :obj:`0.6`)
-        pseudo_per_class (int, optional): the most self-training labels per predicted class and
-            client; :obj:`0` for no cap. (default: :obj:`0`)
-        pass_init (str, optional): where a self-training pass's stages start: ``"warm"`` from the
-            previous pass's kept weights of the same layer (a pass then needs a few rounds a
-            stage), or ``"fresh"`` from new initial weights. (default: :obj:`"warm"`)
-        profile (str, optional): ``"default"``; ``"edge"`` for small clients (CPU, one thread,
-            chunked embeddings, 8-bit payloads where those are left at their defaults); or
-            ``"exact"``, the exact mode (one full-batch step a round, server Adam, 5 stages x
-            200 rounds, 32-bit; :data:`EXACT_PROFILE`) wherever the defaults are left.
-            (default: :obj:`"default"`)
-        device (str, optional): ``"auto"``, ``"cpu"`` or ``"cuda[:i]"``. ``auto`` puts a party
-            on the GPU when there is one and its partition holds at least 4,096 nodes (below
-            that, the CPU measured faster); the run's first lines say where each party computes.
-            (default: :obj:`"auto"`)
-        threads (int, optional): torch threads per client; :obj:`0` for torch's default.
-            (default: :obj:`0`)
-        chunk_rows (int, optional): compute embeddings for this many target rows at a time;
-            :obj:`0` for all at once. (default: :obj:`0`)
-        round_seconds (float, optional): local mode's seconds of local training per round;
-            :obj:`0` uses ``local_epochs``. (default: :obj:`0.0`)
-        step_delay (str, optional): ``"P:seconds,..."`` slows client ``P`` down per step
-            (emulation). (default: :obj:`""`)
-        out_dir (str, optional): the run folder for ``config.json``, ``events.jsonl`` and
-            ``summary.json``; empty writes none. (default: :obj:`""`)
     """
 
-    mode: str = "lazy"
-    seed: int = 0
-    rounds: int | list[int] = 32
-    local_epochs: int | list[int] = 5
-    optimizer: str = "sgd"
-    momentum: float = 0.0
-    lr: float | list[float] = 1.0
-    server_optimizer: str = "avg"
-    server_lr: float | list[float] = 1.0
-    weight_decay: float = 5e-4
-    patience: int = 5
-    min_rounds: int = 16
-    warm_min_rounds: int = 4
-    stop_metric: str = "accuracy-or-loss"
-    precompute: bool = False
-    drift_correction: str = "none"
-    halo_gradients: bool = False
-    self_training: int = 1
-    pseudo_threshold: float = 0.6
-    pseudo_per_class: int = 0
-    pass_init: str = "warm"
-    profile: str = "default"
-    device: str = "auto"
-    threads: int = 0
-    chunk_rows: int = 0
-    round_seconds: float = 0.0
-    step_delay: str = ""
-    out_dir: str = ""
+    mode: Mode = setting(
+        "lazy",
+        "lazy (RETEXO), eager (standard federated GNN), local (no cross edges, TMA), centralized, "
+        "or datacenter (CAGNET full-graph training on torch.distributed, trusted clusters only)",
+    )
+    seed: int = setting(0, "the run's root seed; every other seed derives from it")
+    rounds: int | list[int] = setting(
+        32, "rounds per stage (at most: early stopping ends a stage sooner)", per_stage=True
+    )
+    local_epochs: int | list[int] = setting(5, "local epochs (steps) per round", per_stage=True)
+    optimizer: Literal["sgd", "adam"] = setting("sgd", "the clients' optimizer")
+    momentum: float = setting(0.0, "the clients' SGD momentum")
+    lr: float | list[float] = setting(1.0, "the clients' learning rate", per_stage=True)
+    server_optimizer: Literal["avg", "adam"] = setting(
+        "avg", "avg (FedAvg) or adam (FedAdam on the averaged update)"
+    )
+    server_lr: float | list[float] = setting(1.0, "the server optimizer's learning rate", per_stage=True)
+    weight_decay: float = setting(5e-4, "L2 weight decay")
+    patience: int = setting(
+        5, "early stopping: rounds without a validation gain before a stage stops (0: never)"
+    )
+    min_rounds: int = setting(
+        16, "rounds a stage that starts from fresh weights runs before early stopping may end it"
+    )
+    warm_min_rounds: int = setting(
+        4,
+        "the same for a stage that starts from the previous self-training pass's weights "
+        "(pass-init warm): it starts past the plateau a fresh stage must first leave",
+    )
+    stop_metric: Literal["accuracy", "accuracy-or-loss"] = setting(
+        "accuracy-or-loss",
+        "what early stopping counts as progress: a higher validation accuracy (accuracy), or that "
+        "or a lower validation loss (accuracy-or-loss)",
+    )
+    precompute: bool = setting(
+        False,
+        "gcn and sage stages aggregate their frozen inputs once a stage, so every round is a dense "
+        "step (exact without input dropout; with it, the dropout hits aggregated rows)",
+    )
+    drift_correction: DriftCorrection = setting(
+        "none",
+        "none, or scaffold: correct each local step by SCAFFOLD's control variates so that many "
+        "local steps a round do not drift on skewed partitions (one more state sent down a round)",
+    )
+    halo_gradients: bool = setting(
+        False,
+        "eager: each client returns, with its rows, the gradient of its loss with respect to the "
+        "halo rows it trained on, one round stale (PipeGCN); peers' gradients tell of the "
+        "sender's labels (docs/baselines.md); on by default in eager mode",
+    )
+    self_training: int = setting(
+        1,
+        "extra passes over all stages, each client training on its own confident predictions as "
+        "labels (lazy, centralized); the labels never leave the client",
+    )
+    pseudo_threshold: float = setting(
+        0.6, "softmax confidence a prediction needs to become a self-training label"
+    )
+    pseudo_per_class: int = setting(
+        0, "the most self-training labels per predicted class and client, most confident first (0: no cap)"
+    )
+    pass_init: Literal["warm", "fresh"] = setting(
+        "warm",
+        "where a self-training pass's stages start: warm (the previous pass's kept weights of the "
+        "same layer) or fresh (new initial weights)",
+    )
+    profile: Literal["default", "edge", "exact"] = setting(
+        "default",
+        "default; edge for small clients (CPU, one thread, chunked embeddings, 8-bit payloads "
+        "where those are left 32-bit); exact, one full-batch step a round with server Adam, 5 "
+        "stages x 200 rounds, 32-bit (EXACT_PROFILE); a profile sets what the run left unset",
+    )
+    device: str = setting(
+        "auto",
+        "auto, cpu or cuda[:i]; auto puts a party on the GPU when there is one and its partition "
+        "holds at least 4,096 nodes (below that the CPU measured faster), and the run's first "
+        "lines say where each party computes",
+    )
+    threads: int = setting(0, "torch threads per client (0: torch's default)")
+    chunk_rows: int = setting(0, "compute embeddings for this many target rows at a time (0: all at once)")
+    round_seconds: float = setting(
+        0.0, "local / eager: seconds of local training per round, time-based aggregation (0: local-epochs)"
+    )
+    step_delay: str = setting("", "P:seconds,...: slow client P down by that much per step (emulation)")
+    out_dir: str = setting("", "the run folder for config.json, events.jsonl and summary.json (empty: none)")
 
     def validate(self, stages: int = 1) -> TrainingSettings:
         """Raise :class:`ValueError` naming the first bad setting; return ``self`` otherwise.
@@ -243,8 +219,7 @@ class TrainingSettings:
             stages (int, optional): the run's stage count, over which the per-stage values are
                 checked. (default: :obj:`1`)
         """
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        check_choices(self)
         if self.self_training < 0 or not 0 <= self.pseudo_threshold <= 1 or self.pseudo_per_class < 0:
             raise ValueError(
                 "self-training and pseudo-per-class must be >= 0 and pseudo-threshold in [0, 1], got "
@@ -252,24 +227,10 @@ class TrainingSettings:
             )
         if self.self_training and self.mode not in ("lazy", "centralized"):
             raise ValueError(f"self-training applies to lazy and centralized mode, not {self.mode}")
-        if self.pass_init not in ("warm", "fresh"):
-            raise ValueError(f"pass-init must be warm or fresh, got {self.pass_init!r}")
         if self.halo_gradients and self.mode != "eager":
             raise ValueError(f"halo-gradients applies to eager mode, not {self.mode}")
-        if self.server_optimizer not in ("avg", "adam"):
-            raise ValueError(f"server-optimizer must be avg or adam, got {self.server_optimizer!r}")
-        if self.optimizer not in ("adam", "sgd"):
-            raise ValueError(f"optimizer must be adam or sgd, got {self.optimizer!r}")
-        if self.profile not in ("default", "edge", "exact"):
-            raise ValueError(f"profile must be default, edge or exact, got {self.profile!r}")
         if self.threads < 0 or self.chunk_rows < 0:
             raise ValueError("threads and chunk-rows must be >= 0")
-        if self.drift_correction not in DRIFT_CORRECTIONS:
-            raise ValueError(
-                f"drift-correction must be one of {DRIFT_CORRECTIONS}, got {self.drift_correction!r}"
-            )
-        if self.stop_metric not in ("accuracy", "accuracy-or-loss"):
-            raise ValueError(f"stop-metric must be accuracy or accuracy-or-loss, got {self.stop_metric!r}")
         if self.patience < 0 or self.min_rounds < 0 or self.warm_min_rounds < 0:
             raise ValueError(
                 "patience, min-rounds and warm-min-rounds must be >= 0, got "
@@ -289,27 +250,21 @@ class TrainingSettings:
         return self
 
 
-@dataclass(frozen=True)
+@section
 class FailureSettings:
     r"""Client failures (Flower engines): how many clients a run needs and how it continues.
 
     The ``failures`` section of :class:`TrainConfig`.
-
-    Args:
-        min_clients (int, optional): continue while at least this many clients remain;
-            :obj:`0` means every client, so a lost client ends the run. (default: :obj:`0`)
-        on_missing_halo (str, optional): what replaces a lost client's boundary rows, ``"fail"``,
-            ``"zero"`` or ``"reuse-last"``. (default: :obj:`"fail"`)
-        client_timeout (float, optional): seconds the server waits for each message's replies.
-            (default: :obj:`300.0`)
-        resume (str, optional): a lazy run's folder (``out-dir``) to continue from its last
-            checkpoint. (default: :obj:`""`)
     """
 
-    min_clients: int = 0
-    on_missing_halo: str = "fail"
-    client_timeout: float = 300.0
-    resume: str = ""
+    min_clients: int = setting(
+        0, "continue while at least this many clients remain (0: every client; a lost client ends the run)"
+    )
+    on_missing_halo: Literal["fail", "zero", "reuse-last"] = setting(
+        "fail", "what replaces a lost client's boundary rows"
+    )
+    client_timeout: float = setting(300.0, "seconds the server waits for each message's replies")
+    resume: str = setting("", "a lazy run's folder (out-dir) to continue from its last checkpoint")
 
     def validate(self, clients: int) -> FailureSettings:
         """Raise :class:`ValueError` naming the first bad setting; return ``self`` otherwise.
@@ -317,10 +272,7 @@ class FailureSettings:
         Args:
             clients (int): the run's client count, the most ``min_clients`` may be.
         """
-        if self.on_missing_halo not in ("fail", "zero", "reuse-last"):
-            raise ValueError(
-                f"on-missing-halo must be fail, zero or reuse-last, got {self.on_missing_halo!r}"
-            )
+        check_choices(self)
         if not 0 <= self.min_clients <= clients:
             raise ValueError(f"min-clients must be in [0, clients={clients}], got {self.min_clients}")
         if self.client_timeout <= 0:
@@ -339,6 +291,19 @@ SECTIONS: dict[str, type] = {
     "failures": FailureSettings,
     "datacenter": DatacenterSettings,
 }
+
+
+def settings() -> list[SettingInfo]:
+    """Every setting of a run, section by section: name, key, type, default, doc and choices.
+
+    What the CLI's flags and help, the docs and the check of ``pyproject.toml``'s run-config
+    table read.
+    """
+    return [info for cls in SECTIONS.values() for info in settings_of(cls)]
+
+
+#: The per-stage settings: one value for every stage, or a list with one value per stage.
+PER_STAGE: tuple[str, ...] = tuple(info.name for info in settings() if info.per_stage)
 
 
 #: ``--profile exact``: the exact mode, the defaults before round-efficient training. Five stages
@@ -406,165 +371,77 @@ MODE_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-@dataclass
-class TrainConfig:
-    """Every setting of a training run; kebab-case names are the run-config / CLI keys.
+def _flat_fields(cls: type) -> type:
+    """Make ``cls`` a dataclass with every section's settings as its own flat fields.
 
-    The fields are flat (``cfg.bits``, ``cfg.hidden``) and grouped into read-only typed sections
-    (``cfg.data``, ``cfg.architecture``, ``cfg.training``, ``cfg.compression``, ``cfg.security``,
-    ``cfg.failures``, ``cfg.datacenter``; see :data:`SECTIONS`), whose classes document every
-    setting and validate their own values. Per-stage settings (``rounds``, ``local_epochs``,
-    ``lr``, ``server_lr``, ``dropout``, ``input_dropout``) take one value for every stage or a
-    list with one value per stage. ``extra`` holds free-form settings outside every section.
+    Each field is the section's own (type, default and doc in its metadata), so a setting is
+    declared once, in its section; ``cls``'s own fields (``extra``) follow them.
+    """
+    own = inspect.get_annotations(cls)
+    flat: dict[str, Any] = {}
+    for section_cls in SECTIONS.values():
+        for f in dataclasses.fields(section_cls):
+            flat[f.name] = f.type
+            kept = {"default": f.default} if f.default is not dataclasses.MISSING else {}
+            if f.default_factory is not dataclasses.MISSING:
+                kept = {"default_factory": f.default_factory}
+            setattr(cls, f.name, field(**kept, metadata=f.metadata))
+    cls.__annotations__ = {**flat, **own}
+    return dataclass(cls)
+
+
+@_flat_fields
+class TrainConfig:
+    """Every setting of a training run, flat; kebab-case names are the run-config / CLI keys.
+
+    The fields are those of the sections (:data:`SECTIONS`), where each is declared once with
+    its type, default and doc, and read back grouped (``cfg.data``, ``cfg.architecture``,
+    ``cfg.training``, ``cfg.compression``, ``cfg.security``, ``cfg.failures``,
+    ``cfg.datacenter``). Per-stage settings (``rounds``, ``local_epochs``, ``lr``,
+    ``server_lr``, ``dropout``, ``input_dropout``) take one value for every stage or a list with
+    one value per stage. ``extra`` holds free-form settings outside every section.
+
+    A ``TrainConfig(...)`` is exactly what it is given, every other field at its section's
+    default: the lazy defaults. A mode's or profile's own defaults are applied by one function,
+    :meth:`resolve`, which the CLI, the run config and the engines use:
+    ``TrainConfig.resolve(mode="eager")`` is eager's default run.
     """
 
-    mode: str = "lazy"
-    dataset: str = "Cora"
-    data_root: str = "data"
-    split: str = "public"
-    split_index: int = 0
-    clients: int = 4
-    method: str = "metis"
-    partitions: str = ""
-    seed: int = 0
-    model: str = "gcn"
-    stages: int = 3
-    central_layers: int = 2
-    eager_model: str = "auto"  # standard (the reference GNN, split) | layered | auto
-    hidden: int = 32
-    pass_embedding: str = "hidden"
-    # Self-training (lazy and centralized): after the last stage, every client labels its own
-    # unlabeled nodes predicted with at least this confidence (never validation nodes), and the
-    # whole stack is trained again on them, once per pass. The labels never leave the client.
-    self_training: int = 1  # extra passes
-    pseudo_threshold: float = 0.6  # chosen on validation over 10 cells (bench/README.md, phase K)
-    pseudo_per_class: int = 0  # at most this many new labels per predicted class and client; 0: no cap
-    # A pass's stages start from the previous pass's kept weights ("warm") or new ones ("fresh").
-    pass_init: str = "warm"
-    # Round-efficient defaults: at most 32 rounds of 5 local SGD steps a stage, FedAvg,
-    # early stopping, 4-bit updates and broadcasts, one warm self-training pass.
-    # ``profile="exact"`` restores one full-batch step a round with the server's Adam, which
-    # follows centralized Adam (see EXACT_PROFILE).
-    rounds: int | list[int] = 32
-    local_epochs: int | list[int] = 5
-    optimizer: str = "sgd"
-    momentum: float = 0.0
-    lr: float | list[float] = 1.0
-    server_optimizer: str = "avg"
-    server_lr: float | list[float] = 1.0
-    weight_decay: float = 5e-4
-    dropout: float | list[float] = 0.5
-    input_dropout: float | list[float] = 0.5
-    norm: str = "none"
-    heads: int = 4
-    root_weight: bool = False  # gcn / gat stages: a separate linear map of a node's own input
-    first_stage: str = "mlp"  # stage 0: mlp, or local (one layer over the client's own edges)
-    patience: int = 5  # early stopping: rounds without a validation gain (0: never stop)
-    min_rounds: int = 16  # rounds a fresh stage runs before early stopping may end it
-    warm_min_rounds: int = 4  # the same for a stage warm-started from the previous pass
-    stop_metric: str = "accuracy-or-loss"  # early stopping's progress: accuracy | accuracy-or-loss
-    # GCN / SAGE stages: aggregate the frozen stage input once, then every round is dense.
-    precompute: bool = False
-    # Many local steps a round: "scaffold" corrects client drift with control variates.
-    drift_correction: str = "none"
-    # Eager: return the gradient of each halo row to its owner, one round stale (PipeGCN).
-    halo_gradients: bool = False
-    device: str = "auto"
-    # Local mode's time-based aggregation: seconds of local training per round (0: local-epochs).
-    round_seconds: float = 0.0
-    step_delay: str = ""  # "P:seconds,...": slow client P down by that much per step (emulation)
-    # Small clients: profile "edge" means CPU, bounded threads, embeddings in row chunks and
-    # 8-bit boundary rows, updates and broadcasts wherever those were 32-bit (model deltas are
-    # 4-bit by default).
-    profile: str = "default"
-    threads: int = 0  # torch threads per client (0: torch's default)
-    chunk_rows: int = 0  # embeddings for this many target rows at a time (0: all at once)
-    # Compression of boundary rows, model updates and broadcasts (docs/compression.md).
-    bits: int = 32
-    bit_policy: str = "fixed"
-    byte_budget: str = ""
-    link_bandwidths: str = ""
-    time_budget: float = 0.0
-    rate_schedule: str = "fixed"
-    update_bits: int = 4
-    broadcast_bits: int = 4  # the server's model broadcast as b-bit deltas (32: whole state)
-    range_dtype: str = "fp16"
-    # End-to-end encryption of boundary payloads between clients (docs/security.md).
-    encrypt: bool = True
-    identity_keys: str = ""  # folder of client-<id>.key identity keys (else one key pair per run)
-    pinned_keys: str = ""  # JSON {client id: public key hex} exchanged out of band
-    # Differential privacy of model updates (DP-FedAvg, central noise; needs retexo-fl[dp]).
-    dp_noise: float = 0.0  # noise multiplier; 0 turns DP off
-    dp_clip: float = 1.0  # L2 norm each client's round update is clipped to
-    dp_delta: float = 1e-5
-    dp_reproducible: bool = False  # noise from the run seed (engines agree; the seed removes it)
-    # Released boundary rows: clipped per row to L2 norm boundary-clip, then Gaussian noise of
-    # standard deviation boundary-noise * boundary-clip on every row (0: off).
-    boundary_clip: float = 0.0
-    boundary_noise: float = 0.0
-    # Secure aggregation: masked round replies, the server learns only the survivors' sum.
-    secure_aggregation: bool = False
-    secagg_threshold: int = 0  # 0: the least safe threshold, (clients + 1) // 2 + 1
-    secagg_clip: float = 10.0  # bound of a weighted update coordinate in the field encoding
-    # Client failures (Flower engines): how many clients a run needs, what replaces a lost
-    # client's boundary rows (fail | zero | reuse-last), and how long the server waits per message.
-    min_clients: int = 0  # 0: every client; a lost client ends the run
-    on_missing_halo: str = "fail"
-    client_timeout: float = 300.0
-    resume: str = ""  # a lazy run's folder (--out) to continue from its last checkpoint (Flower engines)
-    audit: str = ""  # folder where each client records every message it sends (retexo-fl audit)
-    # Data-center mode (CAGNET full-graph training on torch.distributed, trusted clusters only).
-    algorithm: str = "1d"
-    procs: int = 4
-    replication: int = 2  # 1.5d's replication factor c
-    trusted_cluster: bool = False
-    out_dir: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> TrainConfig:
-        # The settings given by name: a profile or a mode's defaults never replace them.
-        self = super().__new__(cls)
-        self._given = frozenset(kwargs)
-        return self
+    @classmethod
+    def resolve(cls, **given: Any) -> TrainConfig:
+        """The configuration of a run given ``given``: mode and profile defaults for the rest.
 
-    def __post_init__(self) -> None:
-        # A profile or a mode sets what the run did not give (see ``__new__``).
-        if self.profile == "exact":
-            self._fill(EXACT_PROFILE)
-        self._fill(MODE_DEFAULTS.get(self.mode, {}))
-        if self.boundary_noise > 0 and "halo_gradients" not in self._given:
-            # Noised rows with raw gradients back would undo the noise's point: the default
-            # gives way (halo-gradients true with boundary-noise is refused by validate()).
-            self.halo_gradients = False
-        if self.profile == "edge":
-            self.device = "cpu" if self.device == "auto" else self.device
-            self.threads = self.threads or 1
-            self.chunk_rows = self.chunk_rows or 4096
-            self.bits = 8 if self.bits == 32 else self.bits
-            self.update_bits = 8 if self.update_bits == 32 else self.update_bits
-            self.broadcast_bits = 8 if self.broadcast_bits == 32 else self.broadcast_bits
-
-    def replace(self, **changes: Any) -> TrainConfig:
-        """A copy with ``changes``, built as this one was.
-
-        The settings this config was given and ``changes`` count as given; a changed mode or
-        profile brings its own defaults for the rest. (``dataclasses.replace`` passes every field
-        by name, so no mode default would apply: ``dataclasses.replace(TrainConfig(),
-        mode="eager")`` keeps the lazy hidden width, where ``TrainConfig().replace(mode="eager")``
-        equals ``TrainConfig(mode="eager")``.)
+        In order: ``profile exact`` sets :data:`EXACT_PROFILE`, then ``mode`` sets its
+        :data:`MODE_DEFAULTS`, each only where ``given`` has no value; ``boundary-noise`` turns
+        eager's halo gradients off unless they were given (noised rows with raw gradients back
+        would undo the noise); ``profile edge`` makes the device CPU, threads 1, chunks of 4,096
+        rows and 32-bit payloads 8-bit. What ``given`` names is kept as given (edge's changes
+        apply to values left at the defaults they replace).
 
         Args:
-            **changes: settings by snake-case name.
+            **given: settings by snake-case name (those a user, a run config or a caller set).
         """
-        given = {name: getattr(self, name) for name in self._given if name not in changes}
-        return type(self)(**given, **changes)
-
-    def _fill(self, values: dict[str, Any]) -> None:
-        """Set each of ``values`` that the constructor was not given."""
-        given = getattr(self, "_given", frozenset())
-        for name, value in values.items():
-            if name not in given:
-                setattr(self, name, value)
+        defaults = cls()
+        profile = given.get("profile", defaults.profile)
+        mode = given.get("mode", defaults.mode)
+        values: dict[str, Any] = {}
+        if profile == "exact":
+            values.update(EXACT_PROFILE)
+        values.update(MODE_DEFAULTS.get(mode, {}))
+        if given.get("boundary_noise", defaults.boundary_noise) > 0:
+            values["halo_gradients"] = False
+        values.update(given)
+        cfg = cls(**values)
+        if profile == "edge":
+            cfg.device = "cpu" if cfg.device == "auto" else cfg.device
+            cfg.threads = cfg.threads or 1
+            cfg.chunk_rows = cfg.chunk_rows or 4096
+            cfg.bits = 8 if cfg.bits == 32 else cfg.bits
+            cfg.update_bits = 8 if cfg.update_bits == 32 else cfg.update_bits
+            cfg.broadcast_bits = 8 if cfg.broadcast_bits == 32 else cfg.broadcast_bits
+        return cfg
 
     def _section(self, cls: type[_Section]) -> _Section:
         return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
@@ -689,7 +566,7 @@ class TrainConfig:
             if name not in names:
                 raise ValueError(f"unknown setting {key!r}")
             kwargs[name] = parse_list(value) if name in PER_STAGE else value
-        return cls(**kwargs).validate()
+        return cls.resolve(**kwargs).validate()
 
     @classmethod
     def from_run_config(cls, values: dict[str, Any], overridden: Iterable[str] | None = None) -> TrainConfig:
@@ -731,13 +608,13 @@ class TrainConfig:
             **sections: e.g. ``data=DataSettings(dataset="CiteSeer")``.
         """
         kwargs: dict[str, Any] = {"extra": dict(extra or {})}
-        for name, section in sections.items():
+        for name, given in sections.items():
             want = SECTIONS.get(name)
             if want is None:
                 raise ValueError(f"unknown section {name!r}; sections: {', '.join(SECTIONS)}")
-            if not isinstance(section, want):
-                raise TypeError(f"section {name!r} must be a {want.__name__}, got {type(section).__name__}")
-            kwargs.update(dataclasses.asdict(section))
+            if not isinstance(given, want):
+                raise TypeError(f"section {name!r} must be a {want.__name__}, got {type(given).__name__}")
+            kwargs.update(dataclasses.asdict(given))
         return cls(**kwargs).validate()
 
 

@@ -113,8 +113,16 @@ def test_corrupt_partition_is_a_clear_error(tmp_path, capsys):
 
 
 def test_unknown_setting_is_refused(capsys):
-    assert main(["train", "--dataset", "sbm:100,2", "--model", "transformer", "--rounds", "1"]) == 2
-    assert "unknown model" in capsys.readouterr().err
+    # The flag's choices are the setting's declared Literal: argparse refuses before any work.
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--dataset", "sbm:100,2", "--model", "transformer", "--rounds", "1"])
+    assert exit_.value.code == 2
+    assert "--model: invalid choice: 'transformer'" in capsys.readouterr().err
+    # The same value from a run config or a script is refused by name, too.
+    with pytest.raises(
+        ValueError, match="model must be one of gcn, sage, sage-max, gat, mlp; got 'transformer'"
+    ):
+        TrainConfig.from_mapping({"model": "transformer"})
 
 
 def test_compression_flags(tmp_path, capsys):

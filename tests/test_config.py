@@ -9,7 +9,7 @@ import pytest
 import tomllib
 
 from retexo_fl.compress.settings import CompressionSettings
-from retexo_fl.config import SECTIONS, TrainConfig
+from retexo_fl.config import PER_STAGE, SECTIONS, ModelSettings, TrainConfig, parse_list, settings
 from retexo_fl.data.settings import DataSettings
 from retexo_fl.datacenter.settings import DatacenterSettings
 from retexo_fl.secure.settings import SecuritySettings
@@ -108,7 +108,7 @@ def test_from_mapping_reads_kebab_keys_and_per_stage_lists():
     ],
 )
 def test_each_section_validates_its_own_keys(values, section, message):
-    cfg = TrainConfig(**values)
+    cfg = TrainConfig.resolve(**values)
     # Sections whose checks need a key of another section take it as an argument.
     context = {"training": {"stages": cfg.stages}, "failures": {"clients": cfg.clients}}
     with pytest.raises(ValueError, match=message):
@@ -122,15 +122,15 @@ def test_checks_across_sections():
     with pytest.raises(ValueError, match=r"min-clients must be in \[0, clients=4\]"):
         TrainConfig(clients=4, min_clients=5).validate()
     with pytest.raises(ValueError, match="square"):
-        TrainConfig(mode="datacenter", algorithm="2d", procs=3).validate()
+        TrainConfig.resolve(mode="datacenter", algorithm="2d", procs=3).validate()
     # Only a data-center run needs procs to form the algorithm's grid.
-    TrainConfig(mode="lazy", algorithm="2d", procs=3).validate()
+    TrainConfig.resolve(mode="lazy", algorithm="2d", procs=3).validate()
     with pytest.raises(ValueError, match="self-training applies to lazy and centralized"):
-        TrainConfig(mode="eager", self_training=1).validate()
+        TrainConfig.resolve(mode="eager", self_training=1).validate()
 
 
 def test_edge_profile_fills_only_what_was_left_at_its_default():
-    edge = TrainConfig(profile="edge", bits=4)
+    edge = TrainConfig.resolve(profile="edge", bits=4)
     assert (edge.device, edge.threads, edge.chunk_rows) == ("cpu", 1, 4096)
     assert (edge.bits, edge.update_bits, edge.broadcast_bits) == (
         4,
@@ -139,21 +139,66 @@ def test_edge_profile_fills_only_what_was_left_at_its_default():
     )  # updates and broadcasts: already 4-bit by default
 
 
-def test_a_replaced_mode_brings_its_defaults_as_a_new_config_does():
-    eager = TrainConfig(mode="eager")
-    assert TrainConfig().replace(mode="eager") == eager
-    # dataclasses.replace passes every field: the lazy defaults stay (what replace() is for).
-    plain = dataclasses.replace(TrainConfig(), mode="eager")
-    assert (plain.hidden, eager.hidden) == (32, 64) and plain != eager
-    # What a config was given stays given, whatever the new mode's default is.
-    mine = TrainConfig(hidden=16, seed=3).replace(mode="eager")
+def test_a_config_is_what_it_was_given_however_it_was_built():
+    # Built by name or by dataclasses.replace, the same settings are the same config: no
+    # constructor remembers what it was given.
+    assert TrainConfig(mode="eager") == dataclasses.replace(TrainConfig(), mode="eager")
+    assert TrainConfig(mode="eager").hidden == TrainConfig().hidden == 32
+    # Mode defaults come from one function, whatever else was given with the mode.
+    eager = TrainConfig.resolve(mode="eager")
+    lazy = TrainConfig()
+    changed = {
+        f.name for f in dataclasses.fields(TrainConfig) if getattr(eager, f.name) != getattr(lazy, f.name)
+    }
+    assert changed == {
+        "mode", "hidden", "rounds", "local_epochs", "server_optimizer", "server_lr", "patience",
+        "min_rounds", "warm_min_rounds", "self_training", "update_bits", "broadcast_bits", "halo_gradients",
+    }  # fmt: skip
+    assert (eager.hidden, eager.rounds, eager.halo_gradients, eager.update_bits) == (64, 100, True, 32)
+    # What a caller gives stays given, whatever the mode's default is.
+    mine = TrainConfig.resolve(hidden=16, seed=3, mode="eager")
     assert (mine.hidden, mine.seed, mine.rounds) == (16, 3, eager.rounds)
-    assert TrainConfig(profile="exact").replace(clients=7) == TrainConfig(profile="exact", clients=7)
+    assert TrainConfig.resolve(hidden=32, mode="eager").hidden == 32
+    assert TrainConfig.resolve(profile="exact", clients=7) == dataclasses.replace(
+        TrainConfig.resolve(profile="exact"), clients=7
+    )
+    # boundary-noise turns eager's halo gradients off, unless they were given.
+    assert TrainConfig.resolve(mode="eager", boundary_clip=1.0, boundary_noise=1.0).halo_gradients is False
+    assert TrainConfig.resolve(mode="eager", boundary_noise=1.0, halo_gradients=True).halo_gradients
 
 
-def test_the_apps_run_config_is_a_valid_train_config():
+def test_every_setting_is_declared_once_with_a_type_default_and_doc():
+    infos = settings()
+    assert [i.name for i in infos] == [f.name for f in dataclasses.fields(TrainConfig)][:-1]
+    for info in infos:
+        assert info.doc and info.annotation, info.name
+        field = next(f for f in dataclasses.fields(TrainConfig) if f.name == info.name)
+        # The flat field is the section's own declaration, not a copy kept in step by hand.
+        assert field.metadata["doc"] == info.doc and getattr(TrainConfig(), info.name) == info.default
+    # Literal types are what validation and the CLI's choices enforce.
+    choices = {i.key: i.choices for i in infos if i.choices}
+    assert choices["mode"] == ("lazy", "eager", "local", "centralized", "datacenter")
+    assert choices["norm"] == ("layer", "none") and choices["range-dtype"] == ("fp16", "bf16")
+    assert set(PER_STAGE) == {"rounds", "local_epochs", "lr", "server_lr", "dropout", "input_dropout"}
+    with pytest.raises(ValueError, match="norm must be one of layer, none; got 'batch'"):
+        TrainConfig(norm="batch").validate()
+    # Each section's docstring lists its settings, generated from the same declarations.
+    assert "hidden (int, optional): hidden width (default: 32)" in ModelSettings.__doc__
+
+
+# Keys of pyproject.toml's run-config table whose value is not the setting's default, and why.
+APP_VALUES_OF_THEIR_OWN = {"out-dir": "runs/flwr"}  # flwr run writes each run under the app folder
+
+
+def test_the_apps_run_config_table_is_checked_against_the_declarations():
     app = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
-    cfg = TrainConfig.from_mapping({k: v for k, v in app.items() if k.replace("-", "_") in _flat_names()})
+    assert set(app) == USER_KEYS - {"central-layers", "algorithm", "procs", "replication", "trusted-cluster"}
+    for info in settings():
+        if info.key not in app:
+            continue  # data-center settings: `flwr run` never trains in that mode
+        value = parse_list(app[info.key]) if info.per_stage else app[info.key]
+        assert value == APP_VALUES_OF_THEIR_OWN.get(info.key, info.default), info.key
+    cfg = TrainConfig.from_mapping(app)
     assert cfg.mode in ("lazy", "eager", "local")
 
 
@@ -161,17 +206,9 @@ def test_a_run_config_value_set_by_the_submitter_is_kept_even_at_the_lazy_defaul
     app = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     fused = {**app, "mode": "eager", "hidden": 32}  # Flower's run config: pyproject's, then overrides
     asked = TrainConfig.from_run_config(fused, overridden=["mode", "hidden"])
-    assert (asked.mode, asked.hidden, asked.rounds) == ("eager", 32, TrainConfig(mode="eager").rounds)
+    assert (asked.mode, asked.hidden, asked.rounds) == ("eager", 32, TrainConfig.resolve(mode="eager").rounds)
     # Without the submitter's keys, 32 reads as "not given" and eager's own width applies.
-    assert TrainConfig.from_run_config(fused).hidden == TrainConfig(mode="eager").hidden == 64
-
-
-def test_section_defaults_are_the_flat_defaults():
-    # Each key's default is written twice (the flat field users see, the section that validates
-    # it): a default changed in one place only must fail here.
-    flat = TrainConfig()
-    for name, cls in SECTIONS.items():
-        assert getattr(flat, name) == cls(), name
+    assert TrainConfig.from_run_config(fused).hidden == TrainConfig.resolve(mode="eager").hidden == 64
 
 
 def test_secure_aggregation_settings_that_cannot_work_are_refused_by_name():
@@ -184,4 +221,4 @@ def test_secure_aggregation_settings_that_cannot_work_are_refused_by_name():
         ({"clients": 4, "secagg_threshold": 5}, "secagg-threshold must be 3 to 4 for 4 clients"),
     ):
         with pytest.raises(ValueError, match=message):
-            TrainConfig(**{"secure_aggregation": True, **values}).validate()
+            TrainConfig.resolve(**{"secure_aggregation": True, **values}).validate()

@@ -124,7 +124,7 @@ def _simulated(parts: Path, rounds: int = 3) -> dict:
     from server.simulation import simulate
 
     return simulate(
-        TrainConfig(
+        TrainConfig.resolve(
             profile="exact", partitions=str(parts), clients=3, stages=2, rounds=rounds, hidden=16, seed=1
         )
     )
@@ -228,7 +228,7 @@ def test_plain_flower_supernode_still_works_beside_retexo_supernodes(data_root, 
     deployed = json.loads((out / "summary.json").read_text())
     # In process, not in Ray: the engines agree (tested above and in tests/test_resume.py), and
     # a second simulation would add half a minute to the slowest test of the suite.
-    cfg = TrainConfig(
+    cfg = TrainConfig.resolve(
         profile="exact", partitions=str(parts), clients=3, stages=2, rounds=1, hidden=16, seed=1
     )
     in_process = train(cfg, RunRecorder(None, stream=None))

@@ -25,7 +25,7 @@ _CHILD = textwrap.dedent(
     from retexo_fl.data.partition import load_partition
     from retexo_fl.training.lazy_client import LazyClient
     part = load_partition(sys.argv[1])
-    cfg = TrainConfig(**json.loads(sys.argv[2]))
+    cfg = TrainConfig.resolve(**json.loads(sys.argv[2]))
     client = LazyClient(part, cfg)
     # Stage 1 of a lone client (no halo rows), through the client's own interface.
     client.advance(torch.randn(part.num_nodes, 64, generator=torch.Generator().manual_seed(0)))
@@ -47,13 +47,13 @@ _CHILD = textwrap.dedent(
 
 
 def test_edge_profile_defaults():
-    cfg = TrainConfig(profile="edge")
+    cfg = TrainConfig.resolve(profile="edge")
     assert (cfg.device, cfg.threads, cfg.chunk_rows) == ("cpu", 1, 4096)
     assert (cfg.bits, cfg.update_bits, cfg.broadcast_bits) == (8, 4, 4)  # model deltas are 4-bit by default
-    assert TrainConfig(profile="edge", bits=4, chunk_rows=100).bits == 4  # what the user set stays
-    assert TrainConfig.from_mapping(TrainConfig(profile="edge").to_dict()).chunk_rows == 4096
+    assert TrainConfig.resolve(profile="edge", bits=4, chunk_rows=100).bits == 4  # what the user set stays
+    assert TrainConfig.from_mapping(TrainConfig.resolve(profile="edge").to_dict()).chunk_rows == 4096
     with pytest.raises(ValueError, match="profile"):
-        TrainConfig(profile="phone").validate()
+        TrainConfig.resolve(profile="phone").validate()
 
 
 @pytest.mark.slow

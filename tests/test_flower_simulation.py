@@ -16,13 +16,13 @@ def _both_engines(cfg: TrainConfig, rec: RunRecorder | None = None) -> tuple[dic
     from server.simulation import simulate
 
     sim = simulate(cfg)
-    ref = train(TrainConfig(**{**cfg.to_dict(), "out_dir": ""}), rec or RunRecorder(None, stream=None))
+    ref = train(TrainConfig.resolve(**{**cfg.to_dict(), "out_dir": ""}), rec or RunRecorder(None, stream=None))
     return sim, ref
 
 
 @pytest.mark.slow
 def test_simulation_matches_in_process(tmp_path):
-    cfg = TrainConfig(
+    cfg = TrainConfig.resolve(
         profile="exact",  # the settings below as given; the rest as before the round-efficient defaults
         dataset="sbm:500,3,8,0.85",
         clients=3,
@@ -95,7 +95,7 @@ def test_failing_client_ends_the_run_with_its_name(tmp_path):
     x = np.load(parts / "part-2" / "x.npy")
     x[0, 0] = np.nan
     np.save(parts / "part-2" / "x.npy", x)
-    cfg = TrainConfig(partitions=str(parts), clients=3, stages=2, hidden=8, rounds=2, profile="exact")
+    cfg = TrainConfig.resolve(partitions=str(parts), clients=3, stages=2, hidden=8, rounds=2, profile="exact")
     with pytest.raises(
         ClientFailure,
         match=r"failed during (key )?setup: client 2: PartitionError: .*part-2/x\.npy: field 'checksum'",
@@ -132,7 +132,7 @@ def test_client_failing_mid_stage_ends_the_run_with_its_name(tmp_path, node_work
 
     watcher = threading.Thread(target=corrupt_when_stage_1_starts, daemon=True)
     watcher.start()
-    cfg = TrainConfig(
+    cfg = TrainConfig.resolve(
         dataset="sbm:300,3", clients=3, stages=2, hidden=8, rounds=[2, 40], seed=0, profile="exact"
     )
     try:
@@ -146,7 +146,7 @@ def test_client_failing_mid_stage_ends_the_run_with_its_name(tmp_path, node_work
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["eager", "local"])
 def test_baselines_match_in_process(tmp_path, mode):
-    cfg = TrainConfig(
+    cfg = TrainConfig.resolve(
         profile="exact",  # the settings below as given; the rest as before the round-efficient defaults
         mode=mode,
         dataset="sbm:300,3,8,0.85",
@@ -186,7 +186,7 @@ def _bytes_curve(summary: dict) -> list[int]:
 def test_time_based_rounds_in_simulation(tmp_path):
     from server.simulation import simulate
 
-    cfg = TrainConfig(
+    cfg = TrainConfig.resolve(
         profile="exact",  # the settings below as given; the rest as before the round-efficient defaults
         mode="local",
         dataset="sbm:300,3,8,0.85",
@@ -210,7 +210,7 @@ def test_self_training_in_simulation_matches_in_process(tmp_path, node_work_dir)
     from clients.node import cut_folder
     from clients.node_client import write_cut
 
-    cfg = TrainConfig(
+    cfg = TrainConfig.resolve(
         profile="exact",  # the settings below as given; the rest as before the round-efficient defaults
         dataset="sbm:400,3,8,0.85",
         clients=3,
@@ -225,7 +225,7 @@ def test_self_training_in_simulation_matches_in_process(tmp_path, node_work_dir)
     )
     # A stale cut where the nodes look for theirs (another seed's, as an earlier version or a
     # half-finished run could leave): the simulation writes its own cut over it.
-    write_cut(TrainConfig(**{**cfg.to_dict(), "seed": 1}), cut_folder(node_work_dir, cfg))
+    write_cut(TrainConfig.resolve(**{**cfg.to_dict(), "seed": 1}), cut_folder(node_work_dir, cfg))
     sim, ref = _both_engines(cfg, RunRecorder(tmp_path / "ref", stream=None))
     events = [json.loads(line) for line in (tmp_path / "ref" / "events.jsonl").read_text().splitlines()]
     (relabel,) = [e for e in events if e["event"] == "relabel"]
@@ -242,7 +242,7 @@ def test_self_training_in_simulation_matches_in_process(tmp_path, node_work_dir)
 def test_secure_aggregation_on_cora_matches_in_process_and_plain(tmp_path, data_root):
     """Masked replies, sealed shares and the unmask message through Flower's simulation engine:
     the same weights as in process, and the accuracy of plain aggregation on Cora."""
-    cfg = TrainConfig(
+    cfg = TrainConfig.resolve(
         profile="exact",  # the settings below as given; the rest as before the round-efficient defaults
         dataset="Cora",
         data_root=str(data_root),
@@ -261,7 +261,7 @@ def test_secure_aggregation_on_cora_matches_in_process_and_plain(tmp_path, data_
         out_dir=str(tmp_path / "sim"),
     )
     sim, ref = _both_engines(cfg)
-    plain_cfg = TrainConfig(**{**cfg.to_dict(), "out_dir": "", "secure_aggregation": False})
+    plain_cfg = TrainConfig.resolve(**{**cfg.to_dict(), "out_dir": "", "secure_aggregation": False})
     plain = train(plain_cfg, RunRecorder(None, stream=None))
     # The field encoding's rounding is seeded and the masks cancel exactly: both engines agree
     # bit for bit, and the ~1e-7 decoding error moves no prediction against plain FedAvg.

@@ -13,7 +13,7 @@ from retexo_fl.training.inprocess import InProcessTransport
 
 
 def _federation(**kw) -> Federation:
-    return Federation(InProcessTransport([]), TrainConfig(**kw), RunRecorder(None, stream=None))
+    return Federation(InProcessTransport([]), TrainConfig.resolve(**kw), RunRecorder(None, stream=None))
 
 
 def test_train_messages_carry_the_digest_not_the_config():

@@ -83,7 +83,7 @@ def test_killed_run_resumes_to_the_uninterrupted_accuracy(tmp_path, settings, ki
     assert killed_at is not None, f"the run ended or stalled before stage, round {kill_at}"
     assert killed_at[0] == kill_at[0] and not (run / "summary.json").exists()
 
-    resumed = simulate(TrainConfig(profile="exact", resume=str(run)))
+    resumed = simulate(TrainConfig.resolve(profile="exact", resume=str(run)))
     assert resumed["resumed"] is True
     cfg = TrainConfig.from_mapping(settings)
     assert [s["stage"] for s in resumed["stages"]] == list(range(cfg.total_stages))
@@ -167,7 +167,7 @@ def test_a_server_killed_at_any_phase_boundary_resumes_bit_for_bit(tmp_path, cod
     data = synthetic_sbm(150, 3, avg_degree=6, homophily=0.85, num_features=8, feature_signal=0.35, seed=1)
     apply_split(data, "random:0.3,0.2,0.5", seed=1)
     parts = partition_graph(data, 3, "random", seed=0)
-    cfg = TrainConfig(**EVERY_BOUNDARY, **CODECS[codec])
+    cfg = TrainConfig.resolve(**EVERY_BOUNDARY, **CODECS[codec])
     whole, messages = _run_on_disk(parts, cfg, tmp_path / "whole", None)
     assert whole is not None
     # Per client: key setup and setup, each stage's train rounds (and unmask messages) and last

@@ -27,7 +27,7 @@ def runs(tmp_path_factory):
     out = {}
     for mode in ("lazy", "eager", "centralized"):
         folder = tmp_path_factory.mktemp(mode)
-        cfg = TrainConfig(
+        cfg = TrainConfig.resolve(
             mode=mode, dataset="sbm:200,3,6,0.8", clients=3, method="random", rounds=2, self_training=0,
             out_dir=str(folder),
         )  # fmt: skip

@@ -7,9 +7,10 @@ section, and the codecs import the bit widths from it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Literal, get_args
 
 from retexo_fl.compress.schedule import RateSchedule
+from retexo_fl.setting import check_choices, section, setting
 
 #: Widths the quantizer codes (bits per value).
 QUANT_BITS = (1, 2, 4, 8)
@@ -17,49 +18,44 @@ QUANT_BITS = (1, 2, 4, 8)
 PASS_BITS = (16, 32)
 #: Every width a frame may carry.
 ALL_BITS = QUANT_BITS + PASS_BITS
+RangeDtype = Literal["fp16", "bf16"]
 #: Names of the 16-bit dtypes for row ranges and 16-bit passthrough.
-RANGE_DTYPE_NAMES = ("fp16", "bf16")
+RANGE_DTYPE_NAMES: tuple[str, ...] = get_args(RangeDtype)
+BitPolicy = Literal["fixed", "adaptive-budget", "adaptive-bandwidth"]
 #: How boundary rows get their widths (see :mod:`retexo_fl.compress.boundary`).
-BIT_POLICIES = ("fixed", "adaptive-budget", "adaptive-bandwidth")
+BIT_POLICIES: tuple[str, ...] = get_args(BitPolicy)
 
 
-@dataclass(frozen=True)
+@section
 class CompressionSettings:
     r"""Compression of boundary rows, model updates and model broadcasts (``docs/compression.md``).
 
     The ``compression`` section of :class:`~retexo_fl.config.TrainConfig`, and what
     :class:`~retexo_fl.compress.boundary.BoundaryEncoder` takes.
-
-    Args:
-        bits (int, optional): bits per value of boundary rows under the ``fixed`` policy, one of
-            :obj:`ALL_BITS`. (default: :obj:`32`)
-        bit_policy (str, optional): ``"fixed"``, ``"adaptive-budget"`` or
-            ``"adaptive-bandwidth"``. (default: :obj:`"fixed"`)
-        byte_budget (str, optional): bytes per client and exchange, or ``"<r>b"`` for what
-            ``r``-bit frames cost; empty for none. (default: :obj:`""`)
-        link_bandwidths (str, optional): ``"P:bw,P-Q:bw,default:bw"`` in bytes/s, or a JSON file of
-            the same keys (``adaptive-bandwidth``). (default: :obj:`""`)
-        time_budget (float, optional): seconds per exchange for ``adaptive-bandwidth``; :obj:`0`
-            derives it from the byte budget. (default: :obj:`0.0`)
-        rate_schedule (str, optional): ``"fixed"``, ``"linear:LO,HI"`` or ``"step:R0,R1,..."``
-            (bits per value over exchanges). (default: :obj:`"fixed"`)
-        update_bits (int, optional): bits per value of model updates (deltas with error feedback
-            below 32). (default: :obj:`4`)
-        broadcast_bits (int, optional): bits per value of the server's model broadcast (deltas
-            below 32, the whole state at 32). (default: :obj:`4`)
-        range_dtype (str, optional): dtype of the per-row ranges and of 16-bit passthrough,
-            ``"fp16"`` or ``"bf16"``. (default: :obj:`"fp16"`)
     """
 
-    bits: int = 32
-    bit_policy: str = "fixed"
-    byte_budget: str = ""
-    link_bandwidths: str = ""
-    time_budget: float = 0.0
-    rate_schedule: str = "fixed"
-    update_bits: int = 4
-    broadcast_bits: int = 4
-    range_dtype: str = "fp16"
+    bits: int = setting(32, "boundary rows: bits per value under the fixed policy: 1, 2, 4, 8, 16 or 32")
+    bit_policy: BitPolicy = setting("fixed", "how boundary rows get their widths")
+    byte_budget: str = setting(
+        "", "bytes per client and exchange, or <r>b for what r-bit frames cost (empty: none)"
+    )
+    link_bandwidths: str = setting(
+        "", "P:bw,P-Q:bw,default:bw in bytes/s, or a JSON file of the same keys (adaptive-bandwidth)"
+    )
+    time_budget: float = setting(
+        0.0, "seconds per exchange for adaptive-bandwidth (0: derived from the byte budget)"
+    )
+    rate_schedule: str = setting(
+        "fixed", "fixed, linear:LO,HI or step:R0,R1,... (bits per value over exchanges)"
+    )
+    update_bits: int = setting(
+        4, "model updates: bits per value, b-bit deltas with error feedback (32: float32)"
+    )
+    broadcast_bits: int = setting(
+        4,
+        "the server's model broadcast: bits per value, b-bit deltas from what clients hold (32: whole state)",
+    )
+    range_dtype: RangeDtype = setting("fp16", "dtype of the per-row ranges and of 16-bit passthrough")
 
     def validate(self) -> CompressionSettings:
         """Raise :class:`ValueError` naming the first bad setting; return ``self`` otherwise."""
@@ -69,10 +65,7 @@ class CompressionSettings:
             raise ValueError(
                 f"bits and update-bits must be one of {ALL_BITS}, got {self.bits}, {self.update_bits}"
             )
-        if self.bit_policy not in BIT_POLICIES:
-            raise ValueError(f"bit-policy must be one of {BIT_POLICIES}, got {self.bit_policy!r}")
-        if self.range_dtype not in RANGE_DTYPE_NAMES:
-            raise ValueError(f"range-dtype must be fp16 or bf16, got {self.range_dtype!r}")
+        check_choices(self)
         if self.bit_policy == "adaptive-budget" and not self.byte_budget and self.rate_schedule == "fixed":
             raise ValueError(
                 "bit-policy adaptive-budget needs byte-budget (bytes, or e.g. 4b) or a rate-schedule"

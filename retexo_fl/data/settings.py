@@ -6,36 +6,30 @@ imports it to build and validate its ``data`` section.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from retexo_fl.setting import section, setting
 
 
-@dataclass(frozen=True)
+@section
 class DataSettings:
     r"""Which graph a run trains on, its split, and its partitions (one per client).
 
     The ``data`` section of :class:`~retexo_fl.config.TrainConfig`.
-
-    Args:
-        dataset (str, optional): a PyG dataset name, ``"sbm:N,C[,deg,homophily]"``, or the path of a
-            saved ``Data`` file. (default: :obj:`"Cora"`)
-        data_root (str, optional): folder with the dataset's ``raw/`` files. (default: :obj:`"data"`)
-        split (str, optional): ``"public"``, ``"random:TRAIN,VAL,TEST"`` or
-            ``"per-class:K,VAL,TEST"``. (default: :obj:`"public"`)
-        split_index (int, optional): which of a dataset's several public splits. (default: :obj:`0`)
-        clients (int, optional): the number of clients, one partition each. (default: :obj:`4`)
-        method (str, optional): the partitioner, e.g. ``"metis"``, ``"louvain"``, ``"random"``.
-            (default: :obj:`"metis"`)
-        partitions (str, optional): a folder of ``part-<id>/`` partitions written by
-            ``retexo-fl partition``, used instead of cutting ``dataset``. (default: :obj:`""`)
     """
 
-    dataset: str = "Cora"
-    data_root: str = "data"
-    split: str = "public"
-    split_index: int = 0
-    clients: int = 4
-    method: str = "metis"
-    partitions: str = ""
+    dataset: str = setting(
+        "Cora",
+        "a PyG dataset name, sbm:N,C[,deg,homophily], the path of a saved Data file or an npz graph, "
+        "or files:edges=E.csv,features=F,labels=L.csv[,id-column=C][,label-column=C] (docs/cli.md)",
+    )
+    data_root: str = setting("data", "folder with the dataset's raw/ files (PyG downloads there if it can)")
+    split: str = setting("public", "public, random:TRAIN,VAL,TEST or per-class:K,VAL,TEST")
+    split_index: int = setting(0, "which of a dataset's fixed public splits (WebKB, Actor: 0-9)")
+    clients: int = setting(4, "the number of clients, one partition each")
+    method: str = setting("metis", "the partitioner: metis, louvain, random, supernode, label-skew or node")
+    partitions: str = setting(
+        "",
+        "a folder of part-<id>/ partitions written by `retexo-fl partition`, used instead of cutting dataset",
+    )
 
     def validate(self) -> DataSettings:
         """Raise :class:`ValueError` naming the first bad setting; return ``self`` otherwise."""

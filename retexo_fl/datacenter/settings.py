@@ -8,11 +8,13 @@ section, and the rest of :mod:`retexo_fl.datacenter` takes any :class:`Datacente
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, get_args
 
+from retexo_fl.setting import check_choices, section, setting
+
+Algorithm = Literal["1d", "1.5d", "2d", "3d"]
 #: The CAGNET products data-center mode can run.
-ALGORITHMS = ("1d", "1.5d", "2d", "3d")
+ALGORITHMS: tuple[str, ...] = get_args(Algorithm)
 
 
 def check_procs(algorithm: str, procs: int, replication: int = 2) -> None:
@@ -33,27 +35,21 @@ def check_procs(algorithm: str, procs: int, replication: int = 2) -> None:
             raise ValueError(f"{algorithm} needs a process count that is {kind}; got {procs}")
 
 
-@dataclass(frozen=True)
+@section
 class DatacenterSettings:
     r"""Data-center mode: CAGNET full-graph training on :mod:`torch.distributed` (trusted clusters only).
 
     The ``datacenter`` section of :class:`~retexo_fl.config.TrainConfig`.
-
-    Args:
-        algorithm (str, optional): the distributed product, ``"1d"``, ``"1.5d"``, ``"2d"`` (``procs``
-            a square) or ``"3d"`` (``procs`` a cube). (default: :obj:`"1d"`)
-        procs (int, optional): processes started on this host (``torchrun`` sets its own).
-            (default: :obj:`4`)
-        replication (int, optional): 1.5d's replication factor ``c``, a divisor of ``procs``.
-            (default: :obj:`2`)
-        trusted_cluster (bool, optional): let data-center mode pool partitions whose manifests mark
-            them residency-bound. (default: :obj:`False`)
     """
 
-    algorithm: str = "1d"
-    procs: int = 4
-    replication: int = 2
-    trusted_cluster: bool = False
+    algorithm: Algorithm = setting(
+        "1d", "the data-center product: 1d, 1.5d, 2d (procs a square) or 3d (procs a cube)"
+    )
+    procs: int = setting(4, "data-center processes started on this host (torchrun sets its own)")
+    replication: int = setting(2, "1.5d's replication factor c, a divisor of procs")
+    trusted_cluster: bool = setting(
+        False, "let data-center mode pool partitions whose manifests mark them residency-bound"
+    )
 
     def validate(self, grid: bool = True) -> DatacenterSettings:
         """Raise :class:`ValueError` naming the first bad setting; return ``self`` otherwise.
@@ -62,8 +58,7 @@ class DatacenterSettings:
             grid (bool, optional): also check that ``procs`` forms ``algorithm``'s process grid
                 (only a data-center run needs one). (default: :obj:`True`)
         """
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
+        check_choices(self)
         if self.procs < 1:
             raise ValueError(f"procs must be >= 1, got {self.procs}")
         if grid:

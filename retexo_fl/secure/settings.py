@@ -7,7 +7,8 @@ imports it to build and validate its ``security`` section.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+
+from retexo_fl.setting import section, setting
 
 
 def min_threshold(members: int) -> int:
@@ -21,61 +22,59 @@ def min_threshold(members: int) -> int:
     return (members + 1) // 2 + 1
 
 
-@dataclass(frozen=True)
+@section
 class SecuritySettings:
     r"""What protects a run's data in flight: end-to-end encryption, audit records, DP-FedAvg.
 
     The ``security`` section of :class:`~retexo_fl.config.TrainConfig` (guide: ``docs/security.md``).
-
-    Args:
-        encrypt (bool, optional): seal boundary payloads end to end between clients (:obj:`False`
-            only for debugging). (default: :obj:`True`)
-        identity_keys (str, optional): a folder of ``client-<id>.key`` identity keys; empty for
-            one key pair per run. (default: :obj:`""`)
-        pinned_keys (str, optional): a JSON file ``{client id: public key hex}`` exchanged out of
-            band. (default: :obj:`""`)
-        audit (str, optional): a folder where each client records every message it sends (checked
-            by ``retexo-fl audit``). (default: :obj:`""`)
-        dp_noise (float, optional): DP-FedAvg noise multiplier of model updates; :obj:`0` turns
-            differential privacy off (else needs ``retexo-fl[dp]``). (default: :obj:`0.0`)
-        dp_clip (float, optional): L2 norm each client's round update is clipped to.
-            (default: :obj:`1.0`)
-        dp_delta (float, optional): the :math:`\delta` of the reported
-            :math:`(\varepsilon, \delta)` guarantees. (default: :obj:`1e-5`)
-        dp_reproducible (bool, optional): draw the update noise from the run's seed, so that
-            runs and engines agree bit for bit; anyone who knows the seed (every client, any
-            reader of ``config.json``) can then remove the noise from the released model. Off,
-            the server draws a secret key from the operating system, kept only in its
-            checkpoint. (default: :obj:`False`)
-        boundary_clip (float, optional): the L2 norm every boundary row a client releases is
-            clipped to; :obj:`0` leaves rows as they are. (default: :obj:`0.0`)
-        boundary_noise (float, optional): the Gaussian noise multiplier on released boundary
-            rows (standard deviation ``boundary_noise * boundary_clip`` per entry); needs
-            ``boundary_clip``. (default: :obj:`0.0`)
-        secure_aggregation (bool, optional): clients mask their round replies so that the server
-            learns only the survivors' sum (:mod:`retexo_fl.secure.secagg`); needs ``encrypt``.
-            (default: :obj:`False`)
-        secagg_threshold (int, optional): the shares that rebuild a client's self seed, also
-            the fewest survivors a round decodes with; :obj:`0` for the least safe one,
-            ``(clients + 1) // 2 + 1``. (default: :obj:`0`)
-        secagg_clip (float, optional): the largest magnitude of a client's weighted update
-            coordinate in the field encoding (larger ones are clipped and counted); with
-            ``dp-noise`` the bound follows from ``dp-clip`` instead. (default: :obj:`10.0`)
     """
 
-    encrypt: bool = True
-    identity_keys: str = ""
-    pinned_keys: str = ""
-    audit: str = ""
-    dp_noise: float = 0.0
-    dp_clip: float = 1.0
-    dp_delta: float = 1e-5
-    dp_reproducible: bool = False
-    boundary_clip: float = 0.0
-    boundary_noise: float = 0.0
-    secure_aggregation: bool = False
-    secagg_threshold: int = 0
-    secagg_clip: float = 10.0
+    encrypt: bool = setting(
+        True, "seal boundary payloads end to end between clients (false only for debugging)"
+    )
+    identity_keys: str = setting(
+        "", "a folder of client-<id>.key identity keys (empty: one key pair per run; deployed: node config)"
+    )
+    pinned_keys: str = setting(
+        "", "a JSON file {client id: public key hex} from `retexo-fl keys`, exchanged out of band"
+    )
+    audit: str = setting(
+        "", "a folder where each client records every message it sends (checked by `retexo-fl audit`)"
+    )
+    dp_noise: float = setting(
+        0.0, "DP-FedAvg noise multiplier of model updates (0: off; else needs retexo-fl[dp])"
+    )
+    dp_clip: float = setting(1.0, "L2 norm each client's round update is clipped to")
+    dp_delta: float = setting(1e-5, "the delta of the reported (epsilon, delta) guarantees")
+    dp_reproducible: bool = setting(
+        False,
+        "draw the update noise from the run's seed, so that runs and engines agree bit for bit; "
+        "anyone who knows the seed (every client, any reader of config.json) can then remove the "
+        "noise from the released model (off: a secret key from the operating system, kept only in "
+        "the server's checkpoint)",
+    )
+    boundary_clip: float = setting(
+        0.0, "the L2 norm every boundary row a client releases is clipped to (0: rows as they are)"
+    )
+    boundary_noise: float = setting(
+        0.0,
+        "Gaussian noise multiplier on released boundary rows, standard deviation "
+        "boundary-noise * boundary-clip per entry (needs boundary-clip; 0: off)",
+    )
+    secure_aggregation: bool = setting(
+        False,
+        "clients mask their round replies so that the server learns only the survivors' sum (needs encrypt)",
+    )
+    secagg_threshold: int = setting(
+        0,
+        "the shares that rebuild a client's self seed, also the fewest survivors a round decodes "
+        "with (0: the least safe one, (clients + 1) // 2 + 1)",
+    )
+    secagg_clip: float = setting(
+        10.0,
+        "the largest magnitude of a client's weighted update coordinate in the field encoding "
+        "(larger ones are clipped and counted); with dp-noise the bound follows from dp-clip",
+    )
 
     def validate(self) -> SecuritySettings:
         """Raise :class:`ValueError` naming the first bad setting; return ``self`` otherwise."""

@@ -33,6 +33,10 @@ def run_eager(
     cfg = with_clients(cfg, len(parts))
     mode = "local" if local else "eager"
     if cfg.mode != mode:
-        cfg = cfg.replace(mode=mode)  # the mode's defaults for what cfg was not given
+        # Another mode's config would train with that mode's defaults: say so rather than guess.
+        raise ValueError(
+            f"run_eager(local={local}) trains mode {mode}, but the config's mode is {cfg.mode}: "
+            f"build it with TrainConfig.resolve(mode={mode!r}, ...)"
+        )
     transport = InProcessTransport([EagerClient(p, cfg, local) for p in parts])
     return BaselineRun(transport, cfg, rec).run()

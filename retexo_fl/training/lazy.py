@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 from retexo_fl.config import TrainConfig
@@ -43,4 +44,4 @@ def with_clients(cfg: TrainConfig, count: int) -> TrainConfig:
     """``cfg`` for ``count`` clients (in process, the partitions say how many there are)."""
     if cfg.clients == count:
         return cfg
-    return cfg.replace(clients=count, min_clients=min(cfg.min_clients, count))
+    return dataclasses.replace(cfg, clients=count, min_clients=min(cfg.min_clients, count))

@@ -35,7 +35,7 @@ class _Context:
 
 
 def _federation(**kw) -> Federation:
-    return Federation(InProcessTransport([]), TrainConfig(**kw), RunRecorder(None, stream=None))
+    return Federation(InProcessTransport([]), TrainConfig.resolve(**kw), RunRecorder(None, stream=None))
 
 
 def _message(fed: Federation, kind: str, **kw) -> _Message:

@@ -132,7 +132,7 @@ def _workers(tmp: Path, cfg: TrainConfig):
 
 @pytest.fixture(scope="module")
 def federation(tmp_path_factory):
-    with _workers(tmp_path_factory.mktemp("workers"), TrainConfig(**CFG)) as fed:
+    with _workers(tmp_path_factory.mktemp("workers"), TrainConfig.resolve(**CFG)) as fed:
         yield fed
 
 
@@ -263,7 +263,7 @@ def test_a_worker_killed_mid_stage_restarts_from_node_state(federation):
 
 def test_two_runs_on_one_node_do_not_share_state(federation):
     cfg, parts, _, folders, _ = federation
-    other = TrainConfig(**{**CFG, "seed": 3, "hidden": 8})
+    other = TrainConfig.resolve(**{**CFG, "seed": 3, "hidden": 8})
     runs: dict[str, dict] = {}
 
     def run(name: str, c: TrainConfig) -> None:
@@ -283,7 +283,7 @@ def test_secure_aggregation_through_workers_survives_a_killed_worker(tmp_path):
     """Masked replies, sealed shares and unmask answers through three node workers, one of them
     killed between messages mid-stage: its ledger and last masked round come back from node-local
     state, and the run equals the in-process one."""
-    cfg = TrainConfig(**{**CFG, "clients": 3, "secure_aggregation": True})
+    cfg = TrainConfig.resolve(**{**CFG, "clients": 3, "secure_aggregation": True})
     with _workers(tmp_path, cfg) as (cfg, parts, _, folders, _):
         expected = run_lazy(parts, cfg)
         transport = WorkerTransport(folders, run_id=7)

@@ -106,7 +106,7 @@ def test_bad_frames_name_the_source(blob, needle):
 
 
 def test_config_travels_as_json():
-    cfg = TrainConfig(
+    cfg = TrainConfig.resolve(
         profile="exact", bits=4, bit_policy="adaptive-budget", byte_budget="4b", update_bits=8, rounds=[3, 2]
     )
     assert config_from_json(config_to_json(cfg)) == cfg

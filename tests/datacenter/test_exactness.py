@@ -46,7 +46,7 @@ def random_graph(n: int = 240, feats: int = 10, classes: int = 3, seed: int = 0)
 def config(algorithm: str, procs: int) -> TrainConfig:
     # Three layers: 3D's products alternate orientation, so both orientations and both
     # transposed orientations run. Widths 10 / 8 / 3 split unevenly over 2D/3D column groups.
-    return TrainConfig(
+    return TrainConfig.resolve(
         profile="exact",
         mode="datacenter",
         algorithm=algorithm,

@@ -45,7 +45,7 @@ def test_pooling_needs_every_node_once(sbm):
 
 def test_residency_bound_partitions_are_refused(sbm, tmp_path):
     root = _write(partition_graph(sbm, 2, "metis", seed=0), tmp_path, bound=True)
-    cfg = TrainConfig(profile="exact", mode="datacenter", partitions=str(root), procs=2)
+    cfg = TrainConfig.resolve(profile="exact", mode="datacenter", partitions=str(root), procs=2)
     with pytest.raises(ResidencyError, match=r"part-0, part-1 are residency-bound.*--trusted-cluster"):
         check_residency(cfg)
     with pytest.raises(ResidencyError):
@@ -58,19 +58,19 @@ def test_residency_bound_partitions_are_refused(sbm, tmp_path):
 def test_manifest_without_the_field_is_bound(sbm, tmp_path):
     root = _write(partition_graph(sbm, 2, "metis", seed=0), tmp_path, bound=False)
     check_residency(
-        TrainConfig(profile="exact", mode="datacenter", partitions=str(root), procs=2)
+        TrainConfig.resolve(profile="exact", mode="datacenter", partitions=str(root), procs=2)
     )  # free: fine
     manifest = root / "part-1" / "manifest.json"
     data = json.loads(manifest.read_text())
     del data["residency_bound"]
     manifest.write_text(json.dumps(data))
     with pytest.raises(ResidencyError, match="part-1"):
-        check_residency(TrainConfig(profile="exact", mode="datacenter", partitions=str(root), procs=2))
+        check_residency(TrainConfig.resolve(profile="exact", mode="datacenter", partitions=str(root), procs=2))
 
 
 def test_adjacency_is_the_centralized_normalization(sbm):
     """The matrix the processes cut is what the centralized GCN propagates with."""
-    cfg = TrainConfig(profile="exact", dataset="unused")
+    cfg = TrainConfig.resolve(profile="exact", dataset="unused")
     part = whole_graph_partition(sbm)
     graph = LocalGraph.build(part, BoundaryPlan.from_partition(part))
     ei, w = graph.gcn_weights(torch.zeros(0))
@@ -85,10 +85,10 @@ def test_adjacency_is_the_centralized_normalization(sbm):
 
 def test_process_grids_are_checked():
     with pytest.raises(ValueError, match="square"):
-        TrainConfig(profile="exact", mode="datacenter", algorithm="2d", procs=6).validate()
+        TrainConfig.resolve(profile="exact", mode="datacenter", algorithm="2d", procs=6).validate()
     with pytest.raises(ValueError, match="cube"):
-        TrainConfig(profile="exact", mode="datacenter", algorithm="3d", procs=4).validate()
+        TrainConfig.resolve(profile="exact", mode="datacenter", algorithm="3d", procs=4).validate()
     with pytest.raises(ValueError, match="replication factor 3"):
-        TrainConfig(profile="exact", mode="datacenter", algorithm="1.5d", procs=4, replication=3).validate()
+        TrainConfig.resolve(profile="exact", mode="datacenter", algorithm="1.5d", procs=4, replication=3).validate()
     with pytest.raises(ValueError, match="algorithm"):
-        TrainConfig(profile="exact", mode="datacenter", algorithm="4d").validate()
+        TrainConfig.resolve(profile="exact", mode="datacenter", algorithm="4d").validate()

@@ -27,7 +27,7 @@ def test_audit_passes_on_a_federated_run(parts_dir, tmp_path, capsys):
 
     root, _ = parts_dir
     audit = tmp_path / "audit"
-    cfg = TrainConfig(
+    cfg = TrainConfig.resolve(
         profile="exact",
         partitions=str(root),
         clients=3,

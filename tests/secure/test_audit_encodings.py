@@ -37,7 +37,7 @@ def test_every_encoding_of_a_leak_is_caught(sbm, tmp_path, monkeypatch):
     for p in partition_graph(sbm, 3, "metis", seed=0):
         save_partition(p, tmp_path / "parts" / f"part-{p.partition_id}")
     audit = tmp_path / "audit"
-    cfg = TrainConfig(profile="exact",
+    cfg = TrainConfig.resolve(profile="exact",
         partitions=str(tmp_path / "parts"), clients=3, model="gcn", hidden=16, stages=2, rounds=2, seed=0,
         audit=str(audit),
     )  # fmt: skip

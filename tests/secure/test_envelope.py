@@ -111,7 +111,7 @@ def test_pins_catch_a_swapped_key(tmp_path):
 
 def test_clients_refuse_a_directory_that_disagrees_with_the_pins(sbm, tmp_path):
     main(["keys", "--clients", "3", "--out", str(tmp_path)])
-    cfg = TrainConfig(
+    cfg = TrainConfig.resolve(
         profile="exact", clients=3, identity_keys=str(tmp_path), pinned_keys=str(tmp_path / "pins.json")
     )
     clients = [LazyClient(p, cfg) for p in partition_graph(sbm, 3, "random", seed=0)]
@@ -125,7 +125,7 @@ def test_clients_refuse_a_directory_that_disagrees_with_the_pins(sbm, tmp_path):
 
 def test_encryption_changes_bytes_by_envelopes_only(sbm):
     parts = partition_graph(sbm, 3, "random", seed=0)
-    cfg = TrainConfig(model="gcn", stages=3, hidden=16, rounds=20, seed=0, profile="exact")
+    cfg = TrainConfig.resolve(model="gcn", stages=3, hidden=16, rounds=20, seed=0, profile="exact")
     sealed = run_lazy(parts, cfg)
     plain = run_lazy(parts, dataclasses.replace(cfg, encrypt=False))
     assert sealed["test_accuracy"] == plain["test_accuracy"]

@@ -104,7 +104,7 @@ def _node_configs(nodes, work: Path, pins: bool = True, **extra: Any) -> list[di
 
 
 def _lazy(nodes, work: Path, tamper: Tamper | None = None, pins: bool = True, **cfg: Any) -> dict:
-    config = TrainConfig(**{**CFG, "pinned_keys": str(nodes[1] / "pins.json"), **cfg})
+    config = TrainConfig.resolve(**{**CFG, "pinned_keys": str(nodes[1] / "pins.json"), **cfg})
     transport = ClientAppTransport(_node_configs(nodes, work, pins), tamper)
     return LazyStageMachine(transport, config, RunRecorder(None, stream=None)).run()
 
@@ -113,7 +113,7 @@ def test_an_honest_server_runs_to_the_end(nodes, sbm, tmp_path):
     out = _lazy(nodes, tmp_path, rounds=20)
     assert out["missing_payloads"] == {} and out["lost_clients"] == []
     # The same run in process (every party started from this command line) ends the same.
-    cfg = TrainConfig(
+    cfg = TrainConfig.resolve(
         **{**CFG, "rounds": 20, "identity_keys": str(nodes[1]), "pinned_keys": str(nodes[1] / "pins.json")}
     )
     assert (
@@ -146,7 +146,7 @@ def test_a_server_that_turns_encryption_off_mid_run_is_refused(nodes, tmp_path):
 
 
 def test_a_party_whose_policy_allows_plaintext_joins_a_plaintext_run(nodes, tmp_path):
-    config = TrainConfig(**{**CFG, "encrypt": False})
+    config = TrainConfig.resolve(**{**CFG, "encrypt": False})
     transport = ClientAppTransport(_node_configs(nodes, tmp_path, pins=False, **{P.NODE_ENCRYPT: "false"}))
     out = LazyStageMachine(transport, config, RunRecorder(None, stream=None)).run()
     assert out["lost_clients"] == [] and out["bytes_boundary"] > 0
@@ -243,7 +243,7 @@ def test_reordered_payloads_are_refused(nodes, tmp_path):
             return {**req, P.PAYLOADS: {**payloads, key: held[key]}}
         return req
 
-    cfg = TrainConfig(**{**CFG, "mode": "eager", "rounds": 6, "on_missing_halo": "reuse-last"})
+    cfg = TrainConfig.resolve(**{**CFG, "mode": "eager", "rounds": 6, "on_missing_halo": "reuse-last"})
     cfg = dataclasses.replace(cfg, pinned_keys=str(nodes[1] / "pins.json"))
     transport = ClientAppTransport(_node_configs(nodes, tmp_path), reorder)
     with pytest.raises(ClientFailure, match=r"client 0: payload from client 1 .*replayed"):
@@ -256,7 +256,7 @@ def test_an_eager_round_without_any_rows_is_counted_not_trained_on_in_silence(no
             return {k: v for k, v in req.items() if k != P.PAYLOADS}  # no delivery at all
         return req
 
-    cfg = TrainConfig(**{**CFG, "mode": "eager", "rounds": 4, "on_missing_halo": "zero"})
+    cfg = TrainConfig.resolve(**{**CFG, "mode": "eager", "rounds": 4, "on_missing_halo": "zero"})
     cfg = dataclasses.replace(cfg, pinned_keys=str(nodes[1] / "pins.json"))
     transport = ClientAppTransport(_node_configs(nodes, tmp_path), starve)
     out = BaselineRun(transport, cfg, RunRecorder(None, stream=None)).run()
@@ -278,7 +278,7 @@ def test_a_server_that_sends_an_earlier_round_again_is_refused(nodes, tmp_path):
             return {**req, P.CONFIG: {**req[P.CONFIG], P.ROUND: 1}}
         return req
 
-    cfg = TrainConfig(**{**CFG, "mode": "eager", "rounds": 4}, pinned_keys=str(nodes[1] / "pins.json"))
+    cfg = TrainConfig.resolve(**{**CFG, "mode": "eager", "rounds": 4}, pinned_keys=str(nodes[1] / "pins.json"))
     transport = ClientAppTransport(_node_configs(nodes, tmp_path), rewind)
     with pytest.raises(
         ClientFailure,
@@ -292,7 +292,7 @@ def test_a_server_that_asks_for_more_releases_than_a_partys_budget_is_refused(no
     releases there are, and each party counts its own against its budget. Noise 2 costs
     epsilon 5.3, 7.79, 9.81, 11.6 ... after 1, 2, 3, 4 releases (delta 1e-5): a budget of 10
     allows 3, and the fourth release (round 2's second layer) is refused, naming the budget."""
-    cfg = TrainConfig(
+    cfg = TrainConfig.resolve(
         **{**CFG, "mode": "eager", "stages": 3, "rounds": 4, "boundary_clip": 1.0, "boundary_noise": 2.0},
         dp_delta=0.5,  # a large delta announced by the server makes no difference to the budget
     )
@@ -485,7 +485,7 @@ def test_evaluations_travel_masked_and_the_server_learns_only_their_sum(nodes, t
                 seen.extend(batch.replies.values())
             return batch
 
-    config = TrainConfig(**{**CFG, "pinned_keys": str(nodes[1] / "pins.json"), **SECURE})
+    config = TrainConfig.resolve(**{**CFG, "pinned_keys": str(nodes[1] / "pins.json"), **SECURE})
     transport = Watching(_node_configs(nodes, tmp_path))
     out = LazyStageMachine(transport, config, RunRecorder(None, stream=None)).run()
     assert len(seen) >= 3 * 3  # three clients: two stage validations and a test at least

@@ -19,9 +19,9 @@ def test_the_default_policy_requires_encryption_and_nothing_else(monkeypatch):
     monkeypatch.delenv(POLICY_ENV, raising=False)
     policy = PartyPolicy.from_node_config({}, "client 0")
     assert policy == PartyPolicy() and policy.encrypt
-    policy.check(TrainConfig(profile="exact"), "client 0")
+    policy.check(TrainConfig.resolve(profile="exact"), "client 0")
     with pytest.raises(PolicyError, match="client 0: refusing the run, encrypt"):
-        policy.check(TrainConfig(profile="exact", encrypt=False), "client 0")
+        policy.check(TrainConfig.resolve(profile="exact", encrypt=False), "client 0")
 
 
 def test_node_config_values_are_read_and_bad_ones_named(monkeypatch):
@@ -47,30 +47,30 @@ def test_node_config_values_are_read_and_bad_ones_named(monkeypatch):
 
 def test_minimum_privacy_settings_are_enforced():
     policy = PartyPolicy(min_dp_noise=1.0, max_dp_clip=1.0)
-    policy.check(TrainConfig(profile="exact", dp_noise=1.2, dp_clip=0.5), "client 2")
+    policy.check(TrainConfig.resolve(profile="exact", dp_noise=1.2, dp_clip=0.5), "client 2")
     with pytest.raises(PolicyError, match=r"dp-noise: 0.5 is below this party's minimum 1.0"):
-        policy.check(TrainConfig(profile="exact", dp_noise=0.5), "client 2")
+        policy.check(TrainConfig.resolve(profile="exact", dp_noise=0.5), "client 2")
     with pytest.raises(PolicyError, match=r"dp-clip: 4.0 is above this party's maximum 1.0"):
-        policy.check(TrainConfig(profile="exact", dp_noise=1.0, dp_clip=4.0), "client 2")
+        policy.check(TrainConfig.resolve(profile="exact", dp_noise=1.0, dp_clip=4.0), "client 2")
     with pytest.raises(
         PolicyError, match=r"dp-reproducible: the run's update noise would come from its seed"
     ):
-        policy.check(TrainConfig(profile="exact", dp_noise=1.0, dp_reproducible=True), "client 2")
+        policy.check(TrainConfig.resolve(profile="exact", dp_noise=1.0, dp_reproducible=True), "client 2")
     rows = PartyPolicy.from_node_config({P.NODE_MIN_BOUNDARY_NOISE: "0.5"}, "client 2")
-    rows.check(TrainConfig(profile="exact", boundary_clip=1.0, boundary_noise=0.5), "client 2")
+    rows.check(TrainConfig.resolve(profile="exact", boundary_clip=1.0, boundary_noise=0.5), "client 2")
     with pytest.raises(PolicyError, match=r"boundary-noise: 0.0 is below this party's minimum 0.5"):
-        rows.check(TrainConfig(profile="exact"), "client 2")
+        rows.check(TrainConfig.resolve(profile="exact"), "client 2")
 
 
 def test_the_simulation_policy_travels_in_the_environment(monkeypatch, tmp_path):
-    cfg = TrainConfig(
+    cfg = TrainConfig.resolve(
         profile="exact", identity_keys=str(tmp_path), audit=str(tmp_path / "audit"), dp_noise=0.3
     )
     policy = PartyPolicy.from_settings(cfg.security)
     monkeypatch.setenv(POLICY_ENV, policy.to_json())
     got = PartyPolicy.from_node_config({P.NODE_PARTITION_ID: 4}, "client 4")
     assert got == policy and got.identity_file(4) == str(tmp_path / "client-4.key")
-    assert math.isinf(PartyPolicy.from_settings(TrainConfig(profile="exact").security).max_dp_clip)
+    assert math.isinf(PartyPolicy.from_settings(TrainConfig.resolve(profile="exact").security).max_dp_clip)
     budget = PartyPolicy.from_node_config({P.NODE_MAX_BOUNDARY_EPSILON: "8"}, "client 4")
     assert budget.max_boundary_epsilon == 8 and math.isinf(got.max_boundary_epsilon)
     assert PartyPolicy.from_json(budget.to_json(), "client 4") == budget  # JSON has no infinity
@@ -128,22 +128,22 @@ def test_a_nan_setting_is_refused_not_waved_through():
     # NaN fails every comparison, so "below the minimum" alone would let it pass.
     policy = PartyPolicy(min_boundary_noise=0.5)
     nan_cfg = TrainConfig.__new__(TrainConfig)
-    nan_cfg.__dict__.update(TrainConfig(profile="exact", boundary_clip=1.0, boundary_noise=0.5).__dict__)
+    nan_cfg.__dict__.update(TrainConfig.resolve(profile="exact", boundary_clip=1.0, boundary_noise=0.5).__dict__)
     nan_cfg.boundary_noise = float("nan")
     with pytest.raises(PolicyError, match="boundary-noise: nan is not a finite number"):
         policy.check(nan_cfg, "client 0")
     with pytest.raises(ValueError, match="must be finite"):
-        TrainConfig(profile="exact", boundary_clip=1.0, boundary_noise=float("nan")).validate()
+        TrainConfig.resolve(profile="exact", boundary_clip=1.0, boundary_noise=float("nan")).validate()
 
 
 def test_a_party_that_requires_secure_aggregation_refuses_updates_in_clear(monkeypatch):
     monkeypatch.delenv(POLICY_ENV, raising=False)
     policy = PartyPolicy.from_node_config({P.NODE_SECURE_AGGREGATION: "true"}, "client 3")
     assert policy.secure_aggregation
-    policy.check(TrainConfig(profile="exact", secure_aggregation=True), "client 3")
+    policy.check(TrainConfig.resolve(profile="exact", secure_aggregation=True), "client 3")
     with pytest.raises(PolicyError, match="client 3: refusing the run, secure-aggregation: the run config"):
-        policy.check(TrainConfig(profile="exact"), "client 3")
+        policy.check(TrainConfig.resolve(profile="exact"), "client 3")
     # A party started with it on its own command line requires it too, and the setting travels
     # to simulated parties in the policy's JSON.
-    mine = PartyPolicy.from_settings(TrainConfig(profile="exact", secure_aggregation=True).security)
+    mine = PartyPolicy.from_settings(TrainConfig.resolve(profile="exact", secure_aggregation=True).security)
     assert PartyPolicy.from_json(mine.to_json(), "client 3") == mine and mine.secure_aggregation

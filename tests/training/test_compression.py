@@ -14,7 +14,7 @@ from retexo_fl.training.lazy_client import LazyClient
 
 
 def _cfg(**kw) -> TrainConfig:
-    return TrainConfig(
+    return TrainConfig.resolve(
         **{"profile": "exact", "model": "gcn", "hidden": 16, "stages": 3, "rounds": 40, "seed": 0, **kw}
     )
 
@@ -70,6 +70,6 @@ def test_bandwidth_specs(tmp_path):
     with pytest.raises(ValueError, match="must be > 0"):
         parse_bandwidths("0:0")
     with pytest.raises(ValueError, match="adaptive-bandwidth needs link-bandwidths"):
-        TrainConfig(profile="exact", bit_policy="adaptive-bandwidth").validate()
+        TrainConfig.resolve(profile="exact", bit_policy="adaptive-bandwidth").validate()
     with pytest.raises(ValueError, match="bits and update-bits"):
-        TrainConfig(profile="exact", bits=3).validate()
+        TrainConfig.resolve(profile="exact", bits=3).validate()

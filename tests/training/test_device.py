@@ -94,7 +94,7 @@ def test_gpu_runs_learn_as_cpu_runs_do():
     for device in ("cpu", "cuda"):
         lazy, central = [], []
         for seed in SPREAD_SEEDS:
-            cfg = TrainConfig(**settings, seed=seed, device=device)
+            cfg = TrainConfig.resolve(**settings, seed=seed, device=device)
             run = run_lazy(parts, cfg)
             lazy.append(run.test_accuracy)
             boundary.setdefault(device, run.bytes_boundary)

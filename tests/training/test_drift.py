@@ -40,10 +40,10 @@ def _loss(summary: dict) -> float:
 def test_scaffold_reaches_the_full_gradient_loss_where_fedavg_drifts():
     quiet = RunRecorder(None, stream=None)
     steps, rounds = 20, 5
-    full = train(TrainConfig(**SKEWED, rounds=steps * rounds, local_epochs=1), quiet)
-    fedavg = train(TrainConfig(**SKEWED, rounds=rounds, local_epochs=steps), quiet)
+    full = train(TrainConfig.resolve(**SKEWED, rounds=steps * rounds, local_epochs=1), quiet)
+    fedavg = train(TrainConfig.resolve(**SKEWED, rounds=rounds, local_epochs=steps), quiet)
     scaffold = train(
-        TrainConfig(**SKEWED, rounds=rounds, local_epochs=steps, drift_correction="scaffold"), quiet
+        TrainConfig.resolve(**SKEWED, rounds=rounds, local_epochs=steps, drift_correction="scaffold"), quiet
     )
     # Measured (seed 0): full gradient 0.00306, FedAvg 0.0111 (3.6x), SCAFFOLD 0.00376 (1.23x).
     # The bounds leave room for float noise, not for a method that stops correcting.
@@ -56,8 +56,8 @@ def test_scaffold_reaches_the_full_gradient_loss_where_fedavg_drifts():
 
 def test_one_local_step_is_unchanged_by_the_correction():
     quiet = RunRecorder(None, stream=None)
-    plain = train(TrainConfig(**SKEWED, rounds=12), quiet)
-    corrected = train(TrainConfig(**SKEWED, rounds=12, drift_correction="scaffold"), quiet)
+    plain = train(TrainConfig.resolve(**SKEWED, rounds=12), quiet)
+    corrected = train(TrainConfig.resolve(**SKEWED, rounds=12, drift_correction="scaffold"), quiet)
     # K = 1: c_i - c cancels in the weighted average, so the run follows the same models.
     for a, b in zip(plain["stages"][0]["history"], corrected["stages"][0]["history"], strict=True):
         assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5, abs=1e-7)
@@ -67,7 +67,7 @@ def test_one_local_step_is_unchanged_by_the_correction():
 
 @pytest.mark.parametrize("update_bits", [32, 8])
 def test_client_and_server_derive_the_same_control_variates(sbm, update_bits):
-    cfg = TrainConfig(profile="exact",
+    cfg = TrainConfig.resolve(profile="exact",
         clients=3, stages=1, hidden=8, local_epochs=3, lr=0.3, drift_correction="scaffold",
         update_bits=update_bits,
     )  # fmt: skip
@@ -102,20 +102,20 @@ def test_next_client_control_with_one_step_is_the_local_gradient():
 
 def test_scaffold_with_dp_or_centralized_is_refused():
     with pytest.raises(ValueError, match=r"drift-correction scaffold .* without dp-noise"):
-        TrainConfig(profile="exact", drift_correction="scaffold", dp_noise=1.0).validate()
+        TrainConfig.resolve(profile="exact", drift_correction="scaffold", dp_noise=1.0).validate()
     with pytest.raises(ValueError, match="drift-correction scaffold"):
-        TrainConfig(profile="exact", drift_correction="scaffold", mode="centralized").validate()
+        TrainConfig.resolve(profile="exact", drift_correction="scaffold", mode="centralized").validate()
     with pytest.raises(ValueError, match="drift-correction must be one of"):
-        TrainConfig(profile="exact", drift_correction="fedprox").validate()
+        TrainConfig.resolve(profile="exact", drift_correction="fedprox").validate()
 
 
 def test_compressed_control_variates_cost_less_and_still_correct():
     quiet = RunRecorder(None, stream=None)
     steps, rounds = 20, 5
-    full = train(TrainConfig(**SKEWED, rounds=steps * rounds, local_epochs=1), quiet)
+    full = train(TrainConfig.resolve(**SKEWED, rounds=steps * rounds, local_epochs=1), quiet)
     corrected = dict(SKEWED, rounds=rounds, local_epochs=steps, drift_correction="scaffold")
-    whole = train(TrainConfig(**corrected), quiet)
-    small = train(TrainConfig(**corrected, broadcast_bits=8), quiet)
+    whole = train(TrainConfig.resolve(**corrected), quiet)
+    small = train(TrainConfig.resolve(**corrected, broadcast_bits=8), quiet)
     # 8-bit deltas of the model and of c down, the same updates up. Measured (seed 0): 151,872
     # bytes against 255,360, and a loss of 0.003756 against 0.003760 whole (FedAvg drifts to
     # 0.0111, test above).

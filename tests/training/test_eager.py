@@ -14,7 +14,7 @@ from retexo_fl.training.eager_client import EagerClient, step_delays
 
 
 def _cfg(**kw) -> TrainConfig:
-    return TrainConfig(**{"model": "gcn", "hidden": 16, "stages": 3, "rounds": 80, "seed": 0, **kw})
+    return TrainConfig.resolve(**{"model": "gcn", "hidden": 16, "stages": 3, "rounds": 80, "seed": 0, **kw})
 
 
 def test_eager_trains_and_counts_every_round(sbm):

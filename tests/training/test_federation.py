@@ -22,7 +22,7 @@ STATE = {"lin.weight": torch.zeros(4, 3), "lin.bias": torch.zeros(4)}
 
 def _federation(cfg: TrainConfig | None = None, clients=()) -> Federation:
     return Federation(
-        InProcessTransport(list(clients)), cfg or TrainConfig(profile="exact"), RunRecorder(None, stream=None)
+        InProcessTransport(list(clients)), cfg or TrainConfig.resolve(profile="exact"), RunRecorder(None, stream=None)
     )
 
 
@@ -75,7 +75,7 @@ def test_bad_compressed_updates():
 
 
 def test_route_relays_to_live_clients_and_counts_every_byte():
-    fed = _federation(TrainConfig(profile="exact", clients=3))
+    fed = _federation(TrainConfig.resolve(profile="exact", clients=3))
     for pid in range(3):
         fed.members.claim(pid, pid)
     out = fed.route({0: {"to-1": b"abc", "to-2": b"de"}, 1: {"to-0": b"f"}, 2: {"to-9": b"lost"}}, P.HALO)
@@ -86,7 +86,7 @@ def test_route_relays_to_live_clients_and_counts_every_byte():
 
 
 def test_setup_claims_every_partition_and_relays_sealed_degrees(sbm):
-    cfg = TrainConfig(profile="exact", clients=3, stages=2, hidden=8)
+    cfg = TrainConfig.resolve(profile="exact", clients=3, stages=2, hidden=8)
     clients = [LazyClient(p, cfg) for p in partition_graph(sbm, 3, "random", seed=0)]
     fed = _federation(cfg, clients)
     degrees = fed.setup()
@@ -116,5 +116,5 @@ def test_the_summary_counts_every_message_by_type(sbm, secure):
     assert messages["embed"] == 3  # one stage boundary, one embed message per client
     assert messages["evaluate"] > 0
     if not secure:
-        eager = run_eager(parts, TrainConfig(mode="eager", stages=2, hidden=16, rounds=4, seed=0))
+        eager = run_eager(parts, TrainConfig.resolve(mode="eager", stages=2, hidden=16, rounds=4, seed=0))
         assert eager.federation["messages"]["train"] == 3 * eager.stages[0]["rounds_sent"]

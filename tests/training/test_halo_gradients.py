@@ -34,7 +34,7 @@ def _cfg(**kw) -> TrainConfig:
         "local_epochs": 1,
         "lr": 1.0,
     }
-    return TrainConfig(**{**base, **kw})
+    return TrainConfig.resolve(**{**base, **kw})
 
 
 def _gradient(state: StateDict, new: StateDict) -> torch.Tensor:
@@ -137,12 +137,12 @@ def test_a_frame_cut_or_padded_is_refused_naming_its_sender():
 
 
 def test_halo_gradient_settings_are_checked():
-    assert TrainConfig(mode="eager").halo_gradients
-    assert not TrainConfig(mode="eager", halo_gradients=False).halo_gradients
-    assert not TrainConfig(mode="local").halo_gradients
+    assert TrainConfig.resolve(mode="eager").halo_gradients
+    assert not TrainConfig.resolve(mode="eager", halo_gradients=False).halo_gradients
+    assert not TrainConfig.resolve(mode="local").halo_gradients
     with pytest.raises(ValueError, match="halo-gradients applies to eager mode, not lazy"):
         TrainConfig(halo_gradients=True).validate()
     # Eager's default gives way to noised rows; asked for with them, it is refused.
-    assert not TrainConfig(mode="eager", boundary_clip=1.0, boundary_noise=0.5).validate().halo_gradients
+    assert not TrainConfig.resolve(mode="eager", boundary_clip=1.0, boundary_noise=0.5).validate().halo_gradients
     with pytest.raises(ValueError, match="halo-gradients with boundary-noise"):
-        TrainConfig(mode="eager", boundary_clip=1.0, boundary_noise=0.5, halo_gradients=True).validate()
+        TrainConfig.resolve(mode="eager", boundary_clip=1.0, boundary_noise=0.5, halo_gradients=True).validate()

@@ -18,7 +18,7 @@ from retexo_fl.training.lazy_client import LazyClient
 
 
 def _lazy(sbm, **kw):
-    cfg = TrainConfig(profile="exact", clients=3, stages=2, hidden=8, **kw)
+    cfg = TrainConfig.resolve(profile="exact", clients=3, stages=2, hidden=8, **kw)
     clients = [LazyClient(p, cfg) for p in partition_graph(sbm, 3, "random", seed=0)]
     fed = Federation(InProcessTransport(clients), cfg, RunRecorder(None, stream=None))
     return cfg, clients, fed
@@ -67,7 +67,7 @@ def test_bad_messages_are_refused_by_name(sbm):
     with pytest.raises(ValueError, match=r"unknown message type 'query\.nope'"):
         handle(clients[0], "query.nope", {})
     eager = EagerClient(
-        clients[0].part, TrainConfig(profile="exact", mode="eager", clients=3, stages=2, hidden=8)
+        clients[0].part, TrainConfig.resolve(profile="exact", mode="eager", clients=3, stages=2, hidden=8)
     )
     with pytest.raises(ValueError, match=r"query\.embed is a lazy-mode message, this run is eager"):
         handle(eager, P.EMBED, fed.content(clients[0].make_model().state_dict(), **{P.STAGE: 0}))

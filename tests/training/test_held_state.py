@@ -41,7 +41,7 @@ class Recording(InProcessTransport):
 
 
 def _run(parts, **over) -> tuple[dict, Recording]:
-    cfg = TrainConfig(**{**CFG, **over})
+    cfg = TrainConfig.resolve(**{**CFG, **over})
     transport = Recording([LazyClient(p, cfg) for p in parts])
     summary = LazyStageMachine(transport, cfg, RunRecorder(None, stream=None)).run()
     return summary, transport

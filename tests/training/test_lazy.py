@@ -14,7 +14,7 @@ from retexo_fl.training.lazy import run_lazy
 
 @pytest.mark.parametrize("model", ["gcn", "sage", "sage-max", "gat"])
 def test_lazy_learns_from_cross_client_structure(sbm, model):
-    cfg = TrainConfig(profile="exact", model=model, stages=3, hidden=32, rounds=60, seed=0)
+    cfg = TrainConfig.resolve(profile="exact", model=model, stages=3, hidden=32, rounds=60, seed=0)
     summary = run_lazy(partition_graph(sbm, 4, "metis", seed=0), cfg)
     features_only = summary["stages"][0]["val_accuracy"]  # stage 0: an MLP on own features
     assert summary["test_accuracy"] >= 0.88
@@ -28,7 +28,7 @@ def test_lazy_learns_from_cross_client_structure(sbm, model):
 
 @pytest.mark.parametrize("bits", [32, 4, 1])
 def test_boundary_bytes_are_exact_row_counts(sbm, bits):
-    cfg = TrainConfig(profile="exact", model="sage", hidden=8, stages=2, rounds=1, seed=0, bits=bits)
+    cfg = TrainConfig.resolve(profile="exact", model="sage", hidden=8, stages=2, rounds=1, seed=0, bits=bits)
     parts = partition_graph(sbm, 3, "random", seed=0)
     summary = run_lazy(parts, cfg)
     # One frame per (receiver, sender) pair: header, then per-row ranges and packed codes.
@@ -48,6 +48,6 @@ def test_boundary_bytes_are_exact_row_counts(sbm, bits):
 
 
 def test_centralized_reference(sbm):
-    summary = run_centralized(whole_graph_partition(sbm), TrainConfig(profile="exact", hidden=32, rounds=60))
+    summary = run_centralized(whole_graph_partition(sbm), TrainConfig.resolve(profile="exact", hidden=32, rounds=60))
     assert summary["test_accuracy"] >= 0.9
     assert summary["bytes_total"] == 0

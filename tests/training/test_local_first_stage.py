@@ -108,4 +108,4 @@ def test_an_unknown_first_stage_or_one_outside_lazy_mode_is_refused():
     with pytest.raises(ValueError, match="first-stage must be one of"):
         TrainConfig(first_stage="gcn").validate()
     with pytest.raises(ValueError, match="first-stage local applies to lazy mode, not eager"):
-        TrainConfig(mode="eager", first_stage="local").validate()
+        TrainConfig.resolve(mode="eager", first_stage="local").validate()

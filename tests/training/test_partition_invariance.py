@@ -23,7 +23,7 @@ def test_same_stage_weights_on_1_and_4_partitions(cora, server_optimizer):
     # One full-batch SGD step per round, no dropout, weights averaged by training-node count:
     # the averaged update is then exactly the whole-graph gradient step, if (and only if) halo
     # exchange and global-degree normalization are right.
-    cfg = TrainConfig(
+    cfg = TrainConfig.resolve(
         profile="exact",
         model="gcn",
         stages=3,
@@ -65,7 +65,7 @@ def test_invariance_detects_a_wrong_normalization(cora):
     """The same comparison fails when halo degrees are wrong, so the test above can fail."""
     from retexo_fl.training import client as client_mod
 
-    cfg = TrainConfig(
+    cfg = TrainConfig.resolve(
         profile="exact",
         model="gcn",
         stages=2,

@@ -17,7 +17,7 @@ from retexo_fl.training.lazy_client import LazyClient
 def _stage_one_client(sbm, model: str, precompute: bool) -> LazyClient:
     """Client 0 of 3 random partitions at stage 1, its owned and halo rows set by hand-free
     means: the rows are random but fixed, the edges (and GCN weights) the client's own."""
-    cfg = TrainConfig(
+    cfg = TrainConfig.resolve(
         profile="exact", clients=3, stages=2, hidden=8, model=model, input_dropout=0.0, precompute=precompute
     )
     part = partition_graph(sbm, 3, "random", seed=0)[0]
@@ -71,8 +71,8 @@ def test_a_whole_run_is_the_same_without_input_dropout(sbm, model):
         clients=3, stages=3, hidden=8, rounds=6, model=model, input_dropout=0.0, seed=0,
         update_bits=32, broadcast_bits=32,
     )  # fmt: skip
-    plain = run_lazy(parts, TrainConfig(**base))
-    fast = run_lazy(parts, TrainConfig(**base, precompute=True))
+    plain = run_lazy(parts, TrainConfig.resolve(**base))
+    fast = run_lazy(parts, TrainConfig.resolve(**base, precompute=True))
     assert fast["bytes_total"] == plain["bytes_total"]
     for a, b in zip(plain["stages"], fast["stages"], strict=True):
         assert [r["val_accuracy"] for r in a["history"]] == [r["val_accuracy"] for r in b["history"]]
@@ -86,7 +86,7 @@ def test_the_cli_key_reaches_the_clients():
     cfg = TrainConfig.from_mapping({"precompute": True, "model": "sage"})
     assert cfg.precompute and cfg.training.precompute
     quiet = RunRecorder(None, stream=None)
-    cfg = TrainConfig(
+    cfg = TrainConfig.resolve(
         profile="exact", dataset="sbm:300,3", clients=2, stages=2, hidden=8, rounds=3, precompute=True
     )
     summary = train(cfg, quiet)

@@ -77,14 +77,14 @@ def test_the_default_noise_is_secret_and_never_written_anywhere_public(tmp_path,
         dataset="sbm:200,3", clients=3, model="gcn", stages=2, hidden=8, rounds=3, seed=0, dp_noise=1.0
     )
     quiet = RunRecorder(None, stream=None)
-    runs = [train(TrainConfig(**cfg, out_dir=str(tmp_path / f"run-{i}"))) for i in range(2)]
+    runs = [train(TrainConfig.resolve(**cfg, out_dir=str(tmp_path / f"run-{i}"))) for i in range(2)]
     assert len(keys) == 2 and keys[0] != keys[1]
     assert runs[0]["privacy"]["noise_seed"] == "secret"
     assert _curve(runs[0]) != _curve(runs[1])
     written = "".join(f.read_text() for f in tmp_path.rglob("*") if f.is_file() and f.suffix != ".png")
     assert '"noise_seed": "secret"' in written
     assert not any(str(k) in written or f"{k:x}" in written for k in keys)
-    again = [train(TrainConfig(**cfg, dp_reproducible=True), quiet) for _ in range(2)]
+    again = [train(TrainConfig.resolve(**cfg, dp_reproducible=True), quiet) for _ in range(2)]
     assert again[0]["privacy"]["noise_seed"] == "run seed" and _curve(again[0]) == _curve(again[1])
 
 
@@ -112,7 +112,7 @@ def test_epsilon_follows_the_gaussian_mechanism():
 
 def test_private_lazy_training_reports_its_budget(sbm):
     parts = partition_graph(sbm, 3, "metis", seed=0)
-    cfg = TrainConfig(
+    cfg = TrainConfig.resolve(
         profile="exact",
         model="gcn",
         stages=2,
@@ -125,7 +125,7 @@ def test_private_lazy_training_reports_its_budget(sbm):
     )
     out = run_lazy(parts, cfg)
     assert out["privacy"]["releases"] == 60 and 0 < out["privacy"]["epsilon"] < math.inf
-    plain = run_lazy(parts, TrainConfig(profile="exact", model="gcn", stages=2, hidden=16, rounds=30, seed=0))
+    plain = run_lazy(parts, TrainConfig.resolve(profile="exact", model="gcn", stages=2, hidden=16, rounds=30, seed=0))
     assert plain["privacy"] is None
     # 3 classes: the noisy run still learns (well above chance), and pays for its privacy.
     assert 0.45 < out["test_accuracy"] < plain["test_accuracy"]
@@ -137,7 +137,7 @@ def test_private_training_is_the_same_in_flower():
     from retexo_fl.runner import train
     from server.simulation import simulate
 
-    cfg = TrainConfig(
+    cfg = TrainConfig.resolve(
         profile="exact",
         dataset="sbm:400,3,8,0.85",
         clients=3,

@@ -33,7 +33,7 @@ class ResendsOneRound(InProcessTransport):
 
 
 def _run(parts, transport_cls) -> dict:
-    cfg = TrainConfig(**CFG)
+    cfg = TrainConfig.resolve(**CFG)
     clients = [LazyClient(p, cfg) for p in parts]
     return LazyStageMachine(transport_cls(clients), cfg, RunRecorder(None, stream=None)).run()
 

@@ -25,7 +25,7 @@ from retexo_fl.training.lazy_client import LazyClient
 from retexo_fl.training.stages import LazyStageMachine
 from retexo_fl.training.transport import Batch
 
-BASE = TrainConfig(profile="exact", model="gcn", stages=2, hidden=16, rounds=8, seed=0)
+BASE = TrainConfig.resolve(profile="exact", model="gcn", stages=2, hidden=16, rounds=8, seed=0)
 
 
 def _kept(parts, cfg) -> tuple[dict, dict]:

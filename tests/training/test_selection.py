@@ -74,11 +74,11 @@ def test_accuracy_or_loss_waits_out_a_plateau_the_loss_still_descends():
 )
 def test_settings_that_cannot_work_are_refused(values, message):
     with pytest.raises(ValueError, match=message):
-        TrainConfig(**values).validate()
+        TrainConfig.resolve(**values).validate()
 
 
 def test_zero_local_epochs_is_fine_with_a_time_budget():
-    TrainConfig(profile="exact", mode="local", local_epochs=0, round_seconds=0.5).validate()
+    TrainConfig.resolve(profile="exact", mode="local", local_epochs=0, round_seconds=0.5).validate()
 
 
 def test_a_stopped_stage_counts_exactly_the_rounds_it_sent():
@@ -87,9 +87,9 @@ def test_a_stopped_stage_counts_exactly_the_rounds_it_sent():
     )
     quiet = RunRecorder(None, stream=None)
     # One round per stage gives each stage's model bytes per round (32-bit: every round the same).
-    per_round = [s["bytes_model"] for s in train(TrainConfig(**base, rounds=1), quiet)["stages"]]
+    per_round = [s["bytes_model"] for s in train(TrainConfig.resolve(**base, rounds=1), quiet)["stages"]]
     # Stopping on accuracy alone: a falling validation loss would keep these stages going.
-    run = train(TrainConfig(**base, rounds=40, patience=3, min_rounds=5, stop_metric="accuracy"), quiet)
+    run = train(TrainConfig.resolve(**base, rounds=40, patience=3, min_rounds=5, stop_metric="accuracy"), quiet)
     stopped = 0
     for s, b in zip(run["stages"], per_round, strict=True):
         assert len(s["history"]) == s["rounds_run"] >= 5

@@ -51,7 +51,7 @@ def test_pseudo_labels_per_class_cap_takes_the_most_confident_of_each_class():
 
 def test_config_refuses_self_training_where_it_does_not_apply():
     with pytest.raises(ValueError, match="self-training"):
-        TrainConfig(mode="eager", self_training=1).validate()
+        TrainConfig.resolve(mode="eager", self_training=1).validate()
     with pytest.raises(ValueError, match="pseudo-threshold"):
         TrainConfig(pseudo_threshold=1.5).validate()
     with pytest.raises(ValueError, match="pseudo-per-class"):
@@ -61,7 +61,7 @@ def test_config_refuses_self_training_where_it_does_not_apply():
 
 
 def test_lazy_self_training_pass(sbm):
-    cfg = TrainConfig(
+    cfg = TrainConfig.resolve(
         profile="exact", stages=2, hidden=16, rounds=30, seed=0, self_training=1, pass_init="fresh"
     )
     parts = partition_graph(sbm, 3, "metis", seed=0)
@@ -70,7 +70,7 @@ def test_lazy_self_training_pass(sbm):
     assert seen == [0, 1, 2, 3] and len(summary["stages"]) == 4
     # Each pass has one exchange (stage 0 -> 1); the pass boundary sends nothing between clients.
     assert [s["bytes_boundary"] > 0 for s in summary["stages"]] == [True, False, True, False]
-    plain = run_lazy(parts, TrainConfig(**{**cfg.to_dict(), "self_training": 0}))
+    plain = run_lazy(parts, TrainConfig.resolve(**{**cfg.to_dict(), "self_training": 0}))
     keys = ("best_round", "val_accuracy", "bytes_model", "bytes_boundary")
     first_pass = [{k: s[k] for k in keys} for s in summary["stages"][:2]]
     assert first_pass == [{k: s[k] for k in keys} for s in plain["stages"]]  # the plain run
@@ -101,11 +101,11 @@ def test_a_pass_that_lowers_validation_is_not_kept(sbm, mode, monkeypatch):
     cfg = {"stages": 2, "hidden": 16, "rounds": 20, "seed": 0, "pass_init": "fresh"}
     if mode == "lazy":
         parts = partition_graph(sbm, 3, "metis", seed=0)
-        summary, plain = (run_lazy(parts, TrainConfig(**cfg, self_training=n)) for n in (1, 0))
+        summary, plain = (run_lazy(parts, TrainConfig.resolve(**cfg, self_training=n)) for n in (1, 0))
         bad = summary["passes"][1]
     else:
         whole = whole_graph_partition(sbm)
-        summary, plain = (run_centralized(whole, TrainConfig(**cfg, self_training=n)) for n in (1, 0))
+        summary, plain = (run_centralized(whole, TrainConfig.resolve(**cfg, self_training=n)) for n in (1, 0))
         bad = summary["stages"][1]
     # Trained on wrong labels, the second pass loses validation accuracy; the first is kept,
     # and the run reports what the plain run does.
@@ -144,7 +144,7 @@ def test_relabel_caps_labels_per_class(sbm):
     part = partition_graph(sbm, 1, "metis", seed=0)[0]
     counts = {}
     for per_class in (0, 3):
-        client = LazyClient(part, TrainConfig(**{**cfg.to_dict(), "pseudo_per_class": per_class}))
+        client = LazyClient(part, TrainConfig.resolve(**{**cfg.to_dict(), "pseudo_per_class": per_class}))
         client.advance(torch.randn(part.num_nodes, 8, generator=torch.Generator().manual_seed(0)))
         client.receive_degrees({})
         client.receive_halo({})

@@ -33,8 +33,8 @@ def _check_spoiled(bad: dict, good: dict) -> None:
 
 def test_a_worse_last_stage_delivers_an_earlier_stage(sbm):
     parts = partition_graph(sbm, 3, "metis", seed=0)
-    good = run_lazy(parts, TrainConfig(**BASE))
-    bad = run_lazy(parts, TrainConfig(**SPOILED))
+    good = run_lazy(parts, TrainConfig.resolve(**BASE))
+    bad = run_lazy(parts, TrainConfig.resolve(**SPOILED))
     _check_spoiled(bad, good)
     # Never below stage 0: the delivered model validates at least as well as every stage.
     for summary in (good, bad):
@@ -72,9 +72,9 @@ def test_both_engines_deliver_the_same_earlier_stage_with_the_same_bytes(tmp_pat
     from server.simulation import simulate
 
     common = {"dataset": "sbm:400,3,8,0.85", "clients": 3, "method": "metis", **SPOILED}
-    sim = simulate(TrainConfig(**common, out_dir=str(tmp_path / "sim")))
-    ref = train(TrainConfig(**common), RunRecorder(None, stream=None))
-    good = train(TrainConfig(**{**common, "lr": 1.0}), RunRecorder(None, stream=None))
+    sim = simulate(TrainConfig.resolve(**common, out_dir=str(tmp_path / "sim")))
+    ref = train(TrainConfig.resolve(**common), RunRecorder(None, stream=None))
+    good = train(TrainConfig.resolve(**{**common, "lr": 1.0}), RunRecorder(None, stream=None))
     _check_spoiled(ref, good)
     for key in (
         "kept_stage",

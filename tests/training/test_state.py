@@ -33,7 +33,7 @@ def test_state_round_trips_and_is_owner_only(tmp_path):
 
 
 def test_a_layer_0_snapshot_holds_no_raw_features(sbm, tmp_path):
-    cfg = TrainConfig(profile="exact", clients=3, stages=3, hidden=8, encrypt=False)
+    cfg = TrainConfig.resolve(profile="exact", clients=3, stages=3, hidden=8, encrypt=False)
     part = partition_graph(sbm, 3, "random", seed=0)[1]
     client = LazyClient(part, cfg)
     client.save(tmp_path)
@@ -50,7 +50,7 @@ def test_a_corrupt_state_file_is_named(tmp_path):
 
 
 def test_a_lazy_client_comes_back_where_it_was(sbm, tmp_path):
-    cfg = TrainConfig(profile="exact", clients=3, stages=3, hidden=8, encrypt=False)
+    cfg = TrainConfig.resolve(profile="exact", clients=3, stages=3, hidden=8, encrypt=False)
     part = partition_graph(sbm, 3, "random", seed=0)[1]
     client = LazyClient(part, cfg)
     rows = client.advance(torch.randn(part.num_nodes, 8))
@@ -65,7 +65,7 @@ def test_a_lazy_client_comes_back_where_it_was(sbm, tmp_path):
 
 
 def test_an_eager_client_keeps_its_halo_layers(sbm, tmp_path):
-    cfg = TrainConfig(profile="exact", mode="eager", clients=3, stages=3, hidden=8, encrypt=False)
+    cfg = TrainConfig.resolve(profile="exact", mode="eager", clients=3, stages=3, hidden=8, encrypt=False)
     part = partition_graph(sbm, 3, "random", seed=0)[0]
     client = EagerClient(part, cfg)
     client.halo_layers = [torch.full_like(h, float(i + 1)) for i, h in enumerate(client.halo_layers)]

@@ -21,7 +21,7 @@ from retexo_fl.training.transport import ClientFailure, Membership
 
 
 def _members(**kw) -> Membership:
-    m = Membership(TrainConfig(profile="exact", clients=4, **kw), RunRecorder(None, stream=None))
+    m = Membership(TrainConfig.resolve(profile="exact", clients=4, **kw), RunRecorder(None, stream=None))
     for pid in range(4):
         m.claim(pid, 10 + pid)
     return m
@@ -51,7 +51,7 @@ def test_fail_halo_policy_ends_a_run_that_would_miss_boundary_rows():
 
 def test_a_node_lost_before_it_said_its_partition_is_dropped_as_the_policy_says():
     m = Membership(
-        TrainConfig(profile="exact", clients=4, min_clients=3, on_missing_halo="zero"),
+        TrainConfig.resolve(profile="exact", clients=4, min_clients=3, on_missing_halo="zero"),
         RunRecorder(None, stream=None),
     )
     assert m.name(99) == "node 99"
@@ -72,7 +72,7 @@ def test_min_clients_covers_key_setup_and_setup(sbm, phase, encrypt):
     and its peers report its rows missing."""
     if phase == P.HELLO and not encrypt:
         pytest.skip("without encryption there is no key setup")
-    cfg = TrainConfig(
+    cfg = TrainConfig.resolve(
         profile="exact",
         clients=3,
         stages=2,
@@ -101,7 +101,7 @@ def test_min_clients_covers_key_setup_and_setup(sbm, phase, encrypt):
     pairs = {pair for stage in out["missing_payloads"].values() for pair in stage}
     assert pairs == {"2->0", "2->1"}
     with pytest.raises(ClientFailure, match="did not reply"):
-        strict = TrainConfig(
+        strict = TrainConfig.resolve(
             profile="exact", clients=3, stages=2, hidden=8, rounds=3, encrypt=encrypt, seed=0
         )
         LazyStageMachine(
@@ -119,7 +119,7 @@ def test_two_nodes_claiming_one_partition_end_the_run():
 @pytest.mark.parametrize("policy", ["fail", "zero", "reuse-last"])
 def test_clients_fill_a_lost_peers_halo_as_the_policy_says(sbm, policy):
     parts = partition_graph(sbm, 3, "random", seed=0)
-    client = LazyClient(parts[0], TrainConfig(profile="exact", on_missing_halo=policy, hidden=4))
+    client = LazyClient(parts[0], TrainConfig.resolve(profile="exact", on_missing_halo=policy, hidden=4))
     client.advance(torch.randn(parts[0].num_nodes, 4))  # stage 1: 4-wide inputs
     k = {q: int(ids.size) for q, ids in client.plan.recv.items()}
     full = {q: torch.full((k[q], 4), float(q + 1)) for q in k}
@@ -159,7 +159,7 @@ def test_a_client_dying_mid_stage_is_dropped_and_the_run_finishes(node_work_dir)
         target=_corrupt_client_state_at_stage, args=(node_work_dir, 1, 2, started, done), daemon=True
     )
     watcher.start()
-    cfg = TrainConfig(
+    cfg = TrainConfig.resolve(
         profile="exact",
         dataset="sbm:300,3",
         clients=3,
@@ -185,7 +185,7 @@ def test_a_client_dying_mid_stage_is_dropped_and_the_run_finishes(node_work_dir)
 def test_a_client_that_hangs_is_timed_out_and_dropped():
     from server.simulation import simulate
 
-    cfg = TrainConfig(
+    cfg = TrainConfig.resolve(
         profile="exact",
         mode="eager",
         dataset="sbm:300,3",

@@ -1,0 +1,157 @@
+"""How a run setting is declared: once, in its section, with its type, default and doc.
+
+Every setting of :class:`~retexo_fl.config.TrainConfig` is one field of one section dataclass
+(the torchtitan ``JobConfig`` pattern), written with :func:`setting`::
+
+    @section
+    class ModelSettings:
+        \"\"\"The model stack.\"\"\"
+
+        hidden: int = setting(32, "hidden width")
+        norm: Literal["layer", "none"] = setting("none", "the normalization after each layer")
+
+The flat configuration, the kebab-case run-config keys, the CLI flags with their help and
+choices, the ``Args:`` block of each section's docstring and the check of ``pyproject.toml``'s
+run-config table are all read from these declarations (:func:`settings_of`). A field typed
+``Literal[...]`` takes only those values; :func:`check_choices` refuses the rest by name.
+
+This module is a leaf of the package graph (no torch, no other :mod:`retexo_fl` module): each
+package's ``settings`` module imports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar, get_args, get_origin
+
+_Cls = TypeVar("_Cls", bound=type)
+
+#: Field metadata keys.
+_DOC = "doc"
+_PER_STAGE = "per_stage"
+
+
+def setting(default: Any, doc: str, *, per_stage: bool = False) -> Any:
+    """Declare a setting: its default and its one-line doc (the field's annotation is its type).
+
+    Args:
+        default (Any): the value a run takes when nothing sets it (lists are copied per config).
+        doc (str): what the setting does, as the CLI help and the section's docstring show it.
+        per_stage (bool, optional): the setting takes one value for every stage or a list with one
+            value per stage (``"200,100"`` on the command line). (default: :obj:`False`)
+    """
+    meta = {_DOC: " ".join(doc.split()), _PER_STAGE: per_stage}
+    if isinstance(default, list | dict | set):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class SettingInfo:
+    """One declared setting, as the CLI, the docs and the checks read it.
+
+    Args:
+        name (str): the snake-case field name (``"local_epochs"``).
+        annotation (str): the declared type, as written.
+        default (Any): the default value.
+        doc (str): the one-line doc.
+        per_stage (bool): one value or one per stage.
+        choices (tuple, optional): the values a ``Literal`` type allows; empty for any.
+    """
+
+    name: str
+    annotation: str
+    default: Any
+    doc: str
+    per_stage: bool
+    choices: tuple[Any, ...] = ()
+
+    @property
+    def key(self) -> str:
+        """The kebab-case run-config key and CLI flag name (``"local-epochs"``)."""
+        return self.name.replace("_", "-")
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    module = sys.modules.get(cls.__module__)
+    return typing.get_type_hints(cls, vars(module) if module else None)
+
+
+def _choices(hint: Any) -> tuple[Any, ...]:
+    """The values of a ``Literal`` (also inside ``X | list[X]``), else ``()``."""
+    if get_origin(hint) is Literal:
+        return get_args(hint)
+    for arg in get_args(hint):
+        found = _choices(arg)
+        if found:
+            return found
+    return ()
+
+
+def settings_of(cls: type) -> list[SettingInfo]:
+    """The settings a section (or the flat configuration) declares, in order.
+
+    Args:
+        cls (type): a dataclass whose fields were declared with :func:`setting`.
+    """
+    hints = _hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if _DOC not in f.metadata:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        annotation = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        out.append(
+            SettingInfo(
+                name=f.name,
+                annotation=annotation,
+                default=default,
+                doc=f.metadata[_DOC],
+                per_stage=bool(f.metadata[_PER_STAGE]),
+                choices=_choices(hints[f.name]),
+            )
+        )
+    return out
+
+
+def check_choices(obj: Any) -> None:
+    """Raise :class:`ValueError` naming the first setting of ``obj`` outside its ``Literal``.
+
+    Args:
+        obj (Any): a section instance.
+    """
+    for info in settings_of(type(obj)):
+        if not info.choices:
+            continue
+        value = getattr(obj, info.name)
+        values = value if info.per_stage and isinstance(value, list | tuple) else [value]
+        for v in values:
+            if v not in info.choices:
+                allowed = ", ".join(str(c) for c in info.choices)
+                raise ValueError(f"{info.key} must be one of {allowed}; got {v!r}")
+
+
+def _args_block(cls: type) -> str:
+    # Read from the fields alone: the module that declares ``cls`` is still being imported.
+    lines = ["", "Args:"]
+    for f in dataclasses.fields(cls):
+        if _DOC in f.metadata:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            lines.append(f"    {f.name} ({f.type}, optional): {f.metadata[_DOC]} (default: {default!r})")
+    return "\n".join(lines)
+
+
+def section(cls: _Cls) -> _Cls:
+    """Make ``cls`` a frozen section dataclass whose docstring lists its settings (PyG style).
+
+    Args:
+        cls (type): a class whose fields are declared with :func:`setting`.
+    """
+    made: Callable[[_Cls], _Cls] = dataclass(frozen=True)
+    out = made(cls)
+    out.__doc__ = (out.__doc__ or "").rstrip() + "\n" + _args_block(out)
+    return out

@@ -114,7 +114,9 @@ def _job(args: tuple[dict, str]) -> dict:
 
     run = {k: v for k, v in settings.items() if not k.startswith("_")}
     try:
-        summary = train(TrainConfig.resolve(data_root=root, device="cpu", **run), RunRecorder(None, stream=None))
+        summary = train(
+            TrainConfig.resolve(data_root=root, device="cpu", **run), RunRecorder(None, stream=None)
+        )
     except Exception as exc:  # one graph that cannot be read or trained must not end the sweep
         return {
             **{k: v for k, v in settings.items() if k != "dataset"},

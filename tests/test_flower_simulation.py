@@ -16,7 +16,9 @@ def _both_engines(cfg: TrainConfig, rec: RunRecorder | None = None) -> tuple[dic
     from server.simulation import simulate
 
     sim = simulate(cfg)
-    ref = train(TrainConfig.resolve(**{**cfg.to_dict(), "out_dir": ""}), rec or RunRecorder(None, stream=None))
+    ref = train(
+        TrainConfig.resolve(**{**cfg.to_dict(), "out_dir": ""}), rec or RunRecorder(None, stream=None)
+    )
     return sim, ref
 
 

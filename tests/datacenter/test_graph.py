@@ -65,7 +65,9 @@ def test_manifest_without_the_field_is_bound(sbm, tmp_path):
     del data["residency_bound"]
     manifest.write_text(json.dumps(data))
     with pytest.raises(ResidencyError, match="part-1"):
-        check_residency(TrainConfig.resolve(profile="exact", mode="datacenter", partitions=str(root), procs=2))
+        check_residency(
+            TrainConfig.resolve(profile="exact", mode="datacenter", partitions=str(root), procs=2)
+        )
 
 
 def test_adjacency_is_the_centralized_normalization(sbm):
@@ -89,6 +91,8 @@ def test_process_grids_are_checked():
     with pytest.raises(ValueError, match="cube"):
         TrainConfig.resolve(profile="exact", mode="datacenter", algorithm="3d", procs=4).validate()
     with pytest.raises(ValueError, match="replication factor 3"):
-        TrainConfig.resolve(profile="exact", mode="datacenter", algorithm="1.5d", procs=4, replication=3).validate()
+        TrainConfig.resolve(
+            profile="exact", mode="datacenter", algorithm="1.5d", procs=4, replication=3
+        ).validate()
     with pytest.raises(ValueError, match="algorithm"):
         TrainConfig.resolve(profile="exact", mode="datacenter", algorithm="4d").validate()

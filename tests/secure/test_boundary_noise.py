@@ -63,7 +63,9 @@ def test_peers_get_noised_rows_and_the_owner_keeps_its_own(sbm):
 
 def test_a_run_reports_what_its_rows_keep(sbm):
     parts = partition_graph(sbm, 3, "random", seed=0)
-    cfg = TrainConfig.resolve(model="gcn", stages=3, hidden=16, rounds=30, seed=0, encrypt=False, profile="exact")
+    cfg = TrainConfig.resolve(
+        model="gcn", stages=3, hidden=16, rounds=30, seed=0, encrypt=False, profile="exact"
+    )
     plain = run_lazy(parts, cfg)
     assert plain["boundary_privacy"] is None
     noisy = run_lazy(parts, dataclasses.replace(cfg, boundary_clip=1.0, boundary_noise=0.05))

@@ -278,7 +278,9 @@ def test_a_server_that_sends_an_earlier_round_again_is_refused(nodes, tmp_path):
             return {**req, P.CONFIG: {**req[P.CONFIG], P.ROUND: 1}}
         return req
 
-    cfg = TrainConfig.resolve(**{**CFG, "mode": "eager", "rounds": 4}, pinned_keys=str(nodes[1] / "pins.json"))
+    cfg = TrainConfig.resolve(
+        **{**CFG, "mode": "eager", "rounds": 4}, pinned_keys=str(nodes[1] / "pins.json")
+    )
     transport = ClientAppTransport(_node_configs(nodes, tmp_path), rewind)
     with pytest.raises(
         ClientFailure,

@@ -128,7 +128,9 @@ def test_a_nan_setting_is_refused_not_waved_through():
     # NaN fails every comparison, so "below the minimum" alone would let it pass.
     policy = PartyPolicy(min_boundary_noise=0.5)
     nan_cfg = TrainConfig.__new__(TrainConfig)
-    nan_cfg.__dict__.update(TrainConfig.resolve(profile="exact", boundary_clip=1.0, boundary_noise=0.5).__dict__)
+    nan_cfg.__dict__.update(
+        TrainConfig.resolve(profile="exact", boundary_clip=1.0, boundary_noise=0.5).__dict__
+    )
     nan_cfg.boundary_noise = float("nan")
     with pytest.raises(PolicyError, match="boundary-noise: nan is not a finite number"):
         policy.check(nan_cfg, "client 0")

@@ -22,7 +22,9 @@ STATE = {"lin.weight": torch.zeros(4, 3), "lin.bias": torch.zeros(4)}
 
 def _federation(cfg: TrainConfig | None = None, clients=()) -> Federation:
     return Federation(
-        InProcessTransport(list(clients)), cfg or TrainConfig.resolve(profile="exact"), RunRecorder(None, stream=None)
+        InProcessTransport(list(clients)),
+        cfg or TrainConfig.resolve(profile="exact"),
+        RunRecorder(None, stream=None),
     )
 
 

@@ -143,6 +143,10 @@ def test_halo_gradient_settings_are_checked():
     with pytest.raises(ValueError, match="halo-gradients applies to eager mode, not lazy"):
         TrainConfig(halo_gradients=True).validate()
     # Eager's default gives way to noised rows; asked for with them, it is refused.
-    assert not TrainConfig.resolve(mode="eager", boundary_clip=1.0, boundary_noise=0.5).validate().halo_gradients
+    assert (
+        not TrainConfig.resolve(mode="eager", boundary_clip=1.0, boundary_noise=0.5).validate().halo_gradients
+    )
     with pytest.raises(ValueError, match="halo-gradients with boundary-noise"):
-        TrainConfig.resolve(mode="eager", boundary_clip=1.0, boundary_noise=0.5, halo_gradients=True).validate()
+        TrainConfig.resolve(
+            mode="eager", boundary_clip=1.0, boundary_noise=0.5, halo_gradients=True
+        ).validate()

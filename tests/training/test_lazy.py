@@ -48,6 +48,8 @@ def test_boundary_bytes_are_exact_row_counts(sbm, bits):
 
 
 def test_centralized_reference(sbm):
-    summary = run_centralized(whole_graph_partition(sbm), TrainConfig.resolve(profile="exact", hidden=32, rounds=60))
+    summary = run_centralized(
+        whole_graph_partition(sbm), TrainConfig.resolve(profile="exact", hidden=32, rounds=60)
+    )
     assert summary["test_accuracy"] >= 0.9
     assert summary["bytes_total"] == 0

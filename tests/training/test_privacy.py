@@ -125,7 +125,9 @@ def test_private_lazy_training_reports_its_budget(sbm):
     )
     out = run_lazy(parts, cfg)
     assert out["privacy"]["releases"] == 60 and 0 < out["privacy"]["epsilon"] < math.inf
-    plain = run_lazy(parts, TrainConfig.resolve(profile="exact", model="gcn", stages=2, hidden=16, rounds=30, seed=0))
+    plain = run_lazy(
+        parts, TrainConfig.resolve(profile="exact", model="gcn", stages=2, hidden=16, rounds=30, seed=0)
+    )
     assert plain["privacy"] is None
     # 3 classes: the noisy run still learns (well above chance), and pays for its privacy.
     assert 0.45 < out["test_accuracy"] < plain["test_accuracy"]

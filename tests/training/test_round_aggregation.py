@@ -13,7 +13,9 @@ from retexo_fl.training import round_aggregation as ra
 from retexo_fl.training import rounds
 from retexo_fl.training.lazy import run_lazy
 
-BASE = TrainConfig.resolve(profile="exact", model="gcn", stages=2, hidden=16, rounds=8, seed=0, self_training=0)
+BASE = TrainConfig.resolve(
+    profile="exact", model="gcn", stages=2, hidden=16, rounds=8, seed=0, self_training=0
+)
 
 
 def _recording(monkeypatch) -> list[tuple]:

@@ -89,7 +89,9 @@ def test_a_stopped_stage_counts_exactly_the_rounds_it_sent():
     # One round per stage gives each stage's model bytes per round (32-bit: every round the same).
     per_round = [s["bytes_model"] for s in train(TrainConfig.resolve(**base, rounds=1), quiet)["stages"]]
     # Stopping on accuracy alone: a falling validation loss would keep these stages going.
-    run = train(TrainConfig.resolve(**base, rounds=40, patience=3, min_rounds=5, stop_metric="accuracy"), quiet)
+    run = train(
+        TrainConfig.resolve(**base, rounds=40, patience=3, min_rounds=5, stop_metric="accuracy"), quiet
+    )
     stopped = 0
     for s, b in zip(run["stages"], per_round, strict=True):
         assert len(s["history"]) == s["rounds_run"] >= 5

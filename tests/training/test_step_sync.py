@@ -121,7 +121,9 @@ def _parts(sbm):
 def _lazy(sbm, model="gcn", stage=1, **kw) -> LazyClient:
     """Client 0 of 3 random partitions; at ``stage`` 1 its owned and halo rows are random but
     fixed, its edges and GCN degrees its own (as tests/training/test_precompute.py builds it)."""
-    cfg = TrainConfig.resolve(profile="exact", clients=3, stages=2, hidden=8, model=model, local_epochs=3, **kw)
+    cfg = TrainConfig.resolve(
+        profile="exact", clients=3, stages=2, hidden=8, model=model, local_epochs=3, **kw
+    )
     client = LazyClient(_parts(sbm)[0], cfg)
     gen = torch.Generator().manual_seed(0)
     client.halo_degree = torch.randint(1, 9, (client.graph.num_halo,), generator=gen).float()
@@ -135,7 +137,9 @@ def _lazy(sbm, model="gcn", stage=1, **kw) -> LazyClient:
 def _eager(sbm, local=False, **kw) -> EagerClient:
     """Client 0 of 3 random partitions, eager over 2 conv layers, with random halo rows and
     (halo gradients) random gradients from its peers, so that every term takes part."""
-    cfg = TrainConfig.resolve(profile="exact", mode="eager", clients=3, stages=3, hidden=8, local_epochs=3, **kw)
+    cfg = TrainConfig.resolve(
+        profile="exact", mode="eager", clients=3, stages=3, hidden=8, local_epochs=3, **kw
+    )
     client = EagerClient(_parts(sbm)[0], cfg, local=local)
     gen = torch.Generator().manual_seed(0)
     client.halo_degree = torch.randint(1, 9, (client.graph.num_halo,), generator=gen).float()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -122,12 +123,16 @@ def test_build_stage_model_seeds_the_global_generator():
 
 
 def test_unknown_conv_is_refused_only_where_a_conv_is_built():
-    cfg = _cfg(model="gin")  # the config does not check the kind: the factory does
+    # A validated config refuses the kind by name; one built without validation meets the
+    # factory's own check, where a conv is built.
+    with pytest.raises(ValueError, match="model must be one of"):
+        _cfg(model="gin")
+    cfg = dataclasses.replace(_cfg(), model="gin")
     assert build_stage_model(cfg, 0, FEATURES, CLASSES).kind == "mlp"
     with pytest.raises(ValueError, match="unknown model 'gin'"):
         build_stage_model(cfg, 1, 16, CLASSES)
     with pytest.raises(ValueError, match="unknown norm 'batch'"):
-        build_stage_model(_cfg(norm="batch"), 0, FEATURES, CLASSES)
+        build_stage_model(dataclasses.replace(_cfg(), norm="batch"), 0, FEATURES, CLASSES)
 
 
 @pytest.mark.parametrize("embedding", ["hidden", "logits"])
@@ -179,12 +184,13 @@ def test_eager_model_auto_splits_the_reference_gnn_where_it_can():
 
 
 def test_single_stage_layered_model_has_no_conv():
-    model = build_layered_model(_cfg(stages=1, model="gin"), FEATURES, CLASSES)  # no conv is built
-    assert model.num_convs == 0
+    # A config built without validation (a validated one refuses "gin" by name).
+    model = build_layered_model(dataclasses.replace(_cfg(stages=1), model="gin"), FEATURES, CLASSES)
+    assert model.num_convs == 0  # no conv is built
     logits, inputs = model.eval()(torch.randn(N, FEATURES), None, None, [])
     assert logits.shape == (N, CLASSES) and inputs == []
     with pytest.raises(ValueError, match="unknown model 'gin'"):
-        build_layered_model(_cfg(stages=2, model="gin"), FEATURES, CLASSES)
+        build_layered_model(dataclasses.replace(_cfg(stages=2), model="gin"), FEATURES, CLASSES)
 
 
 def test_layered_weights_are_the_same_everywhere_and_follow_the_seed():

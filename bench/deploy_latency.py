@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "deploy"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_ROOT, private_planetoid  # noqa: E402
-from federation import Federation  # noqa: E402
+from federation import FederationProcesses  # noqa: E402
 
 
 def round_latencies(run_dir: Path) -> list[float]:
@@ -89,7 +89,7 @@ def deployed(
     parts: Path, work: Path, run_config: str, worker: bool, timeout: float = 1800, database: bool = True
 ) -> DeployedRun:
     """A whole deployed run of ``run_config`` on SuperNodes holding ``parts``' partitions."""
-    fed = Federation(work, database=database)
+    fed = FederationProcesses(work, database=database)
     parties = sorted(parts.glob("part-*"))
     run = DeployedRun(work / "run", fed.work, 0.0)
     try:

@@ -85,6 +85,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import DEFAULT_ROOT, private_planetoid
 from retexo_fl.config import TrainConfig
+from retexo_fl.coordinator.baseline_run import BaselineRun
 from retexo_fl.data.loading import load_graph
 from retexo_fl.data.partition import CROSS_IN, Partition
 from retexo_fl.data.partitioners import partition_graph
@@ -92,10 +93,9 @@ from retexo_fl.metrics import RunRecorder
 from retexo_fl.models.adjacency import run_conv
 from retexo_fl.models.factory import build_layered_model
 from retexo_fl.models.layered import LayeredGNN
-from retexo_fl.training.eager_client import EagerClient
+from retexo_fl.party.eager_client import EagerClient
+from retexo_fl.records import StateDict
 from retexo_fl.training.inprocess import InProcessTransport
-from retexo_fl.training.rounds import BaselineRun
-from retexo_fl.training.state import StateDict
 
 ATTACKS = ("model-pred", "naive", "estimated", "estimated-lstsq", "combined", "shadow", "oracle")
 

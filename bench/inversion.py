@@ -67,15 +67,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import DEFAULT_ROOT, private_planetoid
 from retexo_fl.config import TrainConfig
+from retexo_fl.coordinator.stages import LazyStageMachine
 from retexo_fl.data.loading import load_graph
 from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.metrics import RunRecorder
 from retexo_fl.models.factory import build_stage_model, stage_input_dim
+from retexo_fl.party.lazy_client import LazyClient
+from retexo_fl.records import StateDict
 from retexo_fl.secure.boundary_noise import gaussian_epsilon, release_rows
 from retexo_fl.training.inprocess import InProcessTransport
-from retexo_fl.training.lazy_client import LazyClient
-from retexo_fl.training.stages import LazyStageMachine
-from retexo_fl.training.state import StateDict
 
 ATTACKER = 0
 KEEP, ADD, NOISE_STD = 0.6, 0.4, 0.3  # the synthesizer's perturbation (see the docstring)

@@ -37,9 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_ROOT, private_planetoid
 
 from retexo_fl.config import TrainConfig
+from retexo_fl.coordinator import secure_aggregation
 from retexo_fl.metrics import RunRecorder
+from retexo_fl.party import secure_reply
 from retexo_fl.runner import train
-from retexo_fl.training import secure_round
 
 
 class Timers:
@@ -72,8 +73,8 @@ def measure(cfg: TrainConfig) -> dict:
     timers = Timers()
     if cfg.secure_aggregation:
         for name in ("prepare", "masked_records", "unmask"):
-            timers.wrap(secure_round, name, "client")
-        timers.wrap(secure_round, "unmask_round", "server")
+            timers.wrap(secure_reply, name, "client")
+        timers.wrap(secure_aggregation, "unmask_round", "server")
     t0 = time.perf_counter()
     try:
         out = train(cfg, RunRecorder(None, stream=None))

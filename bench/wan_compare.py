@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "deploy"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_ROOT, private_planetoid  # noqa: E402
-from federation import Federation  # noqa: E402
+from federation import FederationProcesses  # noqa: E402
 from wan import EmulatedWan, wan_unavailable  # noqa: E402
 
 COMMON = "optimizer='adam' lr='0.01' server-optimizer='avg' local-epochs='10'"
@@ -82,7 +82,7 @@ def deployed_run(
 ) -> Path:
     out = work / "run"
     with EmulatedWan(len(parts), rate) as wan:
-        fed = Federation(work, host=wan.host_address, database=database)
+        fed = FederationProcesses(work, host=wan.host_address, database=database)
         try:
             netns = [wan.netns(i) for i in range(len(parts))]
             record = fed.run_parties(parts, out, run_config, timeout, netns, worker=worker)

@@ -3,7 +3,7 @@
 With a node worker (node config ``worker``, set by ``retexo-fl supernode``) a handler forwards
 the message to it (:mod:`clients.shim`) and this process never imports torch. Without one, the
 process answers itself (:func:`clients.node_client.answer`): it restores this node's client,
-lets :func:`retexo_fl.training.handlers.handle` answer, saves the client's node-local state when
+lets :func:`retexo_fl.party.handlers.handle` answer, saves the client's node-local state when
 the answer changed it, and replies. Either way the mods (error reporting, audit) run here.
 """
 

@@ -14,13 +14,19 @@ import os
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from flwr.app import Context, Message
 
 from retexo_fl import protocol as P
 from retexo_fl.config import TrainConfig
 from retexo_fl.secure.keys import private_folder
+
+if TYPE_CHECKING:
+    from retexo_fl.secure.policy import PartyPolicy
 
 #: Environment variable naming the default base of node work folders (else the temp folder):
 #: lets a test or a shared host keep one run's node state apart from every other's.
@@ -127,3 +133,60 @@ def run_config(msg: Message, context: Context) -> TrainConfig:
             f"this node holds {P.config_digest(text)!r} ({path})"
         )
     return P.config_from_json(text)
+
+
+@dataclass
+class NodeView:
+    """What this node knows of itself while it answers one message, built once per message
+    (:meth:`of`) from its node config and the message, never from the server's run config alone.
+
+    Args:
+        node_config (dict): the node config.
+        key (tuple[int, str]): (run key, node): the node's cache slot and work folder in the run.
+        who (str): how errors name this node.
+        cfg (TrainConfig): the run config the message carries or names.
+        work (Path): the node-local work folder of this run (it holds the client's keys and state).
+        partition (Path): where this node's partition lives.
+    """
+
+    node_config: dict[str, Any]
+    key: tuple[int, str]
+    who: str
+    cfg: TrainConfig
+    work: Path
+    partition: Path
+
+    @classmethod
+    def of(cls, msg: Message, context: Context) -> NodeView:
+        """The view for ``msg``.
+
+        Raises:
+            ValueError: the message names a run config this node does not hold (see
+                :func:`run_config`).
+        """
+        return cls.for_run(context, run_config(msg, context), cache_key(msg, context))
+
+    @classmethod
+    def for_run(cls, context: Context, cfg: TrainConfig, key: tuple[int, str]) -> NodeView:
+        """The view of a node of ``context`` in the run of ``cfg`` and ``key``."""
+        return cls(
+            node_config=dict(context.node_config),
+            key=key,
+            who=who(context),
+            cfg=cfg,
+            work=work_dir(context, *key),
+            partition=partition_dir(context, cfg),
+        )
+
+    @property
+    def given_partition(self) -> bool:
+        """The partition was given (node config, or partitions written earlier), not cut here."""
+        return P.NODE_PARTITION_DIR in self.node_config or bool(self.cfg.partitions)
+
+    @cached_property
+    def policy(self) -> PartyPolicy:
+        """This party's security policy: its node config (or, in simulation, the command line's)."""
+        # Imported here: the policy's noise accounting imports torch, which a shim never loads.
+        from retexo_fl.secure.policy import PartyPolicy
+
+        return PartyPolicy.from_node_config(self.node_config, self.who)

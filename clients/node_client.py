@@ -20,18 +20,16 @@ from typing import TYPE_CHECKING
 
 from flwr.app import Context, Message, RecordDict
 
-from clients.node import cache_key, cut_lock, partition_dir, run_config, who, work_dir
+from clients.node import NodeView, cache_key, cut_lock
 from clients.records import from_flower, to_flower
-from retexo_fl import protocol as P
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partition import Partition, load_partition, save_partition
+from retexo_fl.party.client import Client
+from retexo_fl.party.eager_client import EagerClient
+from retexo_fl.party.handlers import handle
+from retexo_fl.party.lazy_client import LazyClient
 from retexo_fl.secure.audit import AuditLog
 from retexo_fl.secure.keys import private_folder
-from retexo_fl.secure.policy import PartyPolicy
-from retexo_fl.training.client import Client
-from retexo_fl.training.eager_client import EagerClient
-from retexo_fl.training.handlers import handle
-from retexo_fl.training.lazy_client import LazyClient
 
 if TYPE_CHECKING:
     from torch_geometric.data import Data
@@ -49,7 +47,9 @@ CACHED_RUNS = 1
 #: writes in a row apart.
 SOLE_WRITER = False
 _CURRENT: set[tuple[int, str]] = set()
-#: Guards ``_CACHE``, ``_CURRENT`` and ``_HELD``: a node worker answers runs on several threads.
+#: (run key, node) -> the node's view of the last message its client answered (audit_target).
+_VIEWS: dict[tuple[int, str], NodeView] = {}
+#: Guards ``_CACHE``, ``_VIEWS``, ``_CURRENT`` and ``_HELD``: a node worker answers runs on several threads.
 _LOCK = threading.Lock()
 
 
@@ -111,6 +111,7 @@ def forget(run_keys: Iterable[int]) -> None:
         held = {run for run, _ in _HELD}
         for key in [k for k in _CACHE if k[0] in runs and k[0] not in held]:
             del _CACHE[key]
+            _VIEWS.pop(key, None)
             _CURRENT.discard(key)
 
 
@@ -128,13 +129,14 @@ def _drop_old_runs(keep: int) -> None:
             continue
         for key in [k for k in _CACHE if k[0] == run]:
             del _CACHE[key]
+            _VIEWS.pop(key, None)
             _CURRENT.discard(key)
 
 
-def load_node_partition(context: Context, cfg: TrainConfig, work: Path) -> Partition:
+def load_node_partition(view: NodeView, work: Path) -> Partition:
     """This node's partition: loaded and validated, or (simulation) this run's cached cut."""
-    part_dir = partition_dir(context, cfg)
-    if P.NODE_PARTITION_DIR in context.node_config or cfg.partitions:
+    cfg, part_dir = view.cfg, view.partition
+    if view.given_partition:
         return load_partition(part_dir, stamp=work / "partition-verified.json")
     # Simulation: the first node to find no cut writes every part of one; the others load theirs.
     # Each node cutting for itself is not enough: two Ray actors' cuts of one graph have been seen
@@ -163,36 +165,33 @@ def write_cut(cfg: TrainConfig, folder: Path, graph: Data | None = None) -> None
         save_partition(part, folder / f"part-{part.partition_id}")
 
 
-def node_policy(context: Context) -> PartyPolicy:
-    """This party's security policy: its node config (or, in simulation, the command line's)."""
-    return PartyPolicy.from_node_config(context.node_config, who(context))
-
-
-def node_client(msg: Message, context: Context) -> tuple[Client, Path]:
+def node_client(view: NodeView) -> tuple[Client, Path]:
     """This node's client for the message's run, restored to its saved state, and its work folder.
+
+    Args:
+        view (NodeView): what the node knows of itself for this message.
 
     Raises:
         PolicyError: the message's run config is weaker than this party's policy.
     """
-    cfg = run_config(msg, context)
-    policy = node_policy(context)
+    cfg, policy, key = view.cfg, view.policy, view.key
     # Every message: a server may send a weaker config to a client it already set up.
-    policy.check(cfg, who(context))
-    key = cache_key(msg, context)
-    work = private_folder(work_dir(context, *key))  # it holds the client's keys and state
+    policy.check(cfg, view.who)
+    work = private_folder(view.work)  # it holds the client's keys and state
     with _LOCK:
         client = _CACHE.pop(key, None)
         if client is not None:
             _CACHE[key] = client  # most recently used last
+        _VIEWS[key] = view
     if client is None:
         # Built outside the lock (a partition load takes seconds): other runs go on meanwhile.
-        part = load_node_partition(context, cfg, work)
+        part = load_node_partition(view, work)
         if cfg.mode in ("eager", "local"):
             client = EagerClient(part, cfg, local=cfg.mode == "local", policy=policy)
         else:
             client = LazyClient(part, cfg, policy)
         if policy.audit_dir:  # frames sealed for peers are audited as plaintext, before sealing
-            log = AuditLog(policy.audit_dir, client.id, str(partition_dir(context, cfg)), cfg.encrypt)
+            log = AuditLog(policy.audit_dir, client.id, str(view.partition), cfg.encrypt)
             client.channel.observer = log.record_sealed
         with _LOCK:
             _CACHE[key] = client
@@ -215,7 +214,7 @@ def cached_client(msg: Message, context: Context) -> Client:
 def answer(msg: Message, context: Context) -> RecordDict:
     """This node's reply content to ``msg``: restore the client, let the library's handler
     answer, and save the node-local state when the answer changed it."""
-    client, work = node_client(msg, context)
+    client, work = node_client(NodeView.of(msg, context))
     try:
         reply = handle(client, msg.metadata.message_type, from_flower(msg.content))
     except Exception:
@@ -231,14 +230,20 @@ def audit_target(msg: Message, context: Context) -> dict | None:
     """Where and as whom this node records its replies (its policy's audit folder: node config
     ``audit-dir``, never the server's run config), or None when it does not, or when no client
     was built for this message (a failure before that loaded none of the client's data). The
-    handler has just built or restored the client: it is read from the cache, not restored again."""
+    handler has just built or restored the client: it and the node's view of the message are read
+    from the cache, not built again."""
     try:
-        client = cached_client(msg, context)
+        key = cache_key(msg, context)
+        client, view = _CACHE[key], _VIEWS[key]
     except (KeyError, TypeError, ValueError):
         return None
     folder = client.policy.audit_dir
     if not folder:
         return None
-    partition = str(partition_dir(context, client.cfg))
     encrypted = client.channel.enabled
-    return {"folder": str(folder), "client": client.id, "partition": partition, "encrypted": encrypted}
+    return {
+        "folder": str(folder),
+        "client": client.id,
+        "partition": str(view.partition),
+        "encrypted": encrypted,
+    }

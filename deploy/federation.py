@@ -76,7 +76,7 @@ def require_tool(name: str, path: str) -> None:
         )
 
 
-class Federation:
+class FederationProcesses:
     """The processes of one local federation, and how to stop them all.
 
     Args:
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
 
         sans = ["--san", "127.0.0.1", "--san", "localhost"] + (["--san", host] if wan else [])
         make_certs(["--out", str(tls), "--parties", str(len(parts)), *sans])
-    fed = Federation(Path(args.work).resolve() if args.work else out / "federation", tls, host)
+    fed = FederationProcesses(Path(args.work).resolve() if args.work else out / "federation", tls, host)
     keys = Path(args.keys).resolve() if args.keys else fed.work / "keys"
     if not (keys / "pins.json").is_file():
         from retexo_fl.secure.keys import write_identities

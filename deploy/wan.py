@@ -3,7 +3,7 @@
     from wan import EmulatedWan, wan_unavailable
 
     with EmulatedWan(parties=3, rate_mbit=5) as wan:
-        fed = Federation(work, host=wan.host_address)   # the SuperLink's Fleet API binds here
+        fed = FederationProcesses(work, host=wan.host_address)   # the SuperLink's Fleet API binds here
         fed.start_supernode(i, part, netns=wan.netns(i))
 
 Layout: one bridge in the launching namespace holding ``wan.host_address`` (10.213.N.1/24,

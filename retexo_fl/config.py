@@ -39,7 +39,7 @@ FirstStage = Literal["mlp", "local"]
 #: What stage 0 of a lazy run can be (``first-stage``).
 FIRST_STAGES: tuple[str, ...] = get_args(FirstStage)
 DriftCorrection = Literal["none", "scaffold"]
-#: ``drift-correction``: none, or SCAFFOLD's control variates (:mod:`retexo_fl.training.drift`).
+#: ``drift-correction``: none, or SCAFFOLD's control variates (:mod:`retexo_fl.coordinator.drift`).
 DRIFT_CORRECTIONS: tuple[str, ...] = get_args(DriftCorrection)
 
 _Section = TypeVar("_Section")

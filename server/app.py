@@ -7,11 +7,11 @@ from flwr.serverapp import Grid, ServerApp
 
 from clients.flower_patch import shorten_object_pulls
 from retexo_fl.config import TrainConfig
+from retexo_fl.coordinator.baseline_run import BaselineRun
+from retexo_fl.coordinator.stages import LazyStageMachine
 from retexo_fl.metrics import RunRecorder, human_bytes
 from retexo_fl.plots import write_plots
 from retexo_fl.summary import RunSummary
-from retexo_fl.training.rounds import BaselineRun
-from retexo_fl.training.stages import LazyStageMachine
 from server.checkpoint import FileCheckpoints, resumed_config
 from server.grid_transport import GridTransport
 

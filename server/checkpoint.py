@@ -12,13 +12,13 @@ import torch
 from retexo_fl.compress.boundary import ExchangeStats
 from retexo_fl.compress.updates import ModelBroadcast, UpdateCodec
 from retexo_fl.config import TrainConfig
-from retexo_fl.training.aggregate import ServerOptimizer
-from retexo_fl.training.checkpoint import Checkpoint, RoundState
-from retexo_fl.training.drift import ServerControl
-from retexo_fl.training.federation import ClientCounts
-from retexo_fl.training.privacy import UpdatePrivacy
-from retexo_fl.training.secure_round import SecureAggregator
-from retexo_fl.training.selection import StageTracker
+from retexo_fl.coordinator.aggregate import ServerOptimizer
+from retexo_fl.coordinator.checkpoint import Checkpoint, RoundState
+from retexo_fl.coordinator.drift import ServerControl
+from retexo_fl.coordinator.federation import ClientCounts
+from retexo_fl.coordinator.privacy import UpdatePrivacy
+from retexo_fl.coordinator.secure_aggregation import SecureAggregator
+from retexo_fl.coordinator.selection import StageTracker
 
 #: The only classes a checkpoint file may name: plain data holders of this project. The file is
 #: loaded with ``weights_only=True``, so anything else in it (a pickled callable, ``os.system``)
@@ -33,7 +33,7 @@ CHECKPOINT = "checkpoint.pt"
 
 
 class FileCheckpoints:
-    """A :class:`~retexo_fl.training.checkpoint.CheckpointStore` in a run folder.
+    """A :class:`~retexo_fl.coordinator.checkpoint.CheckpointStore` in a run folder.
 
     Args:
         folder (str): the run folder (``--out``).

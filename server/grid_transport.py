@@ -9,13 +9,13 @@ from flwr.app import Message
 from flwr.serverapp import Grid
 
 from clients.records import from_flower, to_flower
+from retexo_fl.coordinator.transport import Batch, ClientFailure
 from retexo_fl.protocol import Records
-from retexo_fl.training.transport import Batch, ClientFailure
 from server.messaging import Traffic, exchange
 
 
 class GridTransport:
-    """A :class:`~retexo_fl.training.transport.Transport` that sends Flower Messages over ``grid``.
+    """A :class:`~retexo_fl.coordinator.transport.Transport` that sends Flower Messages over ``grid``.
 
     Addresses are Flower node ids. A node that does not reply within ``timeout`` seconds, or
     replies with an error, is reported as a failure; the stage machine's policy decides what

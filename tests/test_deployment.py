@@ -27,7 +27,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "deploy"))
 
-from federation import Federation  # noqa: E402
+from federation import FederationProcesses  # noqa: E402
 from make_certs import main as make_certs  # noqa: E402
 
 from clients.approval import APP_PACKAGES, SIGNATURES_FILE, app_digest, sign_digest, tree_files  # noqa: E402
@@ -57,7 +57,7 @@ def federation(data_root, tmp_path_factory):
         serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
     )
     (tmp / "trusted.yaml").write_text(f"consortium: {public.decode()}\n")
-    fed = Federation(tmp / "work", tls=certs)
+    fed = FederationProcesses(tmp / "work", tls=certs)
     fed.signer = signer  # type: ignore[attr-defined]
     try:
         fed.start_superlink()
@@ -213,7 +213,7 @@ def test_plain_flower_supernode_still_works_beside_retexo_supernodes(data_root, 
     parts = tmp_path / "parts"
     argv = ["partition", "--dataset", "Cora", "--root", str(data_root), "--clients", "3", "--out", str(parts)]
     assert cli(argv) == 0
-    fed = Federation(tmp_path / "work")
+    fed = FederationProcesses(tmp_path / "work")
     out = tmp_path / "run"
     try:
         fed.start_superlink()

@@ -23,7 +23,7 @@ _CHILD = textwrap.dedent(
     import json, sys, torch
     from retexo_fl.config import TrainConfig
     from retexo_fl.data.partition import load_partition
-    from retexo_fl.training.lazy_client import LazyClient
+    from retexo_fl.party.lazy_client import LazyClient
     part = load_partition(sys.argv[1])
     cfg = TrainConfig.resolve(**json.loads(sys.argv[2]))
     client = LazyClient(part, cfg)
@@ -100,7 +100,7 @@ def test_rows_in_chunks_train_evaluate_and_embed_as_all_at_once(sbm, model):
     import torch
 
     from retexo_fl.data.partitioners import partition_graph
-    from retexo_fl.training.lazy_client import LazyClient
+    from retexo_fl.party.lazy_client import LazyClient
 
     part = partition_graph(sbm, 1, "random", seed=0)[0]
     stage_input = torch.randn(part.num_nodes, 12, generator=torch.Generator().manual_seed(0))

@@ -74,7 +74,7 @@ def test_failing_client_ends_the_run_with_its_name(tmp_path):
     import numpy as np
 
     from retexo_fl.cli import main
-    from retexo_fl.training.transport import ClientFailure
+    from retexo_fl.coordinator.transport import ClientFailure
     from server.simulation import simulate
 
     parts = tmp_path / "parts"
@@ -113,7 +113,7 @@ def test_client_failing_mid_stage_ends_the_run_with_its_name(tmp_path, node_work
 
     import torch
 
-    from retexo_fl.training.transport import ClientFailure
+    from retexo_fl.coordinator.transport import ClientFailure
     from server.simulation import simulate
 
     started = time.time()

@@ -1,5 +1,6 @@
 """The layout's rules, checked: one round body, a library that never reaches up into the apps,
-and no import cycles (tools/import_cycles.py)."""
+two wings (party, coordinator) that never import each other, and no import cycles
+(tools/import_cycles.py)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ def test_one_round_body():
             for _ in re.finditer(pattern, text)
         ]
 
-    assert callers(r"(?<!def )\baggregate_round\(") == ["retexo_fl/training/round_aggregation.py"]
-    assert callers(r"(?<!def )\bround_aggregation\(") == ["retexo_fl/training/rounds.py"]
+    assert callers(r"(?<!def )\baggregate_round\(") == ["retexo_fl/coordinator/round_aggregation.py"]
+    assert callers(r"(?<!def )\bround_aggregation\(") == ["retexo_fl/coordinator/round_loop.py"]
 
 
 def test_the_library_imports_nothing_from_the_apps():
@@ -39,9 +40,47 @@ def test_the_library_imports_nothing_from_the_apps():
 
 
 def test_the_library_imports_no_flower_transport():
-    # Flower's DP helpers are allowed (retexo_fl/training/privacy.py); its messaging is not.
+    # Flower's DP helpers are allowed (retexo_fl/coordinator/privacy.py); its messaging is not.
     pattern = r"^\s*from flwr\.(app|serverapp|clientapp|simulation|server|client)\b"
     assert [p.name for p, text in _sources("retexo_fl").items() if re.search(pattern, text, re.M)] == []
+
+
+def _imported_modules(text: str) -> set[str]:
+    """The modules a source imports (top level or inside functions), absolute names only."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return found
+
+
+def test_party_and_coordinator_never_import_each_other():
+    # The wings exchange messages (retexo_fl/protocol.py) and share record types
+    # (retexo_fl/records.py); neither may reach into the other, not even inside a function.
+    crossing = []
+    for wing, other in (("party", "coordinator"), ("coordinator", "party")):
+        for path, text in _sources(f"retexo_fl/{wing}").items():
+            bad = sorted(m for m in _imported_modules(text) if m.startswith(f"retexo_fl.{other}"))
+            crossing += [f"{path.relative_to(ROOT).as_posix()} imports {m}" for m in bad]
+    assert crossing == []
+    # The ClientApp side stays on the party wing, the ServerApp side on the coordinator's.
+    for app, other in (("clients", "coordinator"), ("server", "party")):
+        reaching = [
+            f"{path.relative_to(ROOT).as_posix()} imports {m}"
+            for path, text in _sources(app).items()
+            for m in sorted(_imported_modules(text))
+            if m.startswith(f"retexo_fl.{other}")
+        ]
+        assert reaching == [], app
+
+
+def test_the_wing_check_sees_an_import_inside_a_function():
+    text = "def f():\n    from retexo_fl.coordinator.federation import FederationView\n"
+    assert "retexo_fl.coordinator.federation" in _imported_modules(text)
+    assert "retexo_fl.party" in _imported_modules("from retexo_fl import party\n")
 
 
 def test_no_import_cycles():

@@ -7,13 +7,13 @@ import pytest
 
 from retexo_fl import protocol as P
 from retexo_fl.config import TrainConfig
+from retexo_fl.coordinator.federation import FederationView
 from retexo_fl.metrics import RunRecorder
-from retexo_fl.training.federation import Federation
 from retexo_fl.training.inprocess import InProcessTransport
 
 
-def _federation(**kw) -> Federation:
-    return Federation(InProcessTransport([]), TrainConfig.resolve(**kw), RunRecorder(None, stream=None))
+def _federation(**kw) -> FederationView:
+    return FederationView(InProcessTransport([]), TrainConfig.resolve(**kw), RunRecorder(None, stream=None))
 
 
 def test_train_messages_carry_the_digest_not_the_config():

@@ -16,16 +16,16 @@ import time
 import pytest
 
 from retexo_fl.config import TrainConfig
+from retexo_fl.coordinator.stages import LazyStageMachine
+from retexo_fl.coordinator.transport import Batch
 from retexo_fl.data.datasets import apply_split, synthetic_sbm
 from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.metrics import RunRecorder
+from retexo_fl.party.handlers import handle
+from retexo_fl.party.lazy_client import LazyClient
 from retexo_fl.protocol import Records
 from retexo_fl.runner import train
-from retexo_fl.training.handlers import handle
 from retexo_fl.training.inprocess import InProcessTransport
-from retexo_fl.training.lazy_client import LazyClient
-from retexo_fl.training.stages import LazyStageMachine
-from retexo_fl.training.transport import Batch
 from server.checkpoint import FileCheckpoints
 
 SETTINGS = {

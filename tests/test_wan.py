@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "deploy"))
 
-from federation import Federation  # noqa: E402
+from federation import FederationProcesses  # noqa: E402
 from wan import EmulatedWan, WanError, wan_unavailable  # noqa: E402
 
 from retexo_fl.cli import main as cli  # noqa: E402
@@ -158,7 +158,7 @@ def test_federation_runs_with_each_supernode_behind_its_own_link(data_root, tmp_
     assert cli(argv) == 0
     out = tmp_path / "run"
     with EmulatedWan(2, rate_mbit=50) as wan:
-        fed = Federation(tmp_path / "work", host=wan.host_address)
+        fed = FederationProcesses(tmp_path / "work", host=wan.host_address)
         try:
             fed.start_superlink()
             nodes = [fed.start_supernode(i, parts / f"part-{i}", netns=wan.netns(i)) for i in range(2)]

@@ -18,7 +18,7 @@ together with its self seed, and never the long-term identity key a seed was agr
 A seed masks one vector only: two vectors under the same mask differ by their plain difference.
 Pair seeds bind the run's transcript, the stage and the round, so they repeat only if a client
 masks the same stage and round twice, which the protocol must refuse
-(:func:`retexo_fl.training.secure_round.prepare` does).
+(:func:`retexo_fl.party.secure_reply.prepare` does).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def pairwise_mask_seed(
         stage (int): the stage the masked vector belongs to.
         round_ (int): the round it belongs to.
         terms (bytes, optional): the digest of the round's masking terms
-            (:func:`retexo_fl.training.secure_round.round_terms`; default: none).
+            (:func:`retexo_fl.secure.round_encoding.round_terms`; default: none).
 
     Returns:
         The :data:`SEED_BYTES`-byte seed.

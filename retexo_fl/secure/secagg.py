@@ -1,7 +1,7 @@
 r"""Secure aggregation of one round's replies: the server learns the sum of the survivors' vectors
 and nothing else (Bonawitz et al., 2017; Bell et al., 2020), over the Message API's round loop.
 
-A round under ``secure-aggregation`` (:mod:`retexo_fl.training.secure_round` drives it):
+A round under ``secure-aggregation`` (:mod:`retexo_fl.party.secure_reply` drives it):
 
 1. **Masking (the train reply).** Client :math:`i` of the round's masking set :math:`M` (the
    clients the server sent the round to, at least :math:`t`) encodes its reply as one vector of
@@ -25,7 +25,7 @@ only for members they were told survived, and its pair seeds only for members th
 dropped. A client answers one story per stage and round (the survivor set and the relayed
 shares' digest: :class:`UnmaskLedger`), opens a share only in the round it was sealed in, and
 masks each of its own stage's rounds once and in order (a round sent again gets the first reply
-again; the caller, :mod:`retexo_fl.training.secure_round`, enforces it), so a server that claims a
+again; the caller, :mod:`retexo_fl.party.secure_reply`, enforces it), so a server that claims a
 slow client dropped, asks twice with two stories, or carries shares or pair seeds from one round
 into another cannot get both halves of one client's masks. With self-shares, a server that tells
 different clients different survivor sets needs :math:`2(t-1) \le |M| - 1` to unmask anyone;
@@ -432,7 +432,7 @@ class VectorCodec:
 class EvalCodec:
     """An evaluate reply under secure aggregation: correct and count (integers, exactly) and the
     loss sum (a fraction of ``bound * LOSS_CAP``), as three field elements masked by pair masks
-    only (:func:`~retexo_fl.training.secure_round.masked_evaluation`).
+    only (:func:`~retexo_fl.party.secure_reply.masked_evaluation`).
 
     Args:
         members (int): the clients whose vectors are summed, >= 1.

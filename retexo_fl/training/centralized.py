@@ -9,16 +9,16 @@ import numpy as np
 import torch
 
 from retexo_fl.config import TrainConfig
+from retexo_fl.coordinator.selection import keep_best_stage
 from retexo_fl.data.partition import Partition
 from retexo_fl.data.partitioners import split_graph
 from retexo_fl.metrics import RunRecorder
 from retexo_fl.models.adjacency import SPARSE_KINDS, sparse_adjacency
 from retexo_fl.models.gnn import GNN
+from retexo_fl.party.pseudo import pseudo_labels
 from retexo_fl.plan import BoundaryPlan, LocalGraph
 from retexo_fl.seeding import derive_seed, resolve_device
 from retexo_fl.summary import RunSummary
-from retexo_fl.training.pseudo import pseudo_labels
-from retexo_fl.training.selection import keep_best_stage
 
 
 def whole_graph_partition(data) -> Partition:

@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from retexo_fl.config import TrainConfig
+from retexo_fl.coordinator.baseline_run import BaselineRun
 from retexo_fl.data.partition import Partition, check_cross_consistency
 from retexo_fl.metrics import RunRecorder
+from retexo_fl.party.eager_client import EagerClient
 from retexo_fl.summary import RunSummary
-from retexo_fl.training.eager_client import EagerClient
 from retexo_fl.training.inprocess import InProcessTransport
 from retexo_fl.training.lazy import with_clients
-from retexo_fl.training.rounds import BaselineRun
 
 
 def run_eager(
@@ -19,7 +19,7 @@ def run_eager(
 ) -> RunSummary:
     """Eager (or, with ``local``, local-only) federated training in one process; returns the summary.
 
-    The same :class:`~retexo_fl.training.rounds.BaselineRun` the Flower ServerApp runs, over an
+    The same :class:`~retexo_fl.coordinator.baseline_run.BaselineRun` the Flower ServerApp runs, over an
     :class:`~retexo_fl.training.inprocess.InProcessTransport`.
 
     Args:

@@ -5,16 +5,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from retexo_fl.coordinator.transport import Batch, ClientFailure
+from retexo_fl.party.client import Client
+from retexo_fl.party.handlers import handle
 from retexo_fl.protocol import Records
-from retexo_fl.training.client import Client
-from retexo_fl.training.handlers import handle
-from retexo_fl.training.transport import Batch, ClientFailure
 
 
 class InProcessTransport:
-    """A :class:`~retexo_fl.training.transport.Transport` over client objects in this process.
+    """A :class:`~retexo_fl.coordinator.transport.Transport` over client objects in this process.
 
-    Addresses are indices into ``clients``. A request reaches :func:`~retexo_fl.training.handlers.handle`
+    Addresses are indices into ``clients``. A request reaches :func:`~retexo_fl.party.handlers.handle`
     as it is (no copies, no serialization); a client's error propagates with its traceback, since
     there is nobody to lose.
 

@@ -6,13 +6,13 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from retexo_fl.config import TrainConfig
+from retexo_fl.coordinator.stages import LazyStageMachine
 from retexo_fl.data.partition import Partition, check_cross_consistency
 from retexo_fl.metrics import RunRecorder
+from retexo_fl.party.lazy_client import LazyClient
+from retexo_fl.records import StateDict
 from retexo_fl.summary import RunSummary
 from retexo_fl.training.inprocess import InProcessTransport
-from retexo_fl.training.lazy_client import LazyClient
-from retexo_fl.training.stages import LazyStageMachine
-from retexo_fl.training.state import StateDict
 
 
 def run_lazy(
@@ -23,7 +23,7 @@ def run_lazy(
 ) -> RunSummary:
     """Lazy message passing over ``parts`` in one process; returns the run summary.
 
-    The same :class:`~retexo_fl.training.stages.LazyStageMachine` the Flower ServerApp runs,
+    The same :class:`~retexo_fl.coordinator.stages.LazyStageMachine` the Flower ServerApp runs,
     over an :class:`~retexo_fl.training.inprocess.InProcessTransport`.
 
     Args:

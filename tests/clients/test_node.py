@@ -9,8 +9,8 @@ import pytest
 from clients.node import WORK_DIR_ENV, run_config, work_base
 from retexo_fl import protocol as P
 from retexo_fl.config import TrainConfig
+from retexo_fl.coordinator.federation import FederationView
 from retexo_fl.metrics import RunRecorder
-from retexo_fl.training.federation import Federation
 from retexo_fl.training.inprocess import InProcessTransport
 
 
@@ -34,11 +34,11 @@ class _Context:
     node_id: int = 5
 
 
-def _federation(**kw) -> Federation:
-    return Federation(InProcessTransport([]), TrainConfig.resolve(**kw), RunRecorder(None, stream=None))
+def _federation(**kw) -> FederationView:
+    return FederationView(InProcessTransport([]), TrainConfig.resolve(**kw), RunRecorder(None, stream=None))
 
 
-def _message(fed: Federation, kind: str, **kw) -> _Message:
+def _message(fed: FederationView, kind: str, **kw) -> _Message:
     """The message ``fed`` would send, as the ClientApp sees its records."""
     return _Message(fed.content(**kw), _Metadata(kind))
 
@@ -82,7 +82,7 @@ def test_simulated_nodes_load_their_parts_of_one_cut(tmp_path, monkeypatch):
 
     import numpy as np
 
-    from clients.node import cut_folder
+    from clients.node import NodeView, cut_folder
     from clients.node_client import load_node_partition
     from retexo_fl.data import partitioners
     from retexo_fl.data.loading import load_graph
@@ -103,7 +103,8 @@ def test_simulated_nodes_load_their_parts_of_one_cut(tmp_path, monkeypatch):
     def node(pid: int) -> None:
         try:
             ctx = _Context({P.NODE_WORK_DIR: str(tmp_path), P.NODE_PARTITION_ID: pid}, node_id=pid)
-            parts[pid] = load_node_partition(ctx, cfg, tmp_path / f"work-{pid}")
+            view = NodeView.for_run(ctx, cfg, (0, str(pid)))  # type: ignore[arg-type]
+            parts[pid] = load_node_partition(view, tmp_path / f"work-{pid}")
         except Exception as exc:  # reported below: a thread's exception is otherwise lost
             errors.append(exc)
 
@@ -123,7 +124,7 @@ def test_simulated_nodes_load_their_parts_of_one_cut(tmp_path, monkeypatch):
     for name in ("manifest.json", "x.npy"):
         (folder / "part-2" / name).unlink()
     ctx = _Context({P.NODE_WORK_DIR: str(tmp_path), P.NODE_PARTITION_ID: 2}, node_id=2)
-    again = load_node_partition(ctx, cfg, tmp_path / "work-2b")
+    again = load_node_partition(NodeView.for_run(ctx, cfg, (0, "2")), tmp_path / "work-2b")  # type: ignore[arg-type]
     assert len(calls) == 2 and again.partition_id == 2
     # The old way, each node cutting for itself, numbers the parts differently: the check fails.
     graph = load_graph(cfg)

@@ -38,6 +38,8 @@ from clients.worker_link import (
 )
 from retexo_fl import protocol as P
 from retexo_fl.config import TrainConfig
+from retexo_fl.coordinator.stages import LazyStageMachine
+from retexo_fl.coordinator.transport import Batch
 from retexo_fl.data.loading import load_graph
 from retexo_fl.data.partition import save_partition
 from retexo_fl.data.partitioners import partition_graph
@@ -45,8 +47,6 @@ from retexo_fl.metrics import RunRecorder
 from retexo_fl.protocol import Records
 from retexo_fl.training.inprocess import InProcessTransport
 from retexo_fl.training.lazy import run_lazy
-from retexo_fl.training.stages import LazyStageMachine
-from retexo_fl.training.transport import Batch
 
 pytestmark = pytest.mark.slow  # each worker is a process that imports torch (about 3 s)
 

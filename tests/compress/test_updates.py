@@ -45,7 +45,7 @@ def test_sizes_shrink_and_bad_frames_fail():
 
 def test_broadcast_view_tracks_the_state():
     from retexo_fl.compress.updates import ModelBroadcast
-    from retexo_fl.training.aggregate import apply_updates, weighted_average
+    from retexo_fl.coordinator.aggregate import apply_updates, weighted_average
 
     gen = torch.Generator().manual_seed(2)
     state = {"w": torch.randn(64, 32, generator=gen), "b": torch.randn(64, generator=gen)}

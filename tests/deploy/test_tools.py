@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.federation import Federation, require_tool, tool_path
+from deploy.federation import FederationProcesses, require_tool, tool_path
 
 
 def test_the_interpreters_folder_comes_first_once():
@@ -22,14 +22,14 @@ def test_flower_is_found_with_an_empty_path(tmp_path):
     """As with `.venv/bin/python -m pytest` and no activated venv: PATH holds none of it."""
     for tool in ("flower-superlink", "flower-supernode", "flwr", "retexo-fl"):
         require_tool(tool, tool_path(""))
-    fed = Federation(tmp_path / "fed")
+    fed = FederationProcesses(tmp_path / "fed")
     assert fed.env["PATH"].split(os.pathsep)[0] == str(Path(sys.executable).parent)
 
 
 def test_a_missing_tool_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"flower-nothing is not beside .* nor on PATH"):
         require_tool("flower-nothing", tool_path(""))
-    fed = Federation(tmp_path / "fed")
+    fed = FederationProcesses(tmp_path / "fed")
     with pytest.raises(FileNotFoundError, match="flower-nothing"):
         fed.start("x", ["ip", "netns", "exec", "ns0", "flower-nothing", "--help"])
     assert fed.procs == {}

@@ -10,10 +10,10 @@ import torch
 
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partitioners import partition_graph
+from retexo_fl.party.lazy_client import LazyClient
 from retexo_fl.secure.boundary_noise import gaussian_epsilon, release_rows
 from retexo_fl.training.eager import run_eager
 from retexo_fl.training.lazy import run_lazy
-from retexo_fl.training.lazy_client import LazyClient
 
 
 def test_rows_are_clipped_then_noised_at_the_stated_scale():

@@ -10,8 +10,10 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from retexo_fl.cli import main
 from retexo_fl.config import TrainConfig
+from retexo_fl.coordinator.federation import FederationView
 from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.metrics import RunRecorder
+from retexo_fl.party.lazy_client import LazyClient
 from retexo_fl.secure.envelope import (
     ENVELOPE_BYTES,
     NONCE_BYTES,
@@ -21,10 +23,8 @@ from retexo_fl.secure.envelope import (
     transcript_hash,
 )
 from retexo_fl.secure.keys import KeyMaterialError, check_directory, load_pins, public_bytes
-from retexo_fl.training.federation import Federation
 from retexo_fl.training.inprocess import InProcessTransport
 from retexo_fl.training.lazy import run_lazy
-from retexo_fl.training.lazy_client import LazyClient
 
 RUN = 123456789
 
@@ -115,7 +115,9 @@ def test_clients_refuse_a_directory_that_disagrees_with_the_pins(sbm, tmp_path):
         profile="exact", clients=3, identity_keys=str(tmp_path), pinned_keys=str(tmp_path / "pins.json")
     )
     clients = [LazyClient(p, cfg) for p in partition_graph(sbm, 3, "random", seed=0)]
-    Federation(InProcessTransport(clients), cfg, RunRecorder(None, stream=None)).setup()  # honest: pins match
+    FederationView(
+        InProcessTransport(clients), cfg, RunRecorder(None, stream=None)
+    ).setup()  # honest: pins match
     directory = {c.id: c.public_key() for c in clients}
     directory[1] = public_bytes(X25519PrivateKey.generate())  # a server that swapped client 1's key
     contributions = {c.id: c.channel.contribution() for c in clients}

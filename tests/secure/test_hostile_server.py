@@ -26,6 +26,9 @@ from clients.records import from_flower, to_flower
 from clients.worker import request_message
 from retexo_fl import protocol as P
 from retexo_fl.config import TrainConfig
+from retexo_fl.coordinator.baseline_run import BaselineRun
+from retexo_fl.coordinator.stages import LazyStageMachine
+from retexo_fl.coordinator.transport import Batch, ClientFailure
 from retexo_fl.data.partition import save_partition
 from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.metrics import RunRecorder
@@ -33,9 +36,6 @@ from retexo_fl.protocol import Records
 from retexo_fl.secure.keys import write_identities
 from retexo_fl.training.inprocess import InProcessTransport
 from retexo_fl.training.lazy import run_lazy
-from retexo_fl.training.rounds import BaselineRun
-from retexo_fl.training.stages import LazyStageMachine
-from retexo_fl.training.transport import Batch, ClientFailure
 
 Tamper = Callable[[str, int, Records], Records]
 CFG = dict(
@@ -308,7 +308,7 @@ def test_a_server_that_asks_for_more_releases_than_a_partys_budget_is_refused(no
     ):
         BaselineRun(transport, cfg, RunRecorder(None, stream=None)).run()
     # The count outlived each message's process: it is in the node-local state.
-    from retexo_fl.training.state import ClientState
+    from retexo_fl.party.state import ClientState
 
     saved = [ClientState.load(f) for f in sorted(tmp_path.glob("run-*/node-*"))]
     assert sorted(s.boundary_releases for s in saved if s is not None) == [2, 2, 2]
@@ -387,8 +387,8 @@ def test_a_member_set_that_drops_a_survivor_mid_stage_is_refused(nodes, tmp_path
 
 
 def test_the_same_state_for_another_member_set_is_refused():
+    from retexo_fl.party.secure_reply import _check_stage_terms
     from retexo_fl.secure.secagg import SecAggError
-    from retexo_fl.training.secure_round import _check_stage_terms
 
     last = {"round": 2, "bound": 90.0, "members": [0, 1, 2, 3], "survivors": None, "digest": "d"}
     with pytest.raises(SecAggError, match="sends the state round 2 of this stage was masked from"):

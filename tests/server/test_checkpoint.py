@@ -8,7 +8,7 @@ import pickle
 import pytest
 import torch
 
-from retexo_fl.training.aggregate import ServerOptimizer
+from retexo_fl.coordinator.aggregate import ServerOptimizer
 from server.checkpoint import CHECKPOINT, FileCheckpoints
 
 

@@ -9,8 +9,8 @@ from retexo_fl.compress.boundary import BoundaryEncoder, parse_bandwidths
 from retexo_fl.compress.quantize import CodecError
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partitioners import partition_graph
+from retexo_fl.party.lazy_client import LazyClient
 from retexo_fl.training.lazy import run_lazy
-from retexo_fl.training.lazy_client import LazyClient
 
 
 def _cfg(**kw) -> TrainConfig:

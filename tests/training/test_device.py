@@ -8,11 +8,11 @@ import torch
 
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partitioners import partition_graph
+from retexo_fl.party.lazy_client import LazyClient
 from retexo_fl.runner import device_line
 from retexo_fl.seeding import AUTO_GPU_MIN_NODES, device_choice, resolve_device
 from retexo_fl.training.centralized import run_centralized, whole_graph_partition
 from retexo_fl.training.lazy import run_lazy
-from retexo_fl.training.lazy_client import LazyClient
 
 HAVE_CUDA = torch.cuda.is_available()
 

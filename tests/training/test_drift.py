@@ -10,15 +10,16 @@ import torch
 from retexo_fl import protocol as P
 from retexo_fl.compress.updates import UpdateCodec
 from retexo_fl.config import TrainConfig
+from retexo_fl.coordinator.drift import ServerControl
+from retexo_fl.coordinator.federation import FederationView
+from retexo_fl.coordinator.selection import StageTracker
 from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.metrics import RunRecorder
+from retexo_fl.party.handlers import handle
+from retexo_fl.party.lazy_client import LazyClient
 from retexo_fl.runner import train
-from retexo_fl.training.drift import ServerControl, next_client_control
-from retexo_fl.training.federation import Federation
-from retexo_fl.training.handlers import handle
+from retexo_fl.scaffold import next_client_control
 from retexo_fl.training.inprocess import InProcessTransport
-from retexo_fl.training.lazy_client import LazyClient
-from retexo_fl.training.selection import StageTracker
 
 # One stage (an MLP on each client's own rows) with plain SGD and a plain average on the server:
 # the setting in which K local steps of FedAvg are K steps of gradient descent but for drift.
@@ -72,7 +73,7 @@ def test_client_and_server_derive_the_same_control_variates(sbm, update_bits):
         update_bits=update_bits,
     )  # fmt: skip
     clients = [LazyClient(p, cfg) for p in partition_graph(sbm, 3, "label-skew", seed=0)]
-    fed = Federation(InProcessTransport(clients), cfg, RunRecorder(None, stream=None))
+    fed = FederationView(InProcessTransport(clients), cfg, RunRecorder(None, stream=None))
     fed.setup()
     state = {k: v.detach().clone() for k, v in clients[0].make_model().state_dict().items()}
     server = ServerControl(state, lr=0.3)

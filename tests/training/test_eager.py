@@ -7,10 +7,10 @@ import pytest
 from retexo_fl.compress.payload import HEADER_BYTES
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partitioners import partition_graph
+from retexo_fl.party.eager_client import EagerClient, step_delays
 from retexo_fl.plan import BoundaryPlan
 from retexo_fl.secure.envelope import ENVELOPE_BYTES
 from retexo_fl.training.eager import run_eager
-from retexo_fl.training.eager_client import EagerClient, step_delays
 
 
 def _cfg(**kw) -> TrainConfig:
@@ -74,15 +74,15 @@ def test_settled_halos_give_the_whole_graph_forward(sbm, eager_model: str):
     import torch
 
     from retexo_fl import protocol as P
+    from retexo_fl.coordinator.federation import FederationView
     from retexo_fl.metrics import RunRecorder
+    from retexo_fl.party.handlers import handle
     from retexo_fl.training.centralized import whole_graph_partition
-    from retexo_fl.training.federation import Federation
-    from retexo_fl.training.handlers import handle
     from retexo_fl.training.inprocess import InProcessTransport
 
     cfg = _cfg(mode="eager", hidden=8, clients=3, eager_model=eager_model)
     clients = [EagerClient(p, cfg) for p in partition_graph(sbm, 3, "random", seed=0)]
-    fed = Federation(InProcessTransport(clients), cfg, RunRecorder(None, stream=None))
+    fed = FederationView(InProcessTransport(clients), cfg, RunRecorder(None, stream=None))
     degrees = fed.setup()  # key setup and the sealed GCN degrees, as a run does them
     state = {k: v.detach().clone() for k, v in clients[0].make_model().state_dict().items()}
     for c in clients:  # the degrees ride with the first message a client gets

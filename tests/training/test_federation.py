@@ -9,26 +9,26 @@ import torch
 from retexo_fl import protocol as P
 from retexo_fl.compress.updates import UpdateCodec
 from retexo_fl.config import TrainConfig
+from retexo_fl.coordinator.federation import FederationView
+from retexo_fl.coordinator.selection import StageTracker
+from retexo_fl.coordinator.transport import ClientFailure
 from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.metrics import RunRecorder
-from retexo_fl.training.federation import Federation
+from retexo_fl.party.lazy_client import LazyClient
 from retexo_fl.training.inprocess import InProcessTransport
-from retexo_fl.training.lazy_client import LazyClient
-from retexo_fl.training.selection import StageTracker
-from retexo_fl.training.transport import ClientFailure
 
 STATE = {"lin.weight": torch.zeros(4, 3), "lin.bias": torch.zeros(4)}
 
 
-def _federation(cfg: TrainConfig | None = None, clients=()) -> Federation:
-    return Federation(
+def _federation(cfg: TrainConfig | None = None, clients=()) -> FederationView:
+    return FederationView(
         InProcessTransport(list(clients)),
         cfg or TrainConfig.resolve(profile="exact"),
         RunRecorder(None, stream=None),
     )
 
 
-def _one_client() -> Federation:
+def _one_client() -> FederationView:
     fed = _federation()
     fed.members.claim(2, 7)
     return fed

@@ -8,14 +8,14 @@ import torch
 from retexo_fl import protocol as P
 from retexo_fl.compress.payload import PayloadError, encode_rows, split_frames
 from retexo_fl.config import TrainConfig
+from retexo_fl.coordinator.federation import FederationView
 from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.metrics import RunRecorder
+from retexo_fl.party.eager_client import EagerClient
+from retexo_fl.party.handlers import handle
+from retexo_fl.records import StateDict
 from retexo_fl.training.centralized import whole_graph_partition
-from retexo_fl.training.eager_client import EagerClient
-from retexo_fl.training.federation import Federation
-from retexo_fl.training.handlers import handle
 from retexo_fl.training.inprocess import InProcessTransport
-from retexo_fl.training.state import StateDict
 
 
 def _cfg(**kw) -> TrainConfig:
@@ -45,7 +45,7 @@ def _federated_gradient(sbm, cfg: TrainConfig, exchanges: int) -> tuple[torch.Te
     """The training-node-weighted mean of the clients' gradients at one fixed state, after
     ``exchanges`` rounds of rows (and halo gradients) computed at that same state."""
     clients = [EagerClient(p, cfg) for p in partition_graph(sbm, cfg.clients, "random", seed=0)]
-    fed = Federation(InProcessTransport(clients), cfg, RunRecorder(None, stream=None))
+    fed = FederationView(InProcessTransport(clients), cfg, RunRecorder(None, stream=None))
     degrees = fed.setup()  # key setup and the sealed GCN degrees, as a run does them
     torch.manual_seed(0)
     state = {k: v.detach().clone() for k, v in clients[0].make_model().state_dict().items()}

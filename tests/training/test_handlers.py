@@ -8,19 +8,19 @@ import torch
 
 from retexo_fl import protocol as P
 from retexo_fl.config import TrainConfig
+from retexo_fl.coordinator.federation import FederationView
 from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.metrics import RunRecorder
-from retexo_fl.training.eager_client import EagerClient
-from retexo_fl.training.federation import Federation
-from retexo_fl.training.handlers import handle
+from retexo_fl.party.eager_client import EagerClient
+from retexo_fl.party.handlers import handle
+from retexo_fl.party.lazy_client import LazyClient
 from retexo_fl.training.inprocess import InProcessTransport
-from retexo_fl.training.lazy_client import LazyClient
 
 
 def _lazy(sbm, **kw):
     cfg = TrainConfig.resolve(profile="exact", clients=3, stages=2, hidden=8, **kw)
     clients = [LazyClient(p, cfg) for p in partition_graph(sbm, 3, "random", seed=0)]
-    fed = Federation(InProcessTransport(clients), cfg, RunRecorder(None, stream=None))
+    fed = FederationView(InProcessTransport(clients), cfg, RunRecorder(None, stream=None))
     return cfg, clients, fed
 
 

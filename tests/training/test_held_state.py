@@ -9,14 +9,14 @@ import torch
 
 from retexo_fl import protocol as P
 from retexo_fl.config import TrainConfig
+from retexo_fl.coordinator.stages import LazyStageMachine
+from retexo_fl.coordinator.transport import Batch
 from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.metrics import RunRecorder
-from retexo_fl.training.client import Client
+from retexo_fl.party.client import Client
+from retexo_fl.party.lazy_client import LazyClient
+from retexo_fl.records import state_digest
 from retexo_fl.training.inprocess import InProcessTransport
-from retexo_fl.training.lazy_client import LazyClient
-from retexo_fl.training.stages import LazyStageMachine
-from retexo_fl.training.state import state_digest
-from retexo_fl.training.transport import Batch
 
 # Early stopping on (its best round is rarely the last), one self-training pass, 4-bit deltas.
 CFG = dict(clients=3, model="gcn", stages=2, hidden=16, rounds=8, seed=0, patience=2, min_rounds=2)

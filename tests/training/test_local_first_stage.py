@@ -14,8 +14,8 @@ from retexo_fl.config import TrainConfig
 from retexo_fl.data.datasets import apply_split, synthetic_sbm
 from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.metrics import RunRecorder
+from retexo_fl.party.lazy_client import LazyClient
 from retexo_fl.training.lazy import run_lazy
-from retexo_fl.training.lazy_client import LazyClient
 
 
 def _graph():

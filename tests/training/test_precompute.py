@@ -9,9 +9,9 @@ import torch
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.metrics import RunRecorder
+from retexo_fl.party.lazy_client import LazyClient
 from retexo_fl.runner import train
 from retexo_fl.training.lazy import run_lazy
-from retexo_fl.training.lazy_client import LazyClient
 
 
 def _stage_one_client(sbm, model: str, precompute: bool) -> LazyClient:

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from retexo_fl.config import TrainConfig
+from retexo_fl.coordinator.privacy import UpdatePrivacy
 from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.training.lazy import run_lazy
-from retexo_fl.training.privacy import UpdatePrivacy
 
 pytest.importorskip("dp_accounting")
 

@@ -8,13 +8,13 @@ import pytest
 
 from retexo_fl import protocol as P
 from retexo_fl.config import TrainConfig
+from retexo_fl.coordinator.stages import LazyStageMachine
+from retexo_fl.coordinator.transport import Batch
 from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.metrics import RunRecorder
-from retexo_fl.training.client import Client
+from retexo_fl.party.client import Client
+from retexo_fl.party.lazy_client import LazyClient
 from retexo_fl.training.inprocess import InProcessTransport
-from retexo_fl.training.lazy_client import LazyClient
-from retexo_fl.training.stages import LazyStageMachine
-from retexo_fl.training.transport import Batch
 
 CFG = dict(
     clients=3, model="gcn", stages=2, hidden=16, rounds=6, seed=0, patience=0, min_rounds=0,

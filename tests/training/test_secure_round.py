@@ -1,4 +1,4 @@
-"""Secure aggregation in the round loop (retexo_fl.training.secure_round): what it trains against
+"""Secure aggregation in the round loop (retexo_fl.party.secure_reply): what it trains against
 plain aggregation, dropouts, DP, compressed updates, the baselines, and a server asking twice."""
 
 from __future__ import annotations
@@ -11,19 +11,20 @@ import torch
 
 from retexo_fl import protocol as P
 from retexo_fl.config import TrainConfig
+from retexo_fl.coordinator.secure_aggregation import SecureAggregator
+from retexo_fl.coordinator.stages import LazyStageMachine
+from retexo_fl.coordinator.transport import Batch
 from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.metrics import RunRecorder
+from retexo_fl.party import secure_reply
+from retexo_fl.party.handlers import handle
+from retexo_fl.party.lazy_client import LazyClient
 from retexo_fl.secure.envelope import ENVELOPE_BYTES
 from retexo_fl.secure.secagg import METRIC_NAMES, SecAggError
 from retexo_fl.secure.shamir import SHARE_BYTES
-from retexo_fl.training import secure_round
 from retexo_fl.training.eager import run_eager
-from retexo_fl.training.handlers import handle
 from retexo_fl.training.inprocess import InProcessTransport
 from retexo_fl.training.lazy import run_lazy
-from retexo_fl.training.lazy_client import LazyClient
-from retexo_fl.training.stages import LazyStageMachine
-from retexo_fl.training.transport import Batch
 
 BASE = TrainConfig.resolve(profile="exact", model="gcn", stages=2, hidden=16, rounds=8, seed=0)
 
@@ -271,13 +272,13 @@ def test_each_client_clips_its_update_and_adds_its_noise_share(sbm, monkeypatch)
     dp-clip plus Gaussian noise of standard deviation noise * clip / sqrt(members)."""
     parts = partition_graph(sbm, 4, "metis", seed=0)
     masked: list[np.ndarray] = []
-    real = secure_round.mask_vector
+    real = secure_reply.mask_vector
 
     def spy(codec, update, *args):
         masked.append(np.array(update, copy=True))
         return real(codec, update, *args)
 
-    monkeypatch.setattr(secure_round, "mask_vector", spy)
+    monkeypatch.setattr(secure_reply, "mask_vector", spy)
     size = {}
 
     def updates(value: float):
@@ -288,14 +289,14 @@ def test_each_client_clips_its_update_and_adds_its_noise_share(sbm, monkeypatch)
         return delta
 
     cfg = dataclasses.replace(BASE, stages=1, rounds=1, hidden=64, secure_aggregation=True, dp_clip=0.5)
-    monkeypatch.setattr(secure_round, "flat_delta", updates(0.0))  # no signal: the noise alone
+    monkeypatch.setattr(secure_reply, "flat_delta", updates(0.0))  # no signal: the noise alone
     run_lazy(parts, dataclasses.replace(cfg, dp_noise=2.0))
     assert len(masked) == 4 and size["n"] > 1000
     for u in masked:
         assert float(u.mean()) == pytest.approx(0.0, abs=0.1)
         assert float(u.std()) == pytest.approx(2.0 * 0.5 / np.sqrt(4), rel=0.1)
     masked.clear()
-    monkeypatch.setattr(secure_round, "flat_delta", updates(100.0))  # far beyond the clip, no noise
+    monkeypatch.setattr(secure_reply, "flat_delta", updates(100.0))  # far beyond the clip, no noise
     out = run_lazy(parts, dataclasses.replace(cfg, dp_noise=1e-9))
     assert all(float(np.linalg.norm(u)) == pytest.approx(0.5, rel=1e-6) for u in masked)
     assert out["privacy"]["updates_clipped"] == 4  # counted in the masked sum, not per client
@@ -329,7 +330,7 @@ def test_compressed_updates_are_masked_at_close_to_their_width(sbm):
         transport, cfg, RunRecorder(None, stream=None), on_stage=lambda s, state: kept.__setitem__(s, state)
     ).run()
     size = sum(t.numel() for t in kept[0].values())
-    rows = len(secure_round.row_sizes(kept[0]))
+    rows = len(secure_reply.row_sizes(kept[0]))
     tail = 25 + 4 * (rows + len(METRIC_NAMES))
     assert transport.sizes[(0, 1)] == {tail + 4 * size}
     for r in (2, 3, 4):
@@ -339,10 +340,10 @@ def test_compressed_updates_are_masked_at_close_to_their_width(sbm):
 def test_a_grid_clip_never_rounds_above_the_runs_clip():
     """0.1 is not a float32: rounded to one it is 0.10000000149, which every client would refuse."""
     cfg = dataclasses.replace(BASE, secure_aggregation=True, update_bits=4, secagg_clip=0.1)
-    grid = secure_round.SecureAggregator(cfg).next_grid(np.array([5.0, 0.3, 1e-3]), 4)
+    grid = SecureAggregator(cfg).next_grid(np.array([5.0, 0.3, 1e-3]), 4)
     assert grid.dtype == np.dtype("<f4") and float(grid.max()) <= 0.1
     like = {"w": torch.zeros(3, 2)}
-    clips = secure_round.parse_grid(grid.tobytes(), cfg, like, 4, "client 0")
+    clips = secure_reply.parse_grid(grid.tobytes(), cfg, like, 4, "client 0")
     assert clips[2] == pytest.approx(1.5 * 1e-3 / 4)
 
 
@@ -381,7 +382,7 @@ def test_a_train_rounds_validation_and_an_evaluation_of_its_state_share_one_memb
     result = client.evaluate(state, "val")
     summed = r"this state's val figures were summed over members \[0, 1, 2, 3\]"
     with pytest.raises(SecAggError, match=summed):
-        secure_round.masked_evaluation(client, config, state, result)
+        secure_reply.masked_evaluation(client, config, state, result)
     # Another state passes: the near-equal-state route stays open (docs/security.md says so).
     fresh = {k: v + 1e-3 for k, v in state.items()}
-    assert P.MASKED in secure_round.masked_evaluation(client, config, fresh, client.evaluate(fresh, "val"))
+    assert P.MASKED in secure_reply.masked_evaluation(client, config, fresh, client.evaluate(fresh, "val"))

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from retexo_fl.config import TrainConfig
+from retexo_fl.coordinator.selection import StageTracker
 from retexo_fl.metrics import RunRecorder
 from retexo_fl.runner import train
-from retexo_fl.training.selection import StageTracker
 
 
 def _feed(tracker: StageTracker, accuracies: list[float]) -> int:

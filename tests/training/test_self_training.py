@@ -7,10 +7,10 @@ import torch
 
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partitioners import partition_graph
+from retexo_fl.party.lazy_client import LazyClient
+from retexo_fl.party.pseudo import pseudo_labels
 from retexo_fl.training.centralized import run_centralized, whole_graph_partition
 from retexo_fl.training.lazy import run_lazy
-from retexo_fl.training.lazy_client import LazyClient
-from retexo_fl.training.pseudo import pseudo_labels
 
 
 def test_pseudo_labels_take_confident_predictions_and_never_validation_nodes():
@@ -94,8 +94,8 @@ def _wrong_labels(logits, y, train_mask, val_mask, threshold, per_class=0):
 
 @pytest.mark.parametrize("mode", ["lazy", "centralized"])
 def test_a_pass_that_lowers_validation_is_not_kept(sbm, mode, monkeypatch):
+    import retexo_fl.party.lazy_client as lazy_client
     import retexo_fl.training.centralized as centralized
-    import retexo_fl.training.lazy_client as lazy_client
 
     monkeypatch.setattr(lazy_client if mode == "lazy" else centralized, "pseudo_labels", _wrong_labels)
     cfg = {"stages": 2, "hidden": 16, "rounds": 20, "seed": 0, "pass_init": "fresh"}
@@ -171,7 +171,7 @@ def test_a_warm_pass_starts_from_the_previous_pass_kept_weights(sbm, pass_init, 
     # What each stage's rounds start from (RoundLoop.start's state: the first broadcast, sent
     # whole) against what each stage kept (on_stage). Warm, a pass's stage starts at the previous
     # pass's kept weights of its layer; fresh, at new initial weights, as the first pass does.
-    from retexo_fl.training.rounds import RoundLoop
+    from retexo_fl.coordinator.round_loop import RoundLoop
 
     starts: list[dict[str, torch.Tensor]] = []
     original = RoundLoop.start
@@ -202,7 +202,7 @@ def _result(pass_: int, val: float, test: float, clients=(0, 1, 2)) -> dict:
 
 
 def test_the_kept_pass_is_chosen_on_validation_alone():
-    from retexo_fl.training.stages import keep_best_stage
+    from retexo_fl.coordinator.stages import keep_best_stage
 
     # Validation and test disagree: the choice follows validation.
     assert keep_best_stage([_result(0, 0.80, 0.60), _result(1, 0.70, 0.90)])["pass"] == 0

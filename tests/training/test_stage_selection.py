@@ -42,7 +42,7 @@ def test_a_worse_last_stage_delivers_an_earlier_stage(sbm):
 
 
 def test_ties_go_to_the_later_stage():
-    from retexo_fl.training.selection import keep_best_stage
+    from retexo_fl.coordinator.selection import keep_best_stage
 
     rows = [{"pass": 0, "stage": s, "val_accuracy": v} for s, v in enumerate((0.7, 0.8, 0.8))]
     assert keep_best_stage(rows)["stage"] == 2
@@ -53,7 +53,7 @@ def test_ties_go_to_the_later_stage():
 def test_only_stages_measured_on_the_last_stages_members_compete():
     """Under secure aggregation there are no per-client rows, only the members whose figures were
     summed: a stage measured before a client was lost does not compete with the last one."""
-    from retexo_fl.training.selection import keep_best_stage
+    from retexo_fl.coordinator.selection import keep_best_stage
 
     rows = [
         {"pass": 0, "stage": 0, "val_accuracy": 0.9, "clients": [], "members": [0, 1, 2, 3]},

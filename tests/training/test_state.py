@@ -9,9 +9,9 @@ import torch
 
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partitioners import partition_graph
-from retexo_fl.training.eager_client import EagerClient
-from retexo_fl.training.lazy_client import LazyClient
-from retexo_fl.training.state import STATE_FILE, ClientState
+from retexo_fl.party.eager_client import EagerClient
+from retexo_fl.party.lazy_client import LazyClient
+from retexo_fl.party.state import STATE_FILE, ClientState
 
 
 def test_state_round_trips_and_is_owner_only(tmp_path):

@@ -22,10 +22,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partitioners import partition_graph
+from retexo_fl.party.client import Client
+from retexo_fl.party.eager_client import EagerClient
+from retexo_fl.party.lazy_client import LazyClient
 from retexo_fl.seeding import derive_seed, seed_dropout
-from retexo_fl.training.client import Client
-from retexo_fl.training.eager_client import EagerClient
-from retexo_fl.training.lazy_client import LazyClient
 
 #: ATen operators whose result the host must wait for (their value or their output's size).
 READS = {"_local_scalar_dense", "nonzero", "argwhere", "masked_select", "is_nonzero", "equal"}

@@ -11,13 +11,13 @@ import torch
 
 from retexo_fl import protocol as P
 from retexo_fl.config import TrainConfig
+from retexo_fl.coordinator.stages import LazyStageMachine
+from retexo_fl.coordinator.transport import ClientFailure, Membership
 from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.metrics import RunRecorder
+from retexo_fl.party.lazy_client import LazyClient
 from retexo_fl.plan import PlanMismatchError
 from retexo_fl.training.inprocess import InProcessTransport
-from retexo_fl.training.lazy_client import LazyClient
-from retexo_fl.training.stages import LazyStageMachine
-from retexo_fl.training.transport import ClientFailure, Membership
 
 
 def _members(**kw) -> Membership:

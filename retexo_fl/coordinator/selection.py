@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from retexo_fl.training.aggregate import StateDict
+from retexo_fl.records import StateDict
 
 #: What early stopping may count as progress (see :class:`StageTracker`).
 STOP_METRICS = ("accuracy", "accuracy-or-loss")

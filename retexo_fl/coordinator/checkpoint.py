@@ -12,11 +12,11 @@ from typing import Any, Protocol
 
 from retexo_fl.compress.boundary import ExchangeStats
 from retexo_fl.compress.updates import ModelBroadcast
-from retexo_fl.training.aggregate import ServerOptimizer
-from retexo_fl.training.drift import ServerControl
-from retexo_fl.training.privacy import UpdatePrivacy
-from retexo_fl.training.selection import StageTracker
-from retexo_fl.training.state import StateDict
+from retexo_fl.coordinator.aggregate import ServerOptimizer
+from retexo_fl.coordinator.drift import ServerControl
+from retexo_fl.coordinator.privacy import UpdatePrivacy
+from retexo_fl.coordinator.selection import StageTracker
+from retexo_fl.records import StateDict
 
 Frames = dict[str, bytes]
 

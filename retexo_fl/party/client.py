@@ -2,69 +2,49 @@
 
 A client owns its partition, boundary plan and local graph; it validates and trains whatever
 model the server sends, seals the frames it sends peers, and keeps its node-local state in one
-:class:`~retexo_fl.training.state.ClientState`. :class:`~retexo_fl.training.lazy_client.LazyClient`
-(one stage at a time) and :class:`~retexo_fl.training.eager_client.EagerClient` (every layer
+:class:`~retexo_fl.party.state.ClientState`. :class:`~retexo_fl.party.lazy_client.LazyClient`
+(one stage at a time) and :class:`~retexo_fl.party.eager_client.EagerClient` (every layer
 every round) fill in the model, its inputs and what crosses to peers.
+
+The client is carved along its seams, one module each: the peer exchange (keys, sealed
+channels, degrees, halo rows: :mod:`~retexo_fl.party.halo_exchange`), the model exchange
+(broadcast, compressed update, control variates, round journal:
+:mod:`~retexo_fl.party.model_exchange`), evaluation (:mod:`~retexo_fl.party.evaluation`) and
+persistence (:mod:`~retexo_fl.party.persistence`). This module keeps what they share: the
+partition, its labels and masks, the local graph and local training.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from retexo_fl import protocol as P
-from retexo_fl.compress.bits import aggregation_weights
 from retexo_fl.compress.boundary import BoundaryEncoder
-from retexo_fl.compress.payload import decode_rows, encode_rows
 from retexo_fl.compress.updates import UpdateCodec
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partition import Partition
 from retexo_fl.models.adjacency import SPARSE_KINDS, sparse_adjacency
+from retexo_fl.party.evaluation import Evaluation
+from retexo_fl.party.halo_exchange import HaloExchange
+from retexo_fl.party.model_exchange import ModelExchange
+from retexo_fl.party.persistence import Persistence
 from retexo_fl.plan import BoundaryPlan, LocalGraph
-from retexo_fl.protocol import DEGREES, Records
-from retexo_fl.secure.boundary_noise import release_rows
+from retexo_fl.records import StateDict
+from retexo_fl.scaffold import zeros_like_state
 from retexo_fl.secure.channel import PeerChannel
 from retexo_fl.secure.policy import PartyPolicy
 from retexo_fl.seeding import derive_seed, resolve_device, seed_dropout
-from retexo_fl.training.drift import next_client_control, zeros_like_state
-from retexo_fl.training.state import ClientState, StateDict, state_digest
 
 log = logging.getLogger(__name__)
 
-#: Seed tag of a client's compressed-update rounding.
-UPDATE_TAG = 0xC0
 
-
-@dataclass
-class EvalResult:
-    """One client's evaluation of a state on one split.
-
-    Args:
-        correct (int): correctly classified nodes.
-        count (int): nodes of the split.
-        loss_sum (float): summed cross-entropy over them.
-    """
-
-    correct: int
-    count: int
-    loss_sum: float
-
-    @property
-    def accuracy(self) -> float:
-        """``correct / count`` (0 for an empty split)."""
-        return self.correct / self.count if self.count else 0.0
-
-
-class Client(ABC):
+class Client(HaloExchange, ModelExchange, Evaluation, Persistence, ABC):
     """One party of a federated GNN run, independent of any transport.
 
     Subclasses say which model a round trains (:meth:`make_model`, :meth:`model_key`), how it
@@ -135,7 +115,7 @@ class Client(ABC):
         self.missing: list[tuple[str, int, int]] = []
         self.boundary_releases = 0  # boundary row releases this party made (its own budget)
         # Secure aggregation: {"answered": {"stage:round": survivors}, "sent": the last masked
-        # round's reply and own share} (retexo_fl.training.secure_round).
+        # round's reply and own share} (retexo_fl.party.secure_reply).
         self.secagg: dict[str, Any] | None = None
         self.delay = 0.0  # emulated seconds per local step (eager / local: step-delay)
         self.last_steps = 0  # local steps the last round took
@@ -226,147 +206,6 @@ class Client(ABC):
     def step_budget(self) -> tuple[int, float | None]:
         """``(steps, deadline)`` of one round's local training (a deadline: time-based rounds)."""
         return int(self.cfg.per_stage("local_epochs", self.layer_index())), None
-
-    def released(self, rows: Tensor) -> Tensor:
-        """``rows`` as they may leave this client: clipped and noised per row when the run says so
-        (``boundary-clip``, ``boundary-noise``).
-
-        The noise is seeded from the operating system's randomness, never from the run's seed:
-        every party knows that seed, and noise a peer can regenerate protects nothing. Each call
-        is one release of every row, counted against this party's own budget
-        (``max-boundary-epsilon``), whatever the server counts.
-
-        Raises:
-            PolicyError: the release would exceed this party's budget.
-        """
-        cfg = self.cfg
-        if cfg.boundary_clip <= 0:
-            return rows
-        self.policy.spend_boundary_release(cfg.boundary_noise, self.boundary_releases, f"client {self.id}")
-        self.boundary_releases += 1
-        gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
-        return release_rows(rows, cfg.boundary_clip, cfg.boundary_noise, gen)
-
-    # -- end-to-end encryption --------------------------------------------------------------
-    def public_key(self) -> bytes:
-        """This client's X25519 public key (see :meth:`PeerChannel.public_key`)."""
-        return self.channel.public_key()
-
-    def connect(
-        self,
-        directory: dict[int, bytes],
-        run_id: int,
-        contributions: dict[int, bytes],
-        run_config: bytes = b"",
-    ) -> None:
-        """Derive the sealed channels to every peer from the server's key directory and the
-        parties' transcript contributions.
-
-        Raises:
-            KeyMaterialError: the directory misses a peer, has another key or contribution for
-                this client, or disagrees with this party's pinned keys.
-        """
-        # Peers lost at key setup are absent; they are tolerated where their rows may be missing.
-        allow = self.cfg.on_missing_halo != "fail"
-        peers = self.channel_peers(directory)
-        self.channel.connect(
-            directory, run_id, peers, contributions, allow_missing=allow, run_config=run_config
-        )
-
-    def channel_peers(self, directory: dict[int, Any]) -> set[int]:
-        """Whom this client seals frames to: its boundary peers, and under secure aggregation
-        every party in the key directory (each holds a share of its self seed)."""
-        if self.cfg.secure_aggregation:
-            return self.peers | ({int(q) for q in directory} - {self.id})
-        return self.peers
-
-    # -- one-time setup exchange ------------------------------------------------------------
-    def needs_degrees(self) -> bool:
-        """Whether peers need this client's degrees: GCN with a conv layer over halo rows."""
-        return self.cfg.model == "gcn" and self.cfg.stages > 1
-
-    def degree_rows(self) -> dict[int, Tensor]:
-        """Global in-degrees of the rows each peer needs, ``{peer: [k, 1]}`` (GCN only)."""
-        return self.plan.rows_for(self.graph.in_degree.view(-1, 1))
-
-    def degree_frames(self) -> dict[int, bytes]:
-        """:meth:`degree_rows` as exact (32-bit) frames, sealed for their peers."""
-        frames = {
-            q: encode_rows(r, 32, where=f"client {self.id}, degrees") for q, r in self.degree_rows().items()
-        }
-        return self.channel.seal(frames, DEGREES, 0)
-
-    def decode_degrees(self, frames: dict[int, bytes]) -> dict[int, Tensor]:
-        """Peers' degree frames -> ``{peer: [k, 1]}``, each checked against the boundary plan."""
-        frames, _ = self.channel.open(frames, DEGREES, 0)
-        return {
-            p: decode_rows(blob, f"client {p} (degrees)", self.expected_rows(p), 1)
-            for p, blob in frames.items()
-        }
-
-    def expected_rows(self, peer: int) -> int | None:
-        """Rows the plan expects from ``peer`` (``None``: it sends this client nothing)."""
-        ids = self.plan.recv.get(peer)
-        return None if ids is None else int(ids.size)
-
-    def complete_halo(
-        self, incoming: dict[int, Tensor], dim: int, previous: Tensor | None, kind: str, stage: int
-    ) -> dict[int, Tensor]:
-        """``incoming`` plus the blocks of peers lost since (absent), as ``on-missing-halo`` says.
-
-        This client's boundary plan says which senders it expects. ``fail`` leaves a missing
-        block missing, so assembling the halo raises an error naming the sender. ``zero`` fills
-        it with zeros and ``reuse-last`` with its rows in ``previous`` (the halo held so far, if it
-        has the same width; else zeros); either way the miss is logged and recorded in
-        :attr:`missing`, which the next reply reports to the run summary (``missing_payloads``).
-
-        Args:
-            incoming (dict[int, Tensor]): sender -> the block it sent.
-            dim (int): the row width.
-            previous (Tensor, optional): the halo held so far.
-            kind (str): what the blocks are (``"deg"``, ``"halo"``, ``"eager"``), for the record.
-            stage (int): the stage they belong to, for the record.
-        """
-        missing = sorted(set(self.plan.recv) - set(incoming))
-        policy = self.cfg.on_missing_halo
-        if not missing or policy == "fail":
-            return incoming
-        for q in missing:
-            self.missing.append((kind, stage, q))
-            log.warning(
-                "client %d: no %s payload from client %d at stage %d; filled in (on-missing-halo %s)",
-                self.id,
-                kind,
-                q,
-                stage,
-                policy,
-            )
-        out, start, spans = dict(incoming), 0, {}
-        for q in sorted(self.plan.recv):
-            spans[q] = slice(start, start + int(self.plan.recv[q].size))
-            start = spans[q].stop
-        for q in missing:
-            if policy == "reuse-last" and previous is not None and previous.shape[1] == dim:
-                out[q] = previous[spans[q]].detach().cpu()
-            else:
-                out[q] = torch.zeros(int(self.plan.recv[q].size), dim)
-        return out
-
-    def receive_degrees(self, incoming: dict[int, Tensor]) -> None:
-        """Take the halo nodes' global degrees (GCN's normalization needs them)."""
-        blocks = self.complete_halo(incoming, 1, None, DEGREES, 0)
-        self.halo_degree = self.plan.assemble_halo(blocks, 1).view(-1)
-        self._edges = self._adjacency = None
-        self._weights = None
-
-    def boundary_weights(self) -> dict[int, Tensor]:
-        """Per peer, the aggregation weights of the rows sent to it (adaptive widths); computed
-        once, as they depend only on the graph and the halo degrees."""
-        if self._weights is None:
-            self._weights = aggregation_weights(
-                self.part, self.plan, self.graph.in_degree, self.halo_degree, self.cfg.model
-            )
-        return self._weights
 
     def conv_edges(self) -> tuple[Tensor, Tensor | None]:
         """The local graph's edges and, for GCN, their global-degree weights, cached on the device."""
@@ -539,194 +378,3 @@ class Client(ABC):
         if round_ == 1 or self.control is None:  # a new stage trains a new model
             self.control = zeros_like_state(control)
         return {k: (control[k] - self.control[k]).to(self.device) for k in control}
-
-    def update_control(self, base: StateDict, trained: StateDict, control: StateDict) -> None:
-        """Advance this client's control variate from the update as the server will decode it.
-
-        Args:
-            base (StateDict): the round's model, :math:`x`.
-            trained (StateDict): the local result as the server decodes it, :math:`y_i`.
-            control (StateDict): the server's control variate this round, :math:`c`.
-        """
-        assert self.control is not None  # train() set it this round
-        lr = float(self.cfg.per_stage("lr", self.layer_index()))
-        self.control = next_client_control(self.control, control, base, trained, self.last_steps, lr)
-
-    @torch.no_grad()
-    def evaluate(self, state: StateDict, split: str) -> EvalResult:
-        """``state``'s accuracy and summed loss on this client's ``split`` nodes."""
-        model = self.loaded_model(state)
-        model.eval()
-        rows = self.split_rows(split)
-        count = rows.numel()
-        if count == 0:
-            return EvalResult(0, 0, 0.0)
-        logits = self.forward(model, rows)
-        y = self.y.index_select(0, rows)
-        loss = torch.nn.functional.cross_entropy(logits, y, reduction="sum")
-        correct = (logits.argmax(1) == y).sum()
-        # One read for both (exact: a float32 loss and a count below 2^53 are float64 values).
-        got_correct, got_loss = torch.stack([correct.double(), loss.double()]).tolist()
-        return EvalResult(int(got_correct), count, got_loss)
-
-    _ROUND_STATE = ("view", "kept", "residual", "control", "control_view")
-
-    def begin_round(self, round_: int) -> bool:
-        """Mark the start of train round ``round_``: remember what it finds or, for a round seen
-        before (a resumed server sending it again), go back to what it found then.
-
-        What it finds: the broadcast view, the update residual, the control variates and the
-        incoming payload counters, so that the round's deliveries open again and nothing is
-        applied twice. Counters go back no further than the round's start: payloads of earlier
-        rounds stay refused.
-
-        Rounds only go forward: the stage is this client's own, and a round before the last one
-        begun (a server replaying an earlier round, say round 1 to skip the check that every
-        peer's rows arrived) is refused.
-
-        Returns:
-            bool: the journal holds state that must outlive the process.
-
-        Raises:
-            ValueError: ``round_`` is before the last round this client began in its stage.
-        """
-        key = [int(self.seed_stage), int(round_)]
-        if self.journal is not None and key < self.journal[0]:
-            raise ValueError(
-                f"client {self.id}: train round {key[1]} of stage {key[0]} after round "
-                f"{self.journal[0][1]} of stage {self.journal[0][0]} began: rounds only go forward"
-            )
-        if self.journal is not None and self.journal[0] == key:
-            for name, value in self.journal[1].items():
-                setattr(self, name, None if value is None else dict(value))
-            self.channel.rewind(self.journal[2] if len(self.journal) > 2 else None)
-            return False
-        found = {name: getattr(self, name) for name in self._ROUND_STATE}
-        accepted = self.channel.accepted()
-        self.journal = [key, {k: None if v is None else dict(v) for k, v in found.items()}, accepted]
-        return any(v is not None for v in found.values()) or bool(accepted)
-
-    def receive_model(
-        self, state: StateDict | None, frames: dict[str, bytes] | None, keep: bool = False
-    ) -> StateDict:
-        """The round's model: ``state`` sent whole, or ``frames`` of a delta from the last one.
-
-        Args:
-            state (StateDict, optional): the model sent whole.
-            frames (dict[str, bytes], optional): the model as a broadcast delta from the view held.
-            keep (bool, optional): the view held before this message is the stage's best so far
-                (:data:`~retexo_fl.protocol.KEEP`): keep a copy. (default: :obj:`False`)
-        """
-        if keep and self.view is not None:
-            self.kept = self.view  # views are never modified in place once made
-        if frames is None:
-            if state is None:
-                raise ValueError(f"client {self.id}: a model message with neither state nor delta")
-            if not keep:
-                self.kept = None  # a stage's first state: what was kept belongs to the last stage
-            self.view = state
-            return state
-        if self.view is None:
-            raise RuntimeError(f"client {self.id}: a model delta arrived before any whole state")
-        codec = UpdateCodec(self.cfg.broadcast_bits, self.cfg.range_dtype)
-        self.view = codec.decode(frames, self.view, "server broadcast")
-        return self.view
-
-    def held_state(self, digest: str) -> StateDict | None:
-        """The state this client holds whose :func:`~retexo_fl.training.state.state_digest` is
-        ``digest`` (its view, or the one it kept), or ``None``: the server then sends it whole."""
-        for state in (self.view, self.kept):
-            if state is not None and state_digest(state) == digest:
-                return state
-        return None
-
-    def encode_update(self, new: StateDict, base: StateDict, round_: int) -> dict[str, bytes] | None:
-        """``new``'s update from ``base`` as frames (``update-bits``), or ``None`` when uncompressed."""
-        if self.update_codec is None:
-            return None
-        if round_ == 1:
-            self.residual = None  # a new stage trains a new model
-        stage = self.seed_stage
-        gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, stage, round_, UPDATE_TAG, self.id))
-        frames, self.residual = self.update_codec.encode(
-            new, base, self.residual, gen, where=f"client {self.id}, stage {stage} update"
-        )
-        return frames
-
-    def receive_control(self, request: Records, state: StateDict, round_: int) -> StateDict | None:
-        """The server's control variate for this round (``drift-correction scaffold``), else ``None``.
-
-        A stage's first round carries none (it is zero); later rounds carry it whole
-        (:data:`~retexo_fl.protocol.CONTROL`) or as deltas from the one held
-        (:data:`~retexo_fl.protocol.CONTROL_FRAMES`).
-
-        Args:
-            request (Records): the train message.
-            state (StateDict): the round's model (for keys and shapes at a stage's start).
-            round_ (int): the round.
-        """
-        if self.cfg.drift_correction != "scaffold":
-            return None
-        if round_ == 1 or self.control_view is None:
-            self.control_view = zeros_like_state(state)
-        if P.CONTROL in request:
-            self.control_view = dict(request[P.CONTROL])
-        elif P.CONTROL_FRAMES in request:
-            frames = {k: bytes(v) for k, v in request[P.CONTROL_FRAMES].items()}
-            codec = UpdateCodec(self.cfg.broadcast_bits, self.cfg.range_dtype)
-            self.control_view = codec.decode(frames, self.control_view, "server control variate")
-        return self.control_view
-
-    def decode_own_update(self, frames: dict[str, bytes], base: StateDict) -> StateDict:
-        """This client's compressed update as the server decodes it (``base`` plus the deltas).
-
-        Args:
-            frames (dict[str, bytes]): what :meth:`encode_update` returned.
-            base (StateDict): the state the update was taken from.
-        """
-        assert self.update_codec is not None  # frames exist only with a codec
-        return self.update_codec.decode(frames, base, f"client {self.id}")
-
-    # -- node-local state -------------------------------------------------------------------
-    def snapshot(self) -> ClientState:
-        """Everything a later message needs besides the partition."""
-        return ClientState(
-            halo_degree=self.halo_degree,
-            residual=self.residual,
-            control=self.control,
-            control_view=self.control_view,
-            view=self.view if self.cfg.broadcast_bits < 32 else None,
-            kept=self.kept if self.cfg.broadcast_bits < 32 else None,
-            channel=self.channel.to_state(),
-            journal=self.journal,
-            boundary_releases=self.boundary_releases,
-            secagg=self.secagg,
-        )
-
-    def load_snapshot(self, state: ClientState) -> None:
-        """Adopt a :meth:`snapshot`."""
-        self.halo_degree = state.halo_degree
-        self.residual = state.residual
-        self.control = state.control
-        self.control_view = state.control_view
-        self.view = state.view
-        self.kept = state.kept
-        self.journal = state.journal
-        self.boundary_releases = int(state.boundary_releases)
-        self.secagg = state.secagg
-        self._edges = self._adjacency = None
-        self._weights = None
-        if state.channel:
-            self.channel.load_state(state.channel, self.channel_peers(state.channel.get("directory") or {}))
-
-    def save(self, folder: str | Path) -> None:
-        """Write :meth:`snapshot` to a node-local ``folder`` (atomically, owner-only)."""
-        self.snapshot().save(folder)
-
-    def restore(self, folder: str | Path) -> bool:
-        """Load what :meth:`save` wrote; ``False`` if there is nothing."""
-        state = ClientState.load(folder)
-        if state is None:
-            return False
-        self.load_snapshot(state)
-        return True

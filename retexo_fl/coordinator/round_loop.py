@@ -1,13 +1,14 @@
-"""The one round loop (shared by every mode) and the eager / local baselines' run.
+"""The one round loop, shared by every mode.
+
 
 A round: the server sends the model (whole, or as compressed deltas) with any relayed frames;
 each client validates what it received (the previous round's result, so validation costs no
 extra message), trains, and replies with its update; the round's aggregation
-(:mod:`~retexo_fl.training.round_aggregation`: FedAvg, DP-FedAvg, SCAFFOLD or secure aggregation)
+(:mod:`~retexo_fl.coordinator.round_aggregation`: FedAvg, DP-FedAvg, SCAFFOLD or secure aggregation)
 reads the replies, asking the loop for any further message phase such as the unmasking, and the
 server takes its optimizer step on the aggregate. Only this loop talks to the transport.
 :class:`RoundLoop` is that body, written once: the lazy stage machine runs it once per stage,
-:class:`BaselineRun` once for a whole eager or local run, with the halo refreshed every round.
+:class:`~retexo_fl.coordinator.baseline_run.BaselineRun` once for a whole eager or local run.
 """
 
 from __future__ import annotations
@@ -20,19 +21,15 @@ from typing import Any
 from retexo_fl import protocol as P
 from retexo_fl.compress.boundary import ExchangeStats
 from retexo_fl.compress.updates import ModelBroadcast
-from retexo_fl.config import TrainConfig
-from retexo_fl.metrics import RunRecorder, human_bytes
-from retexo_fl.models.factory import build_layered_model
+from retexo_fl.coordinator.aggregate import ServerOptimizer
+from retexo_fl.coordinator.checkpoint import RoundState
+from retexo_fl.coordinator.drift import ServerControl
+from retexo_fl.coordinator.federation import AGGREGATE, FederationView, Frames, total
+from retexo_fl.coordinator.round_aggregation import round_aggregation
+from retexo_fl.coordinator.selection import StageTracker
+from retexo_fl.metrics import human_bytes
+from retexo_fl.records import StateDict
 from retexo_fl.seeding import derive_seed
-from retexo_fl.summary import RunSummary
-from retexo_fl.training.aggregate import ServerOptimizer
-from retexo_fl.training.checkpoint import RoundState
-from retexo_fl.training.drift import ServerControl
-from retexo_fl.training.federation import AGGREGATE, Federation, Frames, total
-from retexo_fl.training.round_aggregation import round_aggregation
-from retexo_fl.training.selection import StageTracker
-from retexo_fl.training.state import StateDict
-from retexo_fl.training.transport import Transport
 
 #: Seed tag of the server's compressed broadcast.
 BROADCAST_TAG = 0xBC
@@ -81,14 +78,14 @@ class StageResult:
 
 
 class RoundLoop:
-    """Federated rounds over a :class:`Federation`: the only implementation of a round.
+    """Federated rounds over a :class:`FederationView`: the only implementation of a round.
 
     Args:
-        fed (Federation): the clients, reached through a transport (its config and recorder are
+        fed (FederationView): the clients, reached through a transport (its config and recorder are
             the loop's).
     """
 
-    def __init__(self, fed: Federation) -> None:
+    def __init__(self, fed: FederationView) -> None:
         self.fed = fed
         self.cfg = fed.cfg
         self.rec = fed.rec
@@ -237,92 +234,7 @@ class RoundLoop:
         )
 
 
-class BaselineRun:
-    """Eager and local training over a transport: one ``train`` message per round.
-
-    Round ``r`` carries the global state and the boundary frames peers computed in round
-    ``r - 1``; each client validates the state, sends this round's frames and its update back in
-    one reply.
-
-    Args:
-        transport (Transport): how clients are reached.
-        cfg (TrainConfig): the run configuration (``mode`` eager or local).
-        rec (RunRecorder): where events and progress go.
-    """
-
-    def __init__(self, transport: Transport, cfg: TrainConfig, rec: RunRecorder) -> None:
-        if cfg.mode not in ("eager", "local"):
-            raise ValueError(f"BaselineRun runs eager or local mode, not {cfg.mode!r}")
-        self.cfg = cfg
-        self.rec = rec
-        self.fed = Federation(transport, cfg, rec)
-        self.loop = RoundLoop(self.fed)
-
-    def run(self) -> RunSummary:
-        """Set up, train, test; returns the run summary."""
-        cfg, fed = self.cfg, self.fed
-        t0 = time.perf_counter()
-        degrees = fed.setup()  # degrees (eager GCN) ride with round 1
-        ref = fed.reference
-        model = build_layered_model(cfg, ref.num_features, ref.num_classes)
-        state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-        tracker = StageTracker(0, cfg.patience, cfg.min_rounds, cfg.stop_metric)
-        rs = self.loop.start(state, 1, tracker, derive_seed(cfg.seed, BROADCAST_TAG))
-        rounds = int(cfg.per_stage("rounds", 1))
-        result = self.loop.run(0, rounds, rs, degrees, refresh=True, label=cfg.mode)
-        before = fed.bytes_boundary
-        deliveries = self.refresh_halos(result, rounds)
-        refreshed = fed.bytes_boundary - before  # after the last round of the curve
-        figures = result.figures
-        figures.update(bytes_boundary=fed.bytes_boundary, **exchange_figures(result.stats))
-        tests = fed.evaluate(result.best_state, "test", 0, deliveries)
-        test = total(tests)
-        return RunSummary(
-            mode=cfg.mode,
-            engine=fed.transport.engine,
-            test_accuracy=test.accuracy,
-            val_accuracy=figures["val_accuracy"],
-            bytes_total=fed.bytes_boundary + figures["bytes_model"] + fed.bytes_secure,
-            bytes_boundary=fed.bytes_boundary,
-            bytes_model=figures["bytes_model"],
-            stages=[figures],
-            wall_seconds=time.perf_counter() - t0,
-            config=cfg.to_dict(),
-            clients=per_client(fed, tests),
-            **compression_totals([figures]),
-            federation=fed.summary(),
-            extra={"bytes_halo_refresh": refreshed, "local_steps": result.local_steps},
-        )
-
-    def refresh_halos(self, result: StageResult, rounds: int) -> dict[int, Frames] | None:
-        """Eager: the halo rows of the best state, for its test.
-
-        The rows clients hold were computed from the last rounds' states, not from the best one,
-        and the standard model's first-layer rows (``X W``) do not fit another state's weights.
-        One exchange per conv layer of rows computed from the best state settles every layer, so
-        the test evaluates the model the best validation named as the whole graph would. The
-        exchanges are counted as boundary bytes. Not with ``boundary-clip``: see below.
-
-        Returns:
-            dict[int, Frames] | None: the last exchange's frames, to deliver with the test.
-        """
-        cfg, fed = self.cfg, self.fed
-        # Clipped (and noised) rows are releases counted against each party's budget: a run that
-        # releases them makes no extra ones, and tests on the last rounds' halos.
-        if cfg.mode != "eager" or cfg.stages < 2 or cfg.boundary_clip > 0:
-            return None
-        deliveries = None
-        for i in range(1, cfg.stages):
-            config = {P.STAGE: 0, P.ROUND: rounds + 1 + i, P.SPLIT: "val", P.REFRESH: True}
-            replies = fed.send_state(P.EVALUATE, result.best_state, "halo refresh", 0, config, deliveries)
-            ordered = [replies[pid] for pid in fed.pids]
-            fed.add_stats(result.stats, ordered)
-            outgoing = {pid: r[P.PAYLOADS] for pid, r in replies.items() if P.PAYLOADS in r}
-            deliveries = fed.route(outgoing, P.HALO) if outgoing else None
-        return deliveries
-
-
-def per_client(fed: Federation, tests: dict[int, Any]) -> list[dict[str, Any]]:
+def per_client(fed: FederationView, tests: dict[int, Any]) -> list[dict[str, Any]]:
     """The summary's per-client rows: test accuracy and the counts reported at setup; none under
     secure aggregation (the server holds the sum only)."""
     if AGGREGATE in tests:

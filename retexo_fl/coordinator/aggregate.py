@@ -5,9 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch import Tensor
 
-StateDict = dict[str, Tensor]
+from retexo_fl.records import StateDict
 
 
 def weighted_average(states: Sequence[StateDict], weights: Sequence[float]) -> StateDict:

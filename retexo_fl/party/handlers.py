@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 from retexo_fl import protocol as P
 from retexo_fl.compress.boundary import ExchangeStats
+from retexo_fl.party import secure_reply
+from retexo_fl.party.client import Client
+from retexo_fl.party.lazy_client import LazyClient
 from retexo_fl.protocol import Records
+from retexo_fl.records import EvalResult, StateDict
 from retexo_fl.secure.keys import KeyMaterialError, parse_public
-from retexo_fl.training import secure_round
-from retexo_fl.training.client import Client, EvalResult
-from retexo_fl.training.lazy_client import LazyClient
-from retexo_fl.training.state import StateDict
 
 
 @dataclass
@@ -134,7 +134,7 @@ def train(client: Client, request: Records) -> Reply:
     secure = client.cfg.secure_aggregation
     # Shares are sealed before this round's rows, so that their holders open them (at unmasking)
     # before the rows (with the next round): the channel accepts numbers in order only.
-    prep = secure_round.prepare(client, config, state) if secure else None
+    prep = secure_reply.prepare(client, config, state) if secure else None
     control = client.receive_control(request, state, round_)  # drift-correction scaffold: c
     new_state, loss = client.train(state, round_, control)
     # Eager: this round's embeddings (of the received state) go to the peers' next round, with
@@ -148,7 +148,7 @@ def train(client: Client, request: Records) -> Reply:
         seen = new_state if update is None else client.decode_own_update(update, state)
         client.update_control(state, seen, control)
     if prep is not None:  # the update, weight, loss and validation travel masked, summed only
-        records.update(secure_round.masked_records(client, prep, config, state, new_state, loss, val))
+        records.update(secure_reply.masked_records(client, prep, config, state, new_state, loss, val))
         records[P.METRICS] = {P.LOCAL_STEPS: client.last_steps}
     else:
         records[P.UPDATE if update is not None else P.ARRAYS] = update if update is not None else new_state
@@ -207,7 +207,7 @@ def evaluate(client: Client, request: Records) -> Reply:
     The state comes whole, by digest (:data:`~retexo_fl.protocol.HELD`), or, for a stage's last
     validation, as the next broadcast delta, journaled like a train round's so that a resumed
     server's second asking decodes it once. Under secure aggregation the metrics travel masked,
-    summed only (:func:`~retexo_fl.training.secure_round.masked_evaluation`).
+    summed only (:func:`~retexo_fl.party.secure_reply.masked_evaluation`).
     """
     config = request[P.CONFIG]
     decoded = P.MODEL in request  # the view changes: it must outlive the process
@@ -228,7 +228,7 @@ def evaluate(client: Client, request: Records) -> Reply:
     if not client.cfg.secure_aggregation:
         records[P.METRICS] = {P.CORRECT: result.correct, P.COUNT: result.count, P.LOSS: result.loss_sum}
     elif masked:  # summed only; a halo refresh's metrics are not read at all
-        records.update(secure_round.masked_evaluation(client, config, state, result))
+        records.update(secure_reply.masked_evaluation(client, config, state, result))
     sent = client.round_payloads(state, int(config[P.ROUND])) if config.get(P.REFRESH) else None
     _add_payloads(records, sent)  # eager: the rows of this state, for the peers' halos
     # Sealed rows changed the counters; a masked evaluation its counter and member sets.
@@ -264,8 +264,8 @@ def embed(client: Client, request: Records) -> Reply:
 
 def unmask(client: Client, request: Records) -> Reply:
     """Secure aggregation: shares of the survivors' self seeds and pair seeds with the dropped
-    members, for the round this client masked last (:func:`~retexo_fl.training.secure_round.unmask`)."""
-    records, changed = secure_round.unmask(client, request)
+    members, for the round this client masked last (:func:`~retexo_fl.party.secure_reply.unmask`)."""
+    records, changed = secure_reply.unmask(client, request)
     return Reply(records, changed)
 
 

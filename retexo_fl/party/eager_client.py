@@ -30,11 +30,12 @@ from retexo_fl.data.partition import Partition
 from retexo_fl.models.factory import build_layered_model
 from retexo_fl.models.layered import LayeredGNN
 from retexo_fl.models.split import SplitGNN
+from retexo_fl.party.client import Client
+from retexo_fl.party.state import ClientState
 from retexo_fl.protocol import EAGER
+from retexo_fl.records import StateDict
 from retexo_fl.secure.policy import PartyPolicy
 from retexo_fl.seeding import derive_seed
-from retexo_fl.training.client import Client
-from retexo_fl.training.state import ClientState, StateDict
 
 #: Seed tags of an eager client's dropout, boundary-row and halo-gradient rounding.
 DROPOUT_TAG, BOUNDARY_TAG, GRADIENT_TAG = 0xEA, 0xEB, 0xEC

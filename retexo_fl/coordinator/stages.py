@@ -1,9 +1,9 @@
 """The lazy (RETEXO) stage machine: setup, each stage's rounds, embed and relay, passes, test.
 
 One implementation for every engine: it reaches clients through a
-:class:`~retexo_fl.training.transport.Transport` (in process, or Flower's ``Grid``), runs each
-stage's rounds with the shared :class:`~retexo_fl.training.rounds.RoundLoop`, relays the sealed
-boundary rows it never opens, and, given a :class:`~retexo_fl.training.checkpoint.CheckpointStore`,
+:class:`~retexo_fl.coordinator.transport.Transport` (in process, or Flower's ``Grid``), runs each
+stage's rounds with the shared :class:`~retexo_fl.coordinator.round_loop.RoundLoop`, relays the sealed
+boundary rows it never opens, and, given a :class:`~retexo_fl.coordinator.checkpoint.CheckpointStore`,
 checkpoints after setup, every round and every exchange so a run can be resumed.
 """
 
@@ -16,22 +16,22 @@ from typing import Any
 from retexo_fl import protocol as P
 from retexo_fl.compress.boundary import ExchangeStats
 from retexo_fl.config import TrainConfig
-from retexo_fl.metrics import RunRecorder, human_bytes
-from retexo_fl.models.factory import build_stage_model, stage_input_dim
-from retexo_fl.seeding import derive_seed
-from retexo_fl.summary import RunSummary
-from retexo_fl.training.checkpoint import Checkpoint, CheckpointStore, RoundState
-from retexo_fl.training.federation import AGGREGATE, Federation, Frames, total
-from retexo_fl.training.rounds import (
+from retexo_fl.coordinator.checkpoint import Checkpoint, CheckpointStore, RoundState
+from retexo_fl.coordinator.federation import AGGREGATE, FederationView, Frames, total
+from retexo_fl.coordinator.round_loop import (
     BROADCAST_TAG,
     RoundLoop,
     compression_totals,
     exchange_figures,
     per_client,
 )
-from retexo_fl.training.selection import StageTracker, keep_best_stage, same_clients
-from retexo_fl.training.state import StateDict
-from retexo_fl.training.transport import Transport
+from retexo_fl.coordinator.selection import StageTracker, keep_best_stage, same_clients
+from retexo_fl.coordinator.transport import Transport
+from retexo_fl.metrics import RunRecorder, human_bytes
+from retexo_fl.models.factory import build_stage_model, stage_input_dim
+from retexo_fl.records import StateDict
+from retexo_fl.seeding import derive_seed
+from retexo_fl.summary import RunSummary
 
 
 class LazyStageMachine:
@@ -58,7 +58,7 @@ class LazyStageMachine:
         self.rec = rec
         self.store = store
         self.on_stage = on_stage
-        self.fed = Federation(transport, cfg, rec)
+        self.fed = FederationView(transport, cfg, rec)
         self.loop = RoundLoop(self.fed)
         self.exchange_stats: dict[int, ExchangeStats] = {}
         self.model_bytes_done = 0  # model bytes of finished stages

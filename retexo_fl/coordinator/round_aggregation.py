@@ -1,4 +1,4 @@
-"""One round's aggregation, the hooks :class:`~retexo_fl.training.rounds.RoundLoop` drives.
+"""One round's aggregation, the hooks :class:`~retexo_fl.coordinator.round_loop.RoundLoop` drives.
 
 The loop owns the transport; an aggregation never sends. A round runs its hooks in this order::
 
@@ -10,7 +10,7 @@ The loop owns the transport; an aggregation never sends. A round runs its hooks 
     aggregate()          -> the aggregate state (before the server optimizer) and training loss
 
 Implementations: :class:`FedAvgRound` (FedAvg, and DP-FedAvg when the run has a DP accountant:
-:func:`~retexo_fl.training.privacy.aggregate_round`), :class:`ScaffoldRound` (FedAvg with
+:func:`~retexo_fl.coordinator.privacy.aggregate_round`), :class:`ScaffoldRound` (FedAvg with
 SCAFFOLD's control variates) and :class:`SecureRound` (secure aggregation: the server learns
 sums only, and one more message, the unmasking, is an :class:`Exchange`).
 """
@@ -22,12 +22,12 @@ from typing import Any
 
 from retexo_fl import protocol as P
 from retexo_fl.compress.updates import UpdateCodec
+from retexo_fl.coordinator.checkpoint import RoundState
+from retexo_fl.coordinator.federation import FederationView
+from retexo_fl.coordinator.privacy import aggregate_round
+from retexo_fl.coordinator.secure_aggregation import PendingUnmask
 from retexo_fl.protocol import Records
-from retexo_fl.training.checkpoint import RoundState
-from retexo_fl.training.federation import Federation
-from retexo_fl.training.privacy import aggregate_round
-from retexo_fl.training.secure_round import PendingUnmask
-from retexo_fl.training.state import StateDict
+from retexo_fl.records import StateDict
 
 
 @dataclass
@@ -59,14 +59,14 @@ class FedAvgRound:
     (clipped, noised, accounted) when the run has a DP accountant.
 
     Args:
-        fed (Federation): the run's clients (update decoding, the DP accountant).
+        fed (FederationView): the run's clients (update decoding, the DP accountant).
         rs (RoundState): the stage's state (view, tracker, broadcast, control variates).
         stage (int): the stage.
         round_ (int): the round.
         label (str): names the round in messages.
     """
 
-    def __init__(self, fed: Federation, rs: RoundState, stage: int, round_: int, label: str) -> None:
+    def __init__(self, fed: FederationView, rs: RoundState, stage: int, round_: int, label: str) -> None:
         self.fed, self.rs, self.stage, self.round, self.label = fed, rs, stage, round_, label
         #: What :meth:`collect` read: summed validation and the bytes float32 would have taken.
         self.val: tuple[int, int, float] = (0, 0, 0.0)
@@ -124,7 +124,7 @@ class FedAvgRound:
 class ScaffoldRound(FedAvgRound):
     """FedAvg with SCAFFOLD's control variates: :math:`c` goes down with the model, and each
     client's :math:`c_i` and then :math:`c` advance from the decoded updates
-    (:class:`~retexo_fl.training.drift.ServerControl`)."""
+    (:class:`~retexo_fl.coordinator.drift.ServerControl`)."""
 
     def decorate(self, requests: dict[int, Records]) -> None:
         control = self.rs.control
@@ -143,10 +143,10 @@ class ScaffoldRound(FedAvgRound):
 
 class SecureRound(FedAvgRound):
     """Secure aggregation: the masked replies, then the unmasking as one more message phase;
-    the server learns the sums only (:class:`~retexo_fl.training.secure_round.SecureAggregator`).
+    the server learns the sums only (:class:`~retexo_fl.coordinator.secure_aggregation.SecureAggregator`).
     """
 
-    def __init__(self, fed: Federation, rs: RoundState, stage: int, round_: int, label: str) -> None:
+    def __init__(self, fed: FederationView, rs: RoundState, stage: int, round_: int, label: str) -> None:
         super().__init__(fed, rs, stage, round_, label)
         assert fed.secure is not None
         self.secure = fed.secure
@@ -176,7 +176,9 @@ class SecureRound(FedAvgRound):
         return self.result
 
 
-def round_aggregation(fed: Federation, rs: RoundState, stage: int, round_: int, label: str) -> FedAvgRound:
+def round_aggregation(
+    fed: FederationView, rs: RoundState, stage: int, round_: int, label: str
+) -> FedAvgRound:
     """The aggregation a round of this run uses: secure, SCAFFOLD or (DP-)FedAvg."""
     if fed.secure is not None:
         return SecureRound(fed, rs, stage, round_, label)

@@ -16,13 +16,14 @@ from retexo_fl.data.partition import Partition
 from retexo_fl.models.adjacency import SPARSE_KINDS, sparse_adjacency
 from retexo_fl.models.factory import build_stage_model
 from retexo_fl.models.stage import StageModel, select_in_edges
+from retexo_fl.party.client import Client
+from retexo_fl.party.pseudo import pseudo_labels
+from retexo_fl.party.state import ClientState
 from retexo_fl.protocol import HALO
+from retexo_fl.records import StateDict
 from retexo_fl.secure.boundary_noise import release_rows
 from retexo_fl.secure.policy import PartyPolicy
 from retexo_fl.seeding import derive_seed
-from retexo_fl.training.client import Client
-from retexo_fl.training.pseudo import pseudo_labels
-from retexo_fl.training.state import ClientState, StateDict
 
 #: Seed tag of a client's boundary-row rounding.
 BOUNDARY_TAG = 0xB0

@@ -8,7 +8,6 @@ is written to the node-local work folder after a message that changed it.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,26 +16,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from retexo_fl.records import StateDict
 from retexo_fl.secure.keys import private_folder
-
-StateDict = dict[str, Tensor]
 
 #: The file a client's state lives in, inside its node-local work folder.
 STATE_FILE = "client-state.pt"
-
-
-def state_digest(state: StateDict) -> str:
-    """SHA-256 of a state's names, dtypes, shapes and values, 16 bytes in hex.
-
-    Equal on server and client exactly when both hold the same bits: a message can name a state
-    the client holds by this digest instead of carrying it (:data:`~retexo_fl.protocol.HELD`).
-    """
-    h = hashlib.sha256()
-    for name in sorted(state):
-        t = state[name].detach().to("cpu").contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:32]
 
 
 @dataclass

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from retexo_fl.coordinator.aggregate import apply_updates
 from retexo_fl.seeding import derive_seed
-from retexo_fl.training.aggregate import apply_updates
 
 StateDict = dict[str, Tensor]
 

@@ -1,6 +1,6 @@
 """The server's side of a federation, whatever the loop: who holds what, messaging, relaying, decoding.
 
-A :class:`Federation` wraps a :class:`~retexo_fl.training.transport.Transport`: it builds each
+A :class:`FederationView` wraps a :class:`~retexo_fl.coordinator.transport.Transport`: it builds each
 message's records, applies the failure policy to clients that were lost, runs key setup and
 setup, relays sealed frames between clients (counting their bytes), decodes and checks model
 updates, and aggregates evaluations. The lazy stage machine and the eager / local round loop
@@ -18,24 +18,23 @@ from retexo_fl import protocol as P
 from retexo_fl.compress.boundary import ExchangeStats
 from retexo_fl.compress.updates import ModelBroadcast, UpdateCodec
 from retexo_fl.config import TrainConfig
+from retexo_fl.coordinator.aggregate import check_state, state_nbytes
+from retexo_fl.coordinator.privacy import make_privacy
+from retexo_fl.coordinator.secure_aggregation import SecureAggregator
+from retexo_fl.coordinator.selection import StageTracker
+from retexo_fl.coordinator.transport import ClientFailure, Membership, Transport
 from retexo_fl.metrics import RunRecorder
 from retexo_fl.plan import check_plans
 from retexo_fl.protocol import Records
+from retexo_fl.records import EvalResult, StateDict, state_digest
 from retexo_fl.secure.boundary_noise import gaussian_epsilon
 from retexo_fl.secure.keys import load_pins, pin_digest
-from retexo_fl.training.aggregate import check_state, state_nbytes
-from retexo_fl.training.client import EvalResult
-from retexo_fl.training.privacy import make_privacy
-from retexo_fl.training.secure_round import SecureAggregator
-from retexo_fl.training.selection import StageTracker
-from retexo_fl.training.state import StateDict, state_digest
-from retexo_fl.training.transport import ClientFailure, Membership, Transport
 
 Frames = dict[str, bytes]
 """Relayed frames of one client: delivery or outgoing key -> sealed bytes."""
 
 
-#: The key of :meth:`Federation.evaluate`'s one result under secure aggregation: the sum.
+#: The key of :meth:`FederationView.evaluate`'s one result under secure aggregation: the sum.
 AGGREGATE = -1
 
 
@@ -54,7 +53,7 @@ class ClientCounts:
     counts: dict[str, int]
 
 
-class Federation:
+class FederationView:
     """The server's view of a run's clients over a transport.
 
     Args:

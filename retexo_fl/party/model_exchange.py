@@ -1,0 +1,173 @@
+"""A client's side of the model exchange: the broadcast it holds, its compressed update and its
+error feedback, SCAFFOLD's control variates, and the journal that makes a re-sent round start
+from where it started."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from retexo_fl import protocol as P
+from retexo_fl.compress.updates import UpdateCodec
+from retexo_fl.config import TrainConfig
+from retexo_fl.protocol import Records
+from retexo_fl.records import StateDict, state_digest
+from retexo_fl.scaffold import next_client_control, zeros_like_state
+from retexo_fl.secure.channel import PeerChannel
+from retexo_fl.seeding import derive_seed
+
+#: Seed tag of a client's compressed-update rounding.
+UPDATE_TAG = 0xC0
+
+
+class ModelExchange:
+    """The model-exchange seam of :class:`~retexo_fl.party.client.Client` (a mixin: it keeps the
+    broadcast view, the kept view, the update residual, the control variates and the round journal)."""
+
+    cfg: TrainConfig
+    channel: PeerChannel
+    device: torch.device
+    update_codec: UpdateCodec | None
+    residual: StateDict | None
+    control: StateDict | None
+    control_view: StateDict | None
+    view: StateDict | None
+    kept: StateDict | None
+    journal: list[Any] | None
+    last_steps: int
+    # The client's own (:class:`~retexo_fl.party.client.Client`):
+    id: int
+    seed_stage: int
+    layer_index: Callable[[], int]
+
+    _ROUND_STATE = ("view", "kept", "residual", "control", "control_view")
+
+    def begin_round(self, round_: int) -> bool:
+        """Mark the start of train round ``round_``: remember what it finds or, for a round seen
+        before (a resumed server sending it again), go back to what it found then.
+
+        What it finds: the broadcast view, the update residual, the control variates and the
+        incoming payload counters, so that the round's deliveries open again and nothing is
+        applied twice. Counters go back no further than the round's start: payloads of earlier
+        rounds stay refused.
+
+        Rounds only go forward: the stage is this client's own, and a round before the last one
+        begun (a server replaying an earlier round, say round 1 to skip the check that every
+        peer's rows arrived) is refused.
+
+        Returns:
+            bool: the journal holds state that must outlive the process.
+
+        Raises:
+            ValueError: ``round_`` is before the last round this client began in its stage.
+        """
+        key = [int(self.seed_stage), int(round_)]
+        if self.journal is not None and key < self.journal[0]:
+            raise ValueError(
+                f"client {self.id}: train round {key[1]} of stage {key[0]} after round "
+                f"{self.journal[0][1]} of stage {self.journal[0][0]} began: rounds only go forward"
+            )
+        if self.journal is not None and self.journal[0] == key:
+            for name, value in self.journal[1].items():
+                setattr(self, name, None if value is None else dict(value))
+            self.channel.rewind(self.journal[2] if len(self.journal) > 2 else None)
+            return False
+        found = {name: getattr(self, name) for name in self._ROUND_STATE}
+        accepted = self.channel.accepted()
+        self.journal = [key, {k: None if v is None else dict(v) for k, v in found.items()}, accepted]
+        return any(v is not None for v in found.values()) or bool(accepted)
+
+    def receive_model(
+        self, state: StateDict | None, frames: dict[str, bytes] | None, keep: bool = False
+    ) -> StateDict:
+        """The round's model: ``state`` sent whole, or ``frames`` of a delta from the last one.
+
+        Args:
+            state (StateDict, optional): the model sent whole.
+            frames (dict[str, bytes], optional): the model as a broadcast delta from the view held.
+            keep (bool, optional): the view held before this message is the stage's best so far
+                (:data:`~retexo_fl.protocol.KEEP`): keep a copy. (default: :obj:`False`)
+        """
+        if keep and self.view is not None:
+            self.kept = self.view  # views are never modified in place once made
+        if frames is None:
+            if state is None:
+                raise ValueError(f"client {self.id}: a model message with neither state nor delta")
+            if not keep:
+                self.kept = None  # a stage's first state: what was kept belongs to the last stage
+            self.view = state
+            return state
+        if self.view is None:
+            raise RuntimeError(f"client {self.id}: a model delta arrived before any whole state")
+        codec = UpdateCodec(self.cfg.broadcast_bits, self.cfg.range_dtype)
+        self.view = codec.decode(frames, self.view, "server broadcast")
+        return self.view
+
+    def held_state(self, digest: str) -> StateDict | None:
+        """The state this client holds whose :func:`~retexo_fl.records.state_digest` is
+        ``digest`` (its view, or the one it kept), or ``None``: the server then sends it whole."""
+        for state in (self.view, self.kept):
+            if state is not None and state_digest(state) == digest:
+                return state
+        return None
+
+    def encode_update(self, new: StateDict, base: StateDict, round_: int) -> dict[str, bytes] | None:
+        """``new``'s update from ``base`` as frames (``update-bits``), or ``None`` when uncompressed."""
+        if self.update_codec is None:
+            return None
+        if round_ == 1:
+            self.residual = None  # a new stage trains a new model
+        stage = self.seed_stage
+        gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, stage, round_, UPDATE_TAG, self.id))
+        frames, self.residual = self.update_codec.encode(
+            new, base, self.residual, gen, where=f"client {self.id}, stage {stage} update"
+        )
+        return frames
+
+    def receive_control(self, request: Records, state: StateDict, round_: int) -> StateDict | None:
+        """The server's control variate for this round (``drift-correction scaffold``), else ``None``.
+
+        A stage's first round carries none (it is zero); later rounds carry it whole
+        (:data:`~retexo_fl.protocol.CONTROL`) or as deltas from the one held
+        (:data:`~retexo_fl.protocol.CONTROL_FRAMES`).
+
+        Args:
+            request (Records): the train message.
+            state (StateDict): the round's model (for keys and shapes at a stage's start).
+            round_ (int): the round.
+        """
+        if self.cfg.drift_correction != "scaffold":
+            return None
+        if round_ == 1 or self.control_view is None:
+            self.control_view = zeros_like_state(state)
+        if P.CONTROL in request:
+            self.control_view = dict(request[P.CONTROL])
+        elif P.CONTROL_FRAMES in request:
+            frames = {k: bytes(v) for k, v in request[P.CONTROL_FRAMES].items()}
+            codec = UpdateCodec(self.cfg.broadcast_bits, self.cfg.range_dtype)
+            self.control_view = codec.decode(frames, self.control_view, "server control variate")
+        return self.control_view
+
+    def decode_own_update(self, frames: dict[str, bytes], base: StateDict) -> StateDict:
+        """This client's compressed update as the server decodes it (``base`` plus the deltas).
+
+        Args:
+            frames (dict[str, bytes]): what :meth:`encode_update` returned.
+            base (StateDict): the state the update was taken from.
+        """
+        assert self.update_codec is not None  # frames exist only with a codec
+        return self.update_codec.decode(frames, base, f"client {self.id}")
+
+    def update_control(self, base: StateDict, trained: StateDict, control: StateDict) -> None:
+        """Advance this client's control variate from the update as the server will decode it.
+
+        Args:
+            base (StateDict): the round's model, :math:`x`.
+            trained (StateDict): the local result as the server decodes it, :math:`y_i`.
+            control (StateDict): the server's control variate this round, :math:`c`.
+        """
+        assert self.control is not None  # train() set it this round
+        lr = float(self.cfg.per_stage("lr", self.layer_index()))
+        self.control = next_client_control(self.control, control, base, trained, self.last_steps, lr)

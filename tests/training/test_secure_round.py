@@ -20,6 +20,7 @@ from retexo_fl.party import secure_reply
 from retexo_fl.party.handlers import handle
 from retexo_fl.party.lazy_client import LazyClient
 from retexo_fl.secure.envelope import ENVELOPE_BYTES
+from retexo_fl.secure.round_encoding import parse_grid, row_sizes
 from retexo_fl.secure.secagg import METRIC_NAMES, SecAggError
 from retexo_fl.secure.shamir import SHARE_BYTES
 from retexo_fl.training.eager import run_eager
@@ -330,7 +331,7 @@ def test_compressed_updates_are_masked_at_close_to_their_width(sbm):
         transport, cfg, RunRecorder(None, stream=None), on_stage=lambda s, state: kept.__setitem__(s, state)
     ).run()
     size = sum(t.numel() for t in kept[0].values())
-    rows = len(secure_reply.row_sizes(kept[0]))
+    rows = len(row_sizes(kept[0]))
     tail = 25 + 4 * (rows + len(METRIC_NAMES))
     assert transport.sizes[(0, 1)] == {tail + 4 * size}
     for r in (2, 3, 4):
@@ -343,7 +344,7 @@ def test_a_grid_clip_never_rounds_above_the_runs_clip():
     grid = SecureAggregator(cfg).next_grid(np.array([5.0, 0.3, 1e-3]), 4)
     assert grid.dtype == np.dtype("<f4") and float(grid.max()) <= 0.1
     like = {"w": torch.zeros(3, 2)}
-    clips = secure_reply.parse_grid(grid.tobytes(), cfg, like, 4, "client 0")
+    clips = parse_grid(grid.tobytes(), cfg, like, 4, "client 0")
     assert clips[2] == pytest.approx(1.5 * 1e-3 / 4)
 
 

@@ -32,8 +32,9 @@ from retexo_fl.config import TrainConfig
 from retexo_fl.data.loading import load_graph
 from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.metrics import RunRecorder
+from retexo_fl.party import client
 from retexo_fl.plan import BoundaryPlan, LocalGraph
-from retexo_fl.training import centralized, client
+from retexo_fl.training import centralized
 from retexo_fl.training.centralized import run_centralized, whole_graph_partition
 from retexo_fl.training.lazy import run_lazy
 

@@ -63,7 +63,7 @@ def test_same_stage_weights_on_1_and_4_partitions(cora, server_optimizer):
 
 def test_invariance_detects_a_wrong_normalization(cora):
     """The same comparison fails when halo degrees are wrong, so the test above can fail."""
-    from retexo_fl.training import client as client_mod
+    from retexo_fl.party import client as client_mod
 
     cfg = TrainConfig.resolve(
         profile="exact",

@@ -59,9 +59,9 @@ def test_the_default_noise_is_secret_and_never_written_anywhere_public(tmp_path,
 
     # Whole runs: the key comes from the OS, is never written to the run folder, and two runs
     # of one config release different models; the summary says which noise it was.
+    from retexo_fl.coordinator import privacy
     from retexo_fl.metrics import RunRecorder
     from retexo_fl.runner import train
-    from retexo_fl.training import privacy
 
     keys: list[int] = []
     draw = privacy.secrets.randbits

@@ -8,9 +8,9 @@ import dataclasses
 
 from retexo_fl import protocol as P
 from retexo_fl.config import TrainConfig
+from retexo_fl.coordinator import round_aggregation as ra
+from retexo_fl.coordinator import round_loop
 from retexo_fl.data.partitioners import partition_graph
-from retexo_fl.training import round_aggregation as ra
-from retexo_fl.training import rounds
 from retexo_fl.training.lazy import run_lazy
 
 BASE = TrainConfig.resolve(
@@ -54,7 +54,7 @@ def _recording(monkeypatch) -> list[tuple]:
         inner.__class__ = Recording
         return inner
 
-    monkeypatch.setattr(rounds, "round_aggregation", recorded)
+    monkeypatch.setattr(round_loop, "round_aggregation", recorded)
     return calls
 
 

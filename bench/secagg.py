@@ -77,7 +77,7 @@ def measure(cfg: TrainConfig) -> dict:
         timers.wrap(secure_aggregation, "unmask_round", "server")
     t0 = time.perf_counter()
     try:
-        out = train(cfg, RunRecorder(None, stream=None))
+        out = train(cfg, RunRecorder(None, stream=None)).to_dict()
     finally:
         timers.restore()
     out["wall"] = time.perf_counter() - t0

@@ -213,12 +213,15 @@ def test_a_run_config_value_set_by_the_submitter_is_kept_even_at_the_lazy_defaul
 
 def test_secure_aggregation_settings_that_cannot_work_are_refused_by_name():
     TrainConfig(secure_aggregation=True, clients=4, secagg_threshold=3).validate()
+    TrainConfig(secure_aggregation=True, clients=200).validate()  # the most that is measured
     for values, message in (
         ({"clients": 2}, "3 or more clients"),
         ({"mode": "centralized"}, "federated modes"),
         ({"drift_correction": "scaffold"}, "no drift-correction"),
         ({"clients": 4, "secagg_threshold": 2}, "secagg-threshold must be 3 to 4 for 4 clients"),
         ({"clients": 4, "secagg_threshold": 5}, "secagg-threshold must be 3 to 4 for 4 clients"),
+        # A complete masking graph at node level (one node per client) is refused by name.
+        ({"clients": 201, "method": "node"}, "secure-aggregation with 201 clients: .* above 200 clients"),
     ):
         with pytest.raises(ValueError, match=message):
             TrainConfig.resolve(**{"secure_aggregation": True, **values}).validate()

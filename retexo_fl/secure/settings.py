@@ -10,6 +10,16 @@ import math
 
 from retexo_fl.setting import section, setting
 
+#: The most clients a secure-aggregation run may have. Every client shares its self seed with
+#: every other (a complete masking graph), so a round's extra bytes grow with the square of the
+#: clients and the server's unmasking (a threshold-t reconstruction of each of n seeds) faster
+#: still. Measured in one process, one thread, Cora, random partitions
+#: (``bench/results/secagg-scale-2026-11-27.json``, ``secagg-2026-11-24.json``): server seconds
+#: a round 0.038 at 50 clients, 0.36 at 100, 4.5 at 200, and the run's wall 2.6x, 2.3x and 5.7x
+#: the plain run's; extra bytes 0.76, 3.1 and 12.3 MB a round. A sparse (SecAgg+-style) masking
+#: graph would lift this; until there is one, larger runs are refused rather than left to stall.
+MAX_SECAGG_CLIENTS = 200
+
 
 def min_threshold(members: int) -> int:
     """The least secure-aggregation threshold ``t`` safe against a server that tells clients

@@ -182,7 +182,7 @@ def node_client(view: NodeView) -> tuple[Client, Path]:
         client = _CACHE.pop(key, None)
         if client is not None:
             _CACHE[key] = client  # most recently used last
-        _VIEWS[key] = view
+            _VIEWS[key] = view
     if client is None:
         # Built outside the lock (a partition load takes seconds): other runs go on meanwhile.
         part = load_node_partition(view, work)
@@ -194,7 +194,7 @@ def node_client(view: NodeView) -> tuple[Client, Path]:
             log = AuditLog(policy.audit_dir, client.id, str(view.partition), cfg.encrypt)
             client.channel.observer = log.record_sealed
         with _LOCK:
-            _CACHE[key] = client
+            _CACHE[key], _VIEWS[key] = client, view
             _CURRENT.discard(key)  # a new client holds nothing yet: restored below
             _drop_old_runs(key[0])  # earlier runs' tensors
     # Another Ray actor may have advanced this node since, or this is a restarted worker: the

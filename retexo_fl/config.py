@@ -39,7 +39,7 @@ FirstStage = Literal["mlp", "local"]
 #: What stage 0 of a lazy run can be (``first-stage``).
 FIRST_STAGES: tuple[str, ...] = get_args(FirstStage)
 DriftCorrection = Literal["none", "scaffold"]
-#: ``drift-correction``: none, or SCAFFOLD's control variates (:mod:`retexo_fl.coordinator.drift`).
+#: ``drift-correction``: none, or SCAFFOLD's control variates (:mod:`retexo_fl.scaffold`).
 DRIFT_CORRECTIONS: tuple[str, ...] = get_args(DriftCorrection)
 
 _Section = TypeVar("_Section")
@@ -403,8 +403,10 @@ class TrainConfig:
 
     A ``TrainConfig(...)`` is exactly what it is given, every other field at its section's
     default: the lazy defaults. A mode's or profile's own defaults are applied by one function,
-    :meth:`resolve`, which the CLI, the run config and the engines use:
-    ``TrainConfig.resolve(mode="eager")`` is eager's default run.
+    :meth:`resolve`, which the CLI, the run config (:meth:`from_mapping`, :meth:`from_run_config`)
+    and :meth:`from_sections` use: ``TrainConfig.resolve(mode="eager")`` is eager's default run.
+    ``TrainConfig(mode="eager")`` is lazy's settings in eager mode (and fails :meth:`validate`:
+    lazy's self-training pass does not apply to eager).
     """
 
     extra: dict[str, Any] = field(default_factory=dict)
@@ -417,8 +419,9 @@ class TrainConfig:
         :data:`MODE_DEFAULTS`, each only where ``given`` has no value; ``boundary-noise`` turns
         eager's halo gradients off unless they were given (noised rows with raw gradients back
         would undo the noise); ``profile edge`` makes the device CPU, threads 1, chunks of 4,096
-        rows and 32-bit payloads 8-bit. What ``given`` names is kept as given (edge's changes
-        apply to values left at the defaults they replace).
+        rows and 32-bit payloads 8-bit. What ``given`` names is kept as given, except that the
+        edge profile's changes apply to the values they replace (``auto``, 0 and 32) whether
+        given or not.
 
         Args:
             **given: settings by snake-case name (those a user, a run config or a caller set).
@@ -608,7 +611,8 @@ class TrainConfig:
 
     @classmethod
     def from_sections(cls, extra: dict[str, Any] | None = None, **sections: Any) -> TrainConfig:
-        """Build from section objects by name (see :data:`SECTIONS`); an omitted one takes its defaults.
+        """Build from section objects by name (see :data:`SECTIONS`); an omitted one takes the
+        defaults of the given mode and profile (:meth:`resolve`).
 
         Args:
             extra (dict, optional): free-form settings outside every section. (default: :obj:`None`)
@@ -622,7 +626,9 @@ class TrainConfig:
             if not isinstance(given, want):
                 raise TypeError(f"section {name!r} must be a {want.__name__}, got {type(given).__name__}")
             kwargs.update(dataclasses.asdict(given))
-        return cls(**kwargs).validate()
+        # Every setting of a given section counts as given; the mode's and profile's defaults
+        # fill the sections left out.
+        return cls.resolve(**kwargs).validate()
 
 
 def parse_list(value: Any) -> Any:

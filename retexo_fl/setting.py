@@ -22,6 +22,7 @@ package's ``settings`` module imports it.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 import typing
 from collections.abc import Callable
@@ -93,7 +94,8 @@ def _choices(hint: Any) -> tuple[Any, ...]:
 
 
 def settings_of(cls: type) -> list[SettingInfo]:
-    """The settings a section (or the flat configuration) declares, in order.
+    """The settings a section declares, in order (:func:`retexo_fl.config.settings`: every
+    section's, the flat configuration's).
 
     Args:
         cls (type): a dataclass whose fields were declared with :func:`setting`.
@@ -153,5 +155,5 @@ def section(cls: _Cls) -> _Cls:
     """
     made: Callable[[_Cls], _Cls] = dataclass(frozen=True)
     out = made(cls)
-    out.__doc__ = (out.__doc__ or "").rstrip() + "\n" + _args_block(out)
+    out.__doc__ = inspect.cleandoc(out.__doc__ or "") + "\n" + _args_block(out)
     return out

@@ -27,6 +27,18 @@ SAFE_GLOBALS = [
     Checkpoint, RoundState, TrainConfig, ExchangeStats, ModelBroadcast, UpdateCodec, ServerOptimizer,
     StageTracker, ServerControl, UpdatePrivacy, SecureAggregator, ClientCounts, frozenset, set,
 ]  # fmt: skip
+# The same classes by the names checkpoints written before the two wings (2026-11-27) pickled
+# them under, so that such a run still resumes.
+SAFE_GLOBALS += [
+    (Checkpoint, "retexo_fl.training.checkpoint.Checkpoint"),
+    (RoundState, "retexo_fl.training.checkpoint.RoundState"),
+    (ServerOptimizer, "retexo_fl.training.aggregate.ServerOptimizer"),
+    (StageTracker, "retexo_fl.training.selection.StageTracker"),
+    (ServerControl, "retexo_fl.training.drift.ServerControl"),
+    (UpdatePrivacy, "retexo_fl.training.privacy.UpdatePrivacy"),
+    (SecureAggregator, "retexo_fl.training.secure_round.SecureAggregator"),
+    (ClientCounts, "retexo_fl.training.federation.ClientCounts"),
+]
 
 #: The checkpoint's file in a run folder.
 CHECKPOINT = "checkpoint.pt"

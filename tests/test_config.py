@@ -9,7 +9,15 @@ import pytest
 import tomllib
 
 from retexo_fl.compress.settings import CompressionSettings
-from retexo_fl.config import PER_STAGE, SECTIONS, ModelSettings, TrainConfig, parse_list, settings
+from retexo_fl.config import (
+    PER_STAGE,
+    SECTIONS,
+    ModelSettings,
+    TrainConfig,
+    TrainingSettings,
+    parse_list,
+    settings,
+)
 from retexo_fl.data.settings import DataSettings
 from retexo_fl.datacenter.settings import DatacenterSettings
 from retexo_fl.secure.settings import SecuritySettings
@@ -75,6 +83,10 @@ def test_from_sections_round_trips_and_refuses_strangers():
     # An omitted section takes its defaults.
     only = TrainConfig.from_sections(compression=CompressionSettings(bits=2))
     assert only.bits == 2 and only.hidden == TrainConfig().hidden
+    # Omitted sections take the given mode's defaults (resolve); a given section is given whole.
+    eager = TrainConfig.from_sections(training=TrainingSettings(mode="eager", self_training=0))
+    assert (eager.hidden, eager.update_bits) == (64, 32)  # architecture, compression: eager's
+    assert eager.rounds == TrainingSettings().rounds  # the training section as given
     with pytest.raises(ValueError, match="unknown section 'network'"):
         TrainConfig.from_sections(network=DataSettings())
     with pytest.raises(TypeError, match="section 'data' must be a DataSettings"):

@@ -1,6 +1,6 @@
 """How the server's loops reach clients: a small transport interface, and the failure policy.
 
-The lazy stage machine (:mod:`~retexo_fl.coordinator.stages`) and the eager / local round loop
+The lazy stage machine (:mod:`~retexo_fl.coordinator.stages`) and the round loop every mode runs
 (:mod:`~retexo_fl.coordinator.round_loop`) send batches of :data:`~retexo_fl.protocol.Records` through
 a :class:`Transport` and get replies back, or learn which clients were lost. Two transports
 exist: :class:`~retexo_fl.training.inprocess.InProcessTransport` calls the client handlers

@@ -28,7 +28,6 @@ class ModelExchange:
 
     cfg: TrainConfig
     channel: PeerChannel
-    device: torch.device
     update_codec: UpdateCodec | None
     residual: StateDict | None
     control: StateDict | None

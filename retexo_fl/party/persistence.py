@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,8 @@ class Persistence:
     _edges: tuple[Tensor, Tensor | None] | None
     _adjacency: Tensor | None
     _weights: dict[int, Tensor] | None
+    # The client's own (:class:`~retexo_fl.party.client.Client`):
+    channel_peers: Callable[[dict[int, Any]], set[int]]
 
     # -- node-local state -------------------------------------------------------------------
     def snapshot(self) -> ClientState:

@@ -28,10 +28,10 @@ from retexo_fl.secure.round_encoding import (
     finite_or,
     flat_delta,
     flat_state,
+    masked_state_digest,
     parse_grid,
     round_codec,
     round_terms,
-    state_digest,
     unflatten,
 )
 from retexo_fl.secure.secagg import (
@@ -157,7 +157,7 @@ def prepare(client: Client, config: dict[str, Any], state: StateDict) -> Prepare
     if P.SECAGG_GRID in config:
         grid_blob = bytes(config[P.SECAGG_GRID])
         grid = parse_grid(grid_blob, client.cfg, state, len(members), where)
-    digest = state_digest(state)
+    digest = masked_state_digest(state)
     if sent is not None and sent["stage"] == stage:
         _check_stage_terms(sent, members, bound, digest, round_, where)
     terms = round_terms(stage, round_, members, threshold, bound, grid_blob)
@@ -423,7 +423,7 @@ def masked_evaluation(
             f"the last round this client unmasked ({last})"
         )
     done = _evaluated(state_)
-    digest = state_digest(state)
+    digest = masked_state_digest(state)
     terms = evaluation_terms(split, digest, members, bound, counter)
     last = done.get("last")
     if last is not None and last["counter"] == counter and last["terms"] == terms.hex():

@@ -113,7 +113,7 @@ def row_sizes(like: StateDict) -> list[int]:
     return rows
 
 
-def state_digest(state: StateDict) -> str:
+def masked_state_digest(state: StateDict) -> str:
     """A digest of a broadcast state: the same state sent twice is recognised."""
     h = hashlib.sha256()
     for k in sorted(state):
@@ -159,6 +159,3 @@ def parse_grid(blob: object, cfg: Any, like: StateDict, members: int, where: str
             f"{where}: {field_} for {members} members: their sums would not fit a field element"
         )
     return clips
-
-
-# -- the client's side ---------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from retexo_fl.coordinator.aggregate import ServerOptimizer
-from server.checkpoint import CHECKPOINT, FileCheckpoints
+from server.checkpoint import CHECKPOINT, SAFE_GLOBALS, FileCheckpoints
 
 
 class _RunsCode:
@@ -49,3 +49,32 @@ def test_fedadams_moments_survive_a_weights_only_round_trip(tmp_path):
     for other in (back, loaded):
         got = other.step(target)
         assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_a_checkpoint_written_before_the_two_wings_still_loads(tmp_path, monkeypatch):
+    """Checkpoints pickled their classes under ``retexo_fl.training.*`` until the party and
+    coordinator wings (2026-11-27): such a run folder still resumes."""
+    import sys
+    import types
+
+    from retexo_fl.coordinator import aggregate
+
+    state = {"w": torch.randn(2, 2)}
+    opt = ServerOptimizer("adam", state, lr=0.1)
+    old = types.ModuleType("retexo_fl.training.aggregate")
+    old.ServerOptimizer = ServerOptimizer  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "retexo_fl.training.aggregate", old)
+    monkeypatch.setattr(ServerOptimizer, "__module__", "retexo_fl.training.aggregate")
+    with open(tmp_path / CHECKPOINT, "wb") as f:
+        torch.save({"server": opt}, f)
+    assert b"retexo_fl.training.aggregate" in (tmp_path / CHECKPOINT).read_bytes()
+    monkeypatch.undo()  # the old module is gone again, as in a fresh process
+    assert ServerOptimizer.__module__ == aggregate.__name__
+    # What FileCheckpoints.load allows (a whole Checkpoint of that time is checked the same way).
+    with torch.serialization.safe_globals(SAFE_GLOBALS):
+        loaded = torch.load(tmp_path / CHECKPOINT, weights_only=True)
+    assert isinstance(loaded["server"], ServerOptimizer)
+    # Without the old names the same file is refused, so the list above is what loads it.
+    current = [g for g in SAFE_GLOBALS if not isinstance(g, tuple)]
+    with pytest.raises(pickle.UnpicklingError), torch.serialization.safe_globals(current):
+        torch.load(tmp_path / CHECKPOINT, weights_only=True)

@@ -22,6 +22,7 @@ package's ``settings`` module imports it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import sys
 import typing
@@ -93,12 +94,15 @@ def _choices(hint: Any) -> tuple[Any, ...]:
     return ()
 
 
-def settings_of(cls: type) -> list[SettingInfo]:
+@functools.cache
+def settings_of(cls: type) -> tuple[SettingInfo, ...]:
     """The settings a section declares, in order (:func:`retexo_fl.config.settings`: every
     section's, the flat configuration's).
 
     Args:
         cls (type): a dataclass whose fields were declared with :func:`setting`.
+
+    Cached per class: ``validate()`` reads it for every config a client parses, once a message.
     """
     hints = _hints(cls)
     out = []
@@ -117,7 +121,7 @@ def settings_of(cls: type) -> list[SettingInfo]:
                 choices=_choices(hints[f.name]),
             )
         )
-    return out
+    return tuple(out)
 
 
 def check_choices(obj: Any) -> None:

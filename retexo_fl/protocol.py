@@ -61,6 +61,9 @@ RUN_KEY = "run-key"  # the server's key for this run; it outlives Flower's run i
 STAGE = "stage"
 ROUND = "round"
 VALIDATE = "validate"  # train: validate the received state first (all but a stage's first round)
+# train (lazy, plain FedAvg): the recipient holds no training nodes; it validates only and replies
+# with its validation figures and no update.
+VALIDATE_ONLY = "validate-only"
 # train and evaluate (broadcast-bits < 32): the model held before this message's delta is the
 # stage's best so far; the client keeps a copy, so that the kept state never travels again.
 KEEP = "keep"

@@ -120,14 +120,14 @@ def test_unregistered_supernode_is_refused(federation):
     assert "Exit Code: 305" in (fed.work / "supernode-9.log").read_text()
 
 
-def _simulated(parts: Path, rounds: int = 3) -> dict:
-    from server.simulation import simulate
-
-    return simulate(
-        TrainConfig.resolve(
-            profile="exact", partitions=str(parts), clients=3, stages=2, rounds=rounds, hidden=16, seed=1
-        )
+def _in_process(parts: Path, rounds: int = 3) -> dict:
+    """RUN in process. The engines agree (the simulation with the in-process run in
+    tests/test_flower_simulation.py, every message kind across them in tests/test_resume.py), so
+    a deployment is held to the in-process run: a simulation here would add a Ray start."""
+    cfg = TrainConfig.resolve(
+        profile="exact", partitions=str(parts), clients=3, stages=2, rounds=rounds, hidden=16, seed=1
     )
+    return train(cfg, RunRecorder(None, stream=None)).to_dict()
 
 
 def _run_and_wait_for_stage_1(fed, out: Path, extra: str = "") -> int:
@@ -159,16 +159,16 @@ def _worker(fed, party: int) -> tuple[int, Path]:
     return int(pid), Path(sock).parent
 
 
-def test_deployed_run_matches_simulation(federation):
+def test_deployed_run_matches_the_in_process_run(federation):
     fed, parts, tmp = federation
     out = tmp / "deployed"
     record = fed.run(f"clients=3 out-dir='{out}' {RUN}", timeout=240)  # a bound, not a target
     assert record["status"] == "finished:completed"
     deployed = json.loads((out / "summary.json").read_text())
     assert deployed["engine"] == "flower"
-    simulated = _simulated(parts)
-    assert deployed["test_accuracy"] == pytest.approx(simulated["test_accuracy"], abs=0.005)
-    assert deployed["bytes_boundary"] == simulated["bytes_boundary"]
+    in_process = _in_process(parts)
+    assert deployed["test_accuracy"] == pytest.approx(in_process["test_accuracy"], abs=0.005)
+    assert deployed["bytes_boundary"] == in_process["bytes_boundary"]
     for party in range(3):  # every message went to the node worker, none answered by itself
         assert _worker(fed, party)[0] > 0
 
@@ -226,12 +226,7 @@ def test_plain_flower_supernode_still_works_beside_retexo_supernodes(data_root, 
         fed.stop_all()
     assert record["status"] == "finished:completed"
     deployed = json.loads((out / "summary.json").read_text())
-    # In process, not in Ray: the engines agree (tested above and in tests/test_resume.py), and
-    # a second simulation would add half a minute to the slowest test of the suite.
-    cfg = TrainConfig.resolve(
-        profile="exact", partitions=str(parts), clients=3, stages=2, rounds=1, hidden=16, seed=1
-    )
-    in_process = train(cfg, RunRecorder(None, stream=None))
+    in_process = _in_process(parts, rounds=1)
     assert deployed["test_accuracy"] == pytest.approx(in_process["test_accuracy"], abs=0.005)
     assert deployed["bytes_boundary"] == in_process["bytes_boundary"]
     assert "node worker" not in (fed.work / "supernode-2.log").read_text()

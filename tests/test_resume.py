@@ -8,6 +8,7 @@ dies there while its clients keep their node-local state on disk.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -113,18 +114,19 @@ CODECS = {
 }
 
 
-class ServerDied(Exception):
-    """The server process ended here."""
-
-
 class NodesOnDisk(InProcessTransport):
     """Clients as deployed nodes run them: each message builds the client afresh, restores it from
-    its node-local folder, answers, and saves what changed. ``die_after`` handled messages (a
-    count over the whole run), the server dies: the reply it was waiting for never arrives."""
+    its node-local folder, answers, and saves what changed.
 
-    def __init__(self, parts, cfg: TrainConfig, folders, die_after: int | None = None) -> None:
+    ``snapshots`` given, the whole run folder (every node's folder and the server's checkpoint)
+    is copied to ``snapshots/<k>`` before the k-th message of the run is handled: exactly what a
+    server that died there, waiting for that reply, leaves on disk. Resuming from each copy is a
+    server killed at each message, without running the run up to it again for each."""
+
+    def __init__(self, parts, cfg: TrainConfig, run, snapshots=None) -> None:
         super().__init__([])
-        self.parts, self.cfg, self.folders, self.die_after = parts, cfg, folders, die_after
+        self.parts, self.cfg, self.run, self.snapshots = parts, cfg, run, snapshots
+        self.folders = [run / f"node-{i}" for i in range(len(parts))]
         self.handled = 0
 
     def connect(self, count: int) -> list[int]:
@@ -133,8 +135,8 @@ class NodesOnDisk(InProcessTransport):
     def send(self, kind: str, requests: dict[int, Records], phase: str, stage: int) -> Batch:
         replies = {}
         for address, request in requests.items():
-            if self.handled == self.die_after:
-                raise ServerDied(f"before {phase}, client {address}")
+            if self.snapshots is not None:
+                shutil.copytree(self.run, self.snapshots / str(self.handled))
             client = LazyClient(self.parts[address], self.cfg)
             client.restore(self.folders[address])
             reply = handle(client, kind, request)
@@ -145,20 +147,22 @@ class NodesOnDisk(InProcessTransport):
         return Batch(replies)
 
 
-def _run_on_disk(parts, cfg: TrainConfig, run, die_after: int | None) -> tuple[dict | None, int]:
-    folders = [run / f"node-{i}" for i in range(len(parts))]
+def _run_on_disk(parts, cfg: TrainConfig, run, snapshots=None) -> tuple[dict, int]:
+    """A whole run with its nodes on disk; its summary and the messages it handled."""
+    run.mkdir(parents=True)
+    transport = NodesOnDisk(parts, cfg, run, snapshots)
     store = FileCheckpoints(str(run / "server"))
-    transport = NodesOnDisk(parts, cfg, folders, die_after)
-    try:
-        summary = LazyStageMachine(transport, cfg, RunRecorder(None, stream=None), store).run()
-        return summary, transport.handled
-    except ServerDied:
-        pass
+    summary = LazyStageMachine(transport, cfg, RunRecorder(None, stream=None), store).run()
+    return summary, transport.handled
+
+
+def _resume_on_disk(parts, cfg: TrainConfig, run) -> dict | None:
+    """A new server process resuming from what ``run`` holds (``None``: no checkpoint yet)."""
+    store = FileCheckpoints(str(run / "server"))
     if not store.path.exists():  # died before its first checkpoint: a new run, not a resume
-        return None, transport.handled
-    again = NodesOnDisk(parts, cfg, folders)  # a new server process; the nodes kept their folders
-    resumed = LazyStageMachine(again, cfg, RunRecorder(None, stream=None), store).run(resume=True)
-    return resumed, transport.handled
+        return None
+    again = NodesOnDisk(parts, cfg, run)  # the nodes kept their folders
+    return LazyStageMachine(again, cfg, RunRecorder(None, stream=None), store).run(resume=True)
 
 
 @pytest.mark.slow
@@ -168,8 +172,8 @@ def test_a_server_killed_at_any_phase_boundary_resumes_bit_for_bit(tmp_path, cod
     apply_split(data, "random:0.3,0.2,0.5", seed=1)
     parts = partition_graph(data, 3, "random", seed=0)
     cfg = TrainConfig.resolve(**EVERY_BOUNDARY, **CODECS[codec])
-    whole, messages = _run_on_disk(parts, cfg, tmp_path / "whole", None)
-    assert whole is not None
+    snapshots = tmp_path / "died-after"
+    whole, messages = _run_on_disk(parts, cfg, tmp_path / "whole", snapshots)
     # Per client: key setup and setup, each stage's train rounds (and unmask messages) and last
     # validation, the test of the stage's kept model, and the exchange (or, at the pass's end, the
     # relabelling) between the stages. The default self-training pass runs every stage twice.
@@ -177,13 +181,13 @@ def test_a_server_killed_at_any_phase_boundary_resumes_bit_for_bit(tmp_path, cod
     runs = cfg.total_stages
     assert runs == 2 * cfg.stages
     assert messages == 3 * (2 + runs * (2 * per_round + 1) + (runs - 1) + runs)
+    assert sorted(int(p.name) for p in snapshots.iterdir()) == list(range(messages))
     # It can fail: a server that asks for a stage's last validation or its exchange again, once
     # clients moved on, finds them a stage ahead; a round sent again whose deliveries were opened
     # before is refused as a replay; one that died in the test has no weights to test.
     resumed = 0
     for die_after in range(messages):
-        run = tmp_path / f"died-after-{die_after}"
-        summary, _ = _run_on_disk(parts, cfg, run, die_after)
+        summary = _resume_on_disk(parts, cfg, snapshots / str(die_after))
         if summary is None:
             assert die_after < 6  # only before setup's checkpoint is there nothing to resume
             continue

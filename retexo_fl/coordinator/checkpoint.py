@@ -42,6 +42,10 @@ class RoundState:
             server goes straight on to the exchange (clients may have moved on already).
         keep (bool): the view clients hold is the stage's best so far: the next message tells them
             to keep it (:data:`~retexo_fl.protocol.KEEP`).
+        recipients (list[int], optional): the clients the last round went to (a lazy stage's
+            rounds leave out those with neither training nor validation nodes).
+        undelivered (dict[int, dict[str, bytes]], optional): the stage's relayed frames for the
+            clients its rounds left out, delivered with the stage's test.
     """
 
     round: int
@@ -57,6 +61,8 @@ class RoundState:
     sent: int = 0
     finished: bool = False
     keep: bool = False
+    recipients: list[int] | None = None
+    undelivered: dict[int, dict[str, bytes]] | None = None
 
 
 @dataclass
@@ -85,6 +91,9 @@ class Checkpoint:
         boundary_releases (int): boundary row releases so far (``boundary-noise`` accounting).
         missing_payloads (dict): payloads clients reported missing so far, by stage and pair.
         messages (dict): messages sent so far, by message type (before this run's resume).
+        messages_per_stage (dict): the same by stage, then message type.
+        training_nodes (dict[int, int]): training nodes of clients whose count self-training
+            changed (a lazy stage's rounds go to the clients that train or validate).
         kept (StateDict, optional): the last finished stage's kept weights (after the last stage:
             what the test evaluates).
         pass_weights (dict[int, StateDict]): kept weights by layer of the stages that a later
@@ -115,6 +124,8 @@ class Checkpoint:
     boundary_releases: int = 0
     missing_payloads: dict[str, dict[str, int]] = field(default_factory=dict)
     messages: dict[str, int] = field(default_factory=dict)
+    messages_per_stage: dict[str, dict[str, int]] = field(default_factory=dict)
+    training_nodes: dict[int, int] = field(default_factory=dict)
     kept: StateDict | None = None
     pass_weights: dict[int, StateDict] = field(default_factory=dict)
     passes: list[dict[str, Any]] = field(default_factory=list)

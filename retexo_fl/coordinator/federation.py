@@ -83,6 +83,13 @@ class FederationView:
         self.bytes_boundary = 0  # relayed frames (degrees and boundary rows), headers included
         # message type ("train", "evaluate", "unmask", ...) -> messages sent, one per client each
         self.messages: dict[str, int] = {}
+        # stage -> message type -> messages sent in it (setup's under "-1")
+        self.messages_per_stage: dict[str, dict[str, int]] = {}
+        # Training nodes of clients whose count changed since setup (self-training's relabelling).
+        self.training_nodes: dict[int, int] = {}
+        # Clients that hold no copy of the state a stage ends with (they took no part in its
+        # rounds): evaluate and embed send it to them whole instead of by digest.
+        self.unheld: set[int] = set()
 
     @property
     def pids(self) -> list[int]:
@@ -124,6 +131,18 @@ class FederationView:
             records[P.PAYLOADS] = payloads
         return records
 
+    def trains(self, pid: int) -> bool:
+        """Whether client ``pid`` holds training nodes (given labels, or self-training's)."""
+        if pid in self.training_nodes:
+            return self.training_nodes[pid] > 0
+        counts = self.counts.get(pid)
+        return counts is None or counts.counts.get("train", 1) > 0  # unknown: assume it does
+
+    def validates(self, pid: int) -> bool:
+        """Whether client ``pid`` holds validation nodes."""
+        counts = self.counts.get(pid)
+        return counts is None or counts.counts.get("val", 1) > 0
+
     def send_to(
         self, kind: str, requests: dict[int, Records], phase: str, stage: int = -1
     ) -> dict[int, Records]:
@@ -134,6 +153,8 @@ class FederationView:
         """
         name = kind.rsplit(".", 1)[-1]
         self.messages[name] = self.messages.get(name, 0) + len(requests)
+        per_stage = self.messages_per_stage.setdefault(str(stage), {})
+        per_stage[name] = per_stage.get(name, 0) + len(requests)
         batch = self.transport.send(kind, requests, phase, stage)
         for address in requests:
             if address in batch.failures:
@@ -191,18 +212,21 @@ class FederationView:
         so the state goes by its digest (:data:`~retexo_fl.protocol.HELD`, 16 bytes) instead of
         whole; a client that holds no such state (a node restarted without its folder) answers
         :data:`~retexo_fl.protocol.NOT_HELD` and is sent the state whole. Messages that carry
-        ``payloads`` always carry the state whole: their frames are opened once.
+        ``payloads`` always carry the state whole: their frames are opened once. So do messages to
+        the clients in :attr:`unheld` (no part in the stage's rounds), which hold it from then on.
         """
-        held = self.cfg.broadcast_bits < 32 and payloads is None
+        held = self.cfg.broadcast_bits < 32
         named = {P.HELD: state_digest(state)} if held else {}
 
         def request(pid: int, whole: bool) -> Records:
             frames = payloads.get(pid) if payloads else None
-            if whole:
+            if whole or frames or pid in self.unheld:
                 return self.content(state, frames, **config)
             return self.content(None, frames, **config, **named)
 
-        replies = self.send(kind, {pid: request(pid, not held) for pid in self.pids}, phase, stage)
+        requests = {pid: request(pid, not held) for pid in self.pids}
+        replies = self.send(kind, requests, phase, stage)
+        self.unheld -= set(replies)  # a state received whole is held from then on
         again = [pid for pid, r in replies.items() if P.NOT_HELD in r.get(P.METRICS, {})]
         if again:
             self.rec.event("state-resent", stage=stage, message=kind, clients=again)
@@ -321,9 +345,15 @@ class FederationView:
 
     # -- updates and evaluation -------------------------------------------------------------
     def updates(
-        self, replies: list[Records], base: StateDict, codec: UpdateCodec, tracker: StageTracker, down: int
+        self,
+        pids: list[int],
+        replies: list[Records],
+        base: StateDict,
+        codec: UpdateCodec,
+        tracker: StageTracker,
+        down: int,
     ) -> tuple[list[StateDict], int]:
-        """Clients' new states from their train replies (in :attr:`pids` order), counting model bytes.
+        """Clients' new states from their train replies (``pids``' in order), counting model bytes.
 
         Compressed updates are decoded against ``base``, what the clients trained from; ``down``
         is the broadcast's bytes per client.
@@ -335,7 +365,7 @@ class FederationView:
             ClientFailure: an update is malformed, naming its sender, before it touches the model.
         """
         states, raw = [], 0
-        for pid, reply in zip(self.pids, replies, strict=True):
+        for pid, reply in zip(pids, replies, strict=True):
             try:
                 if P.UPDATE in reply:
                     frames = {k: bytes(v) for k, v in reply[P.UPDATE].items()}
@@ -360,6 +390,7 @@ class FederationView:
         stage: int,
         deliveries: dict[int, Frames] | None = None,
         model: ModelBroadcast | None = None,
+        pids: list[int] | None = None,
         **config: Any,
     ) -> dict[int, EvalResult]:
         """Every live client's evaluation of ``state`` on ``split``, by partition id.
@@ -373,6 +404,8 @@ class FederationView:
             model (ModelBroadcast, optional): ``state`` is this broadcast's prepared view: send
                 its delta frames (a stage's last validation; ``config`` then names the round).
                 (default: :obj:`None`)
+            pids (list[int], optional): with ``model``, the clients to ask (those that took part
+                in the stage's rounds). (default: every live client)
             **config: further :data:`~retexo_fl.protocol.CONFIG` entries (``round``, ``keep``).
 
         Returns:
@@ -384,9 +417,11 @@ class FederationView:
         if self.secure is not None:  # the clients mask their figures: the server learns the sum only
             config.update(self.secure.evaluation_config(self, self.pids))
         if model is not None and model.frames is not None:
+            # Only the clients that took part in the rounds hold the view the delta applies to.
+            to = self.pids if pids is None else [p for p in self.pids if p in set(pids)]
             requests = {
                 pid: self.content(None, deliveries.get(pid) if deliveries else None, model=model, **config)
-                for pid in self.pids
+                for pid in to
             }
             replies = self.send(P.EVALUATE, requests, phase, stage)
         else:
@@ -421,6 +456,7 @@ class FederationView:
             "lost_clients": self.members.lost,
             "missing_payloads": self.missing_payloads,
             "messages": dict(self.messages),
+            "messages_per_stage": {k: dict(v) for k, v in self.messages_per_stage.items()},
             "boundary_privacy": self.boundary_privacy(),
             "privacy": self.privacy.spent() if self.privacy else None,
             "secure_aggregation": self.secure.summary() if self.secure else None,

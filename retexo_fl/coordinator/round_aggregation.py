@@ -2,6 +2,7 @@
 
 The loop owns the transport; an aggregation never sends. A round runs its hooks in this order::
 
+    select()             -> who the round's train message goes to: who trains, who only validates
     configure()          -> config entries of the round's train message
     decorate(requests)   -> records added to the train requests (their extra bytes)
     collect(replies)     -> the replies read: validation sums, raw bytes; or an Exchange
@@ -75,6 +76,24 @@ class FedAvgRound:
         self.pids: list[int] = []
         self.metrics: list[dict[str, Any]] = []
         self.states: list[StateDict] = []
+        self.validate_only: set[int] = set()
+
+    def select(self) -> tuple[list[int], list[int]]:
+        """The round's recipients: the clients that train, and those that only validate.
+
+        A lazy stage's rounds go to the clients that hold training or validation nodes; a client
+        with validation nodes only validates (:data:`~retexo_fl.protocol.VALIDATE_ONLY`) and sends
+        no update. A client with neither is sent nothing until the stage's test: at one node per
+        client, most clients. Every live client takes part in an eager run's rounds (its halo
+        rows refresh every round), in a local run's and under DP-FedAvg, whose weights and noise
+        are per participant.
+        """
+        fed = self.fed
+        if fed.cfg.mode != "lazy" or fed.privacy is not None:
+            return fed.pids, []
+        train = [p for p in fed.pids if fed.trains(p)]
+        self.validate_only = {p for p in fed.pids if not fed.trains(p) and fed.validates(p)}
+        return train, sorted(self.validate_only)
 
     def configure(self) -> dict[str, Any]:
         """Config entries this aggregation adds to the round's train message."""
@@ -93,12 +112,15 @@ class FedAvgRound:
         Raises:
             ClientFailure: a reply is malformed, naming its sender, before it touches the model.
         """
-        self.pids = list(replies)
+        self.pids = [p for p in replies if p not in self.validate_only]
         ordered = [replies[p] for p in self.pids]
         self.metrics = [m[P.METRICS] for m in ordered]
         codec = UpdateCodec(self.fed.cfg.update_bits, self.fed.cfg.range_dtype)
-        self.states, self.raw = self.fed.updates(ordered, self.rs.view, codec, self.rs.tracker, down)
-        self.val = sum_val(self.metrics)
+        self.states, self.raw = self.fed.updates(
+            self.pids, ordered, self.rs.view, codec, self.rs.tracker, down
+        )
+        self.rs.tracker.model_bytes += down * (len(replies) - len(self.pids))  # validators' broadcast
+        self.val = sum_val([m[P.METRICS] for m in replies.values()])
         return None
 
     def resume(self, answers: dict[int, Records]) -> Exchange | None:
@@ -133,6 +155,10 @@ class ScaffoldRound(FedAvgRound):
             request.update(control.records())
         self.extra_down, self.extra_raw = control.nbytes(), control.raw_nbytes()
 
+    def select(self) -> tuple[list[int], list[int]]:
+        """Every live client: each holds a control variate that advances every round."""
+        return self.fed.pids, []
+
     def aggregate(self) -> tuple[StateDict, float]:
         control = self.rs.control
         assert control is not None
@@ -153,6 +179,11 @@ class SecureRound(FedAvgRound):
         self.members = self.secure.members(stage, fed.pids)  # the round's masking set
         self.pending: PendingUnmask | None = None
         self.result: tuple[StateDict, float] | None = None
+
+    def select(self) -> tuple[list[int], list[int]]:
+        """Every live client: the masking set is fixed per stage, and who holds training nodes
+        is what the sums are not to reveal round by round."""
+        return self.fed.pids, []
 
     def configure(self) -> dict[str, Any]:
         return self.secure.round_config(self.fed, self.stage, self.members)

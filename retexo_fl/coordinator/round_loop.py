@@ -69,12 +69,16 @@ class StageResult:
         figures (dict): the stage's figures (rounds run, best round, bytes, history, seconds).
         local_steps (list[list[int]]): per round, each client's local steps (refreshing runs).
         stats (ExchangeStats): the compression figures of frames sent during the rounds.
+        undelivered (dict[int, Frames]): relayed frames for the clients the rounds left out (a
+            lazy stage's clients with neither training nor validation nodes), to go with the
+            stage's next message to them.
     """
 
     best_state: StateDict
     figures: dict[str, Any]
     local_steps: list[list[int]] = field(default_factory=list)
     stats: ExchangeStats = field(default_factory=ExchangeStats)
+    undelivered: dict[int, Frames] = field(default_factory=dict)
 
 
 class RoundLoop:
@@ -141,6 +145,7 @@ class RoundLoop:
         result.figures["rounds_sent"] = rs.sent
         assert rs.tracker.best_state is not None  # every path above records a round
         result.best_state = rs.tracker.best_state
+        result.undelivered = getattr(rs, "undelivered", None) or {}  # older checkpoints lack it
         return result
 
     def _rounds(
@@ -161,6 +166,7 @@ class RoundLoop:
         for r in range(rs.round + 1, rounds + 1):
             rs.sent = r
             aggregation = round_aggregation(fed, rs, stage, r, label)
+            trainers, validators = aggregation.select()
             config = {P.STAGE: stage, P.ROUND: r, P.VALIDATE: r > 1, **self._keep(rs)}
             config.update(aggregation.configure())
             requests = {
@@ -170,14 +176,20 @@ class RoundLoop:
                     model=rs.broadcast,
                     by_digest=True,
                     **config,
+                    **({P.VALIDATE_ONLY: True} if pid in validators else {}),
                 )
-                for pid in fed.pids
+                for pid in sorted(trainers + validators)
             }
+            rs.recipients = sorted(requests)
+            fed.unheld = set(fed.pids) - set(requests)  # they will be sent the stage's state whole
+            if pending and not refresh:
+                # Frames for clients the rounds leave out go with the stage's test (see run).
+                rs.undelivered = {p: f for p, f in pending.items() if p not in requests}
             pending = None
             aggregation.decorate(requests)
             replies = fed.send(P.TRAIN, requests, f"{label} round {r}", stage)
-            pids = fed.pids  # without any client lost in this round
-            ordered = {pid: replies[pid] for pid in pids}
+            # The round's recipients, without any client lost in this round.
+            ordered = {pid: replies[pid] for pid in fed.pids if pid in requests}
             # Counted before the stop check: a round whose replies end the stage was still sent.
             down = rs.broadcast.nbytes() + aggregation.extra_down
             exchange = aggregation.collect(ordered, down)
@@ -210,7 +222,8 @@ class RoundLoop:
         else:  # the last state still needs its validation (eager: with the last round's halo rows)
             # It goes as the next broadcast delta, so that clients hold it too (embed, test).
             extra = {P.ROUND: rounds + 1, **self._keep(rs)}
-            val = total(fed.evaluate(rs.view, "val", stage, pending, model=rs.broadcast, **extra))
+            asked = getattr(rs, "recipients", None)  # older checkpoints lack it: every client
+            val = total(fed.evaluate(rs.view, "val", stage, pending, model=rs.broadcast, pids=asked, **extra))
             self._record(rs, rounds, (val.correct, val.count, val.loss_sum), refresh)
 
     def _keep(self, rs: RoundState) -> dict[str, bool]:

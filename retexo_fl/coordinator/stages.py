@@ -80,7 +80,7 @@ class LazyStageMachine:
         last = cfg.total_stages - 1
         state: StateDict = ck.kept or {}  # resumed after the last stage: the test is all that is left
         for stage in range(ck.stage, last + 1):
-            state, figures = self._train_stage(stage, ck)
+            state, figures, undelivered = self._train_stage(stage, ck)
             if cfg.pass_init == "warm" and stage + cfg.stages <= last:
                 ck.pass_weights[cfg.layer(stage)] = state  # the next pass's same layer starts here
             self.model_bytes_done += figures["bytes_model"]
@@ -90,7 +90,7 @@ class LazyStageMachine:
                 # state goes by digest where clients hold it); the run delivers the stage with
                 # the best validation accuracy (see _kept). Saved at once: a server resumed after
                 # the clients embedded or relabelled must not test again, as they have moved on.
-                ck.passes.append(self._stage_result(state, stage, figures["val_accuracy"]))
+                ck.passes.append(self._stage_result(state, stage, figures["val_accuracy"], undelivered))
                 self._save(ck)
             if stage < last:
                 # Clients embed, or after a pass's last stage label their own nodes (nothing to relay).
@@ -144,8 +144,11 @@ class LazyStageMachine:
             federation=fed.summary(),
         )
 
-    def _train_stage(self, stage: int, ck: Checkpoint) -> tuple[StateDict, dict[str, Any]]:
-        """The stage's rounds, from its initial weights or from the checkpoint's round."""
+    def _train_stage(
+        self, stage: int, ck: Checkpoint
+    ) -> tuple[StateDict, dict[str, Any], dict[int, Frames]]:
+        """The stage's rounds, from its initial weights or from the checkpoint's round: the kept
+        state, the stage's figures, and the relayed frames of clients its rounds left out."""
         cfg, fed = self.cfg, self.fed
         layer = cfg.layer(stage)
         rs = ck.round_state
@@ -174,11 +177,14 @@ class LazyStageMachine:
         )
         if self.on_stage is not None:
             self.on_stage(stage, result.best_state)
-        return result.best_state, result.figures
+        return result.best_state, result.figures, result.undelivered
 
-    def _stage_result(self, state: StateDict, stage: int, val: float) -> dict[str, Any]:
-        """The test of a stage's kept model (``state``), beside its validation accuracy."""
-        tests = self.fed.evaluate(state, "test", stage)
+    def _stage_result(
+        self, state: StateDict, stage: int, val: float, deliveries: dict[int, Frames] | None = None
+    ) -> dict[str, Any]:
+        """The test of a stage's kept model (``state``), beside its validation accuracy; with
+        ``deliveries``, the stage's relayed frames for clients its rounds left out."""
+        tests = self.fed.evaluate(state, "test", stage, deliveries or None)
         return {
             "pass": stage // self.cfg.stages,
             "stage": stage,
@@ -219,7 +225,9 @@ class LazyStageMachine:
         stats = ExchangeStats()
         fed.add_stats(stats, list(replies.values()))
         self.exchange_stats[stage] = stats
-        self.relabeled = sum(int(r[P.METRICS][P.NUM_EXAMPLES]) for r in replies.values() if P.METRICS in r)
+        relabeled = {pid: int(r[P.METRICS][P.NUM_EXAMPLES]) for pid, r in replies.items() if P.METRICS in r}
+        fed.training_nodes.update(relabeled)  # the next pass's rounds go to who trains now
+        self.relabeled = sum(relabeled.values())
         before = fed.bytes_boundary
         incoming = fed.route({pid: r.get(P.PAYLOADS, {}) for pid, r in replies.items()}, P.HALO)
         self.rec.event("exchange", stage=stage, bytes=fed.bytes_boundary - before, **exchange_figures(stats))
@@ -244,6 +252,8 @@ class LazyStageMachine:
         )
         ck.boundary_releases, ck.missing_payloads = fed.boundary_releases, fed.missing_payloads
         ck.messages = dict(fed.messages)
+        ck.messages_per_stage = {k: dict(v) for k, v in fed.messages_per_stage.items()}
+        ck.training_nodes = dict(fed.training_nodes)
         ck.secure = fed.secure
         self.store.save(ck)
 
@@ -268,6 +278,12 @@ class LazyStageMachine:
         for name, n in fed.messages.items():  # sent since this server started (hello, setup)
             resumed[name] = resumed.get(name, 0) + n
         fed.messages = resumed
+        per_stage = {k: dict(v) for k, v in getattr(ck, "messages_per_stage", {}).items()}
+        for stage, counts in fed.messages_per_stage.items():
+            for name, n in counts.items():
+                per_stage.setdefault(stage, {})[name] = per_stage.get(stage, {}).get(name, 0) + n
+        fed.messages_per_stage = per_stage
+        fed.training_nodes = dict(getattr(ck, "training_nodes", {}))
         if ck.secure is not None:
             fed.secure = ck.secure
         self.model_bytes_done, self.exchange_stats = ck.model_bytes_done, ck.exchange_stats

@@ -19,7 +19,7 @@ from retexo_fl.party.client import Client
 from retexo_fl.party.lazy_client import LazyClient
 from retexo_fl.protocol import Records
 from retexo_fl.records import EvalResult, StateDict
-from retexo_fl.secure.keys import KeyMaterialError, parse_public
+from retexo_fl.secure.keys import KeyMaterialError, parse_public_map
 
 
 @dataclass
@@ -78,6 +78,10 @@ def _add_payloads(records: Records, sent: tuple[dict[int, bytes], dict] | None) 
 def _hex_map(text: object, what: str, where: str) -> dict[int, bytes]:
     values = P.json_field(text, what, where, dict)
     try:
+        width = len(next(iter(values.values()), ""))
+        if width and all(isinstance(v, str) and len(v) == width for v in values.values()):
+            raw, size = bytes.fromhex("".join(values.values())), width // 2  # one decode for all
+            return {int(q): raw[i * size : (i + 1) * size] for i, q in enumerate(values)}
         return {int(q): bytes.fromhex(v) for q, v in values.items()}
     except (ValueError, TypeError, AttributeError):
         raise KeyMaterialError(
@@ -94,7 +98,7 @@ def setup(client: Client, request: Records) -> Reply:
     if client.cfg.encrypt:
         keys = P.json_field(config[P.KEYS], P.KEYS, where, dict)
         try:
-            directory = {int(q): parse_public(k, f"key directory, client {q}") for q, k in keys.items()}
+            directory = parse_public_map(keys, "key directory")
         except (TypeError, ValueError) as exc:
             raise KeyMaterialError(f"{where}: the setup message's {P.KEYS}: {exc}") from None
         contributions = _hex_map(config.get(P.CONTRIBUTIONS, "{}"), "transcript contributions", where)
@@ -132,6 +136,18 @@ def train(client: Client, request: Records) -> Reply:
     round_ = int(config[P.ROUND])
     records: Records = {}
     secure = client.cfg.secure_aggregation
+    if config.get(P.VALIDATE_ONLY) and not secure and client.cfg.mode == "lazy":
+        # No training nodes: the round only validates; the view the broadcast advanced and the
+        # journal still change.
+        records[P.METRICS] = {
+            P.NUM_EXAMPLES: 0,
+            P.TRAIN_LOSS: 0.0,
+            P.VAL_CORRECT: val.correct,
+            P.VAL_COUNT: val.count,
+            P.VAL_LOSS: val.loss_sum,
+            P.LOCAL_STEPS: 0,
+        }
+        return Reply(records, journaled or delivered or client.cfg.broadcast_bits < 32)
     # Shares are sealed before this round's rows, so that their holders open them (at unmasking)
     # before the rows (with the next round): the channel accepts numbers in order only.
     prep = secure_reply.prepare(client, config, state) if secure else None
@@ -219,6 +235,9 @@ def evaluate(client: Client, request: Records) -> Reply:
         reply = _not_held()
         reply.changed = delivered
         return reply
+    # A state sent whole is held from then on, so that the stage's embed can name it by digest
+    # (a lazy client the stage's rounds left out is sent it whole with the test).
+    held = not decoded and P.ARRAYS in request and client.hold(state)
     split = str(config[P.SPLIT])
     if split not in EVALUATE_SPLITS:  # exact per-client counts of any other nodes: their labels
         raise ValueError(f"client {client.id}: evaluate serves the val and test splits only, not {split!r}")
@@ -232,7 +251,7 @@ def evaluate(client: Client, request: Records) -> Reply:
     sent = client.round_payloads(state, int(config[P.ROUND])) if config.get(P.REFRESH) else None
     _add_payloads(records, sent)  # eager: the rows of this state, for the peers' halos
     # Sealed rows changed the counters; a masked evaluation its counter and member sets.
-    return Reply(records, changed=delivered or decoded or bool(sent) or masked)
+    return Reply(records, changed=delivered or decoded or bool(sent) or masked or held)
 
 
 def embed(client: Client, request: Records) -> Reply:

@@ -104,6 +104,14 @@ class ModelExchange:
         self.view = codec.decode(frames, self.view, "server broadcast")
         return self.view
 
+    def hold(self, state: StateDict) -> bool:
+        """Keep ``state``, sent whole, when this client holds no view to keep (broadcast-bits <
+        32): later messages may then name it by digest. Returns whether it was kept."""
+        if self.cfg.broadcast_bits >= 32 or self.view is not None or self.kept is state:
+            return False
+        self.kept = state
+        return True
+
     def held_state(self, digest: str) -> StateDict | None:
         """The state this client holds whose :func:`~retexo_fl.records.state_digest` is
         ``digest`` (its view, or the one it kept), or ``None``: the server then sends it whole."""

@@ -82,7 +82,8 @@ def test_client_and_server_derive_the_same_control_variates(sbm, update_bits):
         requests = {c.id: {**fed.content(state, **{P.ROUND: r, P.VALIDATE: False}), P.CONTROL: server.control}
                     for c in clients}  # fmt: skip
         replies = {pid: handle(clients[pid], P.TRAIN, req).records for pid, req in requests.items()}
-        states, _ = fed.updates([replies[c.id] for c in clients], state, codec, StageTracker(0), 0)
+        ids = [c.id for c in clients]
+        states, _ = fed.updates(ids, [replies[i] for i in ids], state, codec, StageTracker(0), 0)
         server.step([c.id for c in clients], state, states, [3] * 3, [float(c.num_train) for c in clients])
         for c in clients:
             assert all(torch.allclose(c.control[k], server.clients[c.id][k], atol=1e-6) for k in state)

@@ -58,7 +58,7 @@ def _one_client() -> FederationView:
 )
 def test_bad_whole_state_updates(state, match):
     with pytest.raises(ClientFailure, match=match):
-        _one_client().updates([{P.ARRAYS: state}], STATE, UpdateCodec(32), StageTracker(0, 0), 0)
+        _one_client().updates([2], [{P.ARRAYS: state}], STATE, UpdateCodec(32), StageTracker(0, 0), 0)
 
 
 def test_bad_compressed_updates():
@@ -66,14 +66,14 @@ def test_bad_compressed_updates():
     good, _ = codec.encode({k: v + 1 for k, v in STATE.items()}, STATE, None)
     fed = _one_client()
     tracker = StageTracker(0, 0)
-    states, raw = fed.updates([{P.UPDATE: good}], STATE, codec, tracker, 10)
+    states, raw = fed.updates([2], [{P.UPDATE: good}], STATE, codec, tracker, 10)
     assert torch.allclose(states[0]["lin.bias"], torch.ones(4), atol=0.02)
     assert tracker.model_bytes == 10 + codec.nbytes(good) and raw == 2 * (12 + 4) * 4
     cut = {**good, "lin.bias": good["lin.bias"][:-3]}
     with pytest.raises(ClientFailure, match=r"client 2 \(lin.bias\).*bytes"):
-        fed.updates([{P.UPDATE: cut}], STATE, codec, StageTracker(0, 0), 0)
+        fed.updates([2], [{P.UPDATE: cut}], STATE, codec, StageTracker(0, 0), 0)
     with pytest.raises(ClientFailure, match="client 2: the reply carries no model"):
-        fed.updates([{}], STATE, codec, StageTracker(0, 0), 0)
+        fed.updates([2], [{}], STATE, codec, StageTracker(0, 0), 0)
 
 
 def test_route_relays_to_live_clients_and_counts_every_byte():

@@ -17,7 +17,8 @@ LAZY_KEYS = {
     "mode", "engine", "test_accuracy", "val_accuracy", "bytes_total", "bytes_boundary", "bytes_model",
     "stages", "wall_seconds", "config", "clients", "bytes_boundary_raw", "bytes_model_raw",
     "bit_histogram", "kept_stage", "kept_pass", "stage_results", "passes", "resumed", "lost_clients",
-    "missing_payloads", "messages", "messages_per_stage", "boundary_privacy", "privacy", "secure_aggregation",
+    "missing_payloads", "messages", "messages_per_stage", "bytes_per_client", "boundary_privacy",
+    "privacy", "secure_aggregation",
 }  # fmt: skip
 EAGER_EXTRA = {"bytes_halo_refresh", "local_steps"}
 

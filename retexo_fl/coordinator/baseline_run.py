@@ -105,5 +105,5 @@ class BaselineRun:
             ordered = [replies[pid] for pid in fed.pids]
             fed.add_stats(result.stats, ordered)
             outgoing = {pid: r[P.PAYLOADS] for pid, r in replies.items() if P.PAYLOADS in r}
-            deliveries = fed.route(outgoing, P.HALO) if outgoing else None
+            deliveries = fed.route(outgoing, P.HALO, 0) if outgoing else None
         return deliveries

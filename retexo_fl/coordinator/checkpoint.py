@@ -94,6 +94,7 @@ class Checkpoint:
         messages_per_stage (dict): the same by stage, then message type.
         training_nodes (dict[int, int]): training nodes of clients whose count self-training
             changed (a lazy stage's rounds go to the clients that train or validate).
+        client_bytes (dict): bytes per stage and client so far (boundary sent, received, model).
         kept (StateDict, optional): the last finished stage's kept weights (after the last stage:
             what the test evaluates).
         pass_weights (dict[int, StateDict]): kept weights by layer of the stages that a later
@@ -126,6 +127,7 @@ class Checkpoint:
     messages: dict[str, int] = field(default_factory=dict)
     messages_per_stage: dict[str, dict[str, int]] = field(default_factory=dict)
     training_nodes: dict[int, int] = field(default_factory=dict)
+    client_bytes: dict[int, dict[int, list[int]]] = field(default_factory=dict)
     kept: StateDict | None = None
     pass_weights: dict[int, StateDict] = field(default_factory=dict)
     passes: list[dict[str, Any]] = field(default_factory=list)

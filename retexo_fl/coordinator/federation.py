@@ -87,6 +87,9 @@ class FederationView:
         self.messages_per_stage: dict[str, dict[str, int]] = {}
         # Training nodes of clients whose count changed since setup (self-training's relabelling).
         self.training_nodes: dict[int, int] = {}
+        # stage -> client -> [boundary bytes sent, boundary bytes received, model bytes] (the
+        # exchange that ends a stage counts to it; setup's degree frames to stage -1)
+        self.client_bytes: dict[int, dict[int, list[int]]] = {}
         # Clients that hold no copy of the state a stage ends with (they took no part in its
         # rounds): evaluate and embed send it to them whole instead of by digest.
         self.unheld: set[int] = set()
@@ -312,9 +315,35 @@ class FederationView:
         return self.counts[min(self.counts)]
 
     # -- relaying ---------------------------------------------------------------------------
-    def route(self, outgoing: dict[int, Frames], kind: str) -> dict[int, Frames]:
+    def count_client_bytes(
+        self, stage: int, pid: int, sent: int = 0, received: int = 0, model: int = 0
+    ) -> None:
+        """Add to client ``pid``'s bytes of ``stage`` (see :meth:`bytes_per_client`)."""
+        row = self.client_bytes.setdefault(stage, {}).setdefault(pid, [0, 0, 0])
+        row[0] += sent
+        row[1] += received
+        row[2] += model
+
+    def bytes_per_client(self) -> dict[str, dict[str, dict[str, float]]]:
+        """Per stage, the distribution over clients of the boundary bytes each sent and received
+        and the model bytes each downloaded and uploaded in rounds: mean, median and max (at one
+        node per client, per-client rows would be thousands)."""
+        out: dict[str, dict[str, dict[str, float]]] = {}
+        for stage, rows in sorted(self.client_bytes.items()):
+            figures = {}
+            for i, name in enumerate(("boundary_sent", "boundary_received", "model")):
+                values = sorted(r[i] for r in rows.values())
+                figures[name] = {
+                    "mean": sum(values) / len(values),
+                    "median": float(values[len(values) // 2]),
+                    "max": float(values[-1]),
+                }
+            out[str(stage)] = figures
+        return out
+
+    def route(self, outgoing: dict[int, Frames], kind: str, stage: int = -1) -> dict[int, Frames]:
         """``{src: {to-q: blob}}`` -> ``{dst: {<kind>-from-src: blob}}`` for every live client,
-        counting the relayed bytes.
+        counting the relayed bytes (in total, and per client for ``stage``).
 
         Raises:
             ClientFailure: a client named a destination that is no client of this run.
@@ -330,6 +359,8 @@ class FederationView:
                     continue
                 incoming[dst][P.delivery_key(kind, src)] = bytes(blob)
                 self.bytes_boundary += len(blob)
+                self.count_client_bytes(stage, src, sent=len(blob))
+                self.count_client_bytes(stage, dst, received=len(blob))
         if kind == P.HALO and any(outgoing.values()):
             # One exchange releases each boundary row once (the same noisy row to every peer);
             # an eager round releases every conv layer's input row.
@@ -380,6 +411,7 @@ class FederationView:
             except ValueError as exc:  # PayloadError is a ValueError too
                 raise ClientFailure(str(exc)) from None
             tracker.model_bytes += down + up
+            self.count_client_bytes(tracker.stage, pid, model=down + up)
             raw += 2 * state_nbytes(base)
         return states, raw
 
@@ -457,6 +489,7 @@ class FederationView:
             "missing_payloads": self.missing_payloads,
             "messages": dict(self.messages),
             "messages_per_stage": {k: dict(v) for k, v in self.messages_per_stage.items()},
+            "bytes_per_client": self.bytes_per_client(),
             "boundary_privacy": self.boundary_privacy(),
             "privacy": self.privacy.spent() if self.privacy else None,
             "secure_aggregation": self.secure.summary() if self.secure else None,

@@ -119,7 +119,9 @@ class FedAvgRound:
         self.states, self.raw = self.fed.updates(
             self.pids, ordered, self.rs.view, codec, self.rs.tracker, down
         )
-        self.rs.tracker.model_bytes += down * (len(replies) - len(self.pids))  # validators' broadcast
+        for pid in self.validate_only & set(replies):  # the broadcast validators received
+            self.rs.tracker.model_bytes += down
+            self.fed.count_client_bytes(self.stage, pid, model=down)
         self.val = sum_val([m[P.METRICS] for m in replies.values()])
         return None
 

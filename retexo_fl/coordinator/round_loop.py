@@ -209,7 +209,7 @@ class RoundLoop:
                 result.local_steps.append([int(m[P.LOCAL_STEPS]) for m in metrics])
                 fed.add_stats(result.stats, list(ordered.values()))
                 outgoing = {pid: m[P.PAYLOADS] for pid, m in ordered.items() if P.PAYLOADS in m}
-                pending = fed.route(outgoing, P.HALO) if outgoing else None
+                pending = fed.route(outgoing, P.HALO, stage) if outgoing else None
             aggregate, rs.train_loss = aggregation.aggregate()
             rs.state = rs.server.step(aggregate)
             rs.view = rs.broadcast.prepare(rs.state, r + 1)

@@ -144,9 +144,7 @@ class LazyStageMachine:
             federation=fed.summary(),
         )
 
-    def _train_stage(
-        self, stage: int, ck: Checkpoint
-    ) -> tuple[StateDict, dict[str, Any], dict[int, Frames]]:
+    def _train_stage(self, stage: int, ck: Checkpoint) -> tuple[StateDict, dict[str, Any], dict[int, Frames]]:
         """The stage's rounds, from its initial weights or from the checkpoint's round: the kept
         state, the stage's figures, and the relayed frames of clients its rounds left out."""
         cfg, fed = self.cfg, self.fed
@@ -229,7 +227,7 @@ class LazyStageMachine:
         fed.training_nodes.update(relabeled)  # the next pass's rounds go to who trains now
         self.relabeled = sum(relabeled.values())
         before = fed.bytes_boundary
-        incoming = fed.route({pid: r.get(P.PAYLOADS, {}) for pid, r in replies.items()}, P.HALO)
+        incoming = fed.route({pid: r.get(P.PAYLOADS, {}) for pid, r in replies.items()}, P.HALO, stage)
         self.rec.event("exchange", stage=stage, bytes=fed.bytes_boundary - before, **exchange_figures(stats))
         return incoming
 
@@ -254,6 +252,7 @@ class LazyStageMachine:
         ck.messages = dict(fed.messages)
         ck.messages_per_stage = {k: dict(v) for k, v in fed.messages_per_stage.items()}
         ck.training_nodes = dict(fed.training_nodes)
+        ck.client_bytes = {s: {p: list(r) for p, r in rows.items()} for s, rows in fed.client_bytes.items()}
         ck.secure = fed.secure
         self.store.save(ck)
 
@@ -284,6 +283,10 @@ class LazyStageMachine:
                 per_stage.setdefault(stage, {})[name] = per_stage.get(stage, {}).get(name, 0) + n
         fed.messages_per_stage = per_stage
         fed.training_nodes = dict(getattr(ck, "training_nodes", {}))
+        before = getattr(ck, "client_bytes", {})  # what this server counted since (setup) is added
+        for stage, rows in before.items():
+            for pid, (sent, received, model) in rows.items():
+                fed.count_client_bytes(stage, pid, sent, received, model)
         if ck.secure is not None:
             fed.secure = ck.secure
         self.model_bytes_done, self.exchange_stats = ck.model_bytes_done, ck.exchange_stats

@@ -34,7 +34,7 @@ def build_stage_model(cfg: TrainConfig, stage: int, in_dim: int, num_classes: in
     """The stage-``stage`` model of a lazy run; its weights are a pure function of the seed and stage.
 
     A self-training pass repeats the stack: its layers are built as the first pass's are, from
-    fresh initial weights. Seeds torch's global generator (every engine does the same).
+    fresh initial weights. Seeds torch's global CPU generator (every engine does the same).
 
     Args:
         cfg (TrainConfig): the run configuration.
@@ -42,7 +42,10 @@ def build_stage_model(cfg: TrainConfig, stage: int, in_dim: int, num_classes: in
         in_dim (int): input width (:func:`stage_input_dim`).
         num_classes (int): number of classes.
     """
-    torch.manual_seed(derive_seed(cfg.seed, stage, STAGE_INIT_TAG))
+    # The CPU generator only (models are built on the CPU): torch.manual_seed would also queue the
+    # seed, with a formatted stack trace, for every accelerator not initialised, once per client
+    # and stage, and keep them all (thousands at one node per client).
+    torch.random.default_generator.manual_seed(derive_seed(cfg.seed, stage, STAGE_INIT_TAG))
     layer = cfg.layer(stage)
     return StageModel(
         "mlp" if layer == 0 and cfg.first_stage == "mlp" else cfg.model,

@@ -17,6 +17,7 @@ its own process, so each peak is its own. Writes JSON and prints a table::
 
     python bench/levels.py --out bench/results/levels.json
     python bench/levels.py --datasets Cora --levels node --seeds 0,1,2
+    python bench/levels.py --node-settings '{"self_training": 0}'   # node level, one pass
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def one(args: tuple[dict, str]) -> dict:
     settings = dict(LEVELS[job["level"]], dataset=job["dataset"], data_root=root, seed=job["seed"])
     if job["level"] == "node":
         settings["clients"] = NODES[job["dataset"]]
+        settings.update(job.get("node_settings", {}))
     if job.get("engine") == "simulation":
         from server.simulation import simulate
 
@@ -144,6 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--levels", default=",".join(LEVELS), help=f"of {', '.join(LEVELS)}")
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--simulation", action="store_true", help="also the node level in Flower simulation")
+    ap.add_argument(
+        "--node-settings",
+        default="{}",
+        help="JSON settings for the node level only, e.g. '{\"self_training\": 0}' (default: none)",
+    )
     ap.add_argument("--root", default=str(DEFAULT_ROOT))
     ap.add_argument("--workers", type=int, default=1, help="runs at once (1: timings undisturbed)")
     ap.add_argument("--out", default="bench/results/levels.json")
@@ -160,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
         for s in args.seeds.split(",")
         for level in levels
     ]
+    node_settings = json.loads(args.node_settings)
+    for j in jobs:
+        if j["level"] == "node" and node_settings:
+            j["node_settings"] = node_settings
     if args.simulation:
         jobs += [{**j, "engine": "simulation"} for j in jobs if j["level"] == "node"]
     root = private_planetoid(args.root, tuple(args.datasets.split(",")))

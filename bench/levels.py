@@ -80,14 +80,20 @@ def one(args: tuple[dict, str]) -> dict:
     per_client = summary.get("bytes_per_client") or {}
     boundary_mean, boundary_max = _stage_means(per_client, "boundary_received")
     model_mean, model_max = _stage_means(per_client, "model")
-    clients = int(cfg.clients) if cfg.mode not in ("centralized", "datacenter") else int(cfg.procs or 1)
+    rounds = sum(s.get("rounds_sent", s.get("rounds_run", 0)) for s in summary.get("stages", []))
+    clients = int(cfg.clients)
+    if cfg.mode in ("centralized", "datacenter"):  # epochs of full-batch training, one "stage"
+        rounds = int(cfg.rounds if isinstance(cfg.rounds, int) else cfg.rounds[0])
+        clients = int(cfg.procs) if cfg.mode == "datacenter" else 1
+    if cfg.mode == "datacenter":  # every process receives its share of the rows, every epoch
+        boundary_mean = boundary_max = (summary.get("bytes_total") or 0) / clients
     peak = peak_rss_mb()
     return {
         **job,
         "clients": clients,
         "test_accuracy": summary["test_accuracy"],
         "val_accuracy": summary.get("val_accuracy"),
-        "rounds_sent": sum(s.get("rounds_sent", s.get("rounds_run", 0)) for s in summary.get("stages", [])),
+        "rounds_sent": rounds,
         "bytes_total": summary.get("bytes_total"),
         "boundary_per_client_stage_mean": boundary_mean,
         "boundary_per_client_stage_max": boundary_max,

@@ -206,9 +206,10 @@ class FederationView:
         stage: int,
         config: dict[str, Any],
         payloads: dict[int, Frames] | None = None,
+        pids: list[int] | None = None,
     ) -> dict[int, Records]:
-        """``state`` to every live client with ``config`` (:data:`~retexo_fl.protocol.CONFIG`
-        entries); replies by partition id.
+        """``state`` to every live client (or the live ones of ``pids``) with ``config``
+        (:data:`~retexo_fl.protocol.CONFIG` entries); replies by partition id.
 
         With compressed broadcasts (``broadcast-bits`` < 32) clients hold the views they were
         broadcast, and the one the server named the stage's best (:data:`~retexo_fl.protocol.KEEP`),
@@ -227,7 +228,8 @@ class FederationView:
                 return self.content(state, frames, **config)
             return self.content(None, frames, **config, **named)
 
-        requests = {pid: request(pid, not held) for pid in self.pids}
+        to = self.pids if pids is None else [p for p in self.pids if p in set(pids)]
+        requests = {pid: request(pid, not held) for pid in to}
         replies = self.send(kind, requests, phase, stage)
         self.unheld -= set(replies)  # a state received whole is held from then on
         again = [pid for pid, r in replies.items() if P.NOT_HELD in r.get(P.METRICS, {})]
@@ -436,8 +438,8 @@ class FederationView:
             model (ModelBroadcast, optional): ``state`` is this broadcast's prepared view: send
                 its delta frames (a stage's last validation; ``config`` then names the round).
                 (default: :obj:`None`)
-            pids (list[int], optional): with ``model``, the clients to ask (those that took part
-                in the stage's rounds). (default: every live client)
+            pids (list[int], optional): the clients to ask (a stage's last validation: those that
+                took part in its rounds). (default: every live client)
             **config: further :data:`~retexo_fl.protocol.CONFIG` entries (``round``, ``keep``).
 
         Returns:
@@ -457,7 +459,7 @@ class FederationView:
             }
             replies = self.send(P.EVALUATE, requests, phase, stage)
         else:
-            replies = self.send_state(P.EVALUATE, state, phase, stage, config, deliveries)
+            replies = self.send_state(P.EVALUATE, state, phase, stage, config, deliveries, pids)
         if self.secure is not None:
             return {AGGREGATE: self.secure.sum_evaluation(config, replies, phase)}
         return {

@@ -73,6 +73,8 @@ def test_rounds_skip_clients_with_nothing_to_train_and_end_as_with_every_client(
     for stage in range(3):  # every client is still tested and (but the last stage) embeds
         tested = {a for kind, s, a, _ in transport.sent if kind == P.EVALUATE and s == stage}
         assert tested == set(range(60))
+        # The test to all 60, the stage's last validation only to the 30 that took part.
+        assert sum(kind == P.EVALUATE and s == stage for kind, s, *_ in transport.sent) == 90
     assert {a for kind, _, a, _ in transport.sent if kind == P.EMBED} == set(range(60))
     rounds = sum(s["rounds_sent"] for s in summary["stages"])
     assert summary["messages"]["train"] == rounds * 30

@@ -143,6 +143,11 @@ class TrainingSettings:
         "avg", "avg (FedAvg) or adam (FedAdam on the averaged update)"
     )
     server_lr: float | list[float] = setting(1.0, "the server optimizer's learning rate", per_stage=True)
+    fraction_train: float = setting(
+        1.0,
+        "lazy: the fraction of the clients with training nodes that train in a round, sampled "
+        "each round from the run's seed (Flower's fraction-train); the others only validate",
+    )
     weight_decay: float = setting(5e-4, "L2 weight decay")
     patience: int = setting(
         5, "early stopping: rounds without a validation gain before a stage stops (0: never)"
@@ -231,6 +236,14 @@ class TrainingSettings:
             raise ValueError(f"halo-gradients applies to eager mode, not {self.mode}")
         if self.threads < 0 or self.chunk_rows < 0:
             raise ValueError("threads and chunk-rows must be >= 0")
+        if not 0 < self.fraction_train <= 1:
+            raise ValueError(f"fraction-train must be in (0, 1], got {self.fraction_train}")
+        if self.fraction_train < 1 and (self.mode != "lazy" or self.drift_correction != "none"):
+            raise ValueError(
+                "fraction-train below 1 samples a lazy run's trainers: not eager or local runs (every "
+                "client refreshes its rows each round) nor drift-correction (every control variate "
+                f"advances each round); got mode {self.mode}, drift-correction {self.drift_correction}"
+            )
         if self.patience < 0 or self.min_rounds < 0 or self.warm_min_rounds < 0:
             raise ValueError(
                 "patience, min-rounds and warm-min-rounds must be >= 0, got "
@@ -529,6 +542,11 @@ class TrainConfig:
             raise ValueError(
                 "drift-correction scaffold trains federated modes (lazy, eager, local) without "
                 "dp-noise: control variates derived from clipped, noised updates are not supported"
+            )
+        if self.fraction_train < 1 and (self.dp_noise > 0 or self.secure_aggregation):
+            raise ValueError(
+                "fraction-train below 1 with dp-noise or secure-aggregation: DP's accounting and "
+                "secure aggregation's masking set take every client in every round"
             )
         if self.halo_gradients and self.boundary_noise > 0:
             raise ValueError(

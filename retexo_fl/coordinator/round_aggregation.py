@@ -18,6 +18,7 @@ sums only, and one more message, the unmasking, is an :class:`Exchange`).
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,10 @@ from retexo_fl.coordinator.privacy import aggregate_round
 from retexo_fl.coordinator.secure_aggregation import PendingUnmask
 from retexo_fl.protocol import Records
 from retexo_fl.records import StateDict
+from retexo_fl.seeding import derive_seed
+
+#: Seed tag of a round's sample of trainers (``fraction-train``).
+SAMPLE_TAG = 0x5A
 
 
 @dataclass
@@ -83,16 +88,26 @@ class FedAvgRound:
 
         A lazy stage's rounds go to the clients that hold training or validation nodes; a client
         with validation nodes only validates (:data:`~retexo_fl.protocol.VALIDATE_ONLY`) and sends
-        no update. A client with neither is sent nothing until the stage's test: at one node per
-        client, most clients. Every live client takes part in an eager run's rounds (its halo
-        rows refresh every round), in a local run's and under DP-FedAvg, whose weights and noise
-        are per participant.
+        no update. With ``fraction-train`` below 1, only a sample of the clients with training
+        nodes trains; the others only validate (they still receive the round's broadcast, from
+        which the next round's delta is taken). A client with neither is sent nothing until the
+        stage's test: at one node per client, most clients. Every live client takes part in an
+        eager run's rounds (its halo rows refresh every round), in a local run's and under
+        DP-FedAvg, whose weights and noise are per participant.
         """
-        fed = self.fed
-        if fed.cfg.mode != "lazy" or fed.privacy is not None:
+        fed, cfg = self.fed, self.fed.cfg
+        if cfg.mode != "lazy" or fed.privacy is not None:
             return fed.pids, []
         train = [p for p in fed.pids if fed.trains(p)]
         self.validate_only = {p for p in fed.pids if not fed.trains(p) and fed.validates(p)}
+        if cfg.fraction_train < 1 and train:
+            # Flower's convention: that fraction of the candidates, at least one. The sample is a
+            # function of the seed, stage and round, so a resumed server draws it again.
+            k = max(1, int(cfg.fraction_train * len(train)))
+            rng = random.Random(derive_seed(cfg.seed, self.stage, self.round, SAMPLE_TAG))
+            sampled = set(rng.sample(train, k))
+            self.validate_only |= set(train) - sampled
+            train = sorted(sampled)
         return train, sorted(self.validate_only)
 
     def configure(self) -> dict[str, Any]:

@@ -89,3 +89,27 @@ def test_rounds_skip_clients_with_nothing_to_train_and_end_as_with_every_client(
     assert summary["test_accuracy"] == everyone["test_accuracy"]
     assert summary["bytes_boundary"] == everyone["bytes_boundary"]
     assert summary["bytes_model"] < everyone["bytes_model"]  # no broadcast to who does not train
+
+
+def test_a_fraction_of_the_trainers_trains_each_round_sampled_from_the_seed(node_level):
+    """``fraction-train 0.5``: 9 of the 18 clients with a training node train each round, a sample
+    drawn again by a resumed server (a function of seed, stage and round); the others validate."""
+    summary, transport = _run(node_level, fraction_train=0.5)
+    train = [(s, a, v) for kind, s, a, v in transport.sent if kind == P.TRAIN]
+    trainers = {p.partition_id for p in node_level if int(p.train_mask.sum())}
+    per_stage_round = []
+    i = 0
+    for stage, figures in enumerate(summary["stages"]):
+        for _ in range(figures["rounds_sent"]):
+            batch = train[i : i + 30]  # every round still goes to the 30 that train or validate
+            i += 30
+            assert {s for s, _, _ in batch} == {stage}
+            sampled = {a for _, a, v in batch if not v}
+            assert len(sampled) == 9 and sampled <= trainers
+            per_stage_round.append(sampled)
+    assert i == len(train)
+    assert len({frozenset(s) for s in per_stage_round}) > 1, "a new sample each round"
+    again, t_again = _run(node_level, fraction_train=0.5)
+    assert [x for x in t_again.sent if x[0] == P.TRAIN] == [x for x in transport.sent if x[0] == P.TRAIN]
+    assert again["test_accuracy"] == summary["test_accuracy"]
+    assert math.isfinite(summary["test_accuracy"])

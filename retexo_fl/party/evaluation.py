@@ -24,12 +24,12 @@ class Evaluation:
     @torch.no_grad()
     def evaluate(self, state: StateDict, split: str) -> EvalResult:
         """``state``'s accuracy and summed loss on this client's ``split`` nodes."""
-        model = self.loaded_model(state)
-        model.eval()
         rows = self.split_rows(split)
         count = rows.numel()
-        if count == 0:
+        if count == 0:  # nothing to evaluate: the state is not even loaded (most clients at node level)
             return EvalResult(0, 0, 0.0)
+        model = self.loaded_model(state)
+        model.eval()
         logits = self.forward(model, rows)
         y = self.y.index_select(0, rows)
         loss = torch.nn.functional.cross_entropy(logits, y, reduction="sum")

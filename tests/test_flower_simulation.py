@@ -284,3 +284,29 @@ def test_virtual_nodes_reserve_a_share_of_the_gpus_when_the_device_may_be_one():
     assert gpus_for_clients(TrainConfig(clients=2, device="cuda"), gpus=4) == 1.0
     assert gpus_for_clients(TrainConfig(clients=4, device="cpu"), gpus=1) == 0.0
     assert gpus_for_clients(TrainConfig(clients=4, device="auto"), gpus=0) == 0.0
+
+
+@pytest.mark.slow
+def test_node_level_in_simulation_matches_in_process(tmp_path):
+    """One node per client, 40 clients, most of whom neither train nor validate: Flower's engine
+    sends the same messages (no train message to the latter) and ends with the same accuracy and
+    bytes as the in-process engine."""
+    cfg = TrainConfig.resolve(
+        dataset="sbm:40,3,6,0.85",
+        split="random:0.2,0.2,0.6",
+        clients=40,
+        method="node",
+        stages=3,
+        rounds=3,
+        patience=0,
+        self_training=0,
+        hidden=16,
+        seed=0,
+        out_dir=str(tmp_path / "sim"),
+    )
+    sim, ref = _both_engines(cfg)
+    assert sim["test_accuracy"] == pytest.approx(ref["test_accuracy"], abs=1e-9)
+    assert sim["bytes_boundary"] == ref["bytes_boundary"] > 0
+    assert sim["bytes_model"] == ref["bytes_model"]
+    assert sim["messages"] == ref["messages"]
+    assert sim["messages"]["train"] < 3 * 3 * 40  # rounds went only to who trains or validates

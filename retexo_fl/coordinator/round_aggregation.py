@@ -24,6 +24,7 @@ from typing import Any
 
 from retexo_fl import protocol as P
 from retexo_fl.compress.updates import UpdateCodec
+from retexo_fl.coordinator.aggregate import state_nbytes
 from retexo_fl.coordinator.checkpoint import RoundState
 from retexo_fl.coordinator.federation import FederationView
 from retexo_fl.coordinator.privacy import aggregate_round
@@ -136,6 +137,7 @@ class FedAvgRound:
         )
         for pid in self.validate_only & set(replies):  # the broadcast validators received
             self.rs.tracker.model_bytes += down
+            self.raw += state_nbytes(self.rs.view)  # float32 would have sent it whole
             self.fed.count_client_bytes(self.stage, pid, model=down)
         self.val = sum_val([m[P.METRICS] for m in replies.values()])
         return None

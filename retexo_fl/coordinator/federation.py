@@ -134,6 +134,13 @@ class FederationView:
             records[P.PAYLOADS] = payloads
         return records
 
+    def live(self, pids: list[int] | None = None) -> list[int]:
+        """The live clients among ``pids`` (``None``: every live client), in order."""
+        if pids is None:
+            return self.pids
+        wanted = set(pids)
+        return [p for p in self.pids if p in wanted]
+
     def trains(self, pid: int) -> bool:
         """Whether client ``pid`` holds training nodes (given labels, or self-training's)."""
         if pid in self.training_nodes:
@@ -228,7 +235,7 @@ class FederationView:
                 return self.content(state, frames, **config)
             return self.content(None, frames, **config, **named)
 
-        to = self.pids if pids is None else [p for p in self.pids if p in set(pids)]
+        to = self.live(pids)
         requests = {pid: request(pid, not held) for pid in to}
         replies = self.send(kind, requests, phase, stage)
         self.unheld -= set(replies)  # a state received whole is held from then on
@@ -333,8 +340,9 @@ class FederationView:
         out: dict[str, dict[str, dict[str, float]]] = {}
         for stage, rows in sorted(self.client_bytes.items()):
             figures = {}
+            clients = set(self.pids) | set(rows)  # a client that moved no bytes counts as 0
             for i, name in enumerate(("boundary_sent", "boundary_received", "model")):
-                values = sorted(r[i] for r in rows.values())
+                values = sorted(rows[p][i] if p in rows else 0 for p in clients)
                 figures[name] = {
                     "mean": sum(values) / len(values),
                     "median": float(values[len(values) // 2]),
@@ -452,7 +460,7 @@ class FederationView:
             config.update(self.secure.evaluation_config(self, self.pids))
         if model is not None and model.frames is not None:
             # Only the clients that took part in the rounds hold the view the delta applies to.
-            to = self.pids if pids is None else [p for p in self.pids if p in set(pids)]
+            to = self.live(pids)
             requests = {
                 pid: self.content(None, deliveries.get(pid) if deliveries else None, model=model, **config)
                 for pid in to

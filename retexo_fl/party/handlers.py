@@ -19,7 +19,7 @@ from retexo_fl.party.client import Client
 from retexo_fl.party.lazy_client import LazyClient
 from retexo_fl.protocol import Records
 from retexo_fl.records import EvalResult, StateDict
-from retexo_fl.secure.keys import KeyMaterialError, parse_public_map
+from retexo_fl.secure.keys import KeyMaterialError, parse_public
 
 
 @dataclass
@@ -78,10 +78,6 @@ def _add_payloads(records: Records, sent: tuple[dict[int, bytes], dict] | None) 
 def _hex_map(text: object, what: str, where: str) -> dict[int, bytes]:
     values = P.json_field(text, what, where, dict)
     try:
-        width = len(next(iter(values.values()), ""))
-        if width and all(isinstance(v, str) and len(v) == width for v in values.values()):
-            raw, size = bytes.fromhex("".join(values.values())), width // 2  # one decode for all
-            return {int(q): raw[i * size : (i + 1) * size] for i, q in enumerate(values)}
         return {int(q): bytes.fromhex(v) for q, v in values.items()}
     except (ValueError, TypeError, AttributeError):
         raise KeyMaterialError(
@@ -98,7 +94,7 @@ def setup(client: Client, request: Records) -> Reply:
     if client.cfg.encrypt:
         keys = P.json_field(config[P.KEYS], P.KEYS, where, dict)
         try:
-            directory = parse_public_map(keys, "key directory")
+            directory = {int(q): parse_public(k, f"key directory, client {q}") for q, k in keys.items()}
         except (TypeError, ValueError) as exc:
             raise KeyMaterialError(f"{where}: the setup message's {P.KEYS}: {exc}") from None
         contributions = _hex_map(config.get(P.CONTRIBUTIONS, "{}"), "transcript contributions", where)

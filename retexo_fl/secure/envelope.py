@@ -79,9 +79,8 @@ def transcript_hash(
     h = hashlib.sha256(b"retexo-fl transcript v2")
     h.update(struct.pack(">Q", run_id & (2**64 - 1)))
     h.update(struct.pack(">H", len(run_config)) + run_config)
-    # One update of the whole directory: the same digest as one per party, without a call each.
-    entries = [pid.to_bytes(4, "big") + directory[pid] + contributions[pid] for pid in sorted(directory)]
-    h.update(b"".join(entries))
+    for pid in sorted(directory):
+        h.update(struct.pack(">I", pid) + directory[pid] + contributions[pid])
     return h.digest()
 
 

@@ -132,35 +132,6 @@ def parse_public(value: str | bytes, where: str) -> bytes:
     return raw
 
 
-def parse_public_map(values: dict[str, str], where: str) -> dict[int, bytes]:
-    """``{client id: public key hex}`` as ``{int id: 32 bytes}``, or an error naming ``where``
-    and the first bad entry.
-
-    One hex decode of every key together: a key directory holds one key per client, and every
-    client reads the whole of it (at one node per client, thousands of keys).
-
-    Args:
-        values (dict[str, str]): the map as relayed (JSON object keys are strings).
-        where (str): names the map in errors.
-
-    Raises:
-        KeyMaterialError: an id is not an integer, or a key is not 32 bytes of hex.
-    """
-    try:
-        ids = [int(q) for q in values]
-    except (TypeError, ValueError):
-        raise KeyMaterialError(f"{where}: client ids must be integers") from None
-    keys = list(values.values())
-    width = 2 * KEY_BYTES
-    try:
-        if all(isinstance(k, str) and len(k) == width for k in keys):
-            raw = bytes.fromhex("".join(keys))
-            return {q: raw[i * KEY_BYTES : (i + 1) * KEY_BYTES] for i, q in enumerate(ids)}
-    except ValueError:
-        pass  # the entry-by-entry pass below names the bad one
-    return {q: parse_public(k, f"{where}, client {q}") for q, k in zip(ids, keys, strict=True)}
-
-
 def load_pins(path: str | os.PathLike[str]) -> dict[int, bytes]:
     """Read pinned keys: ``{"<client id>": "<public key hex>", ...}``, exchanged by the parties out of band.
 

@@ -209,7 +209,8 @@ def test_layered_weights_are_the_same_everywhere_and_follow_the_seed():
 def test_building_a_stage_model_formats_no_stack_trace(monkeypatch):
     """Every client builds its stage's model (thousands at one node per client). Seeding with
     torch.manual_seed queues the seed for every accelerator not initialised, formatting a stack
-    trace for each: about 1.5 ms a call, more than building a small model."""
+    trace for each: 0.13 ms a call measured alone (1.4 us for the CPU generator), once per client
+    and stage."""
     import traceback
 
     cfg = _cfg()

@@ -11,6 +11,8 @@ limit of its own, so that one that fails or hangs costs its own row and no other
   kernels' and the CUDA codec test), passed / failed.
 - ``codec``: the 8-bit row codec, encode + decode of a 1,000,000 x 64 float32 block, against a
   ``clone`` of it, on the GPU and on the host's CPU (compiled loops).
+- ``profile``: torch's profiler over five 8-bit encode + decode pairs of that block on the GPU:
+  the ops of most device time and of most host time.
 - ``cora``: Cora, 10 random clients, the defaults, in process, on each device: training seconds,
   rounds, test accuracy (Cora from ``--root``; skipped without it).
 - ``syncs``: the host synchronizations a short Cora run makes on the GPU, per client and round,
@@ -19,7 +21,8 @@ limit of its own, so that one that fails or hangs costs its own row and no other
   run of fixed rounds on each device: the partition size from which the GPU is faster, what
   ``--device auto`` is held to.
 - ``large``: a generated graph of 300,000 nodes and about 6M directed edges, 8 random clients,
-  the defaults, in process, on each device.
+  in process: 2 stages x 8 rounds on each device (a ratio in bounded time), the GPU side again
+  under cProfile (where its time goes), then the defaults on each device, the CPU last.
 - ``centralized``: the centralized GCN (2 x 256, 200 epochs) on the same graph on the GPU,
   against PyG's ``GCNConv`` on a cached CSR adjacency in the same process.
 - ``shared-gpu``: a deployed federation on 127.0.0.1 (``deploy/federation.py``: a SuperLink and
@@ -56,10 +59,11 @@ SECTIONS: dict[str, tuple[float, float]] = {
     "env": (60, 30),
     "tests": (120, 120),
     "codec": (60, 30),
+    "profile": (45, 30),
     "cora": (75, 60),
     "syncs": (60, 60),
     "crossover": (60, 60),
-    "large": (240, 60),
+    "large": (260, 90),
     "centralized": (60, 30),
     "shared-gpu": (110, 120),
 }
@@ -160,9 +164,11 @@ def section_codec(args: argparse.Namespace) -> None:
             os.environ[native.NATIVE_ENV] = switch
             path = "compiled" if switch == "1" and (native.usable(x) or quantize._fused(x)) else "torch ops"
             for bits in (8, 4):
-                quantize_rows(x, bits, generator=gen)  # warm-up (and the kernels' compilation)
-                enc, q = timed(lambda b=bits, x=x, g=gen: quantize_rows(x, b, generator=g), device, 5)
-                dec, _ = timed(lambda q=q: dequantize_rows(q), device, 5)
+                # Warm-up (and the kernels' compilation), then the median of 20: a pair takes
+                # under a millisecond on a GPU, where 5 runs gave medians 10x apart.
+                dequantize_rows(quantize_rows(x, bits, generator=gen))
+                enc, q = timed(lambda b=bits, x=x, g=gen: quantize_rows(x, b, generator=g), device, 20)
+                dec, _ = timed(lambda q=q: dequantize_rows(q), device, 20)
                 emit(
                     {
                         "section": "codec",
@@ -294,31 +300,95 @@ def section_crossover(args: argparse.Namespace) -> None:
             emit({"section": "crossover", "side": side, "nodes": nodes, **row})
 
 
+def _cprofile_top(fn, n: int = 18) -> tuple[object, list]:
+    """Run ``fn`` under cProfile; its result and the ``n`` functions of most own time."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    out = prof.runcall(fn)
+    stats = pstats.Stats(prof)
+    top = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:n]  # (cc, nc, tottime, cumtime, callers)
+    return out, [
+        [f"{Path(f).name}:{line}({name})", nc, round(tt, 3), round(ct, 3)]
+        for (f, line, name), (_cc, nc, tt, ct, _callers) in top
+    ]
+
+
 def section_large(args: argparse.Namespace) -> None:
+    """The 300,000-node graph: first a fixed number of rounds on each device (a ratio that ends
+    in bounded time), the GPU side once more under cProfile (where its time goes), then the
+    defaults on each device, the CPU last (the section's limit may cut it)."""
+    import copy
+
     from retexo_fl.config import TrainConfig
     from retexo_fl.data.partitioners import partition_graph
+    from retexo_fl.training.lazy import run_lazy
 
     nodes = 30_000 if args.quick else 300_000
     t0 = time.perf_counter()
     data = _generated(nodes, 20.0)
     parts = partition_graph(data, 8, "random", seed=0)
     made = time.perf_counter() - t0
+    edges = int(data.edge_index.shape[1])
+    label = f"{nodes} nodes, {edges} directed edges, 8 random"
+    fixed = TrainConfig(
+        clients=8, method="random", seed=0, stages=2, rounds=8, min_rounds=8, warm_min_rounds=0,
+        self_training=0,
+    )  # fmt: skip
+    for side, device in devices(args):
+        row = _lazy_on(parts, fixed, device, label + ", 2 stages x 8 rounds")
+        emit({"section": "large-fixed", "side": side, "nodes": nodes, "edges": edges, **row})
+    gpu = devices(args)[0][1]
+    cfg = dataclasses.replace(fixed, device=str(gpu))
+    t0 = time.perf_counter()
+    _, top = _cprofile_top(lambda: run_lazy(copy.deepcopy(parts), cfg, quiet()))
+    sync(gpu)
+    seconds = round(time.perf_counter() - t0, 2)
+    emit({"section": "large-profile", "device": str(gpu), "seconds": seconds, "top": top})
     cfg = TrainConfig(clients=8, method="random", seed=0)
     if args.quick:
         cfg = dataclasses.replace(cfg, rounds=4, min_rounds=0, warm_min_rounds=0, self_training=0)
-    edges = int(data.edge_index.shape[1])
     for side, device in devices(args):
-        row = _lazy_on(parts, cfg, device, f"{nodes} nodes, {edges} directed edges, 8 random")
-        emit(
-            {
-                "section": "large",
-                "side": side,
-                "nodes": nodes,
-                "edges": edges,
-                "made_s": round(made, 1),
-                **row,
-            }
-        )
+        row = _lazy_on(parts, cfg, device, label)
+        made_s = round(made, 1)
+        emit({"section": "large", "side": side, "nodes": nodes, "edges": edges, "made_s": made_s, **row})
+
+
+def section_profile(args: argparse.Namespace) -> None:
+    """Where the 8-bit row codec's time goes on the GPU (1,000,000 x 64): torch's profiler,
+    the ops of most device time and of most host time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from retexo_fl.compress.quantize import dequantize_rows, quantize_rows
+
+    device = devices(args)[0][1]
+    if device.type != "cuda":
+        emit({"section": "profile", "skipped": "needs a CUDA device"})
+        return
+    x = torch.randn(100_000 if args.quick else 1_000_000, 64, device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    for _ in range(3):
+        dequantize_rows(quantize_rows(x, 8, generator=gen))
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            dequantize_rows(quantize_rows(x, 8, generator=gen))
+        sync(device)
+    events = prof.key_averages()
+    print(events.table(sort_by="self_device_time_total", row_limit=25), flush=True)
+
+    def top(attr: str) -> list:
+        rows = sorted(events, key=lambda e: -getattr(e, attr, 0))[:12]
+        return [
+            [e.key[:60], e.count, round(getattr(e, "self_device_time_total", 0) / 5, 1),
+             round(e.self_cpu_time_total / 5, 1)]
+            for e in rows
+        ]  # fmt: skip
+
+    emit({"section": "profile", "per": "encode + decode, us", "by_device": top("self_device_time_total"),
+          "by_host": top("self_cpu_time_total")})  # fmt: skip
 
 
 def section_centralized(args: argparse.Namespace) -> None:
@@ -426,6 +496,7 @@ RUNNERS = {
     "env": section_env,
     "tests": section_tests,
     "codec": section_codec,
+    "profile": section_profile,
     "cora": section_cora,
     "syncs": section_syncs,
     "crossover": section_crossover,
@@ -504,6 +575,7 @@ def print_table(rows: list[dict]) -> None:
                 line(what, g.get("vs_clone"), c.get("vs_clone"), None, "target GPU <= 4x")
     for section, what in (
         ("cora", "Cora 10 random, defaults: seconds"),
+        ("large-fixed", "generated graph, 8 random, 2 x 8 rounds: s"),
         ("large", "generated graph, 8 random: seconds"),
     ):
         p = pair(section)
@@ -549,6 +621,15 @@ def print_table(rows: list[dict]) -> None:
                 None,
                 f"test {r.get('test_accuracy')}",
             )
+    for r in rows:
+        if r.get("section") == "large-profile" and "top" in r:
+            print(f"GPU side of the fixed-round run under cProfile ({r['seconds']} s), most own time:")
+            for name, calls, own, cumulative in r["top"][:10]:
+                print(f"  {own:>8.3f} s own {cumulative:>8.3f} s cum {calls:>9} calls  {name}")
+        if r.get("section") == "profile" and "by_device" in r:
+            print("8-bit codec, 1M x 64, encode + decode: ops of most device time (us per pair)")
+            for key, count, dev, host in r["by_device"][:8]:
+                print(f"  {dev:>9.1f} device {host:>9.1f} host {count:>5}x  {key}")
     for r in rows:
         if "error" in r or "skipped" in r:
             print(f"{r['section']}: {r.get('error') or r.get('skipped')} {r.get('tail', '')[-300:]}")

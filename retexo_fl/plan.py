@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from retexo_fl.data.partition import CROSS_IN, CROSS_OUT, Partition
+from retexo_fl.data.partition import CROSS_IN, CROSS_OUT, Partition, sorted_unique
 
 
 class PlanMismatchError(ValueError):
@@ -66,10 +66,12 @@ class BoundaryPlan:
         """
         c = part.cross_edges
         send, send_ids, recv = {}, {}, {}
-        for q in sorted(np.unique(c[:, 2]).tolist()) if c.size else []:
-            rows = c[c[:, 2] == q]
-            out_ids = np.unique(rows[(rows[:, 3] & CROSS_OUT) != 0, 0])
-            in_ids = np.unique(rows[(rows[:, 3] & CROSS_IN) != 0, 1])
+        if c.size:
+            c = c[np.argsort(c[:, 2], kind="stable")]
+        starts = np.flatnonzero(np.r_[True, c[1:, 2] != c[:-1, 2]]) if c.size else np.zeros(0, np.int64)
+        for q, rows in zip(c[starts, 2].tolist(), np.split(c, starts[1:]) if c.size else [], strict=True):
+            out_ids = sorted_unique(rows[(rows[:, 3] & CROSS_OUT) != 0, 0])
+            in_ids = sorted_unique(rows[(rows[:, 3] & CROSS_IN) != 0, 1])
             if out_ids.size:
                 send_ids[q] = out_ids
                 send[q] = np.searchsorted(part.node_ids, out_ids)

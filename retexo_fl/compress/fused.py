@@ -74,6 +74,50 @@ if triton is not None:
         tl.store(out + at, v.to(tl.uint8), mask=m)
 
     @triton.jit
+    def ranges(
+        x, lo, hi, status, k, d,
+        BF16: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, TILES: tl.constexpr,
+    ):  # fmt: skip
+        # One program: ROWS whole rows, read once, TILES column tiles of COLS.
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        live = rows < k
+        mn = tl.full([ROWS], float("inf"), tl.float32)
+        mx = tl.full([ROWS], float("-inf"), tl.float32)
+        bad = tl.zeros([ROWS], tl.int32)
+        for tile in range(TILES):
+            cols = tile * COLS + tl.arange(0, COLS)
+            m = live[:, None] & (cols[None, :] < d)
+            v = tl.load(x + rows[:, None] * d + cols[None, :], mask=m, other=0.0)
+            finite = (v == v) & (tl.abs(v) < float("inf"))
+            bad = tl.maximum(bad, tl.max(tl.where(m & ~finite, 1, 0), axis=1))
+            mn = tl.minimum(mn, tl.min(tl.where(m, v, float("inf")), axis=1))
+            mx = tl.maximum(mx, tl.max(tl.where(m, v, float("-inf")), axis=1))
+        mn = mn + 0.0  # -0.0 becomes 0.0, as the torch path does
+        mx = mx + 0.0
+        dtype = tl.bfloat16 if BF16 else tl.float16
+        # Round to nearest even, then one step outward where that moved the extreme inward: the
+        # torch path's to() and nextafter(). Half bit patterns step by one in magnitude; a zero
+        # steps to the smallest subnormal of the outward sign.
+        low = mn.to(dtype)
+        bits = low.to(tl.int16, bitcast=True).to(tl.int32)
+        outward = tl.where((bits & 0x7FFF) == 0, -32767, tl.where(bits < 0, bits + 1, bits - 1))
+        bits = tl.where(low.to(tl.float32) > mn, outward, bits)
+        low = bits.to(tl.int16).to(dtype, bitcast=True)
+        high = mx.to(dtype)
+        bits = high.to(tl.int16, bitcast=True).to(tl.int32)
+        outward = tl.where((bits & 0x7FFF) == 0, 1, tl.where(bits < 0, bits - 1, bits + 1))
+        bits = tl.where(high.to(tl.float32) < mx, outward, bits)
+        high = bits.to(tl.int16).to(dtype, bitcast=True)
+        low32 = low.to(tl.float32)
+        high32 = high.to(tl.float32)
+        unbounded = (tl.abs(low32) == float("inf")) | (tl.abs(high32) == float("inf"))
+        wide = tl.abs(high32 - low32) == float("inf")
+        code = tl.where(bad > 0, 1, tl.where(unbounded, 2, tl.where(wide, 3, 0)))
+        tl.store(lo + rows, low, mask=live)
+        tl.store(hi + rows, high, mask=live)
+        tl.store(status + rows, code.to(tl.int8), mask=live)
+
+    @triton.jit
     def decode(codes, lo, step, out, k, d, ROWS: tl.constexpr, COLS: tl.constexpr):
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
@@ -108,6 +152,32 @@ def _launch(kernel, grid: tuple[int, int], *args: object, **options: object) -> 
 
 def _cols(d: int) -> int:
     return min(_MAX_COLS, max(16, 1 << (max(d, 1) - 1).bit_length()))
+
+
+def row_ranges(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, int]:
+    """Each row's range ``[lo, hi]`` in ``dtype`` (fp16 or bf16), rounded outward, in one read
+    of the block: the torch path's ``aminmax``, ``to`` and ``nextafter``, bit for bit.
+
+    The third value is read with one host synchronization: 0 when every row can be coded, else
+    the largest of each row's fault, 1 (the row holds NaN or Inf), 2 (its range is beyond
+    ``dtype``) or 3 (its range spans more than float32 can step across); the caller then runs
+    the torch checks, which raise naming the row.
+
+    Shapes:
+        - **input:** ``x`` ``[k, d]`` float32, ``k, d > 0``
+        - **output:** ``lo``, ``hi`` ``[k]`` in ``dtype``
+    """
+    k, d = x.shape
+    lo = torch.empty(k, dtype=dtype, device=x.device)
+    hi = torch.empty(k, dtype=dtype, device=x.device)
+    status = torch.empty(k, dtype=torch.int8, device=x.device)
+    _launch(
+        ranges, (triton_cdiv(k, _ROWS), 1),
+        x.contiguous(), lo, hi, status, k, d,
+        BF16=dtype == torch.bfloat16, ROWS=_ROWS, COLS=_cols(d), TILES=triton_cdiv(d, _cols(d)),
+        enable_fp_fusion=False,
+    )  # fmt: skip
+    return lo, hi, int(status.max())
 
 
 def quantize(x: Tensor, table: Tensor, shift: Tensor, inv: Tensor, offset: Tensor, levels: float) -> Tensor:

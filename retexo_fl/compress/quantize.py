@@ -58,7 +58,8 @@ class QuantizedRows:
 
     Args:
         shape (tuple[int, int]): ``(k, d)`` of the original block.
-        bits (Tensor): ``[k]`` uint8 bit width per row (all equal for a fixed-width block).
+        bits (Tensor): ``[k]`` uint8 bit width per row (all equal for a fixed-width block, and
+            then on the host, wherever the codes are: reading the width costs no device sync).
         lo (Tensor): ``[k]`` lower end of each row's range (fp16 / bf16); empty for passthrough.
         hi (Tensor): ``[k]`` upper end of each row's range; empty for passthrough.
         data (Tensor): uint8 codes, packed densely per bit-width group; raw values for passthrough.
@@ -218,6 +219,41 @@ def _refuse_nonfinite(x: Tensor, bad_rows: Tensor, where: str) -> None:
         )
 
 
+def _row_ranges(x: Tensor, half: str, where: str, compiled: bool) -> tuple[Tensor, Tensor]:
+    """Each row's ``[lo, hi]`` in the ``half`` dtype, rounded outward; raises :class:`CodecError`
+    on a row that cannot be coded."""
+    if compiled:
+        mn, mx, bad_rows = native.row_extremes(x.contiguous())
+    else:
+        mn, mx = torch.aminmax(x, dim=1)  # NaN and Inf propagate into the row extremes
+        bad_rows = ~(torch.isfinite(mn) & torch.isfinite(mx))
+    _refuse_nonfinite(x, bad_rows, where)
+    # -0.0 becomes 0.0: which zero a row's extreme is depends on the reduction order.
+    mn, mx = mn + 0.0, mx + 0.0
+    lo = _round_out(mn, RANGE_DTYPES[half], down=True)
+    hi = _round_out(mx, RANGE_DTYPES[half], down=False)
+    if not (bool(torch.isfinite(lo).all()) and bool(torch.isfinite(hi).all())):
+        raise CodecError(f"{where}: values exceed the {half} range; use bf16 ranges or 32 bits")
+    if not bool(torch.isfinite(hi.float() - lo.float()).all()):  # bf16 ends near +-3e38
+        raise CodecError(f"{where}: a row spans more than float32 can step across; use 32 bits")
+    return lo, hi
+
+
+def _fused_ranges(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor] | None:
+    """The rows' ranges from the fused kernel (one read of the block, one host synchronization
+    instead of four), or ``None`` where it does not serve or a row cannot be coded: the torch
+    checks then name the fault."""
+    if not _fused(x):
+        return None
+    from retexo_fl.compress import fused
+
+    try:
+        lo, hi, fault = fused.row_ranges(x, dtype)
+    except fused.KernelUnavailable:
+        return None
+    return (lo, hi) if fault == 0 else None
+
+
 def quantize_rows(
     x: Tensor,
     bits: int | Tensor,
@@ -275,7 +311,8 @@ def quantize_rows(
                 _refuse_nonfinite(x, bad_rows, where)
             data = values.view(-1).view(torch.uint8)
             return QuantizedRows((k, d), torch.full((k,), bits, dtype=torch.uint8), empty, empty, data, half)
-        row_bits = torch.full((k,), bits, dtype=torch.uint8, device=x.device)
+        # On the host, as for passthrough: reading one width back is then no device round trip.
+        row_bits = torch.full((k,), bits, dtype=torch.uint8)
     else:
         row_bits = bits.to(device=x.device, dtype=torch.uint8).view(-1)
         if row_bits.numel() != k:
@@ -286,21 +323,8 @@ def quantize_rows(
         lo = hi = torch.zeros(k, dtype=RANGE_DTYPES[half], device=x.device)
         return QuantizedRows((k, d), row_bits, lo, hi, torch.empty(0, dtype=torch.uint8), half)
     compiled = native.usable(x)  # decided once for the whole block
-    if compiled:
-        x = x.contiguous()
-        mn, mx, bad_rows = native.row_extremes(x)
-    else:
-        mn, mx = torch.aminmax(x, dim=1)  # NaN and Inf propagate into the row extremes
-        bad_rows = ~(torch.isfinite(mn) & torch.isfinite(mx))
-    _refuse_nonfinite(x, bad_rows, where)
-    # -0.0 becomes 0.0: which zero a row's extreme is depends on the reduction order.
-    mn, mx = mn + 0.0, mx + 0.0
-    lo = _round_out(mn, RANGE_DTYPES[half], down=True)
-    hi = _round_out(mx, RANGE_DTYPES[half], down=False)
-    if not (bool(torch.isfinite(lo).all()) and bool(torch.isfinite(hi).all())):
-        raise CodecError(f"{where}: values exceed the {half} range; use bf16 ranges or 32 bits")
-    if not bool(torch.isfinite(hi.float() - lo.float()).all()):  # bf16 ends near +-3e38
-        raise CodecError(f"{where}: a row spans more than float32 can step across; use 32 bits")
+    ranges = None if compiled else _fused_ranges(x, RANGE_DTYPES[half])
+    lo, hi = ranges if ranges is not None else _row_ranges(x, half, where, compiled)
     parts = []
     for b, sel in _width_groups(row_bits, bits if isinstance(bits, int) else None):
         xs, ls, hs = (x, lo, hi) if sel is None else (x[sel], lo[sel], hi[sel])

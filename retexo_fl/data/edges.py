@@ -13,6 +13,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from retexo_fl.data.partition import sorted_unique
+
 
 def _check_key_range(n: int) -> None:
     if n > 0 and (n - 1) * n + (n - 1) > np.iinfo(np.int64).max:
@@ -24,17 +26,6 @@ def _endpoints(edge_index: Tensor) -> tuple[np.ndarray, np.ndarray]:
     return edge_index[0].numpy().astype(np.int64, copy=False), edge_index[1].numpy().astype(
         np.int64, copy=False
     )
-
-
-def _sorted_unique(keys: np.ndarray) -> np.ndarray:
-    """``keys`` sorted in place, duplicates dropped (a new, smaller array only when there are any)."""
-    keys.sort()
-    if keys.size < 2:
-        return keys
-    fresh = np.empty(keys.size, dtype=bool)
-    fresh[0] = True
-    np.not_equal(keys[1:], keys[:-1], out=fresh[1:])
-    return keys if bool(fresh.all()) else keys[fresh]
 
 
 def _from_keys(keys: np.ndarray, n: int) -> Tensor:
@@ -73,7 +64,7 @@ def undirected_coalesced(edge_index: Tensor, num_nodes: int) -> Tensor:
     np.multiply(dst, num_nodes, out=keys[m:])
     keys[m:] += src
     del src, dst
-    return _from_keys(_sorted_unique(keys), num_nodes)
+    return _from_keys(sorted_unique(keys, in_place=True), num_nodes)
 
 
 def coalesced(edge_index: Tensor, num_nodes: int) -> Tensor:
@@ -96,7 +87,7 @@ def coalesced(edge_index: Tensor, num_nodes: int) -> Tensor:
     keep = src != dst
     keys = src[keep] * num_nodes + dst[keep]
     del keep
-    return _from_keys(_sorted_unique(keys), num_nodes)
+    return _from_keys(sorted_unique(keys, in_place=True), num_nodes)
 
 
 def coalesced_facts(edge_index: Tensor, num_nodes: int) -> tuple[bool, bool]:

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from retexo_fl.data.partition import Partition
+from retexo_fl.data.partition import Partition, sorted_unique
 
 #: Correlation (after z-normalization) a window needs with a feature row to count as a copy:
 #: float16 re-typing keeps it above 0.9999; independent rows of 16+ entries almost never reach it.
@@ -94,7 +94,7 @@ class SecretFinder:
         local = np.searchsorted(ids, np.asarray(part.edges, dtype=np.int64)).T
         pairs = np.concatenate([pairs, local])
         both = np.concatenate([pairs, pairs[:, ::-1]])
-        self.edge_keys = np.unique(_pair_keys(both))
+        self.edge_keys = sorted_unique(_pair_keys(both))
         # The bitmap check looks set bits up in the edge keys: no n x n matrix is ever built.
         self.node_ids = np.asarray(part.node_ids, dtype=np.int64)
         self.n_owned = len(self.node_ids)

@@ -47,3 +47,45 @@ def test_mixed_widths_go_through_the_kernels_group_by_group(monkeypatch):
         q = quantize_rows(x, widths, generator=torch.Generator(device="cuda").manual_seed(1))
         out[env] = (q.data, dequantize_rows(q))
     assert torch.equal(out["1"][0], out["0"][0]) and torch.equal(out["1"][1], out["0"][1])
+
+
+@pytest.mark.parametrize("half", ["fp16", "bf16"])
+@pytest.mark.parametrize("shape", [(1, 1), (23, 5), (1000, 64), (300, 130), (50, 300)])
+def test_fused_row_ranges_are_the_torch_ranges_bit_for_bit(half, shape):
+    # Rows from 1e-9 to 3e3 in scale, all-negative and all-positive rows, zero rows of either
+    # sign and a row whose minimum is a tiny negative: every rounding branch of the outward step.
+    from retexo_fl.compress import fused
+
+    k, d = shape
+    x = torch.randn(k, d, device="cuda") * torch.logspace(-9, 3.5, k, device="cuda")[:, None]
+    x[::7] = -x[::7].abs()
+    x[::11] = x[::11].abs()
+    if k > 5:
+        x[3], x[4], x[5, 0] = 0.0, -0.0, -1e-30
+    lo, hi, fault = fused.row_ranges(x, quantize.RANGE_DTYPES[half])
+    want_lo, want_hi = quantize._row_ranges(x, half, "rows", compiled=False)
+    assert fault == 0
+    assert torch.equal(lo.view(torch.int16), want_lo.view(torch.int16))
+    assert torch.equal(hi.view(torch.int16), want_hi.view(torch.int16))
+
+
+@pytest.mark.parametrize(
+    ("half", "value", "fault", "message"),
+    [
+        ("fp16", float("nan"), 1, "hold NaN or Inf"),
+        ("bf16", float("inf"), 1, "hold NaN or Inf"),
+        ("fp16", 1e5, 2, "exceed the fp16 range"),
+        ("fp16", -7e4, 2, "exceed the fp16 range"),
+        ("bf16", 3e38, 3, "spans more than float32"),
+    ],
+)
+def test_a_block_the_fused_ranges_refuse_raises_the_torch_paths_error(half, value, fault, message):
+    from retexo_fl.compress import fused
+
+    x = torch.randn(40, 8, device="cuda")
+    x[17, 3] = value
+    if fault == 3:
+        x[17, 2] = -value
+    assert fused.row_ranges(x, quantize.RANGE_DTYPES[half])[2] == fault
+    with pytest.raises(quantize.CodecError, match=message):
+        quantize_rows(x, 8, half=half, where="rows")

@@ -14,7 +14,7 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
 def _step(q) -> torch.Tensor:
-    return (q.hi.float() - q.lo.float()) / (2.0 ** q.bits.float() - 1.0)
+    return (q.hi.float() - q.lo.float()) / (2.0 ** q.bits.to(q.lo.device).float() - 1.0)
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
@@ -147,6 +147,7 @@ def test_fused_kernels_that_fail_here_give_way_to_the_torch_ops(monkeypatch, cap
     monkeypatch.setenv(native.NATIVE_ENV, "0")
     x = torch.randn(50, 7)
     reference = quantize_rows(x, 4, generator=torch.Generator().manual_seed(2))
+    monkeypatch.setattr(fused, "ranges", Unbuildable(), raising=False)
     monkeypatch.setattr(fused, "encode", Unbuildable(), raising=False)
     monkeypatch.setattr(fused, "decode", Unbuildable(), raising=False)
     monkeypatch.setattr(fused, "_broken", None)
@@ -160,6 +161,6 @@ def test_fused_kernels_that_fail_here_give_way_to_the_torch_ops(monkeypatch, cap
     q = quantize_rows(x, 4, generator=torch.Generator().manual_seed(2))
     assert torch.equal(q.data, reference.data)
     assert torch.equal(dequantize_rows(q), dequantize_rows(reference))
-    assert Unbuildable.launches == 1  # tried once; decode was not offered after the failure
+    assert Unbuildable.launches == 1  # tried once; nothing was offered after the failure
     assert fused._broken == "RuntimeError: cannot find a C compiler"
     assert "fused row-codec kernels are unavailable here" in caplog.text

@@ -15,6 +15,7 @@ packed group by group, in increasing bit width, each group in row order.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,8 @@ from torch import Tensor
 
 from retexo_fl.compress import native
 from retexo_fl.compress.settings import ALL_BITS, PASS_BITS, QUANT_BITS, RANGE_DTYPE_NAMES
+
+log = logging.getLogger(__name__)
 
 RANGE_DTYPES = dict(zip(RANGE_DTYPE_NAMES, (torch.float16, torch.bfloat16), strict=True))
 # Rows encoded per block: intermediates of a block stay in cache, so encode reads the input once.
@@ -50,6 +53,14 @@ def _one_pass(device: torch.device) -> bool:
 
 class CodecError(ValueError):
     """Input a codec refuses: non-finite values, unknown bit widths, ranges the dtype cannot hold."""
+
+
+class RangeOverflow(CodecError):
+    """Values beyond what the block's 16-bit dtype (fp16 or bf16) can hold."""
+
+
+#: Where a block was sent with bf16 ranges for want of fp16's: said once per process and place.
+_widened: set[str] = set()
 
 
 @dataclass
@@ -233,7 +244,7 @@ def _row_ranges(x: Tensor, half: str, where: str, compiled: bool) -> tuple[Tenso
     lo = _round_out(mn, RANGE_DTYPES[half], down=True)
     hi = _round_out(mx, RANGE_DTYPES[half], down=False)
     if not (bool(torch.isfinite(lo).all()) and bool(torch.isfinite(hi).all())):
-        raise CodecError(f"{where}: values exceed the {half} range; use bf16 ranges or 32 bits")
+        raise RangeOverflow(f"{where}: values exceed the {half} range; use bf16 ranges or 32 bits")
     if not bool(torch.isfinite(hi.float() - lo.float()).all()):  # bf16 ends near +-3e38
         raise CodecError(f"{where}: a row spans more than float32 can step across; use 32 bits")
     return lo, hi
@@ -264,6 +275,12 @@ def quantize_rows(
 ) -> QuantizedRows:
     """Quantize a ``[k, d]`` float block, every row at ``bits`` or row ``i`` at ``bits[i]``.
 
+    A block whose values exceed fp16's range (65504) is sent in bf16 instead (its ranges, or its
+    values at 16 bits): the frame records its dtype, so a receiver decodes it either way, and a
+    client whose values grew large is not dropped from the run for it. The first such block of
+    each place is logged. ``generator`` is drawn from only once the dtype is settled, so the
+    codes are those a ``half="bf16"`` call gives.
+
     Args:
         x (Tensor): values (any float dtype; computed in float32).
         bits (int | Tensor): one width from ``(1, 2, 4, 8, 16, 32)``, or a tensor of widths from
@@ -280,8 +297,23 @@ def quantize_rows(
 
     Raises:
         CodecError: on a block that is not 2-D, an unknown ``half``, NaN / Inf, an unknown width,
-            a number of widths other than ``k``, or a range ``half`` cannot represent.
+            a number of widths other than ``k``, or a range bf16 cannot represent.
     """
+    try:
+        return _quantize_rows(x, bits, generator, half, where)
+    except RangeOverflow:
+        if half != "fp16":
+            raise
+    place = where.split(",")[0]
+    if place not in _widened:
+        _widened.add(place)
+        log.warning("%s: values exceed fp16's range; sending such blocks in bf16", where)
+    return _quantize_rows(x, bits, generator, "bf16", where)
+
+
+def _quantize_rows(
+    x: Tensor, bits: int | Tensor, generator: torch.Generator | None, half: str, where: str
+) -> QuantizedRows:
     if x.dim() != 2:
         raise CodecError(f"{where}: rows must be 2-D, got shape {tuple(x.shape)}")
     if half not in RANGE_DTYPES:
@@ -294,7 +326,7 @@ def quantize_rows(
             raise CodecError(f"{where}: bit width must be one of {ALL_BITS}, got {bits}")
         if bits in PASS_BITS:
             dtype = torch.float32 if bits == 32 else RANGE_DTYPES[half]
-            overflow = CodecError(f"{where}: values overflow {half}; use bf16 or 32 bits")
+            overflow = RangeOverflow(f"{where}: values overflow {half}; use bf16 or 32 bits")
             if x.numel() and native.usable(x):  # passthrough: the only use of the loops here
                 x = x.contiguous()
                 mn, mx, bad_rows = native.row_extremes(x)

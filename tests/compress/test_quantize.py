@@ -92,9 +92,10 @@ def test_non_finite_input_is_refused_with_its_origin(bad, bits):
 
 
 def test_out_of_range_values_and_bad_widths():
-    with pytest.raises(CodecError, match="fp16 range"):
-        quantize_rows(torch.full((2, 3), 1e6), 4)
+    assert quantize_rows(torch.full((2, 3), 1e6), 4).half == "bf16"  # past fp16: bf16 holds it
     assert torch.isfinite(dequantize_rows(quantize_rows(torch.full((2, 3), 1e6), 4, half="bf16"))).all()
+    with pytest.raises(CodecError, match="spans more than float32"):
+        quantize_rows(torch.tensor([[3e38, -3e38]]), 4)
     with pytest.raises(CodecError, match="one of"):
         quantize_rows(torch.ones(2, 3), 3)
     with pytest.raises(CodecError, match="per-row"):
@@ -164,3 +165,24 @@ def test_fused_kernels_that_fail_here_give_way_to_the_torch_ops(monkeypatch, cap
     assert Unbuildable.launches == 1  # tried once; nothing was offered after the failure
     assert fused._broken == "RuntimeError: cannot find a C compiler"
     assert "fused row-codec kernels are unavailable here" in caplog.text
+
+
+def test_a_block_past_fp16_is_sent_in_bf16_and_said_once(caplog):
+    # A client whose values grew past 65504 (a diverging update, features in the millions):
+    # its frame carries bf16 ranges, the receiver decodes it from the frame's own header, and
+    # the codes are those of a bf16 call with the same random source.
+    from retexo_fl.compress.payload import encode_rows, unpack_frame
+
+    quantize._widened.clear()
+    x = torch.randn(30, 6)
+    x[4] *= 1e6
+    q = quantize_rows(x, 4, generator=torch.Generator().manual_seed(1), where="client 3, update")
+    want = quantize_rows(x, 4, generator=torch.Generator().manual_seed(1), half="bf16")
+    assert q.half == "bf16" and torch.equal(q.data, want.data) and torch.equal(q.lo, want.lo)
+    assert ((dequantize_rows(q) - x).abs() <= _step(q)[:, None] * (1 + 1e-5)).all()
+    back = unpack_frame(encode_rows(x, 4, generator=torch.Generator().manual_seed(1)), "client 3")
+    assert back.half == "bf16" and torch.equal(dequantize_rows(back), dequantize_rows(q))
+    quantize_rows(x, 8, where="client 3, update")
+    assert caplog.text.count("client 3, update: values exceed fp16's range") == 1  # once per place
+    # Within fp16's range nothing changes.
+    assert quantize_rows(torch.randn(5, 3), 4).half == "fp16"

@@ -10,7 +10,6 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
-from retexo_fl.data.loading import load_graph
 from retexo_fl.data.partition import (
     CROSS_IN,
     CROSS_OUT,
@@ -21,7 +20,6 @@ from retexo_fl.data.partition import (
 )
 from retexo_fl.datacenter.settings import DatacenterConfig
 from retexo_fl.plan import BoundaryPlan, LocalGraph
-from retexo_fl.training.centralized import whole_graph_partition
 
 
 class ResidencyError(ValueError):
@@ -112,6 +110,10 @@ def load_full_graph(cfg: DatacenterConfig) -> FullGraph:
         check_residency(cfg)
         part = pool_partitions(load_partitions(cfg.partitions))
     else:
+        # Imported here: a process handed its graph (the launcher's children) never loads PyG.
+        from retexo_fl.data.loading import load_graph
+        from retexo_fl.training.centralized import whole_graph_partition
+
         part = whole_graph_partition(load_graph(cfg))
     graph = LocalGraph.build(part, BoundaryPlan.from_partition(part))
     ei, w = graph.gcn_weights(torch.zeros(0))

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
@@ -17,6 +18,42 @@ from retexo_fl.secure.keys import (
     private_bytes,
     public_bytes,
 )
+
+#: The last transcript hashed in this process, with the read-only maps it was hashed from.
+_last_transcript: tuple[Mapping[int, bytes], Mapping[int, bytes], int, bytes, bytes] | None = None
+
+
+def _transcript(
+    directory: Mapping[int, bytes],
+    contributions: Mapping[int, bytes],
+    run_id: int,
+    run_config: bytes,
+    where: str,
+) -> bytes:
+    """Check that every party in the directory has one contribution, then hash the transcript.
+
+    Both are a pass over every party. In process, every party's setup hands over the same
+    read-only maps (``MappingProxyType``, which nobody can change through): for those very
+    objects the last result is reused, so n parties make one pass, not n. Other maps are
+    checked and hashed each time.
+    """
+    global _last_transcript
+    last = _last_transcript
+    if (
+        last is not None
+        and last[0] is directory
+        and last[1] is contributions
+        and (last[2], last[3]) == (run_id, run_config)
+    ):
+        return last[4]
+    if set(contributions) != set(directory) or any(
+        len(c) != CONTRIBUTION_BYTES for c in contributions.values()
+    ):
+        raise KeyMaterialError(f"{where}: the transcript contributions do not match the key directory")
+    transcript = transcript_hash(run_id, dict(directory), dict(contributions), run_config)
+    if isinstance(directory, MappingProxyType) and isinstance(contributions, MappingProxyType):
+        _last_transcript = (directory, contributions, run_id, run_config, transcript)
+    return transcript
 
 
 class PeerChannel:
@@ -44,7 +81,7 @@ class PeerChannel:
         self.pinned_keys = pinned_keys
         self.identity: X25519PrivateKey | None = None
         self.own_contribution: bytes | None = None
-        self.directory: dict[int, bytes] | None = None
+        self.directory: Mapping[int, bytes] | None = None
         self.transcript: bytes | None = None
         self.envelopes: Envelopes | None = None
         #: Sees every frame before it is sealed, as (kind, stage, round, peer, frame): the
@@ -102,17 +139,15 @@ class PeerChannel:
         check_directory(directory, pins, where)
         if directory.get(self.party) != self.public_key():
             raise KeyMaterialError(f"{where}: the key directory holds another key for this client")
-        missing = sorted(peers - set(directory))
+        missing = sorted(q for q in peers if q not in directory)
         if missing and not allow_missing:
             raise KeyMaterialError(f"{where}: no public key for peer clients {missing}")
-        if set(contributions) != set(directory) or any(
-            len(c) != CONTRIBUTION_BYTES for c in contributions.values()
-        ):
+        if contributions.get(self.party) is None:
             raise KeyMaterialError(f"{where}: the transcript contributions do not match the key directory")
         # Without this party's own fresh contribution the transcript could be an old run's.
         if contributions[self.party] != self.contribution():
             raise KeyMaterialError(f"{where}: the transcript holds another contribution for this client")
-        transcript = transcript_hash(int(run_id), directory, contributions, run_config)
+        transcript = _transcript(directory, contributions, int(run_id), run_config, where)
         if self.transcript is not None:
             # Set up already: the same setup again (a retried message) keeps the channels and
             # their counters; another one would reset replay protection, so it is refused.
@@ -125,10 +160,12 @@ class PeerChannel:
         self._open(directory, transcript, peers, None)
 
     def _open(
-        self, directory: dict[int, bytes], transcript: bytes, peers: set[int], counters: dict | None
+        self, directory: Mapping[int, bytes], transcript: bytes, peers: set[int], counters: dict | None
     ) -> None:
         assert self.identity is not None
-        self.directory, self.transcript = dict(directory), transcript
+        # A read-only directory is kept as it is: in process the parties share one, not n copies.
+        self.directory = directory if isinstance(directory, MappingProxyType) else dict(directory)
+        self.transcript = transcript
         reachable = {q: directory[q] for q in peers if q in directory}  # lost at key setup: none
         self.envelopes = Envelopes(self.party, self.identity, transcript, reachable, counters)
 

@@ -117,3 +117,41 @@ def test_a_second_setup_keeps_the_counters_or_is_refused():
         b.open(_from_a(first), "halo", 1)
     with pytest.raises(KeyMaterialError, match="a second key setup with another transcript"):
         b.connect(directory, 43, {0}, contributions)  # would reset the counters: refused
+
+
+def test_parties_of_one_process_share_one_parse_and_one_transcript_of_the_same_directory():
+    # In process, every party's setup carries the same directory text: it is parsed once into
+    # read-only maps, and the transcript hashed once for those maps. Another text is parsed anew.
+    import json
+
+    from retexo_fl.party import handlers
+    from retexo_fl.secure import channel
+    from retexo_fl.secure.envelope import transcript_hash
+
+    a, b = PeerChannel(0), PeerChannel(1)
+    keys = json.dumps({0: a.public_key().hex(), 1: b.public_key().hex()})
+    contributions = json.dumps({0: a.contribution().hex(), 1: b.contribution().hex()})
+    d0, c0 = handlers._key_directory(keys, contributions, "client 0")
+    d1, c1 = handlers._key_directory(keys, contributions, "client 1")
+    assert d0 is d1 and c0 is c1
+    with pytest.raises(TypeError):
+        d0[1] = a.public_key()  # type: ignore[index]  # nobody can change a shared directory
+    a.connect(d0, 42, {1}, c0)
+    b.connect(d1, 42, {0}, c1)
+    assert channel._last_transcript is not None and channel._last_transcript[0] is d0
+    assert a.transcript == b.transcript == transcript_hash(42, dict(d0), dict(c0))
+    assert b.open(_from_a(a.seal({1: b"rows"}, "halo", 1)), "halo", 1) == ({0: b"rows"}, 0)
+    # A server that hands one party another directory: that party parses and hashes its own.
+    c = PeerChannel(1)
+    swapped = json.dumps({0: a.public_key().hex(), 1: c.public_key().hex()})
+    swapped_contributions = json.dumps({0: a.contribution().hex(), 1: c.contribution().hex()})
+    d2, c2 = handlers._key_directory(swapped, swapped_contributions, "client 1")
+    assert d2 is not d0 and d2[1] == c.public_key()
+    c.connect(d2, 42, {0}, c2)
+    assert c.transcript != a.transcript
+    with pytest.raises(EnvelopeError):
+        c.open(_from_a(a.seal({1: b"rows"}, "halo", 2)), "halo", 2)
+    # Plain maps, which a caller could change, are hashed every time and never kept.
+    kept = channel._last_transcript
+    _pair()
+    assert channel._last_transcript is kept

@@ -30,6 +30,30 @@ def stage_input_dim(cfg: TrainConfig, stage: int, num_features: int, num_classes
     return cfg.hidden if cfg.pass_embedding == "hidden" else num_classes
 
 
+def stage_model_spec(cfg: TrainConfig, stage: int, in_dim: int, num_classes: int) -> tuple:
+    """What :func:`build_stage_model`'s module is built from, as a hashable tuple: equal specs
+    give modules of one architecture (their weights differ only by the seed).
+
+    Args:
+        cfg (TrainConfig): the run configuration.
+        stage (int): the stage, counted over self-training passes.
+        in_dim (int): input width (:func:`stage_input_dim`).
+        num_classes (int): number of classes.
+    """
+    layer = cfg.layer(stage)
+    return (
+        "mlp" if layer == 0 and cfg.first_stage == "mlp" else cfg.model,
+        in_dim,
+        cfg.hidden,
+        num_classes,
+        float(cfg.per_stage("dropout", layer)),
+        float(cfg.per_stage("input_dropout", layer)),
+        cfg.norm,
+        cfg.heads,
+        cfg.root_weight,
+    )
+
+
 def build_stage_model(cfg: TrainConfig, stage: int, in_dim: int, num_classes: int) -> StageModel:
     """The stage-``stage`` model of a lazy run; its weights are a pure function of the seed and stage.
 
@@ -46,17 +70,19 @@ def build_stage_model(cfg: TrainConfig, stage: int, in_dim: int, num_classes: in
     # seed for every accelerator not initialised, formatting a stack trace for each (0.13 ms a
     # call against 1.4 us, measured alone), once per client and stage.
     torch.random.default_generator.manual_seed(derive_seed(cfg.seed, stage, STAGE_INIT_TAG))
-    layer = cfg.layer(stage)
+    kind, in_dim, hidden, classes, dropout, input_dropout, norm, heads, root_weight = stage_model_spec(
+        cfg, stage, in_dim, num_classes
+    )
     return StageModel(
-        "mlp" if layer == 0 and cfg.first_stage == "mlp" else cfg.model,
+        kind,
         in_dim,
-        cfg.hidden,
-        num_classes,
-        dropout=float(cfg.per_stage("dropout", layer)),
-        input_dropout=float(cfg.per_stage("input_dropout", layer)),
-        norm=cfg.norm,
-        heads=cfg.heads,
-        root_weight=cfg.root_weight,
+        hidden,
+        classes,
+        dropout=dropout,
+        input_dropout=input_dropout,
+        norm=norm,
+        heads=heads,
+        root_weight=root_weight,
     )
 
 

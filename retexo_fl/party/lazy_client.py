@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -14,7 +16,7 @@ from retexo_fl.compress.payload import decode_rows
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partition import Partition
 from retexo_fl.models.adjacency import SPARSE_KINDS, sparse_adjacency
-from retexo_fl.models.factory import build_stage_model
+from retexo_fl.models.factory import build_stage_model, stage_model_spec
 from retexo_fl.models.stage import StageModel, select_in_edges
 from retexo_fl.party.client import Client
 from retexo_fl.party.pseudo import pseudo_labels
@@ -24,6 +26,18 @@ from retexo_fl.records import StateDict
 from retexo_fl.secure.boundary_noise import release_rows
 from retexo_fl.secure.policy import PartyPolicy
 from retexo_fl.seeding import derive_seed
+
+#: Stage modules kept per thread, one per architecture and device (LazyClient.make_model).
+_SHARED_MODELS_KEPT = 8
+_thread_models = threading.local()
+
+
+def _shared_models() -> OrderedDict[tuple, StageModel]:
+    models = getattr(_thread_models, "models", None)
+    if models is None:
+        models = _thread_models.models = OrderedDict()
+    return models
+
 
 #: Seed tag of a client's boundary-row rounding.
 BOUNDARY_TAG = 0xB0
@@ -181,6 +195,28 @@ class LazyClient(Client):
         """This stage's model with its initial weights."""
         in_dim = self.owned.shape[1]
         return build_stage_model(self.cfg, self.stage, in_dim, self.part.num_classes).to(self.device)
+
+    def loaded_model(self, state: StateDict) -> torch.nn.Module:
+        """A module of this stage's architecture holding ``state``, shared with the other clients
+        of this thread.
+
+        Every use loads a whole state into it first and sets its mode (``train()`` / ``eval()``),
+        dropout is seeded per round, what leaves a client is a copy, and a thread runs one
+        client's message at a time: sharing changes no result. At one node a client it saves a
+        module per client (a 1433 x 64 encoder each: 1 GB over Cora's 2,708 clients) and its
+        build.
+        """
+        in_dim = self.owned.shape[1]
+        key = (*stage_model_spec(self.cfg, self.stage, in_dim, self.part.num_classes), str(self.device))
+        models = _shared_models()
+        model = models.get(key)
+        if model is None:
+            model = models[key] = self.make_model()
+            while len(models) > _SHARED_MODELS_KEPT:
+                models.popitem(last=False)
+        models.move_to_end(key)
+        model.load_state_dict(state)
+        return model
 
     def model_key(self) -> object:
         return self.stage

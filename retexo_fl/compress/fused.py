@@ -113,6 +113,12 @@ if triton is not None:
         unbounded = (tl.abs(low32) == float("inf")) | (tl.abs(high32) == float("inf"))
         wide = tl.abs(high32 - low32) == float("inf")
         code = tl.where(bad > 0, 1, tl.where(unbounded, 2, tl.where(wide, 3, 0)))
+        if BF16:
+            # A float32 denormal extreme has a bf16 denormal range, whose conversion was not
+            # checked against the torch path on a GPU: those blocks take the torch path.
+            tiny = 1.1754943508222875e-38
+            denormal = ((tl.abs(mn) < tiny) & (mn != 0.0)) | ((tl.abs(mx) < tiny) & (mx != 0.0))
+            code = tl.where((code == 0) & denormal, 4, code)
         tl.store(lo + rows, low, mask=live)
         tl.store(hi + rows, high, mask=live)
         tl.store(status + rows, code.to(tl.int8), mask=live)
@@ -158,10 +164,11 @@ def row_ranges(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, int]:
     """Each row's range ``[lo, hi]`` in ``dtype`` (fp16 or bf16), rounded outward, in one read
     of the block: the torch path's ``aminmax``, ``to`` and ``nextafter``, bit for bit.
 
-    The third value is read with one host synchronization: 0 when every row can be coded, else
-    the largest of each row's fault, 1 (the row holds NaN or Inf), 2 (its range is beyond
-    ``dtype``) or 3 (its range spans more than float32 can step across); the caller then runs
-    the torch checks, which raise naming the row.
+    The third value is read with one host synchronization: 0 when every row can be coded here,
+    else the largest of each row's code, 1 (the row holds NaN or Inf), 2 (its range is beyond
+    ``dtype``), 3 (its range spans more than float32 can step across) or 4 (bf16 only: an
+    extreme is a float32 denormal); the caller then takes the torch path, which raises naming
+    the row for 1-3 and computes the ranges for 4.
 
     Shapes:
         - **input:** ``x`` ``[k, d]`` float32, ``k, d > 0``

@@ -69,8 +69,9 @@ class QuantizedRows:
 
     Args:
         shape (tuple[int, int]): ``(k, d)`` of the original block.
-        bits (Tensor): ``[k]`` uint8 bit width per row (all equal for a fixed-width block, and
-            then on the host, wherever the codes are: reading the width costs no device sync).
+        bits (Tensor): ``[k]`` uint8 bit width per row (all equal for a fixed-width block). On
+            the host when the block was coded at one ``int`` width, wherever the codes are, so
+            reading the width costs no device sync; per-row widths stay where they were given.
         lo (Tensor): ``[k]`` lower end of each row's range (fp16 / bf16); empty for passthrough.
         hi (Tensor): ``[k]`` upper end of each row's range; empty for passthrough.
         data (Tensor): uint8 codes, packed densely per bit-width group; raw values for passthrough.
@@ -244,7 +245,8 @@ def _row_ranges(x: Tensor, half: str, where: str, compiled: bool) -> tuple[Tenso
     lo = _round_out(mn, RANGE_DTYPES[half], down=True)
     hi = _round_out(mx, RANGE_DTYPES[half], down=False)
     if not (bool(torch.isfinite(lo).all()) and bool(torch.isfinite(hi).all())):
-        raise RangeOverflow(f"{where}: values exceed the {half} range; use bf16 ranges or 32 bits")
+        advice = "use bf16 ranges or 32 bits" if half == "fp16" else "use 32 bits"
+        raise RangeOverflow(f"{where}: values exceed the {half} range; {advice}")
     if not bool(torch.isfinite(hi.float() - lo.float()).all()):  # bf16 ends near +-3e38
         raise CodecError(f"{where}: a row spans more than float32 can step across; use 32 bits")
     return lo, hi
@@ -326,7 +328,8 @@ def _quantize_rows(
             raise CodecError(f"{where}: bit width must be one of {ALL_BITS}, got {bits}")
         if bits in PASS_BITS:
             dtype = torch.float32 if bits == 32 else RANGE_DTYPES[half]
-            overflow = RangeOverflow(f"{where}: values overflow {half}; use bf16 or 32 bits")
+            advice = "use bf16 or 32 bits" if half == "fp16" else "use 32 bits"
+            overflow = RangeOverflow(f"{where}: values overflow {half}; {advice}")
             if x.numel() and native.usable(x):  # passthrough: the only use of the loops here
                 x = x.contiguous()
                 mn, mx, bad_rows = native.row_extremes(x)

@@ -490,15 +490,17 @@ def check_disjoint(parts: list[Partition]) -> None:
 
 
 def sorted_unique(values: np.ndarray, *, in_place: bool = False) -> np.ndarray:
-    """The distinct values of a 1-D array, sorted: what ``np.unique`` returns, by one sort and a
-    comparison of neighbours (numpy 2.4's hash-based ``np.unique`` took 10-15x longer on int64
-    keys, and a large graph's set-up calls it hundreds of times).
+    """The distinct values of an integer array, flattened and sorted: what ``np.unique`` returns,
+    by one sort and a comparison of neighbours (numpy 2.4's hash-based ``np.unique`` took 10-15x
+    longer on int64 keys, and a large graph's set-up calls it hundreds of times). NaNs, which
+    ``np.unique`` merges, would stay apart: it is for integer keys.
 
     Args:
         values (np.ndarray): the values.
-        in_place (bool, optional): sort ``values`` itself instead of a copy. (default: :obj:`False`)
+        in_place (bool, optional): sort ``values`` itself (when 1-D) instead of a copy.
+            (default: :obj:`False`)
     """
-    keys = values if in_place else values.copy()
+    keys = values if in_place and values.ndim == 1 else np.ravel(values).copy()
     keys.sort()
     if keys.size < 2:
         return keys

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
 
 from retexo_fl import protocol as P
 from retexo_fl.compress.boundary import ExchangeStats
@@ -20,6 +19,7 @@ from retexo_fl.party.client import Client
 from retexo_fl.party.lazy_client import LazyClient
 from retexo_fl.protocol import Records
 from retexo_fl.records import EvalResult, StateDict
+from retexo_fl.secure.channel import frozen_directory
 from retexo_fl.secure.keys import KeyMaterialError, parse_public
 
 
@@ -107,8 +107,8 @@ def _key_directory(
     except (TypeError, ValueError) as exc:
         raise KeyMaterialError(f"{where}: the setup message's {P.KEYS}: {exc}") from None
     contributions = _hex_map(contributions_text, "transcript contributions", where)
-    # Read-only: the secure channel reuses its transcript for these very maps (channel.py).
-    parsed = MappingProxyType(directory), MappingProxyType(contributions)
+    # Read-only views nobody else holds the dicts of: the channel reuses its transcript for them.
+    parsed = frozen_directory(directory, contributions)
     _last_directory = (keys_text, contributions_text, *parsed)
     return parsed
 

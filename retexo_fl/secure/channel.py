@@ -19,8 +19,35 @@ from retexo_fl.secure.keys import (
     public_bytes,
 )
 
-#: The last transcript hashed in this process, with the read-only maps it was hashed from.
+#: Read-only views made by :func:`frozen_directory` (by ``id``, the views themselves kept so that
+#: no id is reused): nobody holds their dicts, so their contents cannot change.
+_frozen: dict[int, Mapping[int, bytes]] = {}
+_FROZEN_KEPT = 8
+#: The last transcript hashed in this process, with the frozen maps it was hashed from.
 _last_transcript: tuple[Mapping[int, bytes], Mapping[int, bytes], int, bytes, bytes] | None = None
+
+
+def frozen_directory(
+    directory: dict[int, bytes], contributions: dict[int, bytes]
+) -> tuple[Mapping[int, bytes], Mapping[int, bytes]]:
+    """Read-only views of a key directory and its transcript contributions just parsed, whose
+    dicts the caller gives up: parties handed these very views share their transcript and keep
+    the directory without a copy (in process, every party's setup carries the same directory).
+
+    Args:
+        directory (dict[int, bytes]): client id -> public key; no other reference may remain.
+        contributions (dict[int, bytes]): client id -> transcript contribution; likewise.
+    """
+    views = MappingProxyType(directory), MappingProxyType(contributions)
+    for view in views:
+        _frozen[id(view)] = view
+    while len(_frozen) > _FROZEN_KEPT:
+        _frozen.pop(next(iter(_frozen)))
+    return views
+
+
+def _is_frozen(value: Mapping[int, bytes]) -> bool:
+    return _frozen.get(id(value)) is value
 
 
 def _transcript(
@@ -33,9 +60,9 @@ def _transcript(
     """Check that every party in the directory has one contribution, then hash the transcript.
 
     Both are a pass over every party. In process, every party's setup hands over the same
-    read-only maps (``MappingProxyType``, which nobody can change through): for those very
-    objects the last result is reused, so n parties make one pass, not n. Other maps are
-    checked and hashed each time.
+    :func:`frozen_directory` views, which nobody can change: for those very objects the last
+    result is reused, so n parties make one pass, not n. Other maps are checked and hashed
+    each time.
     """
     global _last_transcript
     last = _last_transcript
@@ -51,7 +78,7 @@ def _transcript(
     ):
         raise KeyMaterialError(f"{where}: the transcript contributions do not match the key directory")
     transcript = transcript_hash(run_id, dict(directory), dict(contributions), run_config)
-    if isinstance(directory, MappingProxyType) and isinstance(contributions, MappingProxyType):
+    if _is_frozen(directory) and _is_frozen(contributions):
         _last_transcript = (directory, contributions, run_id, run_config, transcript)
     return transcript
 
@@ -164,7 +191,7 @@ class PeerChannel:
     ) -> None:
         assert self.identity is not None
         # A read-only directory is kept as it is: in process the parties share one, not n copies.
-        self.directory = directory if isinstance(directory, MappingProxyType) else dict(directory)
+        self.directory = directory if _is_frozen(directory) else dict(directory)
         self.transcript = transcript
         reachable = {q: directory[q] for q in peers if q in directory}  # lost at key setup: none
         self.envelopes = Envelopes(self.party, self.identity, transcript, reachable, counters)

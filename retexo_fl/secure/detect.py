@@ -94,7 +94,7 @@ class SecretFinder:
         local = np.searchsorted(ids, np.asarray(part.edges, dtype=np.int64)).T
         pairs = np.concatenate([pairs, local])
         both = np.concatenate([pairs, pairs[:, ::-1]])
-        self.edge_keys = sorted_unique(_pair_keys(both))
+        self.edge_keys = sorted_unique(_pair_keys(both), in_place=True)
         # The bitmap check looks set bits up in the edge keys: no n x n matrix is ever built.
         self.node_ids = np.asarray(part.node_ids, dtype=np.int64)
         self.n_owned = len(self.node_ids)

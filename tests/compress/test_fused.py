@@ -60,8 +60,12 @@ def test_fused_row_ranges_are_the_torch_ranges_bit_for_bit(half, shape):
     x = torch.randn(k, d, device="cuda") * torch.logspace(-9, 3.5, k, device="cuda")[:, None]
     x[::7] = -x[::7].abs()
     x[::11] = x[::11].abs()
-    if k > 5:
-        x[3], x[4], x[5, 0] = 0.0, -0.0, -1e-30
+    if k > 7:  # float32 denormals too
+        x[3], x[4], x[5, 0], x[6], x[7, 0] = 0.0, -0.0, -1e-30, 1e-40, -1e-40
+    if half == "bf16" and k > 7:
+        # Denormal extremes have denormal bf16 ranges: such a block takes the torch path.
+        assert fused.row_ranges(x, torch.bfloat16)[2] == 4
+        x[6], x[7, 0] = 1.0, -1.0
     lo, hi, fault = fused.row_ranges(x, quantize.RANGE_DTYPES[half])
     want_lo, want_hi = quantize._row_ranges(x, half, "rows", compiled=False)
     assert fault == 0
@@ -76,6 +80,7 @@ def test_fused_row_ranges_are_the_torch_ranges_bit_for_bit(half, shape):
         ("bf16", float("inf"), 1, "hold NaN or Inf"),
         ("bf16", 1e5 * 1e34, 1, "hold NaN or Inf"),
         ("fp16", 1e5, 2, None),
+        ("fp16", 65510.0, 2, None),  # rounds to 65504, a step outward is inf
         ("fp16", -7e4, 2, None),
         ("bf16", 3e38, 3, "spans more than float32"),
     ],

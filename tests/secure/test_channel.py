@@ -151,7 +151,15 @@ def test_parties_of_one_process_share_one_parse_and_one_transcript_of_the_same_d
     assert c.transcript != a.transcript
     with pytest.raises(EnvelopeError):
         c.open(_from_a(a.seal({1: b"rows"}, "halo", 2)), "halo", 2)
-    # Plain maps, which a caller could change, are hashed every time and never kept.
+    # Plain maps, or read-only views of dicts a caller still holds, are hashed every time and
+    # never kept: the caller could change them.
     kept = channel._last_transcript
     _pair()
-    assert channel._last_transcript is kept
+    from types import MappingProxyType
+
+    held = {0: a.public_key(), 1: b.public_key()}
+    d = PeerChannel(0)
+    d.own_contribution = a.contribution()
+    d.identity = a.identity
+    d.connect(MappingProxyType(held), 42, {1}, MappingProxyType({0: a.contribution(), 1: b.contribution()}))
+    assert channel._last_transcript is kept and d.directory is not held

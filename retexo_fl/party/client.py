@@ -17,6 +17,7 @@ partition, its labels and masks, the local graph and local training.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from abc import ABC, abstractmethod
 from typing import Any
@@ -42,6 +43,10 @@ from retexo_fl.secure.policy import PartyPolicy
 from retexo_fl.seeding import derive_seed, resolve_device, seed_dropout
 
 log = logging.getLogger(__name__)
+
+
+class TrainingDiverged(RuntimeError):
+    """A client's local steps left NaN or Inf in its loss or weights."""
 
 
 class Client(HaloExchange, ModelExchange, Evaluation, Persistence, ABC):
@@ -293,7 +298,18 @@ class Client(HaloExchange, ModelExchange, Evaluation, Persistence, ABC):
         # A copy: the module is reused next round and would overwrite these tensors in place.
         new = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
         # The round's one read of a loss (the first step's), after the last step was queued.
-        return new, float(first) if first is not None else 0.0
+        loss = float(first) if first is not None else 0.0
+        weights = [v for v in new.values() if v.is_floating_point()]
+        if not math.isfinite(loss) or (
+            weights and not bool(torch.stack([v.isfinite().all() for v in weights]).all())
+        ):
+            lr = float(self.cfg.per_stage("lr", self.layer_index()))
+            raise TrainingDiverged(
+                f"client {self.id}, stage {self.message_stage}, round {round_}: local training "
+                f"diverged (NaN or Inf after {taken} step(s) at learning rate {lr:g}); inputs of "
+                "large magnitude do this: scale the node features to about unit size, or lower --lr"
+            )
+        return new, loss
 
     def run_steps(
         self,

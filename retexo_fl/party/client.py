@@ -299,10 +299,11 @@ class Client(HaloExchange, ModelExchange, Evaluation, Persistence, ABC):
         new = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
         # The round's one read of a loss (the first step's), after the last step was queued.
         loss = float(first) if first is not None else 0.0
-        weights = [v for v in new.values() if v.is_floating_point()]
-        if not math.isfinite(loss) or (
-            weights and not bool(torch.stack([v.isfinite().all() for v in weights]).all())
-        ):
+        weights = [v.isfinite().all() for v in new.values() if v.is_floating_point()]
+        # A client with no training rows has no loss to speak of (the mean of nothing): its
+        # weights, which its steps leave as they were, are what is checked.
+        bad_loss = rows.numel() > 0 and not math.isfinite(loss)
+        if bad_loss or (weights and not bool(torch.stack(weights).all())):
             lr = float(self.cfg.per_stage("lr", self.layer_index()))
             raise TrainingDiverged(
                 f"client {self.id}, stage {self.message_stage}, round {round_}: local training "

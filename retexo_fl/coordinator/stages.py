@@ -90,7 +90,11 @@ class LazyStageMachine:
                 # state goes by digest where clients hold it); the run delivers the stage with
                 # the best validation accuracy (see _kept). Saved at once: a server resumed after
                 # the clients embedded or relabelled must not test again, as they have moved on.
-                ck.passes.append(self._stage_result(state, stage, figures["val_accuracy"], undelivered))
+                ck.passes.append(
+                    self._stage_result(
+                        state, stage, figures["val_accuracy"], undelivered, figures.get("val_loss")
+                    )
+                )
                 self._save(ck)
             if stage < last:
                 # Clients embed, or after a pass's last stage label their own nodes (nothing to relay).
@@ -178,15 +182,22 @@ class LazyStageMachine:
         return result.best_state, result.figures, result.undelivered
 
     def _stage_result(
-        self, state: StateDict, stage: int, val: float, deliveries: dict[int, Frames] | None = None
+        self,
+        state: StateDict,
+        stage: int,
+        val: float,
+        deliveries: dict[int, Frames] | None = None,
+        val_loss: float | None = None,
     ) -> dict[str, Any]:
-        """The test of a stage's kept model (``state``), beside its validation accuracy; with
-        ``deliveries``, the stage's relayed frames for clients its rounds left out."""
+        """The test of a stage's kept model (``state``), beside its validation accuracy and loss
+        (which breaks ties between stages); with ``deliveries``, the stage's relayed frames for
+        clients its rounds left out."""
         tests = self.fed.evaluate(state, "test", stage, deliveries or None)
         return {
             "pass": stage // self.cfg.stages,
             "stage": stage,
             "val_accuracy": val,
+            "val_loss": val_loss,
             "test_accuracy": total(tests).accuracy,
             "clients": per_client(self.fed, tests),
             # who was measured: under secure aggregation the summed members, else every client
@@ -205,7 +216,7 @@ class LazyStageMachine:
                 f"kept stage {kept['stage']} (pass {kept['pass']}): validation "
                 f"{kept['val_accuracy']:.4f}, the last stage's {last['val_accuracy']:.4f}"
             )
-        keys = ("pass", "stage", "val_accuracy", "test_accuracy")
+        keys = ("pass", "stage", "val_accuracy", "val_loss", "test_accuracy")
         figures = [{**{k: r[k] for k in keys}, "eligible": same_clients(r, last)} for r in results]
         ends = {s for s in range(self.cfg.total_stages) if self.cfg.ends_pass(s)} | {last["stage"]}
         self.rec.event("selection", kept_stage=kept["stage"], stages=figures)

@@ -82,6 +82,14 @@ def run_centralized(part: Partition, cfg: TrainConfig, rec: RunRecorder | None =
         m = masks[split]
         return float((predict(model).argmax(1)[m] == y[m]).float().mean())
 
+    def validate(model: torch.nn.Module) -> tuple[float, float]:
+        """Validation accuracy and loss (the loss breaks ties between passes)."""
+        m = masks["val"]
+        out = predict(model)[m]
+        return float((out.argmax(1) == y[m]).float().mean()), float(
+            torch.nn.functional.cross_entropy(out, y[m])
+        )
+
     train_y, train_mask = y, masks["train"]
     passes: list[dict] = []
     model: torch.nn.Module | None = None
@@ -103,17 +111,22 @@ def run_centralized(part: Partition, cfg: TrainConfig, rec: RunRecorder | None =
         ).to(device)
         opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
 
-        best_val, best_state, best_epoch = -1.0, None, 0
+        best_val, best_loss, best_state, best_epoch = -1.0, float("nan"), None, 0
         for epoch in range(1, epochs + 1):
             model.train()
             opt.zero_grad()
             loss = torch.nn.functional.cross_entropy(model(x, ei, w)[train_mask], train_y[train_mask])
             loss.backward()
             opt.step()
-            val = accuracy(model, "val")
+            val, val_loss = validate(model)
             rec.event("epoch", epoch=epoch, train_loss=loss.item(), val_accuracy=val)
             if val > best_val:
-                best_val, best_state, best_epoch = val, copy.deepcopy(model.state_dict()), epoch
+                best_val, best_loss, best_state, best_epoch = (
+                    val,
+                    val_loss,
+                    copy.deepcopy(model.state_dict()),
+                    epoch,
+                )
             if epoch == 1 or epoch % max(1, epochs // 5) == 0:
                 rec.progress(f"epoch {epoch:4d}/{epochs}  loss {loss.item():.4f}  val {val:.4f}")
         if best_state is not None:
@@ -123,6 +136,7 @@ def run_centralized(part: Partition, cfg: TrainConfig, rec: RunRecorder | None =
                 "stage": pass_,
                 "best_round": best_epoch,
                 "val_accuracy": best_val,
+                "val_loss": best_loss,
                 "test_accuracy": accuracy(model, "test"),
                 "train_nodes": int(train_mask.sum()),
                 "seconds": time.perf_counter() - t0,

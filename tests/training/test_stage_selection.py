@@ -17,7 +17,8 @@ SPOILED = {**BASE, "lr": [1.0, 1.0, 0.0]}
 def _check_spoiled(bad: dict, good: dict) -> None:
     results = bad["stage_results"]
     assert [r["stage"] for r in results] == [0, 1, 2]
-    best_earlier = max(reversed(results[:2]), key=lambda r: r["val_accuracy"])  # ties: the later
+    # The best accuracy, then the lowest loss, then the later stage.
+    best_earlier = max(reversed(results[:2]), key=lambda r: (r["val_accuracy"], -r["val_loss"]))
     assert results[2]["val_accuracy"] < best_earlier["val_accuracy"] - 0.1
     assert bad["kept_stage"] == best_earlier["stage"] and bad["kept_pass"] == 0
     assert bad["val_accuracy"] == best_earlier["val_accuracy"]
@@ -39,6 +40,29 @@ def test_a_worse_last_stage_delivers_an_earlier_stage(sbm):
     # Never below stage 0: the delivered model validates at least as well as every stage.
     for summary in (good, bad):
         assert summary["val_accuracy"] == max(r["val_accuracy"] for r in summary["stage_results"])
+        # Each stage's loss (the tie-break) is the one measured at its kept round.
+        for result, stage in zip(summary["stage_results"], summary["stages"], strict=True):
+            kept_round = [h for h in stage["history"] if h["round"] == stage["best_round"]]
+            assert result["val_loss"] == kept_round[0]["val_loss"] > 0
+
+
+def test_equal_accuracies_go_to_the_lower_validation_loss():
+    from retexo_fl.coordinator.selection import keep_best_stage
+
+    rows = [
+        {"pass": 0, "stage": s, "val_accuracy": v, "val_loss": loss}
+        for s, (v, loss) in enumerate(((0.8, 0.9), (0.8, 0.5), (0.8, 0.7), (0.6, 0.1)))
+    ]
+    assert keep_best_stage(rows)["stage"] == 1  # a lower loss at a lower accuracy does not count
+    rows[2]["val_loss"] = 0.5
+    assert keep_best_stage(rows)["stage"] == 2  # equal loss too: the later
+    # A tied candidate without a finite loss (older checkpoints, an empty validation set): the
+    # losses are not compared, and the later of the tied stages is kept.
+    for missing in (None, float("nan")):
+        rows[0]["val_loss"] = missing
+        assert keep_best_stage(rows)["stage"] == 2
+        del rows[0]["val_loss"]
+        assert keep_best_stage(rows)["stage"] == 2
 
 
 def test_ties_go_to_the_later_stage():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import multiprocessing
 import os
 import socket
 import tempfile
@@ -73,6 +74,23 @@ def run_process(
         dist.destroy_process_group()
 
 
+def _start_method() -> str:
+    """``forkserver`` where the platform has it, else ``spawn``.
+
+    A spawned process imports torch and this package before it does anything (seconds each, and
+    P of them share the host's cores); the fork server imports them once and forks every process
+    from that, single-threaded, so no lock or thread pool of the caller is inherited. Each
+    process still sets its own environment (rank, world size, address): it inherits the fork
+    server's, not the caller's.
+    """
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    # Only read when the fork server starts (the first run of this interpreter): later calls
+    # leave a running server as it is.
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", __name__])
+    return "forkserver"
+
+
 def _spawned(
     rank: int,
     cfg: DatacenterConfig,
@@ -117,7 +135,7 @@ def run_datacenter(
                 _spawned,
                 args=(cfg, _free_port(), path, graph, wpath if keep_weights else None),
                 nprocs=cfg.datacenter.procs,
-                start_method="spawn",
+                start_method=_start_method(),
             )
         except mp.ProcessRaisedException as exc:
             last = str(exc).strip().splitlines()[-1]

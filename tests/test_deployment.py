@@ -31,6 +31,7 @@ from federation import FederationProcesses  # noqa: E402
 from make_certs import main as make_certs  # noqa: E402
 
 from clients.approval import APP_PACKAGES, SIGNATURES_FILE, app_digest, sign_digest, tree_files  # noqa: E402
+from clients.flower_patch import SUPEREXEC_POLL_ENV  # noqa: E402
 from clients.worker_link import SOCKET_NAME, proof, read_secret, recv_frame, send_frame  # noqa: E402
 from retexo_fl.cli import main as cli  # noqa: E402
 from retexo_fl.config import TrainConfig  # noqa: E402
@@ -219,8 +220,11 @@ def test_plain_flower_supernode_still_works_beside_retexo_supernodes(data_root, 
     out = tmp_path / "run"
     try:
         fed.start_superlink()
+        # Flower's own knob (an environment variable its SuperExec reads), not a patch: the plain
+        # SuperNode's code runs as shipped, and a ClientApp launch waits 50 ms for its task, not 1 s.
+        poll = dict([SUPEREXEC_POLL_ENV])
         for i in range(3):
-            fed.start_supernode(i, parts / f"part-{i}", worker=i != 2)
+            fed.start_supernode(i, parts / f"part-{i}", worker=i != 2, env=None if i != 2 else poll)
         # One round a stage: a plain SuperNode pays seconds for every message.
         one_round = RUN.replace("rounds='2'", "rounds='1'")
         record = fed.run(f"clients=3 out-dir='{out}' {one_round}", timeout=300)

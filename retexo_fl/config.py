@@ -122,8 +122,9 @@ class ModelSettings:
 class TrainingSettings:
     r"""How a run trains: the mode, the per-stage schedule, optimizers, self-training, resources.
 
-    The ``training`` section of :class:`TrainConfig`. ``rounds``, ``local_epochs``, ``lr`` and
-    ``server_lr`` take one value for every stage or a list with one value per stage.
+    The ``training`` section of :class:`TrainConfig`. ``rounds``, ``local_epochs``, ``lr``,
+    ``server_optimizer`` and ``server_lr`` take one value for every stage or a list with one
+    value per stage.
     """
 
     mode: Mode = setting(
@@ -139,8 +140,11 @@ class TrainingSettings:
     optimizer: Literal["sgd", "adam"] = setting("sgd", "the clients' optimizer")
     momentum: float = setting(0.0, "the clients' SGD momentum")
     lr: float | list[float] = setting(1.0, "the clients' learning rate", per_stage=True)
-    server_optimizer: Literal["avg", "adam"] = setting(
-        "avg", "avg (FedAvg) or adam (FedAdam on the averaged update)"
+    server_optimizer: Literal["avg", "adam"] | list[Literal["avg", "adam"]] = setting(
+        "avg",
+        "avg (FedAvg) or adam (FedAdam on the averaged update); adam normalizes each weight's "
+        "step, so a feature that few clients' nodes have is not diluted by the average",
+        per_stage=True,
     )
     server_lr: float | list[float] = setting(1.0, "the server optimizer's learning rate", per_stage=True)
     fraction_train: float = setting(
@@ -650,9 +654,20 @@ class TrainConfig:
 
 
 def parse_list(value: Any) -> Any:
-    """``"200,100"`` -> ``[200, 100]``; numbers and lists pass through."""
+    """``"200,100"`` -> ``[200, 100]``, ``"adam,avg"`` -> ``["adam", "avg"]``; numbers and lists
+    pass through, and an item that is not a number stays a string (its setting's check names it)."""
     if isinstance(value, str):
-        items = [v for v in value.replace(" ", "").split(",") if v]
-        nums = [float(v) if any(c in v for c in ".e") else int(v) for v in items]
-        return nums[0] if len(nums) == 1 else nums
+        items = [_number_or_text(v) for v in value.replace(" ", "").split(",") if v]
+        return items[0] if len(items) == 1 else items
     return value
+
+
+def _number_or_text(text: str) -> int | float | str:
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        return text

@@ -125,16 +125,21 @@ def settings_of(cls: type) -> tuple[SettingInfo, ...]:
 
 
 def check_choices(obj: Any) -> None:
-    """Raise :class:`ValueError` naming the first setting of ``obj`` outside its ``Literal``.
+    """Raise :class:`ValueError` naming the first setting of ``obj`` outside its ``Literal``, or
+    the first per-stage number that is not one (``lr "0.5,x"``).
 
     Args:
         obj (Any): a section instance.
     """
     for info in settings_of(type(obj)):
-        if not info.choices:
-            continue
         value = getattr(obj, info.name)
         values = value if info.per_stage and isinstance(value, list | tuple) else [value]
+        if not info.choices:
+            numeric = info.per_stage and isinstance(info.default, int | float)
+            for v in values if numeric else ():
+                if isinstance(v, bool) or not isinstance(v, int | float):
+                    raise ValueError(f"{info.key} takes a number or one per stage (a comma list); got {v!r}")
+            continue
         for v in values:
             if v not in info.choices:
                 allowed = ", ".join(str(c) for c in info.choices)

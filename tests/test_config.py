@@ -191,9 +191,20 @@ def test_every_setting_is_declared_once_with_a_type_default_and_doc():
     choices = {i.key: i.choices for i in infos if i.choices}
     assert choices["mode"] == ("lazy", "eager", "local", "centralized", "datacenter")
     assert choices["norm"] == ("layer", "none") and choices["range-dtype"] == ("fp16", "bf16")
-    assert set(PER_STAGE) == {"rounds", "local_epochs", "lr", "server_lr", "dropout", "input_dropout"}
+    assert set(PER_STAGE) == {
+        "rounds", "local_epochs", "lr", "server_optimizer", "server_lr", "dropout", "input_dropout"
+    }  # fmt: skip
     with pytest.raises(ValueError, match="norm must be one of layer, none; got 'batch'"):
         TrainConfig(norm="batch").validate()
+    # A per-stage enumeration takes a comma list of its choices, each checked; a per-stage
+    # number takes only numbers.
+    per_stage = TrainConfig.from_mapping({"server-optimizer": "adam,avg", "lr": "0.5,1e-2"})
+    assert per_stage.server_optimizer == ["adam", "avg"] and per_stage.lr == [0.5, 0.01]
+    assert per_stage.per_stage("server_optimizer", 2) == "avg"
+    with pytest.raises(ValueError, match="server-optimizer must be one of avg, adam; got 'sgd'"):
+        TrainConfig.from_mapping({"server-optimizer": "adam,sgd"})
+    with pytest.raises(ValueError, match=r"lr takes a number or one per stage \(a comma list\); got 'x'"):
+        TrainConfig.from_mapping({"lr": "0.5,x"})
     # Each section's docstring lists its settings, generated from the same declarations.
     assert "hidden (int, optional): hidden width (default: 32)" in ModelSettings.__doc__
 

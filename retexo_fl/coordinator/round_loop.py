@@ -97,7 +97,9 @@ class RoundLoop:
     def start(self, state: StateDict, layer: int, tracker: StageTracker, broadcast_seed: int) -> RoundState:
         """Round 0 of a stage that starts from ``state`` (layer ``layer``'s server learning rate)."""
         cfg = self.cfg
-        server = ServerOptimizer(cfg.server_optimizer, state, float(cfg.per_stage("server_lr", layer)))
+        server = ServerOptimizer(
+            cfg.per_stage("server_optimizer", layer), state, float(cfg.per_stage("server_lr", layer))
+        )
         broadcast = ModelBroadcast(cfg.broadcast_bits, cfg.range_dtype, broadcast_seed)
         view = broadcast.prepare(state, 1)  # what the clients hold and train from
         control = None

@@ -83,7 +83,7 @@ class DatacenterConfig(Protocol):
     device: str
     hidden: int
     central_layers: int
-    server_optimizer: str
+    server_optimizer: str | list[str]
     weight_decay: float
 
     @property

@@ -35,7 +35,7 @@ def make_algorithm(
 def schedule(cfg: DatacenterConfig) -> tuple[int, float, float]:
     """``(epochs, lr, dropout)``: the centralized reference's, so the two are comparable."""
     epochs = int(cfg.per_stage("rounds", 1)) * int(cfg.per_stage("local_epochs", 1))
-    lr = float(cfg.per_stage("server_lr" if cfg.server_optimizer == "adam" else "lr", 1))
+    lr = float(cfg.per_stage("server_lr" if cfg.per_stage("server_optimizer", 1) == "adam" else "lr", 1))
     return epochs, lr, float(cfg.per_stage("dropout", 1))
 
 

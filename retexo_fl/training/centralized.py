@@ -70,7 +70,7 @@ def run_centralized(part: Partition, cfg: TrainConfig, rec: RunRecorder | None =
     }
     layers = cfg.central_layers
     # The server's Adam is what drives federated training when it is on; mirror its rate.
-    lr = float(cfg.per_stage("server_lr" if cfg.server_optimizer == "adam" else "lr", 1))
+    lr = float(cfg.per_stage("server_lr" if cfg.per_stage("server_optimizer", 1) == "adam" else "lr", 1))
     epochs = int(cfg.per_stage("rounds", 1)) * int(cfg.per_stage("local_epochs", 1))
 
     def predict(model: torch.nn.Module) -> torch.Tensor:

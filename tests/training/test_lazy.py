@@ -74,3 +74,20 @@ def test_a_client_whose_training_diverges_is_named_with_the_likely_cause():
     data.x = data.x / 300  # the same graph, scaled: trains
     scaled = run_lazy(partition_graph(data, 3, "random", seed=0), cfg, RunRecorder(None, stream=None))
     assert scaled.test_accuracy > 0.5  # measured 0.967; 3 classes, chance 0.33
+
+
+def test_each_stage_takes_its_own_server_optimizer(sbm):
+    """``server-optimizer adam,avg``: stage 0 is stage 0 of an all-adam run, round for round, and
+    stage 1 averages (FedAvg) instead."""
+    parts = partition_graph(sbm, 3, "random", seed=0)
+    base = {"stages": 2, "hidden": 8, "rounds": 3, "seed": 0, "self_training": 0, "patience": 0}
+    mixed, adam, avg = (
+        run_lazy(parts, TrainConfig.resolve(**base, server_optimizer=opt, server_lr=0.05))
+        for opt in (["adam", "avg"], "adam", "avg")
+    )
+
+    def curve(summary: dict, stage: int) -> list[float]:
+        return [h["val_loss"] for h in summary["stages"][stage]["history"]]
+
+    assert curve(mixed, 0) == curve(adam, 0) != curve(avg, 0)
+    assert curve(mixed, 1) != curve(adam, 1)

@@ -199,13 +199,17 @@ def best_reference(rows: list[dict]) -> tuple[str, list[dict]]:
 
 
 def parse_set(text: str) -> tuple[str, object]:
-    """``key=value`` -> (snake_case key, JSON value, or the string itself)."""
+    """``key=value`` -> (snake_case key, JSON value, a per-stage setting's comma list as the CLI
+    reads it (``server-optimizer=adam,avg``), or the string itself)."""
+    from retexo_fl.config import PER_STAGE, parse_list
+
     key, _, value = text.partition("=")
+    name = key.strip().replace("-", "_")
     try:
         parsed = json.loads(value)
     except json.JSONDecodeError:
-        parsed = value
-    return key.strip().replace("-", "_"), parsed
+        parsed = parse_list(value) if name in PER_STAGE else value
+    return name, parsed
 
 
 def _stats(values: list[float]) -> tuple[float, float]:

@@ -141,12 +141,15 @@ class TrainingSettings:
     momentum: float = setting(0.0, "the clients' SGD momentum")
     lr: float | list[float] = setting(1.0, "the clients' learning rate", per_stage=True)
     server_optimizer: Literal["avg", "adam"] | list[Literal["avg", "adam"]] = setting(
-        "avg",
+        ["adam", "avg"],
         "avg (FedAvg) or adam (FedAdam on the averaged update); adam normalizes each weight's "
-        "step, so a feature that few clients' nodes have is not diluted by the average",
+        "step, so a feature that few clients' nodes have is not diluted by the average. By "
+        "default stage 0 (the MLP over raw features) takes adam, the GNN stages avg",
         per_stage=True,
     )
-    server_lr: float | list[float] = setting(1.0, "the server optimizer's learning rate", per_stage=True)
+    server_lr: float | list[float] = setting(
+        [0.05, 1.0], "the server optimizer's learning rate (avg ignores it)", per_stage=True
+    )
     fraction_train: float = setting(
         1.0,
         "lazy: the fraction of the clients with training nodes that train in a round, sampled "

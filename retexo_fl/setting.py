@@ -135,7 +135,9 @@ def check_choices(obj: Any) -> None:
         value = getattr(obj, info.name)
         values = value if info.per_stage and isinstance(value, list | tuple) else [value]
         if not info.choices:
-            numeric = info.per_stage and isinstance(info.default, int | float)
+            default = info.default
+            sample = default[0] if isinstance(default, list | tuple) and default else default
+            numeric = info.per_stage and isinstance(sample, int | float) and not isinstance(sample, bool)
             for v in values if numeric else ():
                 if isinstance(v, bool) or not isinstance(v, int | float):
                     raise ValueError(f"{info.key} takes a number or one per stage (a comma list); got {v!r}")

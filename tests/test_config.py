@@ -205,6 +205,8 @@ def test_every_setting_is_declared_once_with_a_type_default_and_doc():
         TrainConfig.from_mapping({"server-optimizer": "adam,sgd"})
     with pytest.raises(ValueError, match=r"lr takes a number or one per stage \(a comma list\); got 'x'"):
         TrainConfig.from_mapping({"lr": "0.5,x"})
+    with pytest.raises(ValueError, match=r"server-lr takes a number .*; got 'fast'"):
+        TrainConfig.from_mapping({"server-lr": "0.05,fast"})  # a per-stage default (a list) too
     # Each section's docstring lists its settings, generated from the same declarations.
     assert "hidden (int, optional): hidden width (default: 32)" in ModelSettings.__doc__
 

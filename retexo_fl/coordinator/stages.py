@@ -90,11 +90,7 @@ class LazyStageMachine:
                 # state goes by digest where clients hold it); the run delivers the stage with
                 # the best validation accuracy (see _kept). Saved at once: a server resumed after
                 # the clients embedded or relabelled must not test again, as they have moved on.
-                ck.passes.append(
-                    self._stage_result(
-                        state, stage, figures["val_accuracy"], undelivered, figures.get("val_loss")
-                    )
-                )
+                ck.passes.append(self._stage_result(state, stage, figures, undelivered))
                 self._save(ck)
             if stage < last:
                 # Clients embed, or after a pass's last stage label their own nodes (nothing to relay).
@@ -127,7 +123,7 @@ class LazyStageMachine:
             self._save(ck)
         stages = ck.stages
         if all(r["stage"] != last for r in ck.passes):  # a checkpoint of older code, resumed at the end
-            ck.passes.append(self._stage_result(state, last, stages[-1]["val_accuracy"]))
+            ck.passes.append(self._stage_result(state, last, stages[-1]))
         kept, selection = self._kept(ck)
         bytes_model = sum(s["bytes_model"] for s in stages)
         return RunSummary(
@@ -185,19 +181,19 @@ class LazyStageMachine:
         self,
         state: StateDict,
         stage: int,
-        val: float,
+        figures: dict[str, Any],
         deliveries: dict[int, Frames] | None = None,
-        val_loss: float | None = None,
     ) -> dict[str, Any]:
-        """The test of a stage's kept model (``state``), beside its validation accuracy and loss
-        (which breaks ties between stages); with ``deliveries``, the stage's relayed frames for
-        clients its rounds left out."""
+        """The test of a stage's kept model (``state``), beside the validation accuracy and loss
+        of the stage's ``figures`` (the loss breaks ties between stages; a checkpoint of older
+        code has none); with ``deliveries``, the stage's relayed frames for clients its rounds
+        left out."""
         tests = self.fed.evaluate(state, "test", stage, deliveries or None)
         return {
             "pass": stage // self.cfg.stages,
             "stage": stage,
-            "val_accuracy": val,
-            "val_loss": val_loss,
+            "val_accuracy": figures["val_accuracy"],
+            "val_loss": figures.get("val_loss"),
             "test_accuracy": total(tests).accuracy,
             "clients": per_client(self.fed, tests),
             # who was measured: under secure aggregation the summed members, else every client

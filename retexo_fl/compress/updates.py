@@ -8,17 +8,58 @@ deQ(...)`` for its next round, so what quantization drops is sent later instead 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 from torch import Tensor
 
-from retexo_fl.compress.payload import decode_rows, encode_rows, unpack_frame
-from retexo_fl.compress.quantize import dequantize_rows
+from retexo_fl.compress.payload import HEADER_BYTES, decode_rows, encode_rows, pack_frame, unpack_frame
+from retexo_fl.compress.quantize import RANGE_DTYPES, QuantizedRows, dequantize_rows, quantize_stacked
+from retexo_fl.compress.settings import QUANT_BITS
 
 StateDict = dict[str, Tensor]
 
 
 def _as_rows(t: Tensor) -> Tensor:
     return t.reshape(t.shape[0], -1) if t.dim() >= 2 else t.reshape(1, -1)
+
+
+def _dequantize_stack(blocks: list[QuantizedRows]) -> Tensor:
+    """The blocks' float32 values, ``[n, k, d]``; one pass when the blocks' codes join into one
+    block's (whole bytes per block), else block by block. Equal to :func:`dequantize_rows` on each."""
+    (k, d), bits = blocks[0].shape, blocks[0].uniform_bits
+    if bits is None or (k * d * bits) % 8:
+        return torch.stack([dequantize_rows(q) for q in blocks])
+    joined = QuantizedRows(
+        (k * len(blocks), d),
+        torch.full((k * len(blocks),), bits, dtype=torch.uint8),
+        torch.cat([q.lo for q in blocks]),
+        torch.cat([q.hi for q in blocks]),
+        torch.cat([q.data for q in blocks]),
+        blocks[0].half,
+    )
+    return dequantize_rows(joined).view(len(blocks), k, d)
+
+
+def _unpack_stack(frames: list[bytes], k: int, d: int, half: str) -> Tensor | None:
+    """The ``[n, k, d]`` values of ``n`` frames with one header (a uniform width whose codes fill
+    whole bytes), or ``None`` when a frame's ranges fail :func:`unpack_frame`'s checks."""
+    size = len(frames[0])
+    table = np.frombuffer(b"".join(frames), np.uint8).reshape(len(frames), size)
+    bits = int(table[0, 4])
+    dtype = RANGE_DTYPES[half]
+    ranges = torch.from_numpy(table[:, HEADER_BYTES : HEADER_BYTES + 4 * k].copy())
+    lo = ranges[:, : 2 * k].contiguous().view(dtype).reshape(-1)
+    hi = ranges[:, 2 * k :].contiguous().view(dtype).reshape(-1)
+    finite = bool(torch.isfinite(lo).all()) and bool(torch.isfinite(hi).all()) and bool((hi >= lo).all())
+    if not finite or not bool(torch.isfinite(hi.float() - lo.float()).all()):
+        return None
+    codes = torch.from_numpy(table[:, HEADER_BYTES + 4 * k :].copy()).reshape(-1)
+    joined = QuantizedRows(
+        (k * len(frames), d), torch.full((k * len(frames),), bits, dtype=torch.uint8), lo, hi, codes, half
+    )
+    return dequantize_rows(joined).view(len(frames), k, d)
 
 
 class UpdateCodec:
@@ -75,6 +116,51 @@ class UpdateCodec:
             kept[key] = delta - decode_rows(frames[key], where).view_as(delta)
         return frames, kept
 
+    def encode_many(
+        self,
+        news: Sequence[StateDict],
+        base: StateDict,
+        residuals: Sequence[StateDict | None],
+        generators: Sequence[torch.Generator | None],
+        wheres: Sequence[str],
+    ) -> list[tuple[dict[str, bytes], StateDict]]:
+        """:meth:`encode` for many clients that trained from one ``base``: equal, client for
+        client and byte for byte, to calling it on each, in one pass per tensor.
+
+        Args:
+            news (Sequence[StateDict]): each client's trained state (the same keys and shapes).
+            base (StateDict): the state they all trained from.
+            residuals (Sequence[StateDict | None]): each client's error-feedback residual.
+            generators (Sequence[torch.Generator | None]): each client's rounding source.
+            wheres (Sequence[str]): each client's name in errors.
+
+        Returns:
+            ``(frames, residual)`` per client, in order.
+
+        Raises:
+            CodecError: as :meth:`encode` does, naming the first client whose delta it refuses.
+        """
+        n = len(news)
+        if self.bits not in QUANT_BITS or n < 2:
+            return [self.encode(news[i], base, residuals[i], generators[i], wheres[i]) for i in range(n)]
+        frames: list[dict[str, bytes]] = [{} for _ in range(n)]
+        kept: list[StateDict] = [{} for _ in range(n)]
+        for key in news[0]:
+            ref = base[key].detach().float().cpu()
+            delta = torch.stack([new[key].detach().float().cpu() for new in news]) - ref
+            carried = [i for i, r in enumerate(residuals) if r is not None and key in r]
+            if carried:  # added only where a residual exists, as encode() does (-0.0 stays -0.0)
+                delta[carried] += torch.stack([residuals[i][key] for i in carried])  # type: ignore[index]
+            rows = delta.reshape(n, *_as_rows(ref).shape)
+            blocks = quantize_stacked(
+                rows, self.bits, generators, half=self.half, wheres=[f"{w}, {key}" for w in wheres]
+            )
+            for i, q in enumerate(blocks):
+                frames[i][key] = pack_frame(q)
+            for i, left in enumerate((rows - _dequantize_stack(blocks)).view_as(delta).unbind(0)):
+                kept[i][key] = left
+        return list(zip(frames, kept, strict=True))
+
     def decode(self, frames: dict[str, bytes], base: StateDict, source: str) -> StateDict:
         """``base + deltas``, checking every tensor is present and of ``base``'s shape.
 
@@ -98,6 +184,48 @@ class UpdateCodec:
             rows = _as_rows(ref)
             q = unpack_frame(frames[key], f"{source} ({key})", rows.shape[0], rows.shape[1])
             out[key] = (ref.float() + dequantize_rows(q).view_as(ref)).to(ref.dtype)
+        return out
+
+    def decode_many(
+        self, frames: Sequence[dict[str, bytes]], base: StateDict, sources: Sequence[str]
+    ) -> list[StateDict]:
+        """:meth:`decode` of many clients' frames against one ``base``, in one pass per tensor
+        where every client's frame of it has the first one's header and size; equal to decoding
+        each. A frame that differs, or ranges a check refuses, are decoded client by client, so
+        an error names its sender exactly as :meth:`decode` does.
+
+        Args:
+            frames (Sequence[dict[str, bytes]]): each client's ``{key: frame}``.
+            base (StateDict): the state the deltas apply to.
+            sources (Sequence[str]): who sent each, for error messages.
+
+        Raises:
+            ValueError: if a tensor of ``base`` has no frame.
+            PayloadError: if a frame is malformed or of another shape.
+        """
+        n = len(frames)
+        if n < 2 or any(set(base) - set(f) for f in frames):
+            return [self.decode(frames[i], base, sources[i]) for i in range(n)]
+        out: list[StateDict] = [{} for _ in range(n)]
+        for key, ref in base.items():
+            k, d = _as_rows(ref).shape
+            first = frames[0][key]
+            q = unpack_frame(first, f"{sources[0]} ({key})", k, d)  # every check, on one frame
+            bits = q.uniform_bits
+            same = bits in QUANT_BITS and (k * d * bits) % 8 == 0
+            same = same and all(
+                len(f[key]) == len(first) and f[key][:HEADER_BYTES] == first[:HEADER_BYTES] for f in frames
+            )
+            deltas = _unpack_stack([f[key] for f in frames], k, d, q.half) if same else None
+            if deltas is None:  # one by one: the sender's own checks and errors
+                for i in range(n):
+                    rows = _as_rows(ref)
+                    one = unpack_frame(frames[i][key], f"{sources[i]} ({key})", rows.shape[0], rows.shape[1])
+                    out[i][key] = (ref.float() + dequantize_rows(one).view_as(ref)).to(ref.dtype)
+                continue
+            values = (ref.float() + deltas.view(n, *ref.shape)).to(ref.dtype)
+            for i in range(n):
+                out[i][key] = values[i]
         return out
 
     @staticmethod

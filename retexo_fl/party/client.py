@@ -20,7 +20,7 @@ import logging
 import math
 import time
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -41,6 +41,9 @@ from retexo_fl.scaffold import zeros_like_state
 from retexo_fl.secure.channel import PeerChannel
 from retexo_fl.secure.policy import PartyPolicy
 from retexo_fl.seeding import derive_seed, resolve_device, seed_dropout
+
+if TYPE_CHECKING:
+    from retexo_fl.party.cohort import TrainCohort
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +127,9 @@ class Client(HaloExchange, ModelExchange, Evaluation, Persistence, ABC):
         self.secagg: dict[str, Any] | None = None
         self.delay = 0.0  # emulated seconds per local step (eager / local: step-delay)
         self.last_steps = 0  # local steps the last round took
+        # In process, the train message's cohort this client trains and encodes with (set by
+        # the engine around one message; retexo_fl.party.cohort), else None: it works alone.
+        self.cohort: TrainCohort | None = None
 
     @property
     def id(self) -> int:
@@ -294,15 +300,22 @@ class Client(HaloExchange, ModelExchange, Evaluation, Persistence, ABC):
         model.train()
         steps, deadline = self.step_budget()
         first, taken = self.run_steps(model, opt, rows, labels, correction, steps, deadline)
-        self.last_steps = taken
         # A copy: the module is reused next round and would overwrite these tensors in place.
         new = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
         # The round's one read of a loss (the first step's), after the last step was queued.
-        loss = float(first) if first is not None else 0.0
+        return self.checked_round(new, float(first) if first is not None else 0.0, taken, round_)
+
+    def checked_round(self, new: StateDict, loss: float, taken: int, round_: int) -> tuple[StateDict, float]:
+        """A round's result, ``(new, loss)`` after ``taken`` steps, once its values are checked.
+
+        Raises:
+            TrainingDiverged: a weight or the loss is NaN or Inf, naming this client and round.
+        """
+        self.last_steps = taken
         weights = [v.isfinite().all() for v in new.values() if v.is_floating_point()]
         # A client with no training rows has no loss to speak of (the mean of nothing): its
         # weights, which its steps leave as they were, are what is checked.
-        bad_loss = rows.numel() > 0 and not math.isfinite(loss)
+        bad_loss = self.num_train > 0 and not math.isfinite(loss)
         if bad_loss or (weights and not bool(torch.stack(weights).all())):
             lr = float(self.cfg.per_stage("lr", self.layer_index()))
             raise TrainingDiverged(

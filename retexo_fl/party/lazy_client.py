@@ -220,6 +220,19 @@ class LazyClient(Client):
     def model_key(self) -> object:
         return self.stage
 
+    def train(
+        self, state: StateDict, round_: int, control: StateDict | None = None
+    ) -> tuple[StateDict, float]:
+        """:meth:`Client.train`, or this client's result from the round's cohort (the same steps,
+        computed with the other members': :mod:`retexo_fl.party.cohort`)."""
+        shared = (
+            self.cohort.trained(self, state, round_) if self.cohort is not None and control is None else None
+        )
+        if shared is None:
+            return super().train(state, round_, control)
+        new, loss, taken = shared
+        return self.checked_round(new, loss, taken, round_)
+
     def precomputes(self, model: torch.nn.Module) -> bool:
         """Whether ``model``'s stage runs on inputs aggregated once (``--precompute``, GCN and
         mean-SAGE) instead of passing messages."""

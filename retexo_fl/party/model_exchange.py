@@ -5,7 +5,7 @@ from where it started."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,6 +17,9 @@ from retexo_fl.records import StateDict, state_digest
 from retexo_fl.scaffold import next_client_control, zeros_like_state
 from retexo_fl.secure.channel import PeerChannel
 from retexo_fl.seeding import derive_seed
+
+if TYPE_CHECKING:
+    from retexo_fl.party.cohort import TrainCohort
 
 #: Seed tag of a client's compressed-update rounding.
 UPDATE_TAG = 0xC0
@@ -42,6 +45,7 @@ class ModelExchange:
     kept: StateDict | None
     journal: list[Any] | None
     last_steps: int
+    cohort: TrainCohort | None
     # The client's own (:class:`~retexo_fl.party.client.Client`):
     id: int
     seed_stage: int
@@ -140,6 +144,10 @@ class ModelExchange:
         if round_ == 1:
             self.residual = None  # a new stage trains a new model
         stage = self.seed_stage
+        shared = self.cohort.encoded(self, new, base, self.residual) if self.cohort is not None else None
+        if shared is not None:  # encoded with the round's other members, as it would be alone
+            frames, self.residual = shared
+            return frames
         gen = torch.Generator().manual_seed(derive_seed(self.cfg.seed, stage, round_, UPDATE_TAG, self.id))
         frames, self.residual = self.update_codec.encode(
             new, base, self.residual, gen, where=f"client {self.id}, stage {stage} update"

@@ -5,9 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from retexo_fl import protocol as P
 from retexo_fl.coordinator.transport import Batch, ClientFailure
 from retexo_fl.party.client import Client
+from retexo_fl.party.cohort import TrainCohort
 from retexo_fl.party.handlers import handle
+from retexo_fl.party.lazy_client import LazyClient
 from retexo_fl.protocol import Records
 
 
@@ -33,7 +36,19 @@ class InProcessTransport:
         return list(range(count))
 
     def send(self, kind: str, requests: dict[int, Records], phase: str, stage: int) -> Batch:
-        return Batch({a: handle(self.clients[a], kind, req).records for a, req in requests.items()})
+        cohort = None
+        if kind == P.TRAIN:
+            lazy = {a: c for a in requests if isinstance(c := self.clients[a], LazyClient)}
+            cohort = TrainCohort.gather(lazy, requests)
+        if cohort is None:
+            return Batch({a: handle(self.clients[a], kind, req).records for a, req in requests.items()})
+        for client in cohort.members.values():
+            client.cohort = cohort
+        try:
+            return Batch({a: handle(self.clients[a], kind, req).records for a, req in requests.items()})
+        finally:
+            for client in cohort.members.values():
+                client.cohort = None
 
     def report(self, names: dict[int, int]) -> dict[str, Any]:
         return {}

@@ -71,3 +71,64 @@ def test_broadcast_view_tracks_the_state():
     moved = apply_updates(state, view, clients, [1, 1])
     for k in state:
         assert torch.allclose(moved[k], state[k] + (clients[0][k] + clients[1][k]) / 2 - view[k], atol=1e-5)
+
+
+def _clients(n, gen, bias_len=7):
+    """``n`` clients' trained states from one base (a matrix and an odd-length vector, whose
+    1-bit codes end inside a byte), and residuals for all but every third."""
+    base = {"w": torch.randn(9, 40, generator=gen), "b": torch.randn(bias_len, generator=gen)}
+    news = [{k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in base.items()} for _ in range(n)]
+    residuals = [
+        None if i % 3 == 0 else {k: 0.01 * torch.randn(v.shape, generator=gen) for k, v in base.items()}
+        for i in range(n)
+    ]
+    return base, news, residuals
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8, 16, 32])
+def test_many_clients_encode_and_decode_in_one_pass_as_each_alone(bits):
+    gen = torch.Generator().manual_seed(3)
+    base, news, residuals = _clients(12, gen)
+    codec = UpdateCodec(bits)
+    names = [f"client {i}" for i in range(12)]
+
+    def sources():
+        return [torch.Generator().manual_seed(50 + i) for i in range(12)]
+
+    alone = [codec.encode(news[i], base, residuals[i], g, names[i]) for i, g in enumerate(sources())]
+    together = codec.encode_many(news, base, residuals, sources(), names)
+    for (frames, kept), (frames2, kept2) in zip(alone, together, strict=True):
+        assert frames == frames2  # byte for byte, so the dither came from each client's own draws
+        assert kept.keys() == kept2.keys()
+        assert all(torch.equal(kept[k], kept2[k]) for k in kept)
+    decoded = codec.decode_many([f for f, _ in alone], base, names)
+    for (frames, _), state in zip(alone, decoded, strict=True):
+        one = codec.decode(frames, base, "x")
+        assert all(torch.equal(one[k], state[k]) for k in base)
+
+
+def test_one_pass_codecs_name_the_client_they_refuse():
+    gen = torch.Generator().manual_seed(4)
+    base, news, residuals = _clients(10, gen)
+    codec = UpdateCodec(8)
+    names = [f"client {i}" for i in range(10)]
+    bad = [dict(s) for s in news]
+    bad[6]["w"] = bad[6]["w"].clone()
+    bad[6]["w"][2, 3] = float("nan")
+    with pytest.raises(ValueError, match="client 6, w: 1 row"):
+        codec.encode_many(bad, base, residuals, [None] * 10, names)
+    frames = [f for f, _ in codec.encode_many(news, base, residuals, [None] * 10, names)]
+    # A frame of another shape, and one whose ranges are not ordered: each named by its sender.
+    wrong = [dict(f) for f in frames]
+    wrong[4]["w"] = frames[4]["b"]
+    with pytest.raises(PayloadError, match=r"client 4 \(w\)"):
+        codec.decode_many(wrong, base, names)
+    swapped = [dict(f) for f in frames]
+    head = 15  # the header; then 9 lo and 9 hi fp16 values
+    raw = bytearray(frames[7]["w"])
+    raw[head : head + 18], raw[head + 18 : head + 36] = raw[head + 18 : head + 36], raw[head : head + 18]
+    swapped[7]["w"] = bytes(raw)
+    with pytest.raises(PayloadError, match=r"client 7 \(w\): row ranges"):
+        codec.decode_many(swapped, base, names)
+    with pytest.raises(ValueError, match="client 2: missing tensors"):
+        codec.decode_many([f if i != 2 else {"w": f["w"]} for i, f in enumerate(frames)], base, names)

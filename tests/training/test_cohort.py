@@ -1,0 +1,89 @@
+"""A round's cohort: many one-node clients in process train and encode in one computation,
+with the result of each training alone (retexo_fl.party.cohort)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import retexo_fl.party.cohort as cohort_module
+from retexo_fl import protocol as P
+from retexo_fl.config import TrainConfig
+from retexo_fl.party.cohort import TrainCohort
+from retexo_fl.party.lazy_client import LazyClient
+from retexo_fl.runner import make_partitions
+from retexo_fl.training.lazy import run_lazy
+
+
+def _node_level(**extra):
+    cfg = TrainConfig.resolve(
+        dataset="sbm:160,4,8,0.8",
+        clients=160,
+        method="node",
+        seed=3,
+        split="random:0.5,0.2,0.3",
+        stages=2,
+        rounds=2,
+        patience=0,
+        min_rounds=0,
+        self_training=0,
+        **extra,
+    )
+    return make_partitions(cfg), cfg
+
+
+def _run(parts, cfg, monkeypatch, *, together: bool):
+    """The run's summary, every stage's kept state, and how many members the cohorts served."""
+    monkeypatch.setattr(cohort_module, "MIN_MEMBERS", 8 if together else 10**9)
+    served = []
+    trained = TrainCohort.trained
+
+    def counting(self, client, state, round_):
+        result = trained(self, client, state, round_)
+        served.append(result is not None)
+        return result
+
+    monkeypatch.setattr(TrainCohort, "trained", counting)
+    states = {}
+    summary = run_lazy(parts, cfg, on_stage=lambda stage, state: states.__setitem__(stage, state))
+    return summary, states, sum(served)
+
+
+def test_a_cohort_trains_and_encodes_as_each_client_alone(monkeypatch):
+    parts, cfg = _node_level()  # 8-bit updates: frames equal byte for byte only for equal weights
+    alone, states_alone, none = _run(parts, cfg, monkeypatch, together=False)
+    parts, cfg = _node_level()
+    together, states_together, served = _run(parts, cfg, monkeypatch, together=True)
+    trainers = sum(int(p.train_mask.sum()) for p in parts)
+    assert none == 0
+    assert served == 2 * trainers  # stage 0's two rounds (dropout on), every trainer in the cohort
+    # Weights: the batched products of one row per member round as the per-client ones did here
+    # (max difference 0.0 measured); the bound leaves room for another BLAS.
+    for stage, state in states_alone.items():
+        for key, value in state.items():
+            assert torch.allclose(value, states_together[stage][key], atol=1e-6, rtol=0), (stage, key)
+    assert together.bytes_total == alone.bytes_total and together.bytes_model == alone.bytes_model
+    assert together.clients == alone.clients  # each client's bytes per stage
+    assert together.federation["messages"] == alone.federation["messages"]
+    assert together.test_accuracy == pytest.approx(alone.test_accuracy, abs=1e-9)
+
+
+def test_only_what_batches_exactly_joins_a_cohort():
+    parts, cfg = _node_level()
+    clients = {p.partition_id: LazyClient(p, cfg) for p in parts if int(p.train_mask.sum())}
+    requests = {pid: {P.CONFIG: {}} for pid in clients}
+    cohort = TrainCohort.gather(clients, requests)
+    assert cohort is not None and set(cohort.members) == set(clients)
+    # Validators only, a client optimizer with its own state, or too few members: each alone.
+    assert TrainCohort.gather(clients, {pid: {P.CONFIG: {P.VALIDATE_ONLY: True}} for pid in clients}) is None
+    assert TrainCohort.gather(dict(list(clients.items())[:3]), requests) is None
+    adam_parts, adam = _node_level(optimizer="adam")
+    adam_clients = {p.partition_id: LazyClient(p, adam) for p in adam_parts if p.partition_id in clients}
+    assert TrainCohort.gather(adam_clients, requests) is None
+    # A member whose own call brings another state trains alone.
+    first = next(iter(clients.values()))
+    state = first.make_model().state_dict()
+    assert cohort.trained(first, state, 1) is not None
+    other = {k: v + 1 for k, v in state.items()}
+    assert cohort.trained(first, other, 1) is None
+    assert cohort.trained(first, state, 2) is None

@@ -44,7 +44,6 @@ MAX_MEMBER_ROWS = 16
 MIN_MEMBERS = 8
 #: Weights of at most this many members' models are stacked at once (float32 values).
 _STACKED_VALUES = 1 << 26
-_MLP_KEYS = frozenset({"body.weight", "body.bias", "head.weight", "head.bias"})
 
 
 def _same_state(a: StateDict, b: StateDict) -> bool:
@@ -71,6 +70,7 @@ class TrainCohort:
         self.state: StateDict | None = None
         self.round = 0
         self.results: dict[int, tuple[StateDict, float, int]] = {}
+        self.sources: dict[int, Tensor] = {}  # the stage input each result was trained on
         self.frames: dict[int, tuple[dict[str, bytes], StateDict, StateDict | None]] = {}
 
     @staticmethod
@@ -81,7 +81,9 @@ class TrainCohort:
             return False
         if cfg.drift_correction != "none" or cfg.secure_aggregation or cfg.round_seconds:
             return False
-        if client.device.type != "cpu" or client.delay or not client.row_wise:
+        if client.device.type != "cpu" or client.delay:
+            return False
+        if not client.row_wise and (cfg.model != "gcn" or cfg.chunk_rows or cfg.precompute):
             return False
         rows = client.num_train
         return 1 <= rows <= MAX_MEMBER_ROWS
@@ -119,24 +121,37 @@ class TrainCohort:
             self._train_all(client, state, round_)
         if round_ != self.round or client.id not in self.results or not _same_state(state, self.state):
             return None
+        if client.stage_input() is not self.sources[client.id]:  # its input changed since
+            return None
         return self.results[client.id]
 
     def _train_all(self, first: LazyClient, state: StateDict, round_: int) -> None:
         model = first.loaded_model(state)
-        if not isinstance(model, StageModel) or model.kind != "mlp" or set(state) != _MLP_KEYS:
+        if not isinstance(model, StageModel) or model.root is not None:
+            return
+        if model.kind == "mlp":
+            keys = _MLP_KEYS
+        elif model.kind == "gcn" and model.body.in_channels <= model.body.out_channels:
+            keys = _GCN_KEYS  # run_conv's (A x) W: what the batched step computes
+        else:
+            return
+        if set(state) != set(keys):
             return
         steps, deadline = first.step_budget()
         if deadline is not None or steps < 1:
             return
         lr = float(first.cfg.per_stage("lr", first.layer_index()))
-        ids = list(self.members)
+        # A conv stage's first round brings the halo rows: the members whose message has not
+        # been handled yet have none, and train alone when their turn comes.
+        ids = [pid for pid, member in self.members.items() if _ready(member)]
         per_member = sum(v.numel() for v in state.values())
         size = max(1, _STACKED_VALUES // max(per_member, 1))
         for start in range(0, len(ids), size):
             chunk = [self.members[pid] for pid in ids[start : start + size]]
-            news, losses = _mlp_steps(chunk, state, round_, steps, lr, model)
+            news, losses = _stage_steps(chunk, state, round_, steps, lr, model)
             for client, new, loss in zip(chunk, news, losses, strict=True):
                 self.results[client.id] = (new, loss, steps)
+                self.sources[client.id] = client.stage_input()
 
     # -- update encoding --------------------------------------------------------------------
     def encoded(
@@ -180,49 +195,70 @@ class TrainCohort:
             self.frames[pid] = (frames, kept, residual)
 
 
-def _mlp_steps(
+def _stage_steps(
     members: list[LazyClient], state: StateDict, round_: int, steps: int, lr: float, model: StageModel
 ) -> tuple[list[StateDict], list[float]]:
-    """Every member's local SGD steps on stage 0's MLP, weights stacked ``[members, ...]``.
+    """Every member's local SGD steps on one stage, weights stacked ``[members, ...]``.
 
-    A member alone runs ``Linear -> ReLU -> dropout -> Linear`` on its input rows after input
-    dropout, the cross-entropy mean over its rows, and ``p -= lr * (grad + wd * p)``; here each
-    of those is one batched operation over the members, rows padded to the largest member's
-    (padded rows weigh nothing). The masks are drawn per member, seeded as its own round is,
-    in its steps' order: input mask, then hidden mask, each step.
+    A member alone runs, each step, input dropout on its stage input, the stage's linear map
+    (stage 0's MLP on its training rows; a GCN stage on ``A x`` of its training rows, ``A`` the
+    rows' in-edges, as :func:`~retexo_fl.models.adjacency.run_conv` computes a layer that does
+    not narrow), ReLU, dropout, the head, the cross-entropy mean over its rows, and ``p -= lr *
+    (grad + wd * p)``. Here each of those is one batched operation over the members (the GCN
+    aggregation one block-diagonal product, whose rows are the members' own in order), rows
+    padded to the largest member's (padded rows weigh nothing). The masks are drawn per member,
+    seeded as its own round is, in its steps' order: input mask, then hidden mask, each step.
 
     Shapes:
         - **output:** per member a state of ``state``'s shapes (views of one stacked tensor per
           key), and the first step's loss
     """
     cfg = members[0].cfg
+    conv = model.kind != "mlp"
+    keys = _GCN_KEYS if conv else _MLP_KEYS
     n, width = len(members), max(m.num_train for m in members)
-    features, hidden = state["body.weight"].shape[1], state["body.weight"].shape[0]
-    x = torch.zeros(n, width, features)
+    hidden, features = state[keys[0]].shape
     labels = torch.zeros(n, width, dtype=torch.long)
     weight = torch.zeros(n, width)
     p_in, p_hidden = model.input_dropout.p, model.dropout.p
-    masks_in = torch.ones(steps, n, width, features) if p_in > 0 else None
+    inputs: list[Tensor] = []  # the stage input each member's input dropout covers
+    graphs: list[Tensor] = []  # a GCN member's training rows' in-edges (CSR over its input)
+    masks_in: list[list[Tensor | None]] = [[] for _ in range(steps)]
     masks_hidden = torch.ones(steps, n, width, hidden) if p_hidden > 0 else None
     for i, member in enumerate(members):
         rows = member.split_rows("train")
         r = rows.numel()
-        x[i, :r] = member.owned.index_select(0, rows)
         labels[i, :r] = member.train_labels()
         weight[i, :r] = 1.0 / r
+        if conv:
+            inputs.append(member.stage_input())
+            graphs.append(member.step_graph(model, rows, member.train_labels()))
+            targets = member.graph.num_owned  # a conv stage's hidden mask covers every owned row
+        else:
+            inputs.append(member.owned.index_select(0, rows))
+            targets = r
         seed_dropout(derive_seed(cfg.seed, *member.seed_tags(round_)), member.device)
         for s in range(steps):  # the draws of its own steps, in their order
-            if masks_in is not None:
-                masks_in[s, i, :r] = _mask((r, features), p_in)
+            masks_in[s].append(_mask(tuple(inputs[i].shape), p_in) if p_in > 0 else None)
             if masks_hidden is not None:
-                masks_hidden[s, i, :r] = _mask((r, hidden), p_hidden)
-    params = [state[k].detach().float().unsqueeze(0).repeat(n, *([1] * state[k].dim())) for k in _ORDER]
+                mask = _mask((targets, hidden), p_hidden)
+                masks_hidden[s, i, :r] = mask[rows] if conv else mask
+    stacked_inputs = torch.cat(inputs)
+    block = _block_diagonal(graphs, [t.shape[0] for t in inputs]) if conv else None
+    slots = torch.cat([torch.arange(m.num_train) + i * width for i, m in enumerate(members)])
+    params = [state[k].detach().float().unsqueeze(0).repeat(n, *([1] * state[k].dim())) for k in keys]
     w1, b1, w2, b2 = (p.requires_grad_() for p in params)
     decay = cfg.weight_decay
     first: Tensor | None = None
     for s in range(steps):
-        inputs = x if masks_in is None else x * masks_in[s]
-        h = torch.relu(torch.baddbmm(b1.unsqueeze(1), inputs, w1.transpose(1, 2)))
+        x = stacked_inputs
+        if p_in > 0:
+            x = x * torch.cat([m for m in masks_in[s] if m is not None])
+        if block is not None:
+            x = torch.sparse.mm(block, x)  # each member's training rows, as its own product
+        rows_in = torch.zeros(n * width, features)
+        rows_in[slots] = x
+        h = torch.relu(torch.baddbmm(b1.unsqueeze(1), rows_in.view(n, width, features), w1.transpose(1, 2)))
         if masks_hidden is not None:
             h = h * masks_hidden[s]
         logits = torch.baddbmm(b2.unsqueeze(1), h, w2.transpose(1, 2))
@@ -237,12 +273,39 @@ def _mlp_steps(
             for p, g in zip((w1, b1, w2, b2), grads, strict=True):
                 p.add_(g.add(p, alpha=decay) if decay else g, alpha=-lr)
     assert first is not None  # steps >= 1
-    stacked = {k: p.detach().to(state[k].dtype) for k, p in zip(_ORDER, (w1, b1, w2, b2), strict=True)}
-    news = [{k: stacked[k][i] for k in state} for i in range(n)]
+    trained = {k: p.detach().to(state[k].dtype) for k, p in zip(keys, (w1, b1, w2, b2), strict=True)}
+    news = [{k: trained[k][i] for k in state} for i in range(n)]
     return news, first.tolist()
 
 
-_ORDER = ("body.weight", "body.bias", "head.weight", "head.bias")
+def _ready(member: LazyClient) -> bool:
+    """Whether ``member`` holds its stage input (a conv stage's halo rows arrive with its own
+    first train message of the stage)."""
+    try:
+        member.stage_input()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _block_diagonal(graphs: list[Tensor], sources: list[int]) -> Tensor:
+    """One CSR matrix whose rows are each graph's, in order, and whose columns are each graph's
+    sources shifted past the earlier graphs': a product with it gives each graph's product."""
+    crows, cols, values = [torch.zeros(1, dtype=torch.int64)], [], []
+    entries = columns = 0
+    for graph, width in zip(graphs, sources, strict=True):
+        crows.append(graph.crow_indices()[1:].to(torch.int64) + entries)
+        cols.append(graph.col_indices().to(torch.int64) + columns)
+        values.append(graph.values())
+        entries += graph.values().numel()
+        columns += width
+    rows = sum(g.shape[0] for g in graphs)
+    return torch.sparse_csr_tensor(torch.cat(crows), torch.cat(cols), torch.cat(values), size=(rows, columns))
+
+
+#: The weights of stage 0's MLP and of a GCN stage, in the order the steps take them.
+_MLP_KEYS = ("body.weight", "body.bias", "head.weight", "head.bias")
+_GCN_KEYS = ("body.lin.weight", "body.bias", "head.weight", "head.bias")
 
 
 def _mask(shape: tuple[int, int], p: float) -> Tensor:

@@ -15,7 +15,7 @@ from retexo_fl.compress.boundary import ExchangeStats
 from retexo_fl.compress.payload import decode_rows
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partition import Partition
-from retexo_fl.models.adjacency import SPARSE_KINDS, sparse_adjacency
+from retexo_fl.models.adjacency import SPARSE_KINDS, is_sparse, sparse_adjacency
 from retexo_fl.models.factory import build_stage_model, stage_model_spec
 from retexo_fl.models.stage import StageModel, select_in_edges
 from retexo_fl.party.client import Client
@@ -309,6 +309,19 @@ class LazyClient(Client):
         else:
             plan.whole = (rows, select_in_edges(ei, w, rows, num_nodes))
         self._step_plan = plan
+
+    def step_graph(self, model: torch.nn.Module, rows: Tensor, labels: Tensor) -> Tensor:
+        """A conv stage's training rows' in-edges as a CSR matrix over :meth:`stage_input` (what
+        its local steps read, built once by :meth:`prepare_steps`; GCN and SAGE, no chunks).
+
+        Raises:
+            RuntimeError: a stage whose steps read another graph.
+        """
+        self.prepare_steps(model, rows, labels)
+        plan = self._step_plan
+        if plan is None or plan.whole is None or not is_sparse(plan.whole[1][0]):
+            raise RuntimeError(f"client {self.id}: stage {self.stage} steps over no row-restricted CSR graph")
+        return plan.whole[1][0]
 
     def step_gradients(self, model: torch.nn.Module, rows: Tensor, labels: Tensor, step: int) -> Tensor:
         """A local step's gradients; on a conv stage with ``chunk-rows``, that many training rows

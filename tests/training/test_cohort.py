@@ -56,7 +56,9 @@ def test_a_cohort_trains_and_encodes_as_each_client_alone(monkeypatch):
     together, states_together, served = _run(parts, cfg, monkeypatch, together=True)
     trainers = sum(int(p.train_mask.sum()) for p in parts)
     assert none == 0
-    assert served == 2 * trainers  # stage 0's two rounds (dropout on), every trainer in the cohort
+    # Stage 0's two rounds and the GCN stage's second, every trainer (dropout on); the GCN stage's
+    # first round brings the halo rows, so there a member trains alone until its own turn.
+    assert 3 * trainers <= served < 4 * trainers
     # Weights: the batched products of one row per member round as the per-client ones did here
     # (max difference 0.0 measured); the bound leaves room for another BLAS.
     for stage, state in states_alone.items():

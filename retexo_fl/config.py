@@ -217,6 +217,12 @@ class TrainingSettings:
         "lines say where each party computes",
     )
     threads: int = setting(0, "torch threads per client (0: torch's default)")
+    cohorts: bool = setting(
+        True,
+        "in process: the clients of a round whose local steps batch exactly (few training rows, "
+        "stage 0's MLP or a GCN stage, SGD) train and encode their updates as one computation, "
+        "with each one's own result; false: each client alone",
+    )
     chunk_rows: int = setting(0, "compute embeddings for this many target rows at a time (0: all at once)")
     round_seconds: float = setting(
         0.0, "local / eager: seconds of local training per round, time-based aggregation (0: local-epochs)"

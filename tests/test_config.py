@@ -35,7 +35,7 @@ USER_KEYS = {
     "drift-correction", "halo-gradients", "fraction-train",
     "precompute",
     "device", "round-seconds", "step-delay",
-    "profile", "threads",
+    "profile", "threads", "cohorts",
     "chunk-rows", "bits", "bit-policy", "byte-budget", "link-bandwidths", "time-budget",
     "rate-schedule", "update-bits", "broadcast-bits", "range-dtype", "encrypt", "identity-keys",
     "pinned-keys", "dp-noise", "dp-clip", "dp-delta", "dp-reproducible",

@@ -77,7 +77,9 @@ class TrainCohort:
     def eligible(client: LazyClient) -> bool:
         """Whether ``client``'s round batches exactly with others' (see the module)."""
         cfg = client.cfg
-        if cfg.mode != "lazy" or cfg.optimizer != "sgd" or cfg.momentum != 0 or cfg.norm != "none":
+        if not cfg.cohorts or cfg.mode != "lazy":
+            return False
+        if cfg.optimizer != "sgd" or cfg.momentum != 0 or cfg.norm != "none":
             return False
         if cfg.drift_correction != "none" or cfg.secure_aggregation or cfg.round_seconds:
             return False

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import retexo_fl.party.cohort as cohort_module
 from retexo_fl import protocol as P
 from retexo_fl.config import TrainConfig
 from retexo_fl.party.cohort import TrainCohort
@@ -32,9 +31,8 @@ def _node_level(**extra):
     return make_partitions(cfg), cfg
 
 
-def _run(parts, cfg, monkeypatch, *, together: bool):
+def _run(parts, cfg, monkeypatch):
     """The run's summary, every stage's kept state, and how many members the cohorts served."""
-    monkeypatch.setattr(cohort_module, "MIN_MEMBERS", 8 if together else 10**9)
     served = []
     trained = TrainCohort.trained
 
@@ -50,10 +48,10 @@ def _run(parts, cfg, monkeypatch, *, together: bool):
 
 
 def test_a_cohort_trains_and_encodes_as_each_client_alone(monkeypatch):
-    parts, cfg = _node_level()  # 8-bit updates: frames equal byte for byte only for equal weights
-    alone, states_alone, none = _run(parts, cfg, monkeypatch, together=False)
+    parts, cfg = _node_level(cohorts=False)  # 8-bit updates: equal frames need equal weights
+    alone, states_alone, none = _run(parts, cfg, monkeypatch)
     parts, cfg = _node_level()
-    together, states_together, served = _run(parts, cfg, monkeypatch, together=True)
+    together, states_together, served = _run(parts, cfg, monkeypatch)
     trainers = sum(int(p.train_mask.sum()) for p in parts)
     assert none == 0
     # Stage 0's two rounds and the GCN stage's second, every trainer (dropout on); the GCN stage's

@@ -61,10 +61,12 @@ def sparse_adjacency(
     crow = torch.zeros(num_targets + 1, dtype=torch.int64, device=src.device)
     torch.cumsum(counts, 0, out=crow[1:])
     values = torch.ones(src.numel(), device=src.device) if edge_weight is None else edge_weight[order].float()
-    return _csr(crow, src[order].to(torch.int64), values, (num_targets, num_sources))
+    return csr_tensor(crow, src[order].to(torch.int64), values, (num_targets, num_sources))
 
 
-def _csr(crow: Tensor, col: Tensor, values: Tensor, size: tuple[int, int]) -> Tensor:
+def csr_tensor(crow: Tensor, col: Tensor, values: Tensor, size: tuple[int, int]) -> Tensor:
+    """A CSR tensor of indices built sorted and in range (not checked again), without torch's
+    beta warning."""
     with warnings.catch_warnings():  # "CSR support is in beta": it is what PyG runs on
         warnings.simplefilter("ignore", UserWarning)
         # Built sorted and in range above: the invariant checks would only cost a pass.
@@ -93,7 +95,7 @@ def adjacency_select(adj: Tensor, rows: Tensor) -> Tensor:
     # Entry k of selected row i sits at starts[i] + k in the whole matrix.
     pos = torch.repeat_interleave(starts - new_crow[:-1], counts, output_size=total)
     pos += torch.arange(total, dtype=crow.dtype, device=crow.device)
-    return _csr(new_crow, col[pos], values[pos], (rows.numel(), adj.shape[1]))
+    return csr_tensor(new_crow, col[pos], values[pos], (rows.numel(), adj.shape[1]))
 
 
 def run_conv(

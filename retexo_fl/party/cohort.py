@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from retexo_fl import protocol as P
+from retexo_fl.models.adjacency import csr_tensor
 from retexo_fl.models.dropout import keep_mask
 from retexo_fl.models.stage import StageModel
 from retexo_fl.party.model_exchange import UPDATE_TAG
@@ -337,7 +338,7 @@ def _block_diagonal(graphs: list[Tensor], sources: list[int]) -> Tensor:
         entries += graph.values().numel()
         columns += width
     rows = sum(g.shape[0] for g in graphs)
-    return torch.sparse_csr_tensor(torch.cat(crows), torch.cat(cols), torch.cat(values), size=(rows, columns))
+    return csr_tensor(torch.cat(crows), torch.cat(cols), torch.cat(values), (rows, columns))
 
 
 #: The weights of stage 0's MLP and of a GCN stage, in the order the steps take them.

@@ -218,7 +218,7 @@ def _stage_steps(
     (grad + wd * p)``. Here each of those but the linear maps is one batched operation over the
     members (the GCN aggregation one block-diagonal product, whose rows are the members' own in
     order; the linear maps one call per member, :func:`_linear_each`), rows padded to the
-    largest member's (padded rows weigh nothing). The masks are drawn per member,
+    largest member's (padded rows are never read). The masks are drawn per member,
     seeded as its own round is, in its steps' order: input mask, then hidden mask, each step.
 
     Shapes:
@@ -231,7 +231,6 @@ def _stage_steps(
     n, width = len(members), max(m.num_train for m in members)
     hidden, features = state[keys[0]].shape
     labels = torch.zeros(n, width, dtype=torch.long)
-    weight = torch.zeros(n, width)
     p_in, p_hidden = model.input_dropout.p, model.dropout.p
     inputs: list[Tensor] = []  # the stage input each member's input dropout covers
     graphs: list[Tensor] = []  # a GCN member's training rows' in-edges (CSR over its input)
@@ -241,7 +240,6 @@ def _stage_steps(
         rows = member.split_rows("train")
         r = rows.numel()
         labels[i, :r] = member.train_labels()
-        weight[i, :r] = 1.0 / r
         if conv:
             inputs.append(member.stage_input())
             graphs.append(member.step_graph(model, rows, member.train_labels()))
@@ -275,10 +273,10 @@ def _stage_steps(
         if masks_hidden is not None:
             h = h * masks_hidden[s]
         logits = _linear_each(h, w2, b2, counts)
-        per_row = torch.nn.functional.cross_entropy(
-            logits.reshape(n * width, -1), labels.view(-1), reduction="none"
-        ).view(n, width)
-        losses = (per_row * weight).sum(dim=1)
+        # Each member's own mean over its rows: the sum divided by the count, as it computes it.
+        losses = torch.stack(
+            [torch.nn.functional.cross_entropy(logits[i, :r], labels[i, :r]) for i, r in enumerate(counts)]
+        )
         grads = torch.autograd.grad(losses.sum(), [w1, b1, w2, b2])
         if first is None:
             first = losses.detach()
@@ -308,7 +306,7 @@ def _linear_each(x: Tensor, weight: Tensor, bias: Tensor, counts: list[int]) -> 
     rows = [torch.nn.functional.linear(x[i, :r], weight[i], bias[i]) for i, r in enumerate(counts)]
     if all(r == width for r in counts):
         return torch.stack(rows)
-    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, total_length=width)
+    return torch.stack([torch.nn.functional.pad(t, (0, 0, 0, width - t.shape[0])) for t in rows])
 
 
 def _chunk(state: StateDict) -> int:

@@ -20,7 +20,7 @@ import logging
 import math
 import time
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,7 +33,7 @@ from retexo_fl.data.partition import Partition
 from retexo_fl.models.adjacency import SPARSE_KINDS, sparse_adjacency
 from retexo_fl.party.evaluation import Evaluation
 from retexo_fl.party.halo_exchange import HaloExchange
-from retexo_fl.party.model_exchange import ModelExchange
+from retexo_fl.party.model_exchange import ModelExchange, RoundCohort
 from retexo_fl.party.persistence import Persistence
 from retexo_fl.plan import BoundaryPlan, LocalGraph
 from retexo_fl.records import StateDict
@@ -41,9 +41,6 @@ from retexo_fl.scaffold import zeros_like_state
 from retexo_fl.secure.channel import PeerChannel
 from retexo_fl.secure.policy import PartyPolicy
 from retexo_fl.seeding import derive_seed, resolve_device, seed_dropout
-
-if TYPE_CHECKING:
-    from retexo_fl.party.cohort import TrainCohort
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +126,7 @@ class Client(HaloExchange, ModelExchange, Evaluation, Persistence, ABC):
         self.last_steps = 0  # local steps the last round took
         # In process, the train message's cohort this client trains and encodes with (set by
         # the engine around one message; retexo_fl.party.cohort), else None: it works alone.
-        self.cohort: TrainCohort | None = None
+        self.cohort: RoundCohort | None = None
 
     @property
     def id(self) -> int:

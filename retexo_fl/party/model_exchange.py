@@ -5,7 +5,7 @@ from where it started."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -18,9 +18,6 @@ from retexo_fl.scaffold import next_client_control, zeros_like_state
 from retexo_fl.secure.channel import PeerChannel
 from retexo_fl.seeding import derive_seed
 
-if TYPE_CHECKING:
-    from retexo_fl.party.cohort import TrainCohort
-
 #: Seed tag of a client's compressed-update rounding.
 UPDATE_TAG = 0xC0
 
@@ -29,6 +26,19 @@ UPDATE_TAG = 0xC0
 # each (at one node per client, most of a round): the first decodes, the others share the result
 # (views are never modified in place). A deployed client decodes its own, as before.
 _last_decode: tuple[StateDict, dict[str, bytes], StateDict] | None = None
+
+
+class RoundCohort(Protocol):
+    """The clients of one in-process train message that train and encode together
+    (:class:`~retexo_fl.party.cohort.TrainCohort`): what a member asks it."""
+
+    def trained(self, client: Any, state: StateDict, round_: int) -> tuple[StateDict, float, int] | None:
+        """``client``'s ``(new state, first step's loss, steps)``, or ``None``: it trains alone."""
+
+    def encoded(
+        self, client: Any, new: StateDict, base: StateDict, residual: StateDict | None
+    ) -> tuple[dict[str, bytes], StateDict] | None:
+        """``client``'s update frames and next residual, or ``None``: it encodes alone."""
 
 
 class ModelExchange:
@@ -45,7 +55,7 @@ class ModelExchange:
     kept: StateDict | None
     journal: list[Any] | None
     last_steps: int
-    cohort: TrainCohort | None
+    cohort: RoundCohort | None
     # The client's own (:class:`~retexo_fl.party.client.Client`):
     id: int
     seed_stage: int

@@ -67,7 +67,7 @@ class TrainCohort:
     alone.
 
     Args:
-        members (dict[int, LazyClient]): by partition id.
+        members (dict[int, LazyClient]): by partition id (:attr:`~retexo_fl.party.client.Client.id`).
     """
 
     def __init__(self, members: dict[int, LazyClient]) -> None:
@@ -102,13 +102,13 @@ class TrainCohort:
         """The cohort of a train message's requests (``None`` below :data:`MIN_MEMBERS`).
 
         Args:
-            clients (Mapping[int, LazyClient]): the addressed clients, by partition id.
-            requests (Mapping[int, Records]): their train requests.
+            clients (Mapping[int, LazyClient]): the addressed clients, by address.
+            requests (Mapping[int, Records]): their train requests, by the same addresses.
         """
-        members = {
-            pid: client
-            for pid, client in clients.items()
-            if not requests[pid][P.CONFIG].get(P.VALIDATE_ONLY) and cls.eligible(client)
+        members = {  # by the client's own id, whatever the transport addresses it by
+            client.id: client
+            for address, client in clients.items()
+            if not requests[address][P.CONFIG].get(P.VALIDATE_ONLY) and cls.eligible(client)
         }
         stages = {client.stage for client in members.values()}
         if len(members) < MIN_MEMBERS or len(stages) != 1:

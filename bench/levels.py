@@ -10,7 +10,9 @@ Levels, each a whole run with its mode's defaults (``TrainConfig.resolve``) and 
 
 Each row: test accuracy and its gap to the centralized GCN of the same seed (measured in the same
 benchmark), rounds sent, bytes per client per stage (boundary rows received, model state in
-rounds: mean over clients, and the largest client's, averaged over stages), in-process wall time,
+rounds: mean over clients, and the largest client's, averaged over stages), at node level the
+median device's boundary bytes per stage against its degree times one row's bytes (the median
+over nodes of distinct neighbours x hidden width x bits / 8), in-process wall time,
 and peak memory: the run's process (every client of the run, in process) and that divided by
 the clients. ``--simulation`` adds the node level's wall time in Flower simulation. Every run is
 its own process, so each peak is its own. Writes JSON and prints a table::
@@ -55,6 +57,27 @@ def _stage_means(per_client: dict, kind: str) -> tuple[float | None, float | Non
     )
 
 
+def _exchange_median(per_client: dict) -> float | None:
+    """The median client's boundary bytes received, averaged over the stages that exchange rows
+    (the last stage sends none)."""
+    stages = [v for k, v in per_client.items() if int(k) >= 0 and v["boundary_received"]["mean"] > 0]
+    return statistics.fmean(s["boundary_received"]["median"] for s in stages) if stages else None
+
+
+def degree_row_bytes(cfg) -> float:
+    """The median over nodes of (distinct neighbours x one embedding row's bytes): what one
+    device at node level must receive per stage at the least, before framing and sealing."""
+    import torch
+
+    from retexo_fl.data.loading import load_graph
+
+    data = load_graph(cfg)
+    ei = torch.cat([data.edge_index, data.edge_index.flip(0)], dim=1)
+    pairs = torch.unique(ei[:, ei[0] != ei[1]], dim=1)  # each neighbour once, either direction
+    degree = torch.bincount(pairs[1], minlength=data.num_nodes).float()
+    return float(degree.median()) * int(cfg.hidden) * int(cfg.bits) / 8
+
+
 def one(args: tuple[dict, str]) -> dict:
     """One run in this (fresh) process: its row."""
     job, root = args
@@ -88,6 +111,9 @@ def one(args: tuple[dict, str]) -> dict:
     if cfg.mode == "datacenter":  # every process receives its share of the rows, every epoch
         boundary_mean = boundary_max = (summary.get("bytes_total") or 0) / clients
     peak = peak_rss_mb()
+    boundary_median = reference = None
+    if job["level"] == "node":
+        boundary_median, reference = _exchange_median(per_client), degree_row_bytes(cfg)
     return {
         **job,
         "clients": clients,
@@ -97,6 +123,8 @@ def one(args: tuple[dict, str]) -> dict:
         "bytes_total": summary.get("bytes_total"),
         "boundary_per_client_stage_mean": boundary_mean,
         "boundary_per_client_stage_max": boundary_max,
+        "boundary_per_client_stage_median": boundary_median,
+        "degree_x_row_bytes_median": reference,
         "model_per_client_stage_mean": model_mean,
         "model_per_client_stage_max": model_max,
         "messages": summary.get("messages"),
@@ -110,12 +138,23 @@ def _fmt(v: float | None, scale: float = 1.0, digits: int = 1) -> str:
     return "-" if v is None else f"{v / scale:.{digits}f}"
 
 
+def _ratio(group: list[dict]) -> float | None:
+    """Mean over seeds of the median device's boundary bytes per stage over degree x row bytes."""
+    values = [
+        r["boundary_per_client_stage_median"] / r["degree_x_row_bytes_median"]
+        for r in group
+        if r.get("boundary_per_client_stage_median") and r.get("degree_x_row_bytes_median")
+    ]
+    return statistics.fmean(values) if values else None
+
+
 def table(rows: list[dict]) -> str:
     """The printed table: one line per (dataset, level, engine), means over seeds."""
     central = {(r["dataset"], r["seed"]): r["test_accuracy"] for r in rows if r["level"] == "centralized"}
     lines = [
         f"{'dataset':9} {'level':12} {'engine':10} {'clients':>7} {'test':>6} {'gap':>6} {'rounds':>6} "
-        f"{'rows KB/cl/st':>13} {'max':>8} {'model KB/cl/st':>14} {'max':>8} {'s':>7} {'peak MB':>8}"
+        f"{'rows KB/cl/st':>13} {'max':>8} {'median/deg*row':>14} {'model KB/cl/st':>14} {'max':>8} "
+        f"{'s':>7} {'peak MB':>8}"
     ]
     keys = sorted({(r["dataset"], r["level"], r.get("engine", "in-process")) for r in rows}, key=str)
     for dataset, level, engine in keys:
@@ -139,6 +178,7 @@ def table(rows: list[dict]) -> str:
             f"{(statistics.fmean(gaps) if gaps else 0.0):+6.3f} {_fmt(mean('rounds_sent'), 1, 0):>6} "
             f"{_fmt(mean('boundary_per_client_stage_mean'), 1e3):>13} "
             f"{_fmt(mean('boundary_per_client_stage_max'), 1e3):>8} "
+            f"{_fmt(_ratio(group), 1, 2):>14} "
             f"{_fmt(mean('model_per_client_stage_mean'), 1e3):>14} "
             f"{_fmt(mean('model_per_client_stage_max'), 1e3):>8} "
             f"{mean('seconds'):7.1f} {mean('peak_mb'):8.0f}"

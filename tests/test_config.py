@@ -236,6 +236,23 @@ def test_a_run_config_value_set_by_the_submitter_is_kept_even_at_the_lazy_defaul
     assert TrainConfig.from_run_config(fused).hidden == TrainConfig.resolve(mode="eager").hidden == 64
 
 
+def test_one_node_per_client_takes_the_node_level_defaults_where_nothing_was_given():
+    node = TrainConfig.resolve(method="node")
+    assert (node.server_optimizer, node.server_lr) == ("adam", 0.05)
+    assert TrainConfig.resolve(method="node", server_lr=0.1).server_lr == 0.1  # given wins
+    metis = TrainConfig.resolve(method="metis")
+    assert (metis.server_optimizer, metis.server_lr) == (["adam", "avg"], [0.05, 1.0])
+    assert TrainConfig.resolve(method="node", profile="exact").server_lr == 0.01  # exact is exact
+    assert TrainConfig.resolve(method="node", mode="eager").server_optimizer == "adam"  # eager's own
+    # Through Flower's run config: pyproject's list-valued defaults count as not given (they
+    # were compared with a missing default before, so every list-valued key read as given).
+    app = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    fused = {**app, "method": "node"}
+    for cfg in (TrainConfig.from_run_config(fused), TrainConfig.from_run_config(fused, ["method"])):
+        assert (cfg.server_optimizer, cfg.server_lr) == ("adam", 0.05)
+    assert TrainConfig.from_run_config({**app, "mode": "eager"}).server_lr == 0.01
+
+
 def test_secure_aggregation_settings_that_cannot_work_are_refused_by_name():
     TrainConfig(secure_aggregation=True, clients=4, secagg_threshold=3).validate()
     TrainConfig(secure_aggregation=True, clients=200).validate()  # the most that is measured

@@ -39,6 +39,13 @@ def _shared_models() -> OrderedDict[tuple, StageModel]:
     return models
 
 
+def _versions(state: StateDict, model: torch.nn.Module) -> tuple[int, ...]:
+    """The version counters of ``state``'s tensors and ``model``'s parameters and buffers: any
+    in-place change to one (a load, an optimizer step) moves its counter."""
+    tensors = [*state.values(), *model.parameters(), *model.buffers()]
+    return tuple(t._version for t in tensors)
+
+
 #: Seed tag of a client's boundary-row rounding.
 BOUNDARY_TAG = 0xB0
 
@@ -214,7 +221,13 @@ class LazyClient(Client):
             while len(models) > _SHARED_MODELS_KEPT:
                 models.popitem(last=False)
         models.move_to_end(key)
-        model.load_state_dict(state)
+        # A round's validators load the same broadcast state one after another: a model that
+        # holds it already, untouched since (no in-place change to it or to the state, which
+        # tensors' version counters would show), is not loaded again.
+        loaded = getattr(model, "_retexo_loaded", None)
+        if loaded is None or loaded[0] is not state or loaded[1] != _versions(state, model):
+            model.load_state_dict(state)
+            model._retexo_loaded = (state, _versions(state, model))
         return model
 
     def model_key(self) -> object:

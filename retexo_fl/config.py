@@ -401,8 +401,9 @@ MODE_DEFAULTS: dict[str, dict[str, Any]] = {
 #: server's Adam in every stage, not only stage 0. A client's round there is one example's
 #: steps, and FedAvg of such updates at server-lr 1 made the GCN stages swing: on CiteSeer
 #: (seed 1) stage 1 validated at 0.560 and its loss rose from 1.2 to 2.4 in 12 rounds. Chosen on
-#: validation over Cora and CiteSeer x 3 seeds against the lazy defaults and a lower client lr
-#: in the GCN stages (``bench/results/node-round-structure-2026-11-27.jsonl``).
+#: validation over Cora and CiteSeer x 3 seeds against the lazy defaults, a lower client lr in
+#: the GCN stages and higher pseudo-label thresholds
+#: (``bench/results/node-round-structure-2026-11-27.jsonl``).
 NODE_LEVEL_DEFAULTS: dict[str, Any] = {
     "server_optimizer": "adam",
     "server_lr": 0.05,

@@ -224,10 +224,19 @@ class LazyClient(Client):
         # A round's validators load the same broadcast state one after another: a model that
         # holds it already, untouched since (no in-place change to it or to the state, which
         # tensors' version counters would show), is not loaded again.
+        # The tensors themselves are kept and compared too: a dict given a new tensor under a
+        # key is the same dict, and a fresh tensor's counter may equal the old one's.
         loaded = getattr(model, "_retexo_loaded", None)
-        if loaded is None or loaded[0] is not state or loaded[1] != _versions(state, model):
+        tensors = tuple(state.values())
+        if (
+            loaded is None
+            or loaded[0] is not state
+            or len(loaded[1]) != len(tensors)
+            or any(a is not b for a, b in zip(loaded[1], tensors, strict=True))
+            or loaded[2] != _versions(state, model)
+        ):
             model.load_state_dict(state)
-            model._retexo_loaded = (state, _versions(state, model))
+            model._retexo_loaded = (state, tensors, _versions(state, model))
         return model
 
     def model_key(self) -> object:

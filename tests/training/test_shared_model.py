@@ -42,3 +42,10 @@ def test_a_shared_module_skips_only_a_load_it_already_holds(monkeypatch):
     next(iter(state.values())).add_(1.0)
     assert _holds(a.loaded_model(state), state) and len(loads) == 3
     assert _holds(a.loaded_model(dict(state)), state) and len(loads) == 4
+    # The same dict given a fresh tensor under a key whose old tensor was never changed in
+    # place: the version counters are equal (0 and 0), the tensor is another.
+    assert _holds(a.loaded_model(state), state) and len(loads) == 5
+    key = list(state)[1]
+    assert state[key]._version == 0
+    state[key] = torch.randn_like(state[key])
+    assert _holds(a.loaded_model(state), state) and len(loads) == 6

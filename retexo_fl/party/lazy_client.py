@@ -222,10 +222,10 @@ class LazyClient(Client):
                 models.popitem(last=False)
         models.move_to_end(key)
         # A round's validators load the same broadcast state one after another: a model that
-        # holds it already, untouched since (no in-place change to it or to the state, which
-        # tensors' version counters would show), is not loaded again.
-        # The tensors themselves are kept and compared too: a dict given a new tensor under a
-        # key is the same dict, and a fresh tensor's counter may equal the old one's.
+        # holds it already is not loaded again. "Already" means the same dict, the same tensors
+        # in it (a dict given a new tensor under a key is the same dict, and a fresh tensor's
+        # version counter may equal the old one's) and no in-place change since to them or to
+        # the model (a load, an optimizer step), which the version counters show.
         loaded = getattr(model, "_retexo_loaded", None)
         tensors = tuple(state.values())
         if (

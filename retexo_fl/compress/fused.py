@@ -161,10 +161,17 @@ def _cols(d: int) -> int:
 
 
 def row_ranges(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, int]:
+    """:func:`row_ranges_pending` with its fault code read (one host synchronization)."""
+    lo, hi, status = row_ranges_pending(x, dtype)
+    return lo, hi, int(status.max())
+
+
+def row_ranges_pending(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     """Each row's range ``[lo, hi]`` in ``dtype`` (fp16 or bf16), rounded outward, in one read
     of the block: the torch path's ``aminmax``, ``to`` and ``nextafter``, bit for bit.
 
-    The third value is read with one host synchronization: 0 when every row can be coded here,
+    The third value is each row's status, on the device and not yet read (so that the caller
+    can queue the rest of its work first); its largest is 0 when every row can be coded here,
     else the largest of each row's code, 1 (the row holds NaN or Inf), 2 (its range is beyond
     ``dtype``), 3 (its range spans more than float32 can step across) or 4 (bf16 only: an
     extreme is a float32 denormal); the caller then takes the torch path, which raises naming
@@ -172,7 +179,7 @@ def row_ranges(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, int]:
 
     Shapes:
         - **input:** ``x`` ``[k, d]`` float32, ``k, d > 0``
-        - **output:** ``lo``, ``hi`` ``[k]`` in ``dtype``
+        - **output:** ``lo``, ``hi`` ``[k]`` in ``dtype``, ``status`` ``[k]`` int8
     """
     k, d = x.shape
     lo = torch.empty(k, dtype=dtype, device=x.device)
@@ -184,7 +191,7 @@ def row_ranges(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, int]:
         BF16=dtype == torch.bfloat16, ROWS=_ROWS, COLS=_cols(d), TILES=triton_cdiv(d, _cols(d)),
         enable_fp_fusion=False,
     )  # fmt: skip
-    return lo, hi, int(status.max())
+    return lo, hi, status
 
 
 def quantize(x: Tensor, table: Tensor, shift: Tensor, inv: Tensor, offset: Tensor, levels: float) -> Tensor:

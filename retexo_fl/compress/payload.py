@@ -26,6 +26,7 @@ from retexo_fl.compress.quantize import (
     RANGE_DTYPES,
     QuantizedRows,
     dequantize_rows,
+    fixed_widths,
     packed_size,
     quantize_rows,
 )
@@ -148,7 +149,7 @@ def unpack_frame(
         offset += k
         want = frame_size(k, d, row_bits)
     else:
-        row_bits = torch.full((k,), bits, dtype=torch.uint8)
+        row_bits = fixed_widths(k, bits)
         want = frame_size(k, d, bits)
     if len(data) != want:
         raise PayloadError(
@@ -168,6 +169,8 @@ def unpack_frame(
             raise PayloadError(f"payload from {source}: a row range is wider than float32 can step")
     body = torch.from_numpy(np.frombuffer(data, np.uint8, len(data) - offset, offset).copy())
     q = QuantizedRows((k, d), row_bits, lo, hi, body, half)
+    if bits:
+        q._known_width(bits)
     if bits in (16, 32):
         values = dequantize_rows(q)
         if not bool(torch.isfinite(values).all()):

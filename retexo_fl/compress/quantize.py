@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -87,18 +87,47 @@ class QuantizedRows:
     data: Tensor
     half: str = "fp16"
 
+    #: ``uniform_bits`` of the ``bits`` tensor it was read from, with that tensor's version:
+    #: scanning a million-row block's widths costs more host time than the GPU's whole decode.
+    _width_read: tuple[Tensor, int, int | None] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+
     @property
     def uniform_bits(self) -> int | None:
         """The common bit width, or ``None`` when rows differ (32 for a block of no rows)."""
-        if self.bits.numel() == 0:
-            return 32
-        first = int(self.bits[0])
-        return first if bool((self.bits == first).all()) else None
+        bits = self.bits
+        read = self._width_read
+        if read is not None and read[0] is bits and read[1] == bits._version:
+            return read[2]
+        if bits.numel() == 0:
+            width = 32
+        else:
+            first = int(bits[0])
+            width = first if bool((bits == first).all()) else None
+        self._width_read = (bits, bits._version, width)
+        return width
+
+    def _known_width(self, width: int) -> QuantizedRows:
+        """Record that every row is ``width`` bits (the encoder's own knowledge), unscanned."""
+        self._width_read = (self.bits, self.bits._version, width)
+        return self
 
     @property
     def nbytes(self) -> int:
         """Bytes of codes and per-row ranges (what :func:`packed_size` predicts)."""
         return self.data.numel() + 2 * (self.lo.numel() + self.hi.numel())
+
+
+def fixed_widths(k: int, bits: int) -> Tensor:
+    """The ``[k]`` widths of a block coded at one ``bits``: one host byte viewed ``k`` times, not
+    ``k`` bytes filled (a read-only view; nothing writes a block's widths).
+
+    Args:
+        k (int): rows.
+        bits (int): the width of every row.
+    """
+    return torch.full((1,), bits, dtype=torch.uint8).expand(k)
 
 
 def packed_size(count: int, bits: int) -> int:
@@ -276,19 +305,56 @@ def _row_ranges(x: Tensor, half: str, where: str, compiled: bool) -> tuple[Tenso
     return lo, hi
 
 
-def _fused_ranges(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor] | None:
-    """The rows' ranges from the fused kernel (one read of the block, one host synchronization
-    instead of four), or ``None`` where it does not serve or a row cannot be coded: the torch
-    checks then name the fault."""
+def _fused_ranges(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor] | None:
+    """The rows' ranges from the fused kernel (one read of the block) with each row's status,
+    not yet read, or ``None`` where the kernel does not serve. A status above 0 means the torch
+    checks must take the block, to name its fault."""
     if not _fused(x):
         return None
     from retexo_fl.compress import fused
 
     try:
-        lo, hi, fault = fused.row_ranges(x, dtype)
+        return fused.row_ranges_pending(x, dtype)
     except fused.KernelUnavailable:
         return None
-    return (lo, hi) if fault == 0 else None
+
+
+def _rng_state(generator: torch.Generator | None, device: torch.device) -> Tensor:
+    """The random source's state (a CUDA generator's is its seed and offset, held on the host:
+    reading it waits for nothing)."""
+    if generator is not None:
+        return generator.get_state()
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_rng_state(generator: torch.Generator | None, device: torch.device, state: Tensor) -> None:
+    if generator is not None:
+        generator.set_state(state)
+    elif device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+def _quantize_fused(
+    x: Tensor, bits: int, ranges: tuple[Tensor, Tensor, Tensor], generator: torch.Generator | None
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """``(lo, hi, packed codes)`` of a block at one width, with the fused ranges' status read
+    only after the codes are queued, or ``None`` (the random source as it was) when a row
+    needs the torch checks.
+
+    Reading the status at once left the GPU idle while the host queued the scales, the dither
+    and the encoder, a third of a million-row encode; the codes of a refused block are dropped.
+    """
+    lo, hi, status = ranges
+    state = _rng_state(generator, x.device)
+    packed = _pack(_quantize_group(x, lo, hi, bits, generator, False), bits, False)
+    if int(status.max()) == 0:
+        return lo, hi, packed
+    # The refused block's dither was drawn: the torch path draws it again, as a call that never
+    # tried the kernels would (so a block retried in bf16 gets the codes a bf16 call gives).
+    _set_rng_state(generator, x.device, state)
+    return None
 
 
 def quantize_rows(
@@ -394,13 +460,14 @@ def quantize_stacked(
     except CodecError:
         return one_by_one()  # the block's own call names it (or sends it in bf16)
     inv, offset, levels = _scales(lo, hi, bits)
-    row_bits = torch.full((k,), bits, dtype=torch.uint8)
+    row_bits = fixed_widths(k, bits)
     out = []
     for i in range(n):
         rows = slice(i * k, (i + 1) * k)
         table, shift = _dither(k, d, generators[i], flat.device)
         codes = _group_codes(flat[rows], table, shift, inv[rows], offset[rows], levels, compiled)
-        out.append(QuantizedRows((k, d), row_bits, lo[rows], hi[rows], _pack(codes, bits, compiled), half))
+        block = QuantizedRows((k, d), row_bits, lo[rows], hi[rows], _pack(codes, bits, compiled), half)
+        out.append(block._known_width(bits))
     return out
 
 
@@ -436,9 +503,10 @@ def _quantize_rows(
                     raise overflow
                 _refuse_nonfinite(x, bad_rows, where)
             data = values.view(-1).view(torch.uint8)
-            return QuantizedRows((k, d), torch.full((k,), bits, dtype=torch.uint8), empty, empty, data, half)
+            row_bits = fixed_widths(k, bits)
+            return QuantizedRows((k, d), row_bits, empty, empty, data, half)._known_width(bits)
         # On the host, as for passthrough: reading one width back is then no device round trip.
-        row_bits = torch.full((k,), bits, dtype=torch.uint8)
+        row_bits = fixed_widths(k, bits)
     else:
         row_bits = bits.to(device=x.device, dtype=torch.uint8).view(-1)
         if row_bits.numel() != k:
@@ -450,12 +518,20 @@ def _quantize_rows(
         return QuantizedRows((k, d), row_bits, lo, hi, torch.empty(0, dtype=torch.uint8), half)
     compiled = native.usable(x)  # decided once for the whole block
     ranges = None if compiled else _fused_ranges(x, RANGE_DTYPES[half])
+    if ranges is not None and isinstance(bits, int):
+        done = _quantize_fused(x, bits, ranges, generator)
+        if done is not None:
+            return QuantizedRows((k, d), row_bits, *done, half)._known_width(bits)
+        ranges = None
+    elif ranges is not None:
+        ranges = ranges[:2] if int(ranges[2].max()) == 0 else None
     lo, hi = ranges if ranges is not None else _row_ranges(x, half, where, compiled)
     parts = []
     for b, sel in _width_groups(row_bits, bits if isinstance(bits, int) else None):
         xs, ls, hs = (x, lo, hi) if sel is None else (x[sel], lo[sel], hi[sel])
         parts.append(_pack(_quantize_group(xs, ls, hs, b, generator, compiled), b, compiled))
-    return QuantizedRows((k, d), row_bits, lo, hi, torch.cat(parts) if len(parts) > 1 else parts[0], half)
+    out = QuantizedRows((k, d), row_bits, lo, hi, torch.cat(parts) if len(parts) > 1 else parts[0], half)
+    return out._known_width(bits) if isinstance(bits, int) else out
 
 
 def dequantize_rows(q: QuantizedRows) -> Tensor:

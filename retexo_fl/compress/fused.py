@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -53,17 +54,32 @@ except ImportError:  # pragma: no cover - CPU-only installs
 if triton is not None:
 
     @triton.jit
+    def _row_scales(lo, hi, rows, live, per_level):
+        # The torch path's scales on a GPU, rounding for rounding: step = (hi - lo) / levels,
+        # which torch computes for a host scalar as (hi - lo) * (1 / levels), 1 / levels rounded
+        # once on the host; inv = where(step > 0, 1 / max(step, tiny), 0), an IEEE division
+        # (div_rn; Triton's "/" is an approximate one); offset = lo * inv.
+        low = tl.load(lo + rows, mask=live, other=0.0).to(tl.float32)
+        high = tl.load(hi + rows, mask=live, other=0.0).to(tl.float32)
+        step = (high - low) * per_level
+        one = tl.full(step.shape, 1.0, tl.float32)
+        inv = tl.where(step > 0, tl.div_rn(one, tl.maximum(step, 1.1754943508222875e-38)), 0.0)
+        return low, step, inv, low * inv
+
+    @triton.jit
     def encode(
-        x, table, shift, inv, offset, out, k, d, block, levels, ROWS: tl.constexpr, COLS: tl.constexpr
-    ):
+        x, table, shift, lo, hi, out, k, d, block, levels, per_level,
+        ROWS: tl.constexpr, COLS: tl.constexpr,
+    ):  # fmt: skip
         # One program: ROWS rows x COLS columns (grid: row tiles x column tiles).
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
         live = rows < k
         m = live[:, None] & (cols[None, :] < d)
         r = tl.load(shift + rows, mask=live, other=0.0)[:, None]
-        scale = tl.load(inv + rows, mask=live, other=0.0)[:, None]
-        minus = -tl.load(offset + rows, mask=live, other=0.0)[:, None]
+        _, _, inv, offset = _row_scales(lo, hi, rows, live, per_level)
+        scale = inv[:, None]
+        minus = -offset[:, None]
         at = rows[:, None] * d + cols[None, :]
         values = tl.load(x + at, mask=m, other=0.0)
         dither = tl.load(table + (rows % block)[:, None] * d + cols[None, :], mask=m, other=0.0)
@@ -124,16 +140,15 @@ if triton is not None:
         tl.store(status + rows, code.to(tl.int8), mask=live)
 
     @triton.jit
-    def decode(codes, lo, step, out, k, d, ROWS: tl.constexpr, COLS: tl.constexpr):
+    def decode(codes, lo, hi, out, k, d, per_level, ROWS: tl.constexpr, COLS: tl.constexpr):
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
         live = rows < k
         m = live[:, None] & (cols[None, :] < d)
-        low = tl.load(lo + rows, mask=live, other=0.0)[:, None]
-        width = tl.load(step + rows, mask=live, other=0.0)[:, None]
+        low, width, _, _ = _row_scales(lo, hi, rows, live, per_level)
         at = rows[:, None] * d + cols[None, :]
         code = tl.load(codes + at, mask=m, other=0).to(tl.float32)
-        tl.store(out + at, code * width + low, mask=m)
+        tl.store(out + at, code * width[:, None] + low[:, None], mask=m)
 
 
 def usable(*tensors: Tensor) -> bool:
@@ -194,12 +209,20 @@ def row_ranges_pending(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, T
     return lo, hi, status
 
 
-def quantize(x: Tensor, table: Tensor, shift: Tensor, inv: Tensor, offset: Tensor, levels: float) -> Tensor:
-    """Codes of ``[k, d]`` rows: ``clamp(x * inv + frac(table[i mod block] + shift[i]) - offset,
-    0, levels)`` cast to uint8, as the torch path computes them.
+def per_level(levels: float) -> float:
+    """``1 / levels`` rounded once to float32, as torch's GPU division by a host scalar takes it."""
+    return float(np.float32(1.0) / np.float32(levels))
+
+
+def quantize(x: Tensor, table: Tensor, shift: Tensor, lo: Tensor, hi: Tensor, levels: float) -> Tensor:
+    """Codes of ``[k, d]`` rows ranged ``[lo, hi]``: ``clamp(x * inv + frac(table[i mod block] +
+    shift[i]) - offset, 0, levels)`` cast to uint8, with the rows' scales (``inv``, ``offset``)
+    computed in the kernel as the torch path computes them (:func:`quantize._scales`): queued
+    from the host, they were eight small launches, and the GPU waited on them.
 
     Shapes:
-        - **input:** ``x`` ``[k, d]``, ``table`` ``[block, d]``, ``shift``, ``inv``, ``offset`` ``[k]``
+        - **input:** ``x`` ``[k, d]``, ``table`` ``[block, d]``, ``shift`` ``[k]``, ``lo``, ``hi``
+          ``[k]`` fp16 / bf16
         - **output:** ``[k, d]`` uint8
     """
     k, d = x.shape
@@ -207,34 +230,28 @@ def quantize(x: Tensor, table: Tensor, shift: Tensor, inv: Tensor, offset: Tenso
     grid = (triton_cdiv(k, _ROWS), triton_cdiv(d, _cols(d)))
     _launch(
         encode, grid,
-        x.contiguous(), table.contiguous(), shift.contiguous(), inv.contiguous(), offset.contiguous(),
-        out, k, d, table.shape[0], levels, ROWS=_ROWS, COLS=_cols(d), enable_fp_fusion=False,
+        x.contiguous(), table.contiguous(), shift.contiguous(), lo.contiguous(), hi.contiguous(),
+        out, k, d, table.shape[0], levels, per_level(levels),
+        ROWS=_ROWS, COLS=_cols(d), enable_fp_fusion=False,
     )  # fmt: skip
     return out
 
 
-def dequantize(codes: Tensor, lo: Tensor, step: Tensor) -> Tensor:
-    """Rows ``codes * step + lo`` (two roundings, as the torch path).
+def dequantize(codes: Tensor, lo: Tensor, hi: Tensor, levels: float) -> Tensor:
+    """Rows ``codes * step + lo``, ``step = (hi - lo) / levels``, as the torch path computes them
+    (two roundings for the rows, two for the step).
 
     Shapes:
-        - **input:** ``codes`` ``[k, d]`` uint8, ``lo``, ``step`` ``[k]`` float32
+        - **input:** ``codes`` ``[k, d]`` uint8, ``lo``, ``hi`` ``[k]`` fp16 / bf16
         - **output:** ``[k, d]`` float32
     """
     k, d = codes.shape
     out = torch.empty(k, d, dtype=torch.float32, device=codes.device)
     _launch(
-        decode,
-        (triton_cdiv(k, _ROWS), triton_cdiv(d, _cols(d))),
-        codes.contiguous(),
-        lo.contiguous(),
-        step.contiguous(),
-        out,
-        k,
-        d,
-        ROWS=_ROWS,
-        COLS=_cols(d),
-        enable_fp_fusion=False,
-    )
+        decode, (triton_cdiv(k, _ROWS), triton_cdiv(d, _cols(d))),
+        codes.contiguous(), lo.contiguous(), hi.contiguous(), out, k, d, per_level(levels),
+        ROWS=_ROWS, COLS=_cols(d), enable_fp_fusion=False,
+    )  # fmt: skip
     return out
 
 

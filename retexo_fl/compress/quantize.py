@@ -15,6 +15,7 @@ packed group by group, in increasing bit width, each group in row order.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -217,8 +218,15 @@ def _quantize_group(
 ) -> Tensor:
     """Codes of a ``[k, d]`` group whose rows all use ``bits``; flat ``[k * d]`` uint8."""
     k, d = x.shape
-    inv, offset, levels = _scales(lo, hi, bits)
     table, shift = _dither(k, d, generator, x.device)
+    if not compiled and _fused(x):
+        from retexo_fl.compress import fused
+
+        try:
+            return fused.quantize(x, table, shift, lo, hi, float((1 << bits) - 1)).view(-1)
+        except fused.KernelUnavailable:
+            pass  # the torch ops below, on the same dither: the same codes
+    inv, offset, levels = _scales(lo, hi, bits)
     return _group_codes(x, table, shift, inv, offset, levels, compiled)
 
 
@@ -230,13 +238,6 @@ def _group_codes(
     block = table.shape[0]
     if compiled:
         return native.quantize(x, table, shift, inv, offset, levels).view(-1)
-    if _fused(x):
-        from retexo_fl.compress import fused
-
-        try:
-            return fused.quantize(x, table, shift, inv, offset, levels).view(-1)
-        except fused.KernelUnavailable:
-            pass  # the torch ops below: the same codes
     # The same single-rounding float32 operations as the compiled loop, in its order, so codes
     # are equal with and without a compiler (native.py).
     codes = torch.empty(k, d, dtype=torch.uint8, device=x.device)
@@ -562,18 +563,20 @@ def dequantize_rows(q: QuantizedRows) -> Tensor:
         codes = _unpack(q.data[offset : offset + size], b, n, compiled).view(-1, d)
         offset += size
         lo, hi = (q.lo, q.hi) if sel is None else (q.lo[sel], q.hi[sel])
-        lo, hi = lo.float(), hi.float()
-        step = (hi - lo) / float((1 << b) - 1)
-        if compiled or fused:
+        rows = None
+        if fused:
+            from retexo_fl.compress import fused as kernels
+
+            with contextlib.suppress(kernels.KernelUnavailable):  # else the torch ops: the same values
+                rows = kernels.dequantize(codes, lo, hi, float((1 << b) - 1))
+        if rows is None:
+            lo, hi = lo.float(), hi.float()
+            step = (hi - lo) / float((1 << b) - 1)
             if compiled:
                 rows = native.dequantize(codes, lo, step)
-            else:
-                from retexo_fl.compress import fused as kernels
-
-                try:
-                    rows = kernels.dequantize(codes, lo, step)
-                except kernels.KernelUnavailable:  # the torch ops: the same values
-                    rows = torch.mul(codes.float(), step[:, None]).add_(lo[:, None])
+            elif fused:
+                rows = torch.mul(codes.float(), step[:, None]).add_(lo[:, None])
+        if rows is not None:
             if out is None:
                 return rows
             out[sel] = rows

@@ -170,7 +170,7 @@ def unpack_frame(
     body = torch.from_numpy(np.frombuffer(data, np.uint8, len(data) - offset, offset).copy())
     q = QuantizedRows((k, d), row_bits, lo, hi, body, half)
     if bits:
-        q._known_width(bits)
+        q.known_width(bits)
     if bits in (16, 32):
         values = dequantize_rows(q)
         if not bool(torch.isfinite(values).all()):

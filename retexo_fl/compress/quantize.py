@@ -109,8 +109,13 @@ class QuantizedRows:
         self._width_read = (bits, bits._version, width)
         return width
 
-    def _known_width(self, width: int) -> QuantizedRows:
-        """Record that every row is ``width`` bits (the encoder's own knowledge), unscanned."""
+    def known_width(self, width: int) -> QuantizedRows:
+        """This block, recorded as ``width`` bits in every row without a scan: for its encoder,
+        or a frame whose header gave one width, which know it.
+
+        Args:
+            width (int): the width every row has.
+        """
         self._width_read = (self.bits, self.bits._version, width)
         return self
 
@@ -468,7 +473,7 @@ def quantize_stacked(
         table, shift = _dither(k, d, generators[i], flat.device)
         codes = _group_codes(flat[rows], table, shift, inv[rows], offset[rows], levels, compiled)
         block = QuantizedRows((k, d), row_bits, lo[rows], hi[rows], _pack(codes, bits, compiled), half)
-        out.append(block._known_width(bits))
+        out.append(block.known_width(bits))
     return out
 
 
@@ -505,7 +510,7 @@ def _quantize_rows(
                 _refuse_nonfinite(x, bad_rows, where)
             data = values.view(-1).view(torch.uint8)
             row_bits = fixed_widths(k, bits)
-            return QuantizedRows((k, d), row_bits, empty, empty, data, half)._known_width(bits)
+            return QuantizedRows((k, d), row_bits, empty, empty, data, half).known_width(bits)
         # On the host, as for passthrough: reading one width back is then no device round trip.
         row_bits = fixed_widths(k, bits)
     else:
@@ -522,7 +527,7 @@ def _quantize_rows(
     if ranges is not None and isinstance(bits, int):
         done = _quantize_fused(x, bits, ranges, generator)
         if done is not None:
-            return QuantizedRows((k, d), row_bits, *done, half)._known_width(bits)
+            return QuantizedRows((k, d), row_bits, *done, half).known_width(bits)
         ranges = None
     elif ranges is not None:
         ranges = ranges[:2] if int(ranges[2].max()) == 0 else None
@@ -532,7 +537,7 @@ def _quantize_rows(
         xs, ls, hs = (x, lo, hi) if sel is None else (x[sel], lo[sel], hi[sel])
         parts.append(_pack(_quantize_group(xs, ls, hs, b, generator, compiled), b, compiled))
     out = QuantizedRows((k, d), row_bits, lo, hi, torch.cat(parts) if len(parts) > 1 else parts[0], half)
-    return out._known_width(bits) if isinstance(bits, int) else out
+    return out.known_width(bits) if isinstance(bits, int) else out
 
 
 def dequantize_rows(q: QuantizedRows) -> Tensor:

@@ -15,7 +15,13 @@ import torch
 from torch import Tensor
 
 from retexo_fl.compress.payload import HEADER_BYTES, decode_rows, encode_rows, pack_frame, unpack_frame
-from retexo_fl.compress.quantize import RANGE_DTYPES, QuantizedRows, dequantize_rows, quantize_stacked
+from retexo_fl.compress.quantize import (
+    RANGE_DTYPES,
+    QuantizedRows,
+    dequantize_rows,
+    fixed_widths,
+    quantize_stacked,
+)
 from retexo_fl.compress.settings import QUANT_BITS
 
 StateDict = dict[str, Tensor]
@@ -33,13 +39,13 @@ def _dequantize_stack(blocks: list[QuantizedRows]) -> Tensor:
         return torch.stack([dequantize_rows(q) for q in blocks])
     joined = QuantizedRows(
         (k * len(blocks), d),
-        torch.full((k * len(blocks),), bits, dtype=torch.uint8),
+        fixed_widths(k * len(blocks), bits),
         torch.cat([q.lo for q in blocks]),
         torch.cat([q.hi for q in blocks]),
         torch.cat([q.data for q in blocks]),
         blocks[0].half,
     )
-    return dequantize_rows(joined).view(len(blocks), k, d)
+    return dequantize_rows(joined.known_width(bits)).view(len(blocks), k, d)
 
 
 def _unpack_stack(frames: list[bytes], k: int, d: int, half: str) -> Tensor | None:
@@ -56,10 +62,8 @@ def _unpack_stack(frames: list[bytes], k: int, d: int, half: str) -> Tensor | No
     if not finite or not bool(torch.isfinite(hi.float() - lo.float()).all()):
         return None
     codes = torch.from_numpy(table[:, HEADER_BYTES + 4 * k :].copy()).reshape(-1)
-    joined = QuantizedRows(
-        (k * len(frames), d), torch.full((k * len(frames),), bits, dtype=torch.uint8), lo, hi, codes, half
-    )
-    return dequantize_rows(joined).view(len(frames), k, d)
+    joined = QuantizedRows((k * len(frames), d), fixed_widths(k * len(frames), bits), lo, hi, codes, half)
+    return dequantize_rows(joined.known_width(bits)).view(len(frames), k, d)
 
 
 class UpdateCodec:

@@ -155,6 +155,12 @@ class TrainingSettings:
         "lazy: the fraction of the clients with training nodes that train in a round, sampled "
         "each round from the run's seed (Flower's fraction-train); the others only validate",
     )
+    clients_per_round: int = setting(
+        0,
+        "lazy: at most this many clients with training nodes train in a round, sampled each round "
+        "from the run's seed after fraction-train (cross-device training's clients per round); "
+        "the others only validate. 0: no cap",
+    )
     weight_decay: float = setting(5e-4, "L2 weight decay")
     patience: int = setting(
         5, "early stopping: rounds without a validation gain before a stage stops (0: never)"
@@ -251,12 +257,18 @@ class TrainingSettings:
             raise ValueError("threads and chunk-rows must be >= 0")
         if not 0 < self.fraction_train <= 1:
             raise ValueError(f"fraction-train must be in (0, 1], got {self.fraction_train}")
-        if self.fraction_train < 1 and (self.mode != "lazy" or self.drift_correction != "none"):
-            raise ValueError(
-                "fraction-train below 1 samples a lazy run's trainers: not eager or local runs (every "
-                "client refreshes its rows each round) nor drift-correction (every control variate "
-                f"advances each round); got mode {self.mode}, drift-correction {self.drift_correction}"
-            )
+        if self.clients_per_round < 0:
+            raise ValueError(f"clients-per-round must be >= 0 (0: no cap), got {self.clients_per_round}")
+        for name, samples in (
+            ("fraction-train below 1", self.fraction_train < 1),
+            ("clients-per-round", self.clients_per_round > 0),
+        ):
+            if samples and (self.mode != "lazy" or self.drift_correction != "none"):
+                raise ValueError(
+                    f"{name} samples a lazy run's trainers: not eager or local runs (every client "
+                    "refreshes its rows each round) nor drift-correction (every control variate "
+                    f"advances each round); got mode {self.mode}, drift-correction {self.drift_correction}"
+                )
         if self.patience < 0 or self.min_rounds < 0 or self.warm_min_rounds < 0:
             raise ValueError(
                 "patience, min-rounds and warm-min-rounds must be >= 0, got "
@@ -572,10 +584,12 @@ class TrainConfig:
                 "drift-correction scaffold trains federated modes (lazy, eager, local) without "
                 "dp-noise: control variates derived from clipped, noised updates are not supported"
             )
-        if self.fraction_train < 1 and (self.dp_noise > 0 or self.secure_aggregation):
+        if (self.fraction_train < 1 or self.clients_per_round > 0) and (
+            self.dp_noise > 0 or self.secure_aggregation
+        ):
             raise ValueError(
-                "fraction-train below 1 with dp-noise or secure-aggregation: DP's accounting and "
-                "secure aggregation's masking set take every client in every round"
+                "fraction-train below 1 or clients-per-round with dp-noise or secure-aggregation: DP's "
+                "accounting and secure aggregation's masking set take every client in every round"
             )
         if self.halo_gradients and self.boundary_noise > 0:
             raise ValueError(

@@ -32,7 +32,7 @@ USER_KEYS = {
     "pseudo-threshold", "pseudo-per-class", "pass-init", "rounds", "local-epochs", "optimizer", "momentum",
     "lr", "server-optimizer", "server-lr", "weight-decay", "dropout", "input-dropout", "norm",
     "heads", "root-weight", "first-stage", "patience", "min-rounds", "warm-min-rounds", "stop-metric",
-    "drift-correction", "halo-gradients", "fraction-train",
+    "drift-correction", "halo-gradients", "fraction-train", "clients-per-round",
     "precompute",
     "device", "round-seconds", "step-delay",
     "profile", "threads", "cohorts",

@@ -89,22 +89,25 @@ class FedAvgRound:
 
         A lazy stage's rounds go to the clients that hold training or validation nodes; a client
         with validation nodes only validates (:data:`~retexo_fl.protocol.VALIDATE_ONLY`) and sends
-        no update. With ``fraction-train`` below 1, only a sample of the clients with training
-        nodes trains; the others only validate (they still receive the round's broadcast, from
-        which the next round's delta is taken). A client with neither is sent nothing until the
-        stage's test: at one node per client, most clients. Every live client takes part in an
-        eager run's rounds (its halo rows refresh every round), in a local run's and under
-        DP-FedAvg, whose weights and noise are per participant.
+        no update. With ``fraction-train`` below 1 or ``clients-per-round`` set, only a sample of
+        the clients with training nodes trains; the others only validate (they still receive the
+        round's broadcast, from which the next round's delta is taken). A client with neither is
+        sent nothing until the stage's test: at one node per client, most clients. Every live
+        client takes part in an eager run's rounds (its halo rows refresh every round), in a
+        local run's and under DP-FedAvg, whose weights and noise are per participant.
         """
         fed, cfg = self.fed, self.fed.cfg
         if cfg.mode != "lazy" or fed.privacy is not None:
             return fed.pids, []
         train = [p for p in fed.pids if fed.trains(p)]
         self.validate_only = {p for p in fed.pids if not fed.trains(p) and fed.validates(p)}
-        if cfg.fraction_train < 1 and train:
-            # Flower's convention: that fraction of the candidates, at least one. The sample is a
-            # function of the seed, stage and round, so a resumed server draws it again.
-            k = max(1, int(cfg.fraction_train * len(train)))
+        k = max(1, int(cfg.fraction_train * len(train))) if train else 0
+        if cfg.clients_per_round:
+            k = min(k, cfg.clients_per_round)
+        if k < len(train):
+            # Flower's convention: that fraction of the candidates, at least one, then at most
+            # clients-per-round. The sample is a function of the seed, stage and round, so a
+            # resumed server draws it again.
             rng = random.Random(derive_seed(cfg.seed, self.stage, self.round, SAMPLE_TAG))
             sampled = set(rng.sample(train, k))
             self.validate_only |= set(train) - sampled

@@ -113,3 +113,29 @@ def test_a_fraction_of_the_trainers_trains_each_round_sampled_from_the_seed(node
     assert [x for x in t_again.sent if x[0] == P.TRAIN] == [x for x in transport.sent if x[0] == P.TRAIN]
     assert again["test_accuracy"] == summary["test_accuracy"]
     assert math.isfinite(summary["test_accuracy"])
+
+
+def test_clients_per_round_caps_the_sample(node_level):
+    """``clients-per-round 4``: 4 of the 18 clients with a training node train each round (after
+    ``fraction-train``, whose sample it caps), a sample of the seed; a cap above the candidates
+    changes nothing."""
+    summary, transport = _run(node_level, clients_per_round=4)
+    trainers = {p.partition_id for p in node_level if int(p.train_mask.sum())}
+    train = [(s, a, v) for kind, s, a, v in transport.sent if kind == P.TRAIN]
+    rounds = [train[i : i + 30] for i in range(0, len(train), 30)]
+    assert rounds and all(len(batch) == 30 for batch in rounds)
+    samples = [{a for _, a, v in batch if not v} for batch in rounds]
+    assert all(len(s) == 4 and s <= trainers for s in samples)
+    assert len({frozenset(s) for s in samples}) > 1, "a new sample each round"
+    capped, t_capped = _run(node_level, fraction_train=0.5, clients_per_round=4)
+    assert all(len({a for kind, _, a, v in batch if not v}) == 4 for batch in _rounds(t_capped))
+    uncapped, t_uncapped = _run(node_level, clients_per_round=100)
+    everyone, t_everyone = _run(node_level)
+    assert [x for x in t_uncapped.sent if x[0] == P.TRAIN] == [x for x in t_everyone.sent if x[0] == P.TRAIN]
+    assert uncapped["test_accuracy"] == everyone["test_accuracy"]
+    assert math.isfinite(summary["test_accuracy"]) and math.isfinite(capped["test_accuracy"])
+
+
+def _rounds(transport) -> list[list[tuple]]:
+    train = [x for x in transport.sent if x[0] == P.TRAIN]
+    return [train[i : i + 30] for i in range(0, len(train), 30)]

@@ -238,7 +238,15 @@ def test_a_run_config_value_set_by_the_submitter_is_kept_even_at_the_lazy_defaul
 
 def test_one_node_per_client_takes_the_node_level_defaults_where_nothing_was_given():
     node = TrainConfig.resolve(method="node")
-    assert (node.server_optimizer, node.server_lr) == ("adam", 0.05)
+    assert (node.server_optimizer, node.server_lr, node.clients_per_round) == ("adam", 0.05, 512)
+    assert TrainConfig.resolve(method="metis").clients_per_round == 0
+    # Where every client must take every round, no cap is set (and the run is not refused).
+    for every_round in ({"secure_aggregation": True, "clients": 150}, {"dp_noise": 0.5},
+                        {"drift_correction": "scaffold"}):  # fmt: skip
+        cfg = TrainConfig.resolve(method="node", **every_round)
+        assert cfg.clients_per_round == 0 and cfg.server_lr == 0.05
+        cfg.validate()
+    assert TrainConfig.resolve(method="node", clients_per_round=0).clients_per_round == 0  # given wins
     assert TrainConfig.resolve(method="node", server_lr=0.1).server_lr == 0.1  # given wins
     metis = TrainConfig.resolve(method="metis")
     assert (metis.server_optimizer, metis.server_lr) == (["adam", "avg"], [0.05, 1.0])
@@ -249,7 +257,7 @@ def test_one_node_per_client_takes_the_node_level_defaults_where_nothing_was_giv
     app = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     fused = {**app, "method": "node"}
     for cfg in (TrainConfig.from_run_config(fused), TrainConfig.from_run_config(fused, ["method"])):
-        assert (cfg.server_optimizer, cfg.server_lr) == ("adam", 0.05)
+        assert (cfg.server_optimizer, cfg.server_lr, cfg.clients_per_round) == ("adam", 0.05, 512)
     assert TrainConfig.from_run_config({**app, "mode": "eager"}).server_lr == 0.01
 
 

@@ -47,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -392,7 +393,7 @@ def section_profile(args: argparse.Namespace) -> None:
     import cProfile
     import pstats
 
-    def walls(fn, n: int = 20) -> tuple[float, float]:
+    def walls(fn: Callable[[], object], n: int = 20) -> tuple[float, float]:
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
         wall = []

@@ -257,8 +257,9 @@ class TrainingSettings:
             raise ValueError("threads and chunk-rows must be >= 0")
         if not 0 < self.fraction_train <= 1:
             raise ValueError(f"fraction-train must be in (0, 1], got {self.fraction_train}")
-        if self.clients_per_round < 0:
-            raise ValueError(f"clients-per-round must be >= 0 (0: no cap), got {self.clients_per_round}")
+        cap = self.clients_per_round
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+            raise ValueError(f"clients-per-round must be a whole number >= 0 (0: no cap), got {cap!r}")
         for name, samples in (
             ("fraction-train below 1", self.fraction_train < 1),
             ("clients-per-round", self.clients_per_round > 0),
@@ -474,7 +475,9 @@ class TrainConfig:
 
         In order: ``profile exact`` sets :data:`EXACT_PROFILE`, then ``mode`` sets its
         :data:`MODE_DEFAULTS`, then a lazy run at one node per client (``method node``, no
-        exact profile) :data:`NODE_LEVEL_DEFAULTS`, each only where ``given`` has no value;
+        exact profile) :data:`NODE_LEVEL_DEFAULTS`, each only where ``given`` has no value (its
+        ``clients_per_round`` not with secure aggregation, DP noise or drift correction, which
+        take every client every round);
         ``boundary-noise`` turns eager's halo gradients off unless they were given (noised rows
         with raw gradients back would undo the noise); ``profile edge`` makes the device CPU,
         threads 1, chunks of 4,096 rows and 32-bit payloads 8-bit. What ``given`` names is kept

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -96,6 +97,11 @@ def resumed_config(cfg: TrainConfig) -> TrainConfig:
         raise ValueError(f"{path}: not a run folder (no config.json); resume needs the --out of a lazy run")
     values = json.loads(path.read_text())
     values.pop("extra", None)
+    # A setting newer than the run's config.json was not in force when it started: its field
+    # default, not a mode's or level's default, so a resumed run trains as it began.
+    started = dataclasses.asdict(TrainConfig())
+    started.pop("extra")
+    values = {**started, **values}
     resumed = TrainConfig.from_mapping({**values, "resume": str(cfg.resume), "out_dir": str(cfg.resume)})
     if resumed.mode != "lazy":
         raise ValueError(f"{cfg.resume}: resume continues lazy runs; this one is {resumed.mode}")

@@ -247,6 +247,9 @@ def test_one_node_per_client_takes_the_node_level_defaults_where_nothing_was_giv
         assert cfg.clients_per_round == 0 and cfg.server_lr == 0.05
         cfg.validate()
     assert TrainConfig.resolve(method="node", clients_per_round=0).clients_per_round == 0  # given wins
+    for bad in (2.5, -1, True):
+        with pytest.raises(ValueError, match="clients-per-round must be a whole number"):
+            TrainConfig.resolve(method="node", clients_per_round=bad).validate()
     assert TrainConfig.resolve(method="node", server_lr=0.1).server_lr == 0.1  # given wins
     metis = TrainConfig.resolve(method="metis")
     assert (metis.server_optimizer, metis.server_lr) == (["adam", "avg"], [0.05, 1.0])

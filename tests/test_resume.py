@@ -207,3 +207,24 @@ def test_a_server_killed_at_any_phase_boundary_resumes_bit_for_bit(tmp_path, cod
         assert [s["rounds_sent"] for s in summary["stages"]] == [s["rounds_sent"] for s in whole["stages"]]
         assert summary["bytes_total"] == whole["bytes_total"], where
     assert resumed == messages - 6
+
+
+def test_a_run_resumed_from_an_older_config_keeps_the_settings_it_started_with(tmp_path):
+    """A setting the run's config.json predates was not in force when it started: resuming takes
+    its field default, not a level's default (a node-level run before clients-per-round trained
+    every trainer each round, and keeps doing so)."""
+    import dataclasses
+    import json
+
+    from server.checkpoint import resumed_config
+
+    started = dataclasses.asdict(TrainConfig.resolve(method="node", clients=30))
+    started.pop("extra")
+    started.pop("clients_per_round")  # written before the setting existed
+    (tmp_path / "config.json").write_text(json.dumps(started))
+    resumed = resumed_config(TrainConfig(resume=str(tmp_path)))
+    assert resumed.clients_per_round == 0
+    assert (resumed.method, resumed.server_optimizer, resumed.server_lr) == ("node", "adam", 0.05)
+    started["clients_per_round"] = 512  # written by this version: kept as written
+    (tmp_path / "config.json").write_text(json.dumps(started))
+    assert resumed_config(TrainConfig(resume=str(tmp_path))).clients_per_round == 512

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -74,6 +74,7 @@ class QuantizedRows:
         bits (Tensor): ``[k]`` uint8 bit width per row (all equal for a fixed-width block). On
             the host when the block was coded at one ``int`` width, wherever the codes are, so
             reading the width costs no device sync; per-row widths stay where they were given.
+            Replaced, never written in place (one width is one byte viewed ``k`` times).
         lo (Tensor): ``[k]`` lower end of each row's range (fp16 / bf16); empty for passthrough.
         hi (Tensor): ``[k]`` upper end of each row's range; empty for passthrough.
         data (Tensor): uint8 codes, packed densely per bit-width group; raw values for passthrough.
@@ -88,35 +89,41 @@ class QuantizedRows:
     data: Tensor
     half: str = "fp16"
 
-    #: ``uniform_bits`` of the ``bits`` tensor it was read from, with that tensor's version:
-    #: scanning a million-row block's widths costs more host time than the GPU's whole decode.
-    _width_read: tuple[Tensor, int, int | None] | None = field(
-        default=None, init=False, repr=False, compare=False
-    )
+    def __post_init__(self) -> None:
+        # ``uniform_bits`` of the ``bits`` tensor it was read from, with that tensor's version:
+        # scanning a million-row block's widths cost more host time than the GPU's whole
+        # decode. An attribute, not a field: ``asdict`` and the constructor do not see it.
+        self._width_read: tuple[Tensor, int, int | None] | None = None
+
+    def _memo_key(self) -> tuple[Tensor, int] | None:
+        # Inference tensors keep no version counter: their widths are read every time.
+        return None if self.bits.is_inference() else (self.bits, self.bits._version)
 
     @property
     def uniform_bits(self) -> int | None:
         """The common bit width, or ``None`` when rows differ (32 for a block of no rows)."""
-        bits = self.bits
-        read = self._width_read
-        if read is not None and read[0] is bits and read[1] == bits._version:
+        bits, read, key = self.bits, self._width_read, self._memo_key()
+        if read is not None and key is not None and read[0] is key[0] and read[1] == key[1]:
             return read[2]
         if bits.numel() == 0:
             width = 32
         else:
             first = int(bits[0])
             width = first if bool((bits == first).all()) else None
-        self._width_read = (bits, bits._version, width)
+        self._width_read = None if key is None else (*key, width)
         return width
 
     def known_width(self, width: int) -> QuantizedRows:
         """This block, recorded as ``width`` bits in every row without a scan: for its encoder,
-        or a frame whose header gave one width, which know it.
+        or a frame whose header gave one width, which know it. A block of no rows keeps the
+        width :attr:`uniform_bits` gives it (32).
 
         Args:
             width (int): the width every row has.
         """
-        self._width_read = (self.bits, self.bits._version, width)
+        key = self._memo_key()
+        if key is not None and self.bits.numel():
+            self._width_read = (*key, width)
         return self
 
     @property
@@ -127,7 +134,8 @@ class QuantizedRows:
 
 def fixed_widths(k: int, bits: int) -> Tensor:
     """The ``[k]`` widths of a block coded at one ``bits``: one host byte viewed ``k`` times, not
-    ``k`` bytes filled (a read-only view; nothing writes a block's widths).
+    ``k`` bytes filled. A block's widths are replaced, never written in place (a write to this
+    view writes every row's width).
 
     Args:
         k (int): rows.
@@ -334,6 +342,7 @@ def _rng_state(generator: torch.Generator | None, device: torch.device) -> Tenso
 
 
 def _set_rng_state(generator: torch.Generator | None, device: torch.device, state: Tensor) -> None:
+    """Put back a state :func:`_rng_state` read from the same source."""
     if generator is not None:
         generator.set_state(state)
     elif device.type == "cuda":
@@ -523,15 +532,15 @@ def _quantize_rows(
         lo = hi = torch.zeros(k, dtype=RANGE_DTYPES[half], device=x.device)
         return QuantizedRows((k, d), row_bits, lo, hi, torch.empty(0, dtype=torch.uint8), half)
     compiled = native.usable(x)  # decided once for the whole block
-    ranges = None if compiled else _fused_ranges(x, RANGE_DTYPES[half])
-    if ranges is not None and isinstance(bits, int):
-        done = _quantize_fused(x, bits, ranges, generator)
+    pending = None if compiled else _fused_ranges(x, RANGE_DTYPES[half])
+    ready = None
+    if pending is not None and isinstance(bits, int):
+        done = _quantize_fused(x, bits, pending, generator)
         if done is not None:
             return QuantizedRows((k, d), row_bits, *done, half).known_width(bits)
-        ranges = None
-    elif ranges is not None:
-        ranges = ranges[:2] if int(ranges[2].max()) == 0 else None
-    lo, hi = ranges if ranges is not None else _row_ranges(x, half, where, compiled)
+    elif pending is not None and int(pending[2].max()) == 0:
+        ready = pending[:2]
+    lo, hi = ready if ready is not None else _row_ranges(x, half, where, compiled)
     parts = []
     for b, sel in _width_groups(row_bits, bits if isinstance(bits, int) else None):
         xs, ls, hs = (x, lo, hi) if sel is None else (x[sel], lo[sel], hi[sel])

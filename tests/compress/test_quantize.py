@@ -220,6 +220,9 @@ def test_the_width_read_follows_the_widths_tensor():
     assert q.uniform_bits == 8
     q.bits = torch.tensor([2, 8, 8], dtype=torch.uint8)
     assert q.uniform_bits is None
+    with torch.inference_mode():  # inference tensors keep no version: read every time
+        assert quantize_rows(torch.randn(4, 3), 8).uniform_bits == 8
+    assert quantize_rows(torch.randn(0, 3), 16).uniform_bits == 32  # no rows: 32, as before
 
 
 @pytest.mark.parametrize("seeded", [True, False])
@@ -229,6 +232,16 @@ def test_the_fused_path_reads_its_fault_after_queueing_the_codes(seeded, monkeyp
     kernels are stood in for by the torch ops, on the CPU."""
     from retexo_fl.compress import fused
 
+    events: list[str] = []
+
+    class Status:  # each row's status, unread until max() (the host sync on a GPU)
+        def __init__(self, codes: torch.Tensor) -> None:
+            self.codes = codes
+
+        def max(self) -> torch.Tensor:
+            events.append("status read")
+            return self.codes.max()
+
     def pending(x, dtype):  # the kernel's contract: ranges, and each row's status unread
         try:
             lo, hi = quantize._row_ranges(x, "bf16" if dtype == torch.bfloat16 else "fp16", "rows", False)
@@ -236,11 +249,12 @@ def test_the_fused_path_reads_its_fault_after_queueing_the_codes(seeded, monkeyp
             return (
                 torch.zeros(x.shape[0], dtype=dtype),
                 torch.zeros(x.shape[0], dtype=dtype),
-                torch.ones(x.shape[0], dtype=torch.int8),
+                Status(torch.ones(x.shape[0], dtype=torch.int8)),
             )
-        return lo, hi, torch.zeros(x.shape[0], dtype=torch.int8)
+        return lo, hi, Status(torch.zeros(x.shape[0], dtype=torch.int8))
 
     def unavailable(*args, **kwargs):
+        events.append("codes queued")
         raise fused.KernelUnavailable("stood in for")
 
     def gen(seed: int) -> torch.Generator | None:
@@ -272,6 +286,7 @@ def test_the_fused_path_reads_its_fault_after_queueing_the_codes(seeded, monkeyp
 
     q = quantize_rows(x, 8, generator=(g := gen(1)))
     assert calls["pending"] == 1
+    assert events == ["codes queued", "status read"]  # the GPU is not left idle for the read
     assert torch.equal(q.data, reference.data) and torch.equal(q.lo, reference.lo)
     assert torch.equal(state(g), after_reference)
     widened = quantize_rows(big, 8, generator=gen(1))

@@ -100,5 +100,8 @@ def test_a_block_the_fused_ranges_refuse_raises_the_torch_paths_error(half, valu
         bf16 = quantize_rows(x, 8, half="bf16", generator=torch.Generator(device="cuda").manual_seed(3))
         assert widened.half == "bf16" and torch.equal(widened.data, bf16.data)
         return
+    before = torch.cuda.get_rng_state(x.device)
     with pytest.raises(quantize.CodecError, match=message):
         quantize_rows(x, 8, half=half, where="rows")
+    # The refused block's dither, drawn from the default generator, was put back.
+    assert torch.equal(torch.cuda.get_rng_state(x.device), before)

@@ -109,3 +109,34 @@ def test_an_unknown_first_stage_or_one_outside_lazy_mode_is_refused():
         TrainConfig(first_stage="gcn").validate()
     with pytest.raises(ValueError, match="first-stage local applies to lazy mode, not eager"):
         TrainConfig.resolve(mode="eager", first_stage="local").validate()
+
+
+def test_identity_features_are_recognized_and_said_once(monkeypatch, caplog):
+    """One-hot node identities (a featureless graph's stand-in, as in the Airports graphs): an
+    MLP stage 0 learns nothing from them for unlabelled nodes; the run says so once, naming a
+    client and the remedy, and not for ordinary features or with a local stage 0."""
+    from retexo_fl.party import lazy_client
+
+    assert lazy_client.identity_like(torch.eye(10))
+    assert lazy_client.identity_like(torch.eye(12)[torch.randperm(12)][:9])  # a client's rows
+    assert not lazy_client.identity_like(torch.eye(5))  # too few rows to tell
+    assert not lazy_client.identity_like(torch.eye(10) * 2)  # not one-hot
+    shared = torch.eye(10)
+    shared[3] = shared[4]  # two nodes in one category
+    assert not lazy_client.identity_like(shared)
+    assert not lazy_client.identity_like(torch.rand(20, 30))
+
+    data = _graph()
+    data.x = torch.eye(data.num_nodes)
+    for first_stage, said in (("local", False), ("mlp", True)):
+        cfg = TrainConfig(
+            stages=2, rounds=2, min_rounds=0, self_training=0, hidden=8, first_stage=first_stage
+        ).validate()
+        monkeypatch.setattr(lazy_client, "_identity_warned", False)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="retexo_fl.party.lazy_client"):
+            run_lazy(partition_graph(data, 3, "random", seed=0), cfg, RunRecorder(None, stream=None))
+        messages = [r.getMessage() for r in caplog.records if "node identities" in r.getMessage()]
+        assert len(messages) == (1 if said else 0), first_stage  # once, though 3 clients read them
+        if said:
+            assert messages[0].startswith("client ") and "--first-stage local" in messages[0]

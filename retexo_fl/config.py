@@ -418,8 +418,9 @@ MODE_DEFAULTS: dict[str, dict[str, Any]] = {
 #: the GCN stages and higher pseudo-label thresholds
 #: (``bench/results/node-round-structure-2026-11-27.jsonl``). And at most 512 trainers a round:
 #: a self-training pass trains every confident node, a client each at this level (1,474 on Cora),
-#: and a sample of 512 validated as high as all of them (worst seed 0.804 against 0.800 on Cora,
-#: 0.714 against 0.712 on CiteSeer) in half the time; 256 validated 1-2 points lower
+#: and a sample of 512 had the better worst seed (0.804 against 0.800 on Cora, 0.714 against
+#: 0.712 on CiteSeer; 3 of the 6 seeds validated up to 0.8 points lower) in about half the
+#: time; 256 validated 1-2 points lower
 #: (``bench/results/node-clients-per-round-2026-11-27.jsonl``). Not where every client must take
 #: every round (secure aggregation, DP, drift correction): :meth:`TrainConfig.resolve` leaves it.
 NODE_LEVEL_DEFAULTS: dict[str, Any] = {

@@ -35,9 +35,11 @@ from retexo_fl.setting import SettingInfo, check_choices, section, setting, sett
 Mode = Literal["lazy", "eager", "local", "centralized", "datacenter"]
 #: The training modes (``mode``).
 MODES: tuple[str, ...] = get_args(Mode)
-FirstStage = Literal["mlp", "local"]
+FirstStage = Literal["mlp", "local", "auto"]
 #: What stage 0 of a lazy run can be (``first-stage``).
 FIRST_STAGES: tuple[str, ...] = get_args(FirstStage)
+#: What a layer-0 stage is built as; ``first-stage auto`` trains both and keeps one.
+FIRST_STAGE_VARIANTS: tuple[str, ...] = ("mlp", "local")
 DriftCorrection = Literal["none", "scaffold"]
 #: ``drift-correction``: none, or SCAFFOLD's control variates (:mod:`retexo_fl.scaffold`).
 DRIFT_CORRECTIONS: tuple[str, ...] = get_args(DriftCorrection)
@@ -92,9 +94,11 @@ class ModelSettings:
     )
     first_stage: FirstStage = setting(
         "mlp",
-        "stage 0: mlp (an MLP on each node's own features) or local (one model layer over the "
-        "subgraph the client's own nodes induce, GCN normalized by degrees inside it): no boundary "
-        "traffic, so residency holds, but stage 0 then depends on the partitioning",
+        "stage 0: mlp (an MLP on each node's own features), local (one model layer over the "
+        "subgraph the client's own nodes induce, GCN normalized by degrees inside it: no boundary "
+        "traffic, so residency holds, but stage 0 then depends on the partitioning) or auto (stage "
+        "0 trained both ways, the one with the better validation kept, and a self-training pass's "
+        "stage 0 built the same way; it costs the second stage 0's rounds and model bytes)",
     )
     dropout: float | list[float] = setting(0.5, "dropout", per_stage=True)
     input_dropout: float | list[float] = setting(0.5, "dropout of each stage's input", per_stage=True)
@@ -634,6 +638,11 @@ class TrainConfig:
                 )
         if self.first_stage != "mlp" and self.mode != "lazy":
             raise ValueError(f"first-stage {self.first_stage} applies to lazy mode, not {self.mode}")
+        if self.first_stage == "auto" and self.secure_aggregation:
+            raise ValueError(
+                "first-stage auto trains stage 0 twice, and under secure-aggregation a client "
+                "masks each stage's rounds once, in order: use first-stage mlp or local"
+            )
         if self.model == "mlp" and self.mode != "centralized":
             raise ValueError("model mlp (the graph-free reference) trains in centralized mode only")
         # Only a data-center run needs procs to form the algorithm's process grid.

@@ -59,6 +59,9 @@ SECAGG_SURVIVORS = "secagg-survivors"  # unmask: JSON list of the members whose 
 VECTOR = "vector"  # in MASKED: the packed masked vector
 RUN_KEY = "run-key"  # the server's key for this run; it outlives Flower's run id on resume
 STAGE = "stage"
+# train, evaluate and embed (first-stage auto): what a layer-0 stage is built as, mlp or local
+# (stage 0 is trained both ways; later messages name the one the server kept)
+FIRST_STAGE = "first-stage"
 ROUND = "round"
 VALIDATE = "validate"  # train: validate the received state first (all but a stage's first round)
 # train (lazy, plain FedAvg): the recipient holds no training nodes; it validates only and replies

@@ -115,6 +115,10 @@ CODECS = {
     # Masked replies and an unmask message a round: a round sent again gets the reply it got
     # first, the same survivor set gets the same answer, and the shares open again.
     "secure": dict(secure_aggregation=True, update_bits=8, self_training=0),
+    # Stage 0 trained twice (first-stage auto): a server killed in the second training, or after
+    # both, goes on with the variant it kept; compressed broadcasts, so the kept variant's state
+    # is named by digest where clients hold it.
+    "auto": dict(first_stage="auto", broadcast_bits=8, update_bits=8, self_training=0),
 }
 
 
@@ -185,7 +189,12 @@ def test_a_server_killed_at_any_phase_boundary_resumes_bit_for_bit(tmp_path, cod
     runs = cfg.total_stages
     assert runs == (1 + cfg.self_training) * cfg.stages
     assert cfg.self_training == (1 if codec == "32-bit" else 0)
-    assert messages == 3 * (2 + runs * (2 * per_round + 1) + (runs - 1) + runs)
+    trainings = runs + (1 if cfg.first_stage == "auto" else 0)  # auto: stage 0 trained twice
+    assert messages == 3 * (2 + trainings * (2 * per_round + 1) + (runs - 1) + runs)
+    if cfg.first_stage == "auto":
+        # The first training (the MLP) is kept here: clients hold the second's states, so the
+        # kept one goes whole to the test and is held for the embed (no message refused).
+        assert whole["stages"][0]["first_stage"] == "mlp"
     assert sorted(int(p.name) for p in snapshots.iterdir()) == list(range(messages))
     # It can fail: a server that asks for a stage's last validation or its exchange again, once
     # clients moved on, finds them a stage ahead; a round sent again whose deliveries were opened

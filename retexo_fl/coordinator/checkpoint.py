@@ -102,6 +102,8 @@ class Checkpoint:
         passes (list[dict]): each finished stage's kept model's validation and test accuracy
             (the run delivers the stage with the best validation; the name predates stage
             selection, when only each self-training pass's last stage was tested).
+        first_stage_trials (list[dict]): ``first-stage auto``'s finished trainings of stage 0,
+            each its ``variant``, kept ``state``, ``figures`` and ``undelivered`` frames.
     """
 
     config: dict[str, Any]
@@ -131,6 +133,7 @@ class Checkpoint:
     kept: StateDict | None = None
     pass_weights: dict[int, StateDict] = field(default_factory=dict)
     passes: list[dict[str, Any]] = field(default_factory=list)
+    first_stage_trials: list[dict[str, Any]] = field(default_factory=list)
 
 
 class CheckpointStore(Protocol):

@@ -93,6 +93,9 @@ class FederationView:
         # Clients that hold no copy of the state a stage ends with (they took no part in its
         # rounds): evaluate and embed send it to them whole instead of by digest.
         self.unheld: set[int] = set()
+        # first-stage auto: what layer-0 stages are, mlp or local (the one being tried, then the
+        # one kept); every message names it (see content).
+        self.first_stage: str | None = None
 
     @property
     def pids(self) -> list[int]:
@@ -125,7 +128,8 @@ class FederationView:
             **config: further :data:`~retexo_fl.protocol.CONFIG` entries (stage, round, split, ...).
         """
         run = {P.RUN_DIGEST: self.run_digest} if by_digest else {P.RUN: self.run_json}
-        records: Records = {P.CONFIG: {**run, P.RUN_KEY: self.run_key, **config}}
+        variant = {P.FIRST_STAGE: self.first_stage} if self.first_stage is not None else {}
+        records: Records = {P.CONFIG: {**run, P.RUN_KEY: self.run_key, **variant, **config}}
         if model is not None and model.frames is not None:
             records[P.MODEL] = model.frames
         elif state is not None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from retexo_fl import protocol as P
 from retexo_fl.compress.boundary import ExchangeStats
-from retexo_fl.config import TrainConfig
+from retexo_fl.config import FIRST_STAGE_VARIANTS, TrainConfig
 from retexo_fl.coordinator.checkpoint import Checkpoint, CheckpointStore, RoundState
 from retexo_fl.coordinator.federation import AGGREGATE, FederationView, Frames, total
 from retexo_fl.coordinator.round_loop import (
@@ -79,8 +79,18 @@ class LazyStageMachine:
             self._save(ck)
         last = cfg.total_stages - 1
         state: StateDict = ck.kept or {}  # resumed after the last stage: the test is all that is left
+        auto = cfg.first_stage == "auto"
+        if auto and ck.stage > 0:  # resumed past stage 0: its messages name the variant kept
+            fed.first_stage = self._kept_first_stage(ck)
         for stage in range(ck.stage, last + 1):
-            state, figures, undelivered = self._train_stage(stage, ck)
+            if stage == 0 and auto:
+                state, figures, undelivered = self._train_first_stage(ck)
+                if figures["first_stage"] != FIRST_STAGE_VARIANTS[-1]:
+                    # Clients hold the last training's states, not the kept one's: the stage's
+                    # test and embed send it whole rather than by a digest they would refuse.
+                    fed.unheld = set(fed.pids)
+            else:
+                state, figures, undelivered = self._train_stage(stage, ck)
             if cfg.pass_init == "warm" and stage + cfg.stages <= last:
                 ck.pass_weights[cfg.layer(stage)] = state  # the next pass's same layer starts here
             self.model_bytes_done += figures["bytes_model"]
@@ -144,9 +154,14 @@ class LazyStageMachine:
             federation=fed.summary(),
         )
 
-    def _train_stage(self, stage: int, ck: Checkpoint) -> tuple[StateDict, dict[str, Any], dict[int, Frames]]:
+    def _train_stage(
+        self, stage: int, ck: Checkpoint, bytes_before: int = 0
+    ) -> tuple[StateDict, dict[str, Any], dict[int, Frames]]:
         """The stage's rounds, from its initial weights or from the checkpoint's round: the kept
-        state, the stage's figures, and the relayed frames of clients its rounds left out."""
+        state, the stage's figures, and the relayed frames of clients its rounds left out.
+
+        ``bytes_before``: model bytes this stage already sent (``first-stage auto``'s first
+        training), counted before its rounds' in the history."""
         cfg, fed = self.cfg, self.fed
         layer = cfg.layer(stage)
         rs = ck.round_state
@@ -157,12 +172,13 @@ class LazyStageMachine:
             if warm:
                 state = {k: v.detach().clone() for k, v in ck.pass_weights[layer].items()}
             else:
-                model = build_stage_model(cfg, stage, in_dim, ref.num_classes)
+                variant = fed.first_stage if layer == 0 else None
+                model = build_stage_model(cfg, stage, in_dim, ref.num_classes, variant)
                 state = {k: v.detach().clone() for k, v in model.state_dict().items()}
             name = cfg.stage_name(stage)
             min_rounds = cfg.warm_min_rounds if warm else cfg.min_rounds
             tracker = StageTracker(stage, cfg.patience, min_rounds, cfg.stop_metric, name)
-            tracker.bytes_offset = fed.bytes_boundary + self.model_bytes_done
+            tracker.bytes_offset = fed.bytes_boundary + self.model_bytes_done + bytes_before
             rs = self.loop.start(state, layer, tracker, derive_seed(cfg.seed, stage, BROADCAST_TAG))
 
         def after_round(rs: RoundState) -> None:
@@ -173,9 +189,65 @@ class LazyStageMachine:
         result = self.loop.run(
             stage, rounds, rs, ck.deliveries, refresh=False, label=f"stage {stage}", on_round=after_round
         )
-        if self.on_stage is not None:
+        if self.on_stage is not None and not (stage == 0 and cfg.first_stage == "auto"):
             self.on_stage(stage, result.best_state)
         return result.best_state, result.figures, result.undelivered
+
+    def _train_first_stage(self, ck: Checkpoint) -> tuple[StateDict, dict[str, Any], dict[int, Frames]]:
+        """``first-stage auto``: stage 0 trained as the MLP, then as the local layer, and the one
+        with the better validation kept (accuracy, then loss, as stages are kept:
+        :func:`keep_best_stage`); every later message names it, so a self-training pass's stage 0
+        is built the same way.
+
+        Neither reads another client's rows, so the choice costs no boundary traffic: it costs
+        the second training's rounds and model bytes, which the stage's figures count
+        (``rounds_run``, ``rounds_sent``, ``bytes_model`` are both trainings' sums; ``history``
+        is both trainings' rows, each naming its ``first_stage``; ``first_stage_trials`` gives
+        each training's own figures). Resumable: a finished training is in the checkpoint.
+        """
+        trials = ck.first_stage_trials
+        for variant in FIRST_STAGE_VARIANTS[len(trials) :]:
+            self.fed.first_stage = variant
+            before = sum(int(t["figures"]["bytes_model"]) for t in trials)
+            state, figures, undelivered = self._train_stage(0, ck, bytes_before=before)
+            best = f"best val {figures['val_accuracy']:.4f} at round {figures['best_round']}"
+            self.rec.progress(f"stage 0 as {variant}: {best}")
+            trials.append(
+                {"variant": variant, "state": state, "figures": figures, "undelivered": undelivered}
+            )
+            ck.round_state = None  # the next training starts from its own initial weights
+            self._save(ck)
+        chosen = self._kept_first_stage(ck)
+        self.fed.first_stage = chosen
+        kept = next(t for t in trials if t["variant"] == chosen)
+        self.rec.event(
+            "first-stage",
+            kept=chosen,
+            trials=[{"variant": t["variant"], **_trial_figures(t["figures"])} for t in trials],
+        )
+        self.rec.progress(f"stage 0: kept the {chosen} variant (first-stage auto)")
+        figures = dict(kept["figures"])
+        for key in ("rounds_run", "rounds_sent", "bytes_model", "bytes_model_raw", "seconds"):
+            figures[key] = sum(t["figures"].get(key, 0) for t in trials)
+        figures["history"] = [
+            {**row, "first_stage": t["variant"]} for t in trials for row in t["figures"]["history"]
+        ]
+        figures["first_stage"] = chosen
+        figures["first_stage_trials"] = [
+            {"variant": t["variant"], **_trial_figures(t["figures"])} for t in trials
+        ]
+        if self.on_stage is not None:
+            self.on_stage(0, kept["state"])
+        return kept["state"], figures, kept["undelivered"]
+
+    @staticmethod
+    def _kept_first_stage(ck: Checkpoint) -> str:
+        """The layer-0 variant ``first-stage auto`` keeps: the better validation of its trainings."""
+        trials = ck.first_stage_trials
+        if len(trials) < len(FIRST_STAGE_VARIANTS):
+            raise RuntimeError(f"first-stage auto: {len(trials)} of stage 0's trainings in the checkpoint")
+        best = keep_best_stage([t["figures"] for t in trials])
+        return next(t["variant"] for t in trials if t["figures"] is best)
 
     def _stage_result(
         self,
@@ -270,6 +342,8 @@ class LazyStageMachine:
         ck = self.store.load()
         if not hasattr(ck, "passes"):  # a checkpoint written before stages were kept by validation
             ck.passes = []
+        if not hasattr(ck, "first_stage_trials"):  # ... or before first-stage auto
+            ck.first_stage_trials = []
         if ck.stage > 1 and len(ck.passes) < min(ck.stage, self.cfg.total_stages):
             self.rec.progress(
                 "the checkpoint predates tests of every stage: the untested ones are not candidates "
@@ -302,3 +376,9 @@ class LazyStageMachine:
         where = f"stage {ck.stage}" + (f" after round {ck.round_state.round}" if ck.round_state else "")
         self.rec.progress(f"resumed at {where} with {len(fed.pids)} clients")
         return ck
+
+
+def _trial_figures(figures: dict[str, Any]) -> dict[str, Any]:
+    """One ``first-stage auto`` training's figures, without its round history."""
+    keys = ("val_accuracy", "val_loss", "best_round", "rounds_run", "rounds_sent", "bytes_model", "seconds")
+    return {k: figures.get(k) for k in keys}

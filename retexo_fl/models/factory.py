@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from retexo_fl.config import TrainConfig
+from retexo_fl.config import FIRST_STAGE_VARIANTS, TrainConfig
 from retexo_fl.models.layered import LayeredGNN
 from retexo_fl.models.split import SplitGNN
 from retexo_fl.models.stage import StageModel
@@ -30,7 +30,31 @@ def stage_input_dim(cfg: TrainConfig, stage: int, num_features: int, num_classes
     return cfg.hidden if cfg.pass_embedding == "hidden" else num_classes
 
 
-def stage_model_spec(cfg: TrainConfig, stage: int, in_dim: int, num_classes: int) -> tuple:
+def first_stage_kind(cfg: TrainConfig, first_stage: str | None = None) -> str:
+    """What a layer-0 stage is: ``mlp`` or ``local`` (``first-stage``; under ``auto`` the variant
+    the run is trying or chose, ``first_stage``).
+
+    Args:
+        cfg (TrainConfig): the run configuration.
+        first_stage (str, optional): the variant ``first-stage auto`` is at. (default: :obj:`None`)
+
+    Raises:
+        ValueError: ``first-stage auto`` without a variant, or a variant that is not one.
+    """
+    if first_stage is None:
+        if cfg.first_stage == "auto":
+            raise ValueError("first-stage auto: a layer-0 stage needs the variant it is at (mlp or local)")
+        return cfg.first_stage
+    if first_stage not in FIRST_STAGE_VARIANTS:
+        raise ValueError(
+            f"first-stage variant {first_stage!r} is not one of {', '.join(FIRST_STAGE_VARIANTS)}"
+        )
+    return first_stage
+
+
+def stage_model_spec(
+    cfg: TrainConfig, stage: int, in_dim: int, num_classes: int, first_stage: str | None = None
+) -> tuple:
     """What :func:`build_stage_model`'s module is built from, as a hashable tuple: equal specs
     give modules of one architecture (their weights differ only by the seed).
 
@@ -39,10 +63,12 @@ def stage_model_spec(cfg: TrainConfig, stage: int, in_dim: int, num_classes: int
         stage (int): the stage, counted over self-training passes.
         in_dim (int): input width (:func:`stage_input_dim`).
         num_classes (int): number of classes.
+        first_stage (str, optional): a layer-0 stage's variant under ``first-stage auto``
+            (:func:`first_stage_kind`). (default: :obj:`None`)
     """
     layer = cfg.layer(stage)
     return (
-        "mlp" if layer == 0 and cfg.first_stage == "mlp" else cfg.model,
+        "mlp" if layer == 0 and first_stage_kind(cfg, first_stage) == "mlp" else cfg.model,
         in_dim,
         cfg.hidden,
         num_classes,
@@ -54,7 +80,9 @@ def stage_model_spec(cfg: TrainConfig, stage: int, in_dim: int, num_classes: int
     )
 
 
-def build_stage_model(cfg: TrainConfig, stage: int, in_dim: int, num_classes: int) -> StageModel:
+def build_stage_model(
+    cfg: TrainConfig, stage: int, in_dim: int, num_classes: int, first_stage: str | None = None
+) -> StageModel:
     """The stage-``stage`` model of a lazy run; its weights are a pure function of the seed and stage.
 
     A self-training pass repeats the stack: its layers are built as the first pass's are, from
@@ -65,13 +93,15 @@ def build_stage_model(cfg: TrainConfig, stage: int, in_dim: int, num_classes: in
         stage (int): the stage, counted over self-training passes.
         in_dim (int): input width (:func:`stage_input_dim`).
         num_classes (int): number of classes.
+        first_stage (str, optional): a layer-0 stage's variant under ``first-stage auto``
+            (:func:`first_stage_kind`). (default: :obj:`None`)
     """
     # The CPU generator only (models are built on the CPU): torch.manual_seed would also queue the
     # seed for every accelerator not initialised, formatting a stack trace for each (0.13 ms a
     # call against 1.4 us, measured alone), once per client and stage.
     torch.random.default_generator.manual_seed(derive_seed(cfg.seed, stage, STAGE_INIT_TAG))
     kind, in_dim, hidden, classes, dropout, input_dropout, norm, heads, root_weight = stage_model_spec(
-        cfg, stage, in_dim, num_classes
+        cfg, stage, in_dim, num_classes, first_stage
     )
     return StageModel(
         kind,

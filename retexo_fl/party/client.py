@@ -194,6 +194,13 @@ class Client(HaloExchange, ModelExchange, Evaluation, Persistence, ABC):
         """The stage number that seeds this client's update rounding and boundary codecs."""
 
     @property
+    def round_trial(self) -> int:
+        """Which training of the stage the rounds belong to: 0, or 1 for ``first-stage auto``'s
+        second stage 0 (its rounds count from 1 again; the journal orders rounds by stage, trial
+        and round)."""
+        return 0
+
+    @property
     def message_stage(self) -> int:
         """The stage number the server's train messages carry for this client's rounds."""
         return self.seed_stage

@@ -333,7 +333,14 @@ def handle(client: Client, kind: str, request: Records) -> Reply:
     handler = HANDLERS.get(kind)
     if handler is None:
         raise ValueError(f"client {client.id}: unknown message type {kind!r}")
-    P.count_entries(request.get(P.CONFIG, {}), f"client {client.id}")
+    config = request.get(P.CONFIG, {})
+    P.count_entries(config, f"client {client.id}")
+    if P.FIRST_STAGE in config:  # first-stage auto: what this message's layer-0 stage is
+        if not isinstance(client, LazyClient):
+            raise ValueError(
+                f"client {client.id}: {P.FIRST_STAGE} applies to lazy runs, this one is {client.cfg.mode}"
+            )
+        client.set_first_stage(config[P.FIRST_STAGE])
     reply = handler(client, request)
     if client.missing:  # filled-in payloads are reported, never silent
         events = sorted(set(client.missing))  # eager: one event per sender, not per layer

@@ -12,9 +12,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from retexo_fl import protocol as P
 from retexo_fl.compress.boundary import ExchangeStats
 from retexo_fl.compress.payload import decode_rows
-from retexo_fl.config import TrainConfig
+from retexo_fl.config import FIRST_STAGE_VARIANTS, TrainConfig
 from retexo_fl.data.partition import Partition
 from retexo_fl.models.adjacency import SPARSE_KINDS, is_sparse, sparse_adjacency
 from retexo_fl.models.factory import build_stage_model, stage_model_spec
@@ -153,6 +154,8 @@ class LazyClient(Client):
         self._aggregated: tuple[Tensor | None, Tensor | None, Tensor] | None = None
         self._joined: tuple[Tensor, Tensor, Tensor] | None = None
         self._own_graph: tuple[Tensor, Tensor | None] | None = None  # a local stage 0's messages
+        # What a layer-0 stage is (mlp or local); under first-stage auto each message names it.
+        self.first_stage: str | None = None if cfg.first_stage == "auto" else cfg.first_stage
         # A conv stage's steps: per row set (the training rows, or each chunk of them), the graph
         # restricted to its in-edges, with the labels of the rows; built by prepare_steps().
         self._step_plan: StepPlan | None = None
@@ -168,11 +171,52 @@ class LazyClient(Client):
     def row_wise(self) -> bool:
         """Whether this stage reads each node's own row alone: stage 0's MLP. A ``local`` stage 0
         passes messages over the client's own edges (see :meth:`stage_input`)."""
-        return self.layer == 0 and self.cfg.first_stage == "mlp"
+        return self.layer == 0 and self.first_stage_kind() == "mlp"
+
+    def first_stage_kind(self) -> str:
+        """What this client's layer-0 stages are: ``mlp`` or ``local``.
+
+        Raises:
+            RuntimeError: ``first-stage auto`` and no message has named the variant yet.
+        """
+        if self.first_stage is None:
+            raise RuntimeError(
+                f"client {self.id}: first-stage auto, and no message named stage 0's variant "
+                f"({P.FIRST_STAGE})"
+            )
+        return self.first_stage
+
+    def set_first_stage(self, variant: object) -> None:
+        """Take the layer-0 variant a message names (:data:`~retexo_fl.protocol.FIRST_STAGE`).
+
+        Either variant reads only this client's own features and edges, so the coordinator's
+        choice changes no residency property; a run whose config fixes the variant refuses any
+        other.
+
+        Raises:
+            ValueError: not a variant, or one the run config does not allow.
+        """
+        if variant not in FIRST_STAGE_VARIANTS:
+            raise ValueError(
+                f"client {self.id}: {P.FIRST_STAGE} {str(variant)[:40]!r} is not one of "
+                f"{', '.join(FIRST_STAGE_VARIANTS)}"
+            )
+        if self.cfg.first_stage not in ("auto", variant):
+            raise ValueError(
+                f"client {self.id}: {P.FIRST_STAGE} {variant} in a run whose first-stage is "
+                f"{self.cfg.first_stage}"
+            )
+        self.first_stage = str(variant)
 
     @property
     def seed_stage(self) -> int:
         return self.stage
+
+    @property
+    def round_trial(self) -> int:
+        # first-stage auto trains stage 0 as the MLP, then as the local layer
+        auto_second = self.cfg.first_stage == "auto" and self.layer == 0 and self.first_stage == "local"
+        return 1 if auto_second else 0
 
     def layer_index(self) -> int:
         return self.layer
@@ -247,7 +291,8 @@ class LazyClient(Client):
     def make_model(self) -> StageModel:
         """This stage's model with its initial weights."""
         in_dim = self.owned.shape[1]
-        return build_stage_model(self.cfg, self.stage, in_dim, self.part.num_classes).to(self.device)
+        variant = self.first_stage_kind() if self.layer == 0 else None
+        return build_stage_model(self.cfg, self.stage, in_dim, self.part.num_classes, variant).to(self.device)
 
     def loaded_model(self, state: StateDict) -> torch.nn.Module:
         """A module of this stage's architecture holding ``state``, shared with the other clients
@@ -259,7 +304,9 @@ class LazyClient(Client):
         module per client: Cora's 2,708 clients peaked at 652 MB instead of 1,129 MB.
         """
         in_dim = self.owned.shape[1]
-        key = (*stage_model_spec(self.cfg, self.stage, in_dim, self.part.num_classes), str(self.device))
+        variant = self.first_stage_kind() if self.layer == 0 else None
+        spec = stage_model_spec(self.cfg, self.stage, in_dim, self.part.num_classes, variant)
+        key = (*spec, str(self.device))
         models = _shared_models()
         model = models.get(key)
         if model is None:
@@ -286,7 +333,8 @@ class LazyClient(Client):
         return model
 
     def model_key(self) -> object:
-        return self.stage
+        # first-stage auto trains stage 0 twice, as two architectures
+        return (self.stage, self.first_stage if self.layer == 0 else None)
 
     def train(
         self, state: StateDict, round_: int, control: StateDict | None = None

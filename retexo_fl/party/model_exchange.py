@@ -59,6 +59,7 @@ class ModelExchange:
     # The client's own (:class:`~retexo_fl.party.client.Client`):
     id: int
     seed_stage: int
+    round_trial: int
     layer_index: Callable[[], int]
 
     _ROUND_STATE = ("view", "kept", "residual", "control", "control_view")
@@ -82,11 +83,11 @@ class ModelExchange:
         Raises:
             ValueError: ``round_`` is before the last round this client began in its stage.
         """
-        key = [int(self.seed_stage), int(round_)]
+        key = [int(self.seed_stage), int(self.round_trial), int(round_)]
         if self.journal is not None and key < self.journal[0]:
             raise ValueError(
-                f"client {self.id}: train round {key[1]} of stage {key[0]} after round "
-                f"{self.journal[0][1]} of stage {self.journal[0][0]} began: rounds only go forward"
+                f"client {self.id}: train round {key[-1]} of stage {key[0]} after round "
+                f"{self.journal[0][-1]} of stage {self.journal[0][0]} began: rounds only go forward"
             )
         if self.journal is not None and self.journal[0] == key:
             for name, value in self.journal[1].items():
@@ -132,9 +133,14 @@ class ModelExchange:
         return self.view
 
     def hold(self, state: StateDict) -> bool:
-        """Keep ``state``, sent whole, when this client holds no view to keep (broadcast-bits <
-        32): later messages may then name it by digest. Returns whether it was kept."""
-        if self.cfg.broadcast_bits >= 32 or self.view is not None or self.kept is state:
+        """Keep ``state``, sent whole (broadcast-bits < 32): later messages may then name it by
+        digest. Returns whether it was kept.
+
+        A state comes whole to a client that holds no copy of it: one its rounds left out, one
+        restarted without its folder, or one whose view is of another training than the kept
+        state (``first-stage auto`` keeping its first training); what the server names next
+        is this state, not the view kept before."""
+        if self.cfg.broadcast_bits >= 32 or self.kept is state:
             return False
         self.kept = state
         return True

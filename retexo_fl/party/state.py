@@ -49,7 +49,7 @@ class ClientState:
         control (StateDict, optional): drift correction: this client's control variate, this stage.
         control_view (StateDict, optional): drift correction: the server's control variate as
             its broadcast left it.
-        journal (list, optional): ``[[stage, round], {name: state}, incoming counters]``, what
+        journal (list, optional): ``[[stage, trial, round], {name: state}, incoming counters]``, what
             the last train round found, so that the same round sent again (a resumed server)
             starts from it.
         boundary_releases (int): boundary row releases this client made in the run (counted

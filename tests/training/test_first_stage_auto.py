@@ -1,0 +1,119 @@
+"""``first-stage auto``: stage 0 trained as the MLP and as the local layer, the better kept.
+
+The kept variant's run must go on exactly as a run with that variant fixed would, and the
+second training's rounds and bytes must be counted; a client refuses a variant its run config
+does not allow, and its round journal orders the two trainings.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from retexo_fl import protocol as P
+from retexo_fl.config import TrainConfig
+from retexo_fl.data.datasets import apply_split, synthetic_sbm
+from retexo_fl.data.partitioners import partition_graph
+from retexo_fl.party.eager_client import EagerClient
+from retexo_fl.party.handlers import handle
+from retexo_fl.party.lazy_client import LazyClient
+from retexo_fl.training.lazy import run_lazy
+
+BASE = {"stages": 3, "hidden": 16, "seed": 0, "self_training": 0}
+
+
+def _parts(homophily: float, feature_signal: float):
+    data = synthetic_sbm(
+        300, 3, avg_degree=8, homophily=homophily, num_features=8, feature_signal=feature_signal, seed=2
+    )
+    apply_split(data, "random:0.3,0.2,0.5", seed=2)
+    return partition_graph(data, 3, "metis", seed=0)
+
+
+@pytest.mark.parametrize(
+    "homophily, feature_signal, winner",
+    [
+        # Classes carried by the edges, weak features: the layer over a client's own edges wins
+        # (measured: stage 0 validates 0.583 as the local layer, 0.450 as the MLP).
+        (0.9, 0.1, "local"),
+        # Edges mostly across classes, strong features: the MLP wins (0.900 against 0.717).
+        (0.2, 0.8, "mlp"),
+    ],
+)
+def test_auto_keeps_the_better_stage_0_and_goes_on_as_that_variant_would(homophily, feature_signal, winner):
+    parts = _parts(homophily, feature_signal)
+    auto = run_lazy(parts, TrainConfig.resolve(**BASE, first_stage="auto"))
+    fixed = {v: run_lazy(parts, TrainConfig.resolve(**BASE, first_stage=v)) for v in ("mlp", "local")}
+    stage0 = auto["stages"][0]
+    trials = {t["variant"]: t for t in stage0["first_stage_trials"]}
+    assert list(trials) == ["mlp", "local"]  # the MLP first, as first-stage mlp trains it
+    for variant, run in fixed.items():  # each training is the fixed variant's stage 0
+        ref = run["stages"][0]
+        for key in ("val_accuracy", "val_loss", "best_round", "rounds_sent", "bytes_model"):
+            assert trials[variant][key] == ref[key], (variant, key)
+    # The better validation is kept (its accuracy, then its loss, as stages are kept).
+    better = max(trials.values(), key=lambda t: (t["val_accuracy"], -t["val_loss"]))
+    assert stage0["first_stage"] == better["variant"] == winner
+    kept, other = fixed[winner], fixed["mlp" if winner == "local" else "local"]
+    # From there the run is the kept variant's, to the bit: later stages, test, boundary bytes.
+    assert auto["stage_results"] == kept["stage_results"]
+    assert auto["test_accuracy"] == kept["test_accuracy"]
+    assert auto["bytes_boundary"] == kept["bytes_boundary"] > 0
+    # ... and the other training is counted: its rounds and its model bytes.
+    assert stage0["rounds_sent"] == kept["stages"][0]["rounds_sent"] + other["stages"][0]["rounds_sent"]
+    assert auto["bytes_model"] == kept["bytes_model"] + other["stages"][0]["bytes_model"]
+    assert len(stage0["history"]) == stage0["rounds_run"]
+    assert {row["first_stage"] for row in stage0["history"]} == {"mlp", "local"}
+
+
+def test_a_self_training_pass_builds_its_stage_0_as_the_kept_variant():
+    parts = _parts(0.9, 0.1)
+    settings = {**BASE, "stages": 2, "self_training": 1}
+    auto = run_lazy(parts, TrainConfig.resolve(**settings, first_stage="auto"))
+    assert auto["stages"][0]["first_stage"] == "local"
+    kept = run_lazy(parts, TrainConfig.resolve(**settings, first_stage="local"))
+    assert [s["stage"] for s in auto["stage_results"]] == [0, 1, 2, 3]
+    # The second pass's stage 0 (stage 2) trained as the local layer, as the fixed run's did.
+    assert auto["stage_results"] == kept["stage_results"]
+    assert "first_stage_trials" not in auto["stages"][2]
+
+
+def _client(first_stage: str) -> LazyClient:
+    parts = _parts(0.9, 0.1)
+    return LazyClient(parts[0], TrainConfig.resolve(**BASE, first_stage=first_stage))
+
+
+def test_a_variant_the_run_config_does_not_allow_is_refused_naming_the_client():
+    client = _client("mlp")
+    client.set_first_stage("mlp")  # the config's own: accepted
+    with pytest.raises(ValueError, match=r"client 0: first-stage local in a run whose first-stage is mlp"):
+        client.set_first_stage("local")
+    with pytest.raises(ValueError, match=r"client 0: first-stage 'gat' is not one of mlp, local"):
+        _client("auto").set_first_stage("gat")
+    # Under auto a layer-0 stage needs the variant named before its model is built.
+    with pytest.raises(RuntimeError, match=r"client 0: first-stage auto, and no message named"):
+        _client("auto").make_model()
+    # An eager client takes no layer-0 variant.
+    parts = _parts(0.9, 0.1)
+    eager = EagerClient(parts[0], TrainConfig.resolve(**BASE, mode="eager"))
+    with pytest.raises(ValueError, match=r"client 0: first-stage applies to lazy runs, this one is eager"):
+        handle(eager, P.TRAIN, {P.CONFIG: {P.FIRST_STAGE: "mlp", P.ROUND: 1, P.STAGE: 0}})
+
+
+def test_auto_is_refused_with_secure_aggregation_and_outside_lazy_mode():
+    with pytest.raises(ValueError, match=r"first-stage auto trains stage 0 twice"):
+        TrainConfig.resolve(clients=4, first_stage="auto", secure_aggregation=True).validate()
+    with pytest.raises(ValueError, match=r"first-stage auto applies to lazy mode, not eager"):
+        TrainConfig.resolve(mode="eager", first_stage="auto").validate()
+
+
+def test_the_round_journal_takes_the_second_training_and_refuses_going_back():
+    client = _client("auto")
+    client.set_first_stage("mlp")
+    client.begin_round(1)
+    client.begin_round(9)
+    client.set_first_stage("local")  # the second training counts its rounds from 1 again
+    client.begin_round(1)
+    client.begin_round(2)
+    client.set_first_stage("mlp")  # a server going back to the MLP's rounds once the local began
+    with pytest.raises(ValueError, match=r"client 0: train round 10 of stage 0 after round 2 of stage 0"):
+        client.begin_round(10)

@@ -117,3 +117,31 @@ def test_the_round_journal_takes_the_second_training_and_refuses_going_back():
     client.set_first_stage("mlp")  # a server going back to the MLP's rounds once the local began
     with pytest.raises(ValueError, match=r"client 0: train round 10 of stage 0 after round 2 of stage 0"):
         client.begin_round(10)
+
+
+@pytest.mark.slow
+def test_both_engines_keep_the_same_variant_with_the_same_results(tmp_path):
+    from retexo_fl.metrics import RunRecorder
+    from retexo_fl.runner import train
+    from server.simulation import simulate
+
+    common = {"dataset": "sbm:300,3,8,0.9", "clients": 3, "method": "metis", **BASE, "first_stage": "auto"}
+    sim = simulate(TrainConfig.resolve(**common, out_dir=str(tmp_path / "sim")))
+    ref = train(TrainConfig.resolve(**common), RunRecorder(None, stream=None))
+    assert sim["stages"][0]["first_stage"] == ref["stages"][0]["first_stage"]
+    assert sim["stages"][0]["first_stage_trials"] == [
+        {**t, "seconds": s["seconds"]}
+        for t, s in zip(
+            ref["stages"][0]["first_stage_trials"], sim["stages"][0]["first_stage_trials"], strict=True
+        )
+    ]
+    for key in (
+        "test_accuracy",
+        "val_accuracy",
+        "bytes_total",
+        "bytes_model",
+        "bytes_boundary",
+        "kept_stage",
+    ):
+        assert sim[key] == ref[key], key
+    assert sim["stage_results"] == ref["stage_results"]

@@ -21,6 +21,7 @@ from retexo_fl.secure.policy import POLICY_ENV, PartyPolicy
 from retexo_fl.summary import RunSummary
 from server.app import run_server
 from server.checkpoint import resumed_config
+from server.simulation_queue import indexed_message_queue
 
 
 class _DropRunSimulationBanner(logging.Filter):
@@ -122,7 +123,7 @@ def simulate(
     previous = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        with _quiet_run_simulation():
+        with _quiet_run_simulation(), indexed_message_queue():
             run_simulation(
                 server_app=server_app,
                 client_app=client_app or default_client_app,

@@ -12,13 +12,14 @@ never dropped from the cache.
 
 from __future__ import annotations
 
+import secrets
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from flwr.app import Context, Message, RecordDict
+from flwr.app import ConfigRecord, Context, Message, RecordDict
 
 from clients.node import NodeView, cache_key, cut_lock
 from clients.records import from_flower, to_flower
@@ -43,10 +44,16 @@ _CACHE: dict[tuple[int, str], Client] = {}
 CACHED_RUNS = 1
 #: Set by the node worker: no other process writes this node's state, so a cached client that
 #: this process loaded or answered with is current and is not loaded again before each message.
-#: Ray actors (several serve one node) always load it: file times are too coarse to tell two
-#: writes in a row apart.
 SOLE_WRITER = False
-_CURRENT: set[tuple[int, str]] = set()
+#: (run key, node) -> the version of the saved state its cached client holds (``None``: unknown).
+#: Ray actors (several serve one virtual node, one message at a time) cannot tell two writes in
+#: a row apart by file times, which are too coarse: each save names a new version in the node's
+#: Flower context (:data:`STATE_VERSION_RECORD`), which the engine hands with the node's next
+#: message to whichever actor serves it. A process whose client holds that version skips the
+#: load: at one node per client, loading was half of a simulated client's time (Cora, 2,708).
+_CURRENT: dict[tuple[int, str], str | None] = {}
+#: The ``context.state`` record naming the version of the node's saved client state.
+STATE_VERSION_RECORD = "retexo-fl-state"
 #: (run key, node) -> the node's view of the last message its client answered (audit_target).
 _VIEWS: dict[tuple[int, str], NodeView] = {}
 #: Guards ``_CACHE``, ``_VIEWS``, ``_CURRENT`` and ``_HELD``: a node worker answers runs on several threads.
@@ -112,7 +119,7 @@ def forget(run_keys: Iterable[int]) -> None:
         for key in [k for k in _CACHE if k[0] in runs and k[0] not in held]:
             del _CACHE[key]
             _VIEWS.pop(key, None)
-            _CURRENT.discard(key)
+            _CURRENT.pop(key, None)
 
 
 def _drop_old_runs(keep: int) -> None:
@@ -130,7 +137,7 @@ def _drop_old_runs(keep: int) -> None:
         for key in [k for k in _CACHE if k[0] == run]:
             del _CACHE[key]
             _VIEWS.pop(key, None)
-            _CURRENT.discard(key)
+            _CURRENT.pop(key, None)
 
 
 def load_node_partition(view: NodeView, work: Path) -> Partition:
@@ -165,11 +172,12 @@ def write_cut(cfg: TrainConfig, folder: Path, graph: Data | None = None) -> None
         save_partition(part, folder / f"part-{part.partition_id}")
 
 
-def node_client(view: NodeView) -> tuple[Client, Path]:
+def node_client(view: NodeView, context: Context) -> tuple[Client, Path]:
     """This node's client for the message's run, restored to its saved state, and its work folder.
 
     Args:
         view (NodeView): what the node knows of itself for this message.
+        context (Context): the message's context (it names the saved state's version).
 
     Raises:
         PolicyError: the message's run config is weaker than this party's policy.
@@ -195,15 +203,40 @@ def node_client(view: NodeView) -> tuple[Client, Path]:
             client.channel.observer = log.record_sealed
         with _LOCK:
             _CACHE[key], _VIEWS[key] = client, view
-            _CURRENT.discard(key)  # a new client holds nothing yet: restored below
+            _CURRENT.pop(key, None)  # a new client holds nothing yet: restored below
             _drop_old_runs(key[0])  # earlier runs' tensors
     # Another Ray actor may have advanced this node since, or this is a restarted worker: the
     # saved state is the truth, unless this process is its only writer and already holds it.
-    if not (SOLE_WRITER and key in _CURRENT):
+    version = state_version(context)
+    if not holds_current(key, version):
         client.restore(work)
         with _LOCK:
-            _CURRENT.add(key)
+            _CURRENT[key] = version
     return client, work
+
+
+def holds_current(key: tuple[int, str], version: str | None) -> bool:
+    """Whether this process's cached client of ``key`` holds the node's saved state: as the node
+    worker, the only writer, whenever it is cached; else when it holds the ``version`` the
+    node's context names (see :data:`_CURRENT`)."""
+    with _LOCK:
+        if key not in _CURRENT:
+            return False
+        return SOLE_WRITER or (version is not None and _CURRENT[key] == version)
+
+
+def state_version(context: Context) -> str | None:
+    """The version of the node's saved client state its Flower context names (``None``: none)."""
+    record = context.state.get(STATE_VERSION_RECORD)
+    return None if record is None else str(record["version"])
+
+
+def saved(context: Context, key: tuple[int, str]) -> None:
+    """The node's client state was just saved: name a new version in its context, held here."""
+    version = secrets.token_hex(8)
+    context.state[STATE_VERSION_RECORD] = ConfigRecord({"version": version})
+    with _LOCK:
+        _CURRENT[key] = version
 
 
 def cached_client(msg: Message, context: Context) -> Client:
@@ -214,7 +247,7 @@ def cached_client(msg: Message, context: Context) -> Client:
 def answer(msg: Message, context: Context) -> RecordDict:
     """This node's reply content to ``msg``: restore the client, let the library's handler
     answer, and save the node-local state when the answer changed it."""
-    client, work = node_client(NodeView.of(msg, context))
+    client, work = node_client(NodeView.of(msg, context), context)
     try:
         reply = handle(client, msg.metadata.message_type, from_flower(msg.content))
     except Exception:
@@ -223,6 +256,7 @@ def answer(msg: Message, context: Context) -> RecordDict:
         raise
     if reply.changed:
         client.save(work)  # node-local: the private key and stage inputs stay in this folder
+        saved(context, cache_key(msg, context))
     return to_flower(reply.records)
 
 

@@ -253,6 +253,12 @@ def read_manifest(directory: str | os.PathLike[str]) -> dict:
     return manifest
 
 
+#: Arrays files at least this large are memory-mapped, smaller ones read whole: a map holds a
+#: file descriptor while its array lives, and a Ray actor that served a one-node-per-client
+#: simulation's 2,708 clients (Cora) ran out of them ("Too many open files").
+MMAP_MIN_BYTES = 1 << 20
+
+
 def _load_array(root: Path, name: str, manifest: dict, verify: bool) -> np.ndarray:
     path = root / name
     if not path.is_file():
@@ -267,7 +273,8 @@ def _load_array(root: Path, name: str, manifest: dict, verify: bool) -> np.ndarr
                 path, "checksum", f"sha256 {actual[:16]}... does not match manifest {expected[:16]}..."
             )
     try:
-        arr = np.load(path, allow_pickle=False, mmap_mode="r")
+        mmap = "r" if path.stat().st_size >= MMAP_MIN_BYTES else None
+        arr = np.load(path, allow_pickle=False, mmap_mode=mmap)
     except (ValueError, OSError, EOFError, OverflowError) as exc:  # a header's shape past any file
         raise PartitionError(path, name.removesuffix(".npy"), f"not a readable .npy array ({exc})") from exc
     kind, ndim = FILES[name]

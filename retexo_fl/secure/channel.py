@@ -50,6 +50,37 @@ def _is_frozen(value: Mapping[int, bytes]) -> bool:
     return _frozen.get(id(value)) is value
 
 
+#: The last directory turned to hex for a node's state, and the hex (one per process at a time:
+#: every party of a run holds the same directory, and a node-level run saves thousands of states).
+_last_hex: tuple[Mapping[int, bytes], dict[str, str]] | None = None
+#: The last hex directory parsed back, and the frozen view it gave.
+_last_parsed: tuple[dict[str, str], Mapping[int, bytes]] | None = None
+
+
+def _directory_hex(directory: Mapping[int, bytes]) -> dict[str, str]:
+    """``directory`` as :meth:`PeerChannel.to_state` writes it (client id -> key hex), the same
+    dict object for the same directory: a node's saved state names it by that dict's digest."""
+    global _last_hex
+    if _last_hex is not None and _last_hex[0] is directory:
+        return _last_hex[1]
+    hexed = {str(q): k.hex() for q, k in directory.items()}
+    if _is_frozen(directory):  # a read-only view: it cannot change under the memo
+        _last_hex = (directory, hexed)
+    return hexed
+
+
+def _directory_parsed(hexed: dict[str, str]) -> Mapping[int, bytes]:
+    """A saved directory parsed back; the same frozen view for the same saved dict (node states
+    of one process share the directory their loader read once)."""
+    global _last_parsed
+    if _last_parsed is not None and _last_parsed[0] is hexed:
+        return _last_parsed[1]
+    directory = {int(q): bytes.fromhex(k) for q, k in hexed.items()}
+    view, _ = frozen_directory(directory, {})
+    _last_parsed = (hexed, view)
+    return view
+
+
 def _transcript(
     directory: Mapping[int, bytes],
     contributions: Mapping[int, bytes],
@@ -251,7 +282,7 @@ class PeerChannel:
         return {
             "identity": None if self.identity is None else private_bytes(self.identity).hex(),
             "contribution": None if self.own_contribution is None else self.own_contribution.hex(),
-            "directory": None if self.directory is None else {q: k.hex() for q, k in self.directory.items()},
+            "directory": None if self.directory is None else _directory_hex(self.directory),
             "transcript": None if self.transcript is None else self.transcript.hex(),
             "counters": None if self.envelopes is None else self.envelopes.counters(),
         }
@@ -263,5 +294,5 @@ class PeerChannel:
         if state.get("contribution"):
             self.own_contribution = bytes.fromhex(state["contribution"])
         if state.get("directory") and state.get("transcript"):
-            directory = {int(q): bytes.fromhex(k) for q, k in state["directory"].items()}
+            directory = _directory_parsed(state["directory"])
             self._open(directory, bytes.fromhex(state["transcript"]), peers, state.get("counters"))

@@ -173,7 +173,7 @@ def _msg(run_key: int) -> _Message:
 def cache(monkeypatch) -> Iterator[dict]:
     """The client cache, empty, with one run kept (a process that is not a node worker)."""
     monkeypatch.setattr(node_client, "_CACHE", {})
-    monkeypatch.setattr(node_client, "_CURRENT", set())
+    monkeypatch.setattr(node_client, "_CURRENT", {})
     monkeypatch.setattr(node_client, "CACHED_RUNS", 1)
     yield node_client._CACHE
 
@@ -361,3 +361,24 @@ def test_a_worker_refuses_a_run_over_the_bound_naming_it(worker):
     for c in busy:
         assert c.result() == {"message": c.message_id}
     assert "start c" not in worker.events()
+
+
+def test_a_cached_client_is_current_only_at_the_version_its_context_names(cache, monkeypatch):
+    from flwr.app import Context, RecordDict
+
+    context = Context(run_id=1, node_id=5, node_config={}, state=RecordDict(), run_config={})
+    key = (1, "5")
+    assert node_client.state_version(context) is None
+    assert not node_client.holds_current(key, None)  # not cached: loaded
+    node_client._CURRENT[key] = None  # loaded before any save named a version
+    assert not node_client.holds_current(key, None)  # an unnamed state may be anyone's: loaded
+    node_client.saved(context, key)  # this process saved it: a new version, in the context too
+    version = node_client.state_version(context)
+    assert version is not None and node_client.holds_current(key, version)
+    # Another actor answered the node's next message and saved: its version differs, so this
+    # process's client is stale and is loaded again.
+    other = Context(run_id=1, node_id=5, node_config={}, state=RecordDict(), run_config={})
+    node_client.saved(other, (9, "9"))
+    assert not node_client.holds_current(key, node_client.state_version(other))
+    monkeypatch.setattr(node_client, "SOLE_WRITER", True)  # the node worker: its cache is the truth
+    assert node_client.holds_current(key, None)

@@ -251,3 +251,26 @@ def test_a_verification_stamp_skips_only_the_hashing(sbm, tmp_path):
     np.save(root / "x.npy", x)  # same size, new bytes and mtime: the stamp no longer matches
     with pytest.raises(PartitionError, match="checksum"):
         load_partition(root, stamp=stamp)
+
+
+def _mapped(arr: np.ndarray) -> bool:
+    """Whether ``arr`` is backed by a memory map (which holds a file descriptor while it lives)."""
+    import mmap
+
+    base = arr
+    while base is not None:
+        if isinstance(base, mmap.mmap | np.memmap):
+            return True
+        base = getattr(base, "base", None)
+    return False
+
+
+def test_small_arrays_are_read_whole_and_large_ones_mapped(parts, tmp_path, monkeypatch):
+    import retexo_fl.data.partition as partition_module
+
+    save_partition(parts[0], tmp_path / "p0")
+    small = load_partition(tmp_path / "p0")
+    assert not _mapped(small.x)  # thousands of one-node partitions in one process: no descriptors
+    monkeypatch.setattr(partition_module, "MMAP_MIN_BYTES", 1)  # every file counts as large
+    large = load_partition(tmp_path / "p0")
+    assert _mapped(large.x) and np.array_equal(large.x, small.x)

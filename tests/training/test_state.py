@@ -74,3 +74,28 @@ def test_an_eager_client_keeps_its_halo_layers(sbm, tmp_path):
     fresh = EagerClient(part, cfg)
     assert fresh.restore(tmp_path) and fresh.halo_round == 4
     assert all(torch.equal(a, b) for a, b in zip(fresh.halo_layers, client.halo_layers, strict=True))
+
+
+def test_the_key_directory_is_saved_once_beside_the_states_and_checked(tmp_path, monkeypatch):
+    from retexo_fl.party import state as state_module
+
+    directory = {str(q): f"{q:02x}" * 32 for q in range(50)}
+    channel = {"identity": "ab" * 32, "directory": directory, "transcript": "cd" * 32}
+    folder = tmp_path / "node-0"
+    for stage in (1, 2):  # two saves, one directory file
+        ClientState(stage=stage, channel=channel).save(folder)
+    files = list(folder.glob("key-directory-*.json"))
+    assert len(files) == 1 and stat.S_IMODE(files[0].stat().st_mode) == 0o600
+    raw = torch.load(folder / STATE_FILE, weights_only=True)
+    assert raw["channel"]["directory"] is None and raw["channel"]["directory-digest"]  # named, not held
+    monkeypatch.setattr(state_module, "_loaded", {})  # a fresh process: read from the file
+    back = ClientState.load(folder)
+    assert back is not None and back.stage == 2 and back.channel["directory"] == directory
+    # A directory file that is not the one named is refused, naming it.
+    monkeypatch.setattr(state_module, "_loaded", {})
+    files[0].write_text(files[0].read_text().replace("01" * 32, "02" * 32))
+    with pytest.raises(ValueError, match=r"key-directory-.*\.json: not the key directory"):
+        ClientState.load(folder)
+    files[0].unlink()
+    with pytest.raises(ValueError, match=r"key-directory-.*\.json: the key directory this client"):
+        ClientState.load(folder)

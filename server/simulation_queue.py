@@ -16,7 +16,8 @@ node what the per-node calls would have: its first undelivered message in the st
 checked the same way, marked delivered with the same timestamp, at most one a node a poll,
 queued in the nodes' order. (Delivered messages awaiting their replies are passed over without
 the expiry check upstream gives them on every call: an expired one is dropped when the server
-pulls its reply instead of at the next poll.) A state that is not the in-memory one is polled as upstream does.
+pulls its reply instead of at the next poll.) A state that is not the in-memory one is polled
+as upstream does.
 
 :func:`check_upstream` refuses to patch unless the installed function and the LinkState method
 whose answers it reproduces are the source this module was written for (their SHA-256): a

@@ -90,10 +90,11 @@ class FedAvgRound:
         A lazy stage's rounds go to the clients that hold training or validation nodes; a client
         with validation nodes only validates (:data:`~retexo_fl.protocol.VALIDATE_ONLY`) and sends
         no update. With ``fraction-train`` below 1 or ``clients-per-round`` set, only a sample of
-        the clients with training nodes trains; the others only validate (they still receive the
-        round's broadcast, from which the next round's delta is taken). A client with neither is
-        sent nothing until the stage's test: at one node per client, most clients. Every live
-        client takes part in an eager run's rounds (its halo rows refresh every round), in a
+        the clients with training nodes trains; of the others, those with validation nodes
+        validate, and those without are sent nothing that round (sampled later, a client whose
+        view is behind gets the round's state whole: see :class:`RoundLoop`). A client with
+        neither is sent nothing until the stage's test: at one node per client, most clients.
+        Every live client takes part in an eager run's rounds (its halo rows refresh every round), in a
         local run's and under DP-FedAvg, whose weights and noise are per participant.
         """
         fed, cfg = self.fed, self.fed.cfg
@@ -110,7 +111,9 @@ class FedAvgRound:
             # resumed server draws it again.
             rng = random.Random(derive_seed(cfg.seed, self.stage, self.round, SAMPLE_TAG))
             sampled = set(rng.sample(train, k))
-            self.validate_only |= set(train) - sampled
+            # An unsampled trainer with no validation nodes has nothing to do this round: at one
+            # node per client, a self-training pass's thousand keep-up messages a round.
+            self.validate_only |= {p for p in set(train) - sampled if fed.validates(p)}
             train = sorted(sampled)
         return train, sorted(self.validate_only)
 

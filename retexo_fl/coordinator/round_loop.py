@@ -21,7 +21,7 @@ from typing import Any
 from retexo_fl import protocol as P
 from retexo_fl.compress.boundary import ExchangeStats
 from retexo_fl.compress.updates import ModelBroadcast
-from retexo_fl.coordinator.aggregate import ServerOptimizer
+from retexo_fl.coordinator.aggregate import ServerOptimizer, state_nbytes
 from retexo_fl.coordinator.checkpoint import RoundState
 from retexo_fl.coordinator.drift import ServerControl
 from retexo_fl.coordinator.federation import AGGREGATE, FederationView, Frames, total
@@ -171,11 +171,17 @@ class RoundLoop:
             trainers, validators = aggregation.select()
             config = {P.STAGE: stage, P.ROUND: r, P.VALIDATE: r > 1, **self._keep(rs)}
             config.update(aggregation.configure())
+            # A recipient the last round left out holds an older view than the broadcast's delta
+            # starts from: it is sent the round's state whole (sampled trainers, clients-per-round).
+            behind = self._behind(rs, r, trainers + validators)
+            # A lazy stage's frames go with a client's first round in it: round 1's, or, for a
+            # client sampled later, the frames held back for it (else they go with the test).
+            held_back = {} if pending or refresh else (getattr(rs, "undelivered", None) or {})
             requests = {
                 pid: fed.content(
                     rs.view,
-                    pending.get(pid) if pending else None,
-                    model=rs.broadcast,
+                    pending.get(pid) if pending else held_back.get(pid),
+                    model=None if pid in behind else rs.broadcast,
                     by_digest=True,
                     **config,
                     **({P.VALIDATE_ONLY: True} if pid in validators else {}),
@@ -184,9 +190,9 @@ class RoundLoop:
             }
             rs.recipients = sorted(requests)
             fed.unheld = set(fed.pids) - set(requests)  # they will be sent the stage's state whole
-            if pending and not refresh:
+            if (pending or held_back) and not refresh:
                 # Frames for clients the rounds leave out go with the stage's test (see run).
-                rs.undelivered = {p: f for p, f in pending.items() if p not in requests}
+                rs.undelivered = {p: f for p, f in (pending or held_back).items() if p not in requests}
             pending = None
             aggregation.decorate(requests)
             replies = fed.send(P.TRAIN, requests, f"{label} round {r}", stage)
@@ -195,6 +201,11 @@ class RoundLoop:
             # Counted before the stop check: a round whose replies end the stage was still sent.
             down = rs.broadcast.nbytes() + aggregation.extra_down
             exchange = aggregation.collect(ordered, down)
+            if behind:  # sent the state whole, not the delta `down` counted
+                extra = state_nbytes(rs.view) - rs.broadcast.nbytes()
+                for pid in behind & set(ordered):
+                    rs.tracker.model_bytes += extra
+                    fed.count_client_bytes(stage, pid, model=extra)
             while exchange is not None:  # e.g. secure aggregation's unmasking
                 answers = fed.send(exchange.kind, exchange.requests, exchange.phase, stage)
                 exchange = aggregation.resume(answers)
@@ -227,6 +238,16 @@ class RoundLoop:
             asked = getattr(rs, "recipients", None)  # older checkpoints lack it: every client
             val = total(fed.evaluate(rs.view, "val", stage, pending, model=rs.broadcast, pids=asked, **extra))
             self._record(rs, rounds, (val.correct, val.count, val.loss_sum), refresh)
+
+    @staticmethod
+    def _behind(rs: RoundState, round_: int, recipients: list[int]) -> set[int]:
+        """The round's recipients whose view is not the one the broadcast's delta is taken from:
+        those the last round left out (none in a stage's first round, which is whole anyway,
+        or without compressed broadcasts)."""
+        last = getattr(rs, "recipients", None)  # older checkpoints lack it: every client
+        if round_ <= 1 or last is None or rs.broadcast.frames is None:
+            return set()
+        return set(recipients) - set(last)
 
     def _keep(self, rs: RoundState) -> dict[str, bool]:
         """The :data:`~retexo_fl.protocol.KEEP` entry of the next message to clients (compressed

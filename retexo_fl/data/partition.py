@@ -273,8 +273,11 @@ def _load_array(root: Path, name: str, manifest: dict, verify: bool) -> np.ndarr
                 path, "checksum", f"sha256 {actual[:16]}... does not match manifest {expected[:16]}..."
             )
     try:
-        mmap = "r" if path.stat().st_size >= MMAP_MIN_BYTES else None
-        arr = np.load(path, allow_pickle=False, mmap_mode=mmap)
+        # Mapped first in every case: a header whose shape runs past the file fails here, where
+        # reading it whole would first try to allocate what the header claims.
+        arr = np.load(path, allow_pickle=False, mmap_mode="r")
+        if path.stat().st_size < MMAP_MIN_BYTES:
+            arr = np.array(arr)  # read whole: the map, and its file descriptor, are released now
     except (ValueError, OSError, EOFError, OverflowError) as exc:  # a header's shape past any file
         raise PartitionError(path, name.removesuffix(".npy"), f"not a readable .npy array ({exc})") from exc
     kind, ndim = FILES[name]

@@ -26,16 +26,28 @@ CFG = dict(model="gcn", stages=3, hidden=16, rounds=3, seed=0, patience=0, self_
 
 
 class Recording(InProcessTransport):
-    """Records every request: (message type, stage, address, whether it asked to validate only)."""
+    """Records every request: (message type, stage, address, whether it asked to validate only);
+    ``rounds`` the train messages' (stage, round, address, validate only, state sent whole)."""
 
     def __init__(self, clients) -> None:
         super().__init__(clients)
         self.sent: list[tuple[str, int, int, bool]] = []
+        self.rounds: list[tuple[int, int, int, bool, bool]] = []
 
     def send(self, kind: str, requests: dict, phase: str, stage: int) -> Batch:
         for a, r in requests.items():
-            self.sent.append((kind, stage, a, bool(r[P.CONFIG].get(P.VALIDATE_ONLY))))
+            only = bool(r[P.CONFIG].get(P.VALIDATE_ONLY))
+            self.sent.append((kind, stage, a, only))
+            if kind == P.TRAIN:
+                self.rounds.append((stage, int(r[P.CONFIG][P.ROUND]), a, only, P.ARRAYS in r))
         return super().send(kind, requests, phase, stage)
+
+    def by_round(self) -> dict[tuple[int, int], list[tuple[int, bool, bool]]]:
+        """(stage, round) -> its train messages: (address, validate only, state sent whole)."""
+        out: dict[tuple[int, int], list[tuple[int, bool, bool]]] = {}
+        for stage, round_, a, only, whole in self.rounds:
+            out.setdefault((stage, round_), []).append((a, only, whole))
+        return out
 
 
 @pytest.fixture(scope="module")
@@ -93,24 +105,23 @@ def test_rounds_skip_clients_with_nothing_to_train_and_end_as_with_every_client(
 
 def test_a_fraction_of_the_trainers_trains_each_round_sampled_from_the_seed(node_level):
     """``fraction-train 0.5``: 9 of the 18 clients with a training node train each round, a sample
-    drawn again by a resumed server (a function of seed, stage and round); the others validate."""
+    drawn again by a resumed server (a function of seed, stage and round); the 12 with a
+    validation node validate; an unsampled trainer with none is sent nothing that round."""
     summary, transport = _run(node_level, fraction_train=0.5)
-    train = [(s, a, v) for kind, s, a, v in transport.sent if kind == P.TRAIN]
     trainers = {p.partition_id for p in node_level if int(p.train_mask.sum())}
-    per_stage_round = []
-    i = 0
-    for stage, figures in enumerate(summary["stages"]):
-        for _ in range(figures["rounds_sent"]):
-            batch = train[i : i + 30]  # every round still goes to the 30 that train or validate
-            i += 30
-            assert {s for s, _, _ in batch} == {stage}
-            sampled = {a for _, a, v in batch if not v}
-            assert len(sampled) == 9 and sampled <= trainers
-            per_stage_round.append(sampled)
-    assert i == len(train)
-    assert len({frozenset(s) for s in per_stage_round}) > 1, "a new sample each round"
+    validators = {p.partition_id for p in node_level if int(p.val_mask.sum())}
+    assert len(trainers) == 18 and len(validators) == 12 and not trainers & validators
+    rounds = transport.by_round()
+    assert len(rounds) == sum(s["rounds_sent"] for s in summary["stages"])
+    samples = []
+    for batch in rounds.values():
+        sampled = {a for a, only, _ in batch if not only}
+        assert len(sampled) == 9 and sampled <= trainers
+        assert {a for a, only, _ in batch if only} == validators
+        samples.append(sampled)
+    assert len({frozenset(s) for s in samples}) > 1, "a new sample each round"
     again, t_again = _run(node_level, fraction_train=0.5)
-    assert [x for x in t_again.sent if x[0] == P.TRAIN] == [x for x in transport.sent if x[0] == P.TRAIN]
+    assert t_again.rounds == transport.rounds
     assert again["test_accuracy"] == summary["test_accuracy"]
     assert math.isfinite(summary["test_accuracy"])
 
@@ -121,19 +132,47 @@ def test_clients_per_round_caps_the_sample(node_level):
     changes nothing."""
     summary, transport = _run(node_level, clients_per_round=4)
     trainers = {p.partition_id for p in node_level if int(p.train_mask.sum())}
-    train = [(s, a, v) for kind, s, a, v in transport.sent if kind == P.TRAIN]
-    rounds = [train[i : i + 30] for i in range(0, len(train), 30)]
-    assert rounds and all(len(batch) == 30 for batch in rounds)
-    samples = [{a for _, a, v in batch if not v} for batch in rounds]
-    assert all(len(s) == 4 and s <= trainers for s in samples)
+    samples = [{a for a, only, _ in batch if not only} for batch in transport.by_round().values()]
+    assert samples and all(len(s) == 4 and s <= trainers for s in samples)
     assert len({frozenset(s) for s in samples}) > 1, "a new sample each round"
     capped, t_capped = _run(node_level, fraction_train=0.5, clients_per_round=4)
-    assert all(len({a for kind, _, a, v in batch if not v}) == 4 for batch in _rounds(t_capped))
+    assert all(len({a for a, only, _ in b if not only}) == 4 for b in t_capped.by_round().values())
     uncapped, t_uncapped = _run(node_level, clients_per_round=100)
     everyone, t_everyone = _run(node_level)
     assert [x for x in t_uncapped.sent if x[0] == P.TRAIN] == [x for x in t_everyone.sent if x[0] == P.TRAIN]
     assert uncapped["test_accuracy"] == everyone["test_accuracy"]
     assert math.isfinite(summary["test_accuracy"]) and math.isfinite(capped["test_accuracy"])
+
+
+@pytest.mark.parametrize("broadcast_bits", [4, 32])
+def test_a_sampled_trainer_whose_view_is_behind_gets_the_state_whole(node_level, monkeypatch, broadcast_bits):
+    """Unsampled trainers with no validation node are left out of a round, and one sampled after
+    missing a round is sent the round's state whole: the run trains exactly as when every trainer
+    was kept up to date with validate-only messages (the rule before 2026-11-28, restored here by
+    making every client count as a validator; they hold no validation node, so every sum is
+    unchanged), with fewer messages."""
+    settings = dict(clients_per_round=4, broadcast_bits=broadcast_bits)
+    lean, t_lean = _run(node_level, **settings)
+    with monkeypatch.context() as m:
+        m.setattr("retexo_fl.coordinator.federation.FederationView.validates", lambda self, pid: True)
+        kept_up, _ = _run(node_level, **settings)
+    assert _val_curve(lean) == _val_curve(kept_up)
+    assert lean["test_accuracy"] == kept_up["test_accuracy"] and lean["kept_stage"] == kept_up["kept_stage"]
+    assert lean["messages"]["train"] < kept_up["messages"]["train"]
+    whole = sorted((s, r, a) for s, r, a, _, w in t_lean.rounds if w and r > 1)
+    if broadcast_bits == 32:  # every message carries the state whole: nobody is behind
+        assert lean["bytes_model"] < kept_up["bytes_model"]
+        return
+    # Compressed broadcasts: exactly the recipients the round before left out get it whole.
+    rounds = t_lean.by_round()
+    expected = sorted(
+        (s, r, a)
+        for (s, r), batch in rounds.items()
+        if r > 1
+        for a, _, _ in batch
+        if a not in {b for b, _, _ in rounds[(s, r - 1)]}
+    )
+    assert whole and whole == expected
 
 
 def _rounds(transport) -> list[list[tuple]]:

@@ -252,7 +252,7 @@ def answer(msg: Message, context: Context) -> RecordDict:
         reply = handle(client, msg.metadata.message_type, from_flower(msg.content))
     except Exception:
         with _LOCK:
-            _CURRENT.discard(cache_key(msg, context))  # a half-applied message: reload the saved state
+            _CURRENT.pop(cache_key(msg, context), None)  # a half-applied message: reload the saved state
         raise
     if reply.changed:
         client.save(work)  # node-local: the private key and stage inputs stay in this folder

@@ -61,3 +61,16 @@ def sbm():
     data = synthetic_sbm(600, 3, avg_degree=8, homophily=0.85, num_features=16, feature_signal=0.35, seed=1)
     apply_split(data, "random:0.3,0.2,0.5", seed=1)
     return data
+
+
+@pytest.fixture()
+def reloading_app(monkeypatch):
+    """The ClientApp of ``reloading_clientapp.py``: every process loads node 2's saved state
+    before each message, so a test that corrupts it sees the load fail. Flower's simulation
+    workers import it by name, as they import ours."""
+    here = str(Path(__file__).resolve().parent)
+    monkeypatch.syspath_prepend(here)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    import reloading_clientapp
+
+    return reloading_clientapp.app

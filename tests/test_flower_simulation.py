@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -109,7 +106,7 @@ def test_failing_client_ends_the_run_with_its_name(tmp_path):
 
 
 @pytest.mark.slow
-def test_client_failing_mid_stage_ends_the_run_with_its_name(tmp_path, node_work_dir, monkeypatch):
+def test_client_failing_mid_stage_ends_the_run_with_its_name(tmp_path, node_work_dir, reloading_app):
     """Client 2's saved stage inputs are corrupted once stage 1 has begun: its next message, which
     loads them (an actor whose client holds the state the node's context names would not:
     ``reloading_clientapp.py`` makes every actor load node 2's), fails."""
@@ -120,12 +117,6 @@ def test_client_failing_mid_stage_ends_the_run_with_its_name(tmp_path, node_work
 
     from retexo_fl.coordinator.transport import ClientFailure
     from server.simulation import simulate
-
-    # Flower's simulation workers import the app by name, as they import ours.
-    here = str(Path(__file__).resolve().parent)
-    sys.path.insert(0, here)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
-    import reloading_clientapp
 
     started = time.time()
     base = node_work_dir  # this test's own node folders: no other run's state is touched
@@ -150,7 +141,7 @@ def test_client_failing_mid_stage_ends_the_run_with_its_name(tmp_path, node_work
     )
     try:
         with pytest.raises(ClientFailure, match=r"client 2 failed during stage 1 round \d+: client 2: "):
-            simulate(cfg, client_app=reloading_clientapp.app)
+            simulate(cfg, client_app=reloading_app)
     finally:
         done.set()
         watcher.join(timeout=5)

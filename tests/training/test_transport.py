@@ -151,7 +151,8 @@ def _corrupt_client_state_at_stage(
 
 
 @pytest.mark.slow
-def test_a_client_dying_mid_stage_is_dropped_and_the_run_finishes(node_work_dir):
+def test_a_client_dying_mid_stage_is_dropped_and_the_run_finishes(node_work_dir, reloading_app):
+    # Its state is corrupted on disk: loaded before every message (reloading_app), it fails.
     from server.simulation import simulate
 
     started, done = time.time(), threading.Event()
@@ -171,7 +172,7 @@ def test_a_client_dying_mid_stage_is_dropped_and_the_run_finishes(node_work_dir)
         on_missing_halo="zero",
     )
     try:
-        summary = simulate(cfg)
+        summary = simulate(cfg, client_app=reloading_app)
     finally:
         done.set()
         watcher.join(timeout=5)

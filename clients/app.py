@@ -9,11 +9,13 @@ the answer changed it, and replies. Either way the mods (error reporting, audit)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from clients import shim
-from clients.mods import audit_messages, report_errors
+from clients.mods import Next, audit_messages, report_errors
 from retexo_fl import protocol as P
 
 # The audit is outermost: it records the error replies report_errors makes, too.
@@ -64,3 +66,14 @@ def embed(msg: Message, context: Context) -> Message:
 def unmask(msg: Message, context: Context) -> Message:
     """Secure aggregation: shares and pair seeds that unmask the round's sum."""
     return _answer(msg, context)
+
+
+def app_with(*mods: Callable[[Message, Context, Next], Message]) -> ClientApp:
+    """A ClientApp with these handlers and ``mods`` inside the audit and error reporting: the
+    variants tests run in simulation (one built to leak, one that reloads a node's state)."""
+    variant = ClientApp(mods=[audit_messages, report_errors, *mods])
+    for name, handler in (("hello", hello), ("setup", setup), ("embed", embed), ("unmask", unmask)):
+        variant.query(name)(handler)
+    variant.train()(train)
+    variant.evaluate()(evaluate)
+    return variant

@@ -9,11 +9,10 @@ It lives in its own module so that Flower's simulation workers can import it by 
 from __future__ import annotations
 
 from flwr.app import Context, Message
-from flwr.clientapp import ClientApp
 
 from clients import app as real
 from clients import node_client
-from clients.mods import Next, audit_messages, report_errors
+from clients.mods import Next
 from clients.node import cache_key
 
 #: The node whose state is loaded before every message.
@@ -29,9 +28,4 @@ def reload_node(msg: Message, context: Context, call_next: Next) -> Message:
     return call_next(msg, context)
 
 
-app = ClientApp(mods=[audit_messages, report_errors, reload_node])
-app.query("hello")(real.hello)
-app.query("setup")(real.setup)
-app.query("embed")(real.embed)
-app.train()(real.train)
-app.evaluate()(real.evaluate)
+app = real.app_with(reload_node)

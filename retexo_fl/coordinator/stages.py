@@ -220,11 +220,8 @@ class LazyStageMachine:
         chosen = self._kept_first_stage(ck)
         self.fed.first_stage = chosen
         kept = next(t for t in trials if t["variant"] == chosen)
-        self.rec.event(
-            "first-stage",
-            kept=chosen,
-            trials=[{"variant": t["variant"], **_trial_figures(t["figures"])} for t in trials],
-        )
+        each = [{"variant": t["variant"], **_trial_figures(t["figures"])} for t in trials]
+        self.rec.event("first-stage", kept=chosen, trials=each)
         self.rec.progress(f"stage 0: kept the {chosen} variant (first-stage auto)")
         figures = dict(kept["figures"])
         for key in ("rounds_run", "rounds_sent", "bytes_model", "bytes_model_raw", "seconds"):
@@ -233,9 +230,7 @@ class LazyStageMachine:
             {**row, "first_stage": t["variant"]} for t in trials for row in t["figures"]["history"]
         ]
         figures["first_stage"] = chosen
-        figures["first_stage_trials"] = [
-            {"variant": t["variant"], **_trial_figures(t["figures"])} for t in trials
-        ]
+        figures["first_stage_trials"] = each
         if self.on_stage is not None:
             self.on_stage(0, kept["state"])
         return kept["state"], figures, kept["undelivered"]

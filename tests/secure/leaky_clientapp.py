@@ -11,10 +11,9 @@ import json
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
-from flwr.clientapp import ClientApp
 
 from clients import app as real
-from clients.mods import Next, audit_messages, report_errors
+from clients.mods import Next
 from clients.node_client import cached_client
 from retexo_fl.secure.envelope import MAGIC
 
@@ -105,9 +104,4 @@ def leak(msg: Message, context: Context, call_next: Next) -> Message:
     return reply
 
 
-app = ClientApp(mods=[audit_messages, report_errors, leak])
-app.query("hello")(real.hello)
-app.query("setup")(real.setup)
-app.query("embed")(real.embed)
-app.train()(real.train)
-app.evaluate()(real.evaluate)
+app = real.app_with(leak)

@@ -13,17 +13,38 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from retexo_fl import protocol as P
 from retexo_fl.protocol import Records
 
+#: A Flower record of a message's content.
+Record = ArrayRecord | ConfigRecord | MetricRecord
 
-def to_flower(records: Records) -> RecordDict:
-    """``records`` as a Flower ``RecordDict``."""
-    out = {}
+
+def to_flower(
+    records: Records, built: dict[tuple[str, int], tuple[object, Record]] | None = None
+) -> RecordDict:
+    """``records`` as a Flower ``RecordDict``.
+
+    Args:
+        records (Records): the message's records.
+        built (dict, optional): records already built for other messages of one batch, by name
+            and the ``id`` of their values: values shared between messages (a round's broadcast frames,
+            a stage's state sent whole) become one Flower record, serialized and hashed once,
+            not once per recipient. Holds the values too, so that no id is reused while it
+            lives. (default: :obj:`None`)
+    """
+    out: dict[str, Record] = {}
     for name, values in records.items():
+        known = built.get((name, id(values))) if built is not None else None
+        if known is not None and known[0] is values:
+            out[name] = known[1]
+            continue
         if name in P.ARRAY_RECORDS:
-            out[name] = ArrayRecord(values)
+            record: Record = ArrayRecord(values)
         elif name == P.METRICS:
-            out[name] = MetricRecord(values)
+            record = MetricRecord(values)
         else:
-            out[name] = ConfigRecord(values)
+            record = ConfigRecord(values)
+        if built is not None:
+            built[(name, id(values))] = (values, record)
+        out[name] = record
     return RecordDict(out)
 
 

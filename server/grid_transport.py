@@ -8,7 +8,7 @@ from typing import Any
 from flwr.app import Message
 from flwr.serverapp import Grid
 
-from clients.records import from_flower, to_flower
+from clients.records import Record, from_flower, to_flower
 from retexo_fl.coordinator.transport import Batch, ClientFailure
 from retexo_fl.protocol import Records
 from server.messaging import Traffic, exchange
@@ -44,8 +44,10 @@ class GridTransport:
             time.sleep(0.5)
 
     def send(self, kind: str, requests: dict[int, Records], phase: str, stage: int) -> Batch:
+        # A record many requests share (a round's broadcast frames) is built and hashed once.
+        built: dict[tuple[str, int], tuple[object, Record]] = {}
         messages = [
-            Message(to_flower(r), dst_node_id=node, message_type=kind) for node, r in requests.items()
+            Message(to_flower(r, built), dst_node_id=node, message_type=kind) for node, r in requests.items()
         ]
         sent = {m.metadata.dst_node_id: m for m in messages}
         replies = exchange(self.grid, messages, self.timeout)

@@ -38,3 +38,20 @@ def test_payload_keys_round_trip_and_refuse_anything_else():
     for bad in ("halo-1", "secret-from-1", "halo-from-x", "to-1"):
         with pytest.raises(ValueError, match=r"expected 'deg\|halo-from-<client id>'"):
             P.parse_delivery_key(bad)
+
+
+def test_a_run_config_text_is_parsed_once_and_each_caller_gets_its_own_copy(monkeypatch):
+    """Thousands of one-node clients in one process read the same run config: it is parsed and
+    validated once; each gets an equal object of its own, so no caller's change reaches another."""
+    monkeypatch.setattr(P, "_parsed_configs", {})
+    parsed = []
+    real = TrainConfig.from_mapping
+    monkeypatch.setattr(TrainConfig, "from_mapping", lambda values: parsed.append(1) or real(values))
+    text = P.config_to_json(TrainConfig.resolve(clients=7, hidden=24))
+    first, second = P.config_from_json(text), P.config_from_json(text)
+    assert first == second and first is not second and first.hidden == 24 and first.clients == 7
+    assert len(parsed) == 1
+    first.hidden = 99  # the copy handed out is not the one kept
+    assert P.config_from_json(text).hidden == 24
+    other = P.config_to_json(TrainConfig.resolve(clients=7, hidden=16))
+    assert P.config_from_json(other).hidden == 16 and len(parsed) == 2

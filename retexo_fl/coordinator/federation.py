@@ -157,6 +157,11 @@ class FederationView:
         counts = self.counts.get(pid)
         return counts is None or counts.counts.get("val", 1) > 0
 
+    def tests(self, pid: int) -> bool:
+        """Whether client ``pid`` holds test nodes."""
+        counts = self.counts.get(pid)
+        return counts is None or counts.counts.get("test", 1) > 0
+
     def send_to(
         self, kind: str, requests: dict[int, Records], phase: str, stage: int = -1
     ) -> dict[int, Records]:

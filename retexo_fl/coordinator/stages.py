@@ -103,8 +103,11 @@ class LazyStageMachine:
                 ck.passes.append(self._stage_result(state, stage, figures, undelivered))
                 self._save(ck)
             if stage < last:
-                # Clients embed, or after a pass's last stage label their own nodes (nothing to relay).
-                deliveries = self._embed(state, stage)
+                # Clients embed, or after a pass's last stage label their own nodes (nothing to
+                # relay); those the test did not reach are sent the stage's frames they lack now.
+                tested = next(set(r.get("members", fed.pids)) for r in ck.passes if r["stage"] == stage)
+                late = {pid: f for pid, f in undelivered.items() if pid not in tested}
+                deliveries = self._embed(state, stage, late)
                 if cfg.ends_pass(stage):
                     deliveries = None
                     self.rec.event("relabel", stage=stage, train_nodes=self.relabeled)
@@ -254,8 +257,18 @@ class LazyStageMachine:
         """The test of a stage's kept model (``state``), beside the validation accuracy and loss
         of the stage's ``figures`` (the loss breaks ties between stages; a checkpoint of older
         code has none); with ``deliveries``, the stage's relayed frames for clients its rounds
-        left out."""
-        tests = self.fed.evaluate(state, "test", stage, deliveries or None)
+        left out.
+
+        Without secure aggregation only the clients that hold test nodes are asked (the others'
+        counts are zero; at one node per client that is most of them): the stage's embed brings
+        the others the state and the frames. Under it every live client is, as its masks are
+        summed over all of them."""
+        fed = self.fed
+        pids = None if fed.secure is not None else [p for p in fed.live() if fed.tests(p)]
+        if pids is not None and deliveries:
+            asked = set(pids)
+            deliveries = {p: f for p, f in deliveries.items() if p in asked}
+        tests = fed.evaluate(state, "test", stage, deliveries or None, pids=pids)
         return {
             "pass": stage // self.cfg.stages,
             "stage": stage,
@@ -264,6 +277,7 @@ class LazyStageMachine:
             "test_accuracy": total(tests).accuracy,
             "clients": per_client(self.fed, tests),
             # who was measured: under secure aggregation the summed members, else every client
+            # that holds test nodes
             "members": sorted(self.fed.secure.last_survivors if AGGREGATE in tests else tests),
         }
 
@@ -290,10 +304,15 @@ class LazyStageMachine:
             "passes": [f for f in figures if f["stage"] in ends],
         }
 
-    def _embed(self, state: StateDict, stage: int) -> dict[int, Frames]:
-        """Clients move on from ``stage`` with ``state``; their sealed boundary rows, relayed."""
+    def _embed(self, state: StateDict, stage: int, late: dict[int, Frames]) -> dict[int, Frames]:
+        """Clients move on from ``stage`` with ``state``; their sealed boundary rows, relayed.
+
+        ``late``: the stage's relayed frames for clients that neither its rounds nor its test
+        reached, opened before they embed."""
         fed = self.fed
-        replies = fed.send_state(P.EMBED, state, f"stage {stage} embed", stage, {P.STAGE: stage})
+        replies = fed.send_state(
+            P.EMBED, state, f"stage {stage} embed", stage, {P.STAGE: stage}, late or None
+        )
         stats = ExchangeStats()
         fed.add_stats(stats, list(replies.values()))
         self.exchange_stats[stage] = stats

@@ -287,9 +287,14 @@ def embed(client: Client, request: Records) -> Reply:
     if client.sent is not None and client.sent[0] == stage:  # asked again by a resumed server
         frames, stats = client.sent[1], ExchangeStats.from_dict(client.sent[2])
     else:
+        # The stage's frames for a client neither its rounds nor its test reached: its halo rows
+        # of this stage's input, needed to embed. Not opened again when asked again above.
+        changed = _deliver(client, request)
         state = _named_state(client, request)
         if state is None:
-            return _not_held()
+            reply = _not_held()
+            reply.changed = changed
+            return reply
         frames, stats = client.encode_boundary(client.next_stage(state))
         client.sent = (stage, frames, stats.to_dict())
         changed = True

@@ -50,34 +50,46 @@ def _is_frozen(value: Mapping[int, bytes]) -> bool:
     return _frozen.get(id(value)) is value
 
 
-#: The last directory turned to hex for a node's state, and the hex (one per process at a time:
-#: every party of a run holds the same directory, and a node-level run saves thousands of states).
-_last_hex: tuple[Mapping[int, bytes], dict[str, str]] | None = None
-#: The last hex directory parsed back, and the frozen view it gave.
-_last_parsed: tuple[dict[str, str], Mapping[int, bytes]] | None = None
+#: Directories turned to hex for a node's state and hex directories parsed back, both ways
+#: (``id`` -> the pair, the objects themselves kept so that no id is reused): every party of a
+#: run holds the same directory, and a node-level run saves and loads thousands of states, so a
+#: process keeps one view and one hex dict of it whichever way it met it first. A saved state
+#: names its directory by that hex dict's digest, computed once for the dict.
+_hex_of: dict[int, tuple[Mapping[int, bytes], dict[str, str]]] = {}
+_view_of: dict[int, tuple[dict[str, str], Mapping[int, bytes]]] = {}
+_PAIRS_KEPT = 4
+
+
+def _pair(view: Mapping[int, bytes], hexed: dict[str, str]) -> None:
+    """Remember that ``hexed`` is ``view`` in hex, for either lookup."""
+    for memo, key, value in ((_hex_of, view, hexed), (_view_of, hexed, view)):
+        memo[id(key)] = (key, value)  # type: ignore[assignment]
+        while len(memo) > _PAIRS_KEPT:
+            memo.pop(next(iter(memo)))
 
 
 def _directory_hex(directory: Mapping[int, bytes]) -> dict[str, str]:
     """``directory`` as :meth:`PeerChannel.to_state` writes it (client id -> key hex), the same
     dict object for the same directory: a node's saved state names it by that dict's digest."""
-    global _last_hex
-    if _last_hex is not None and _last_hex[0] is directory:
-        return _last_hex[1]
+    known = _hex_of.get(id(directory))
+    if known is not None and known[0] is directory:
+        return known[1]
     hexed = {str(q): k.hex() for q, k in directory.items()}
     if _is_frozen(directory):  # a read-only view: it cannot change under the memo
-        _last_hex = (directory, hexed)
+        _pair(directory, hexed)
     return hexed
 
 
 def _directory_parsed(hexed: dict[str, str]) -> Mapping[int, bytes]:
-    """A saved directory parsed back; the same frozen view for the same saved dict (node states
-    of one process share the directory their loader read once)."""
-    global _last_parsed
-    if _last_parsed is not None and _last_parsed[0] is hexed:
-        return _last_parsed[1]
+    """A saved directory parsed back; the same frozen view for the same saved dict, and for the
+    dict :func:`_directory_hex` made of a view, that view (node states of one process share the
+    directory their loader read once, or their setup parsed)."""
+    known = _view_of.get(id(hexed))
+    if known is not None and known[0] is hexed:
+        return known[1]
     directory = {int(q): bytes.fromhex(k) for q, k in hexed.items()}
     view, _ = frozen_directory(directory, {})
-    _last_parsed = (hexed, view)
+    _pair(view, hexed)
     return view
 
 

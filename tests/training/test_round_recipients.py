@@ -1,7 +1,8 @@
 """A lazy stage's rounds go to the clients that have something to train or validate.
 
 At one node per client most clients hold neither a training nor a validation node: they are sent
-no train message, get the stage's relayed rows and state with its test, and still embed. Clients
+no train message, get the stage's relayed rows and state with its test if they hold a test node,
+else with its embed, and still embed. Clients
 with validation nodes only validate and send no update. The run must end exactly as when every
 client takes part in every round (zero-weight clients add nothing to FedAvg)."""
 
@@ -33,6 +34,8 @@ class Recording(InProcessTransport):
         super().__init__(clients)
         self.sent: list[tuple[str, int, int, bool]] = []
         self.rounds: list[tuple[int, int, int, bool, bool]] = []
+        self.embedded_whole: set[tuple[int, int]] = set()  # (stage, address): embed with the state
+        self.embedded_rows: set[tuple[int, int]] = set()  # ... and with relayed frames
 
     def send(self, kind: str, requests: dict, phase: str, stage: int) -> Batch:
         for a, r in requests.items():
@@ -40,6 +43,10 @@ class Recording(InProcessTransport):
             self.sent.append((kind, stage, a, only))
             if kind == P.TRAIN:
                 self.rounds.append((stage, int(r[P.CONFIG][P.ROUND]), a, only, P.ARRAYS in r))
+            if kind == P.EMBED and P.ARRAYS in r:
+                self.embedded_whole.add((stage, a))
+            if kind == P.EMBED and r.get(P.PAYLOADS):
+                self.embedded_rows.add((stage, a))
         return super().send(kind, requests, phase, stage)
 
     def by_round(self) -> dict[tuple[int, int], list[tuple[int, bool, bool]]]:
@@ -82,11 +89,13 @@ def test_rounds_skip_clients_with_nothing_to_train_and_end_as_with_every_client(
     trained = {(a, v) for kind, _, a, v in transport.sent if kind == P.TRAIN}
     assert {a for a, _ in trained} == train | val_only, "train messages reach exactly who trains or validates"
     assert {a for a, v in trained if v} == val_only, "clients with validation nodes only just validate"
-    for stage in range(3):  # every client is still tested and (but the last stage) embeds
+    tests = {p.partition_id for p in parts if int(p.test_mask.sum())}
+    assert len(tests) == 30
+    for stage in range(3):  # every client with a test node is tested; every client embeds
         tested = {a for kind, s, a, _ in transport.sent if kind == P.EVALUATE and s == stage}
-        assert tested == set(range(60))
-        # The test to all 60, the stage's last validation only to the 30 that took part.
-        assert sum(kind == P.EVALUATE and s == stage for kind, s, *_ in transport.sent) == 90
+        assert tested == tests | train | val_only
+        # The test to the 30 with a test node, the stage's last validation to the 30 that took part.
+        assert sum(kind == P.EVALUATE and s == stage for kind, s, *_ in transport.sent) == 60
     assert {a for kind, _, a, _ in transport.sent if kind == P.EMBED} == set(range(60))
     rounds = sum(s["rounds_sent"] for s in summary["stages"])
     assert summary["messages"]["train"] == rounds * 30
@@ -101,6 +110,53 @@ def test_rounds_skip_clients_with_nothing_to_train_and_end_as_with_every_client(
     assert summary["test_accuracy"] == everyone["test_accuracy"]
     assert summary["bytes_boundary"] == everyone["bytes_boundary"]
     assert summary["bytes_model"] < everyone["bytes_model"]  # no broadcast to who does not train
+
+
+@pytest.fixture(scope="module")
+def node_level_unlabelled():
+    """60 nodes, one client each: 18 with a training node, 12 validation, 18 test, 12 none."""
+    data = synthetic_sbm(60, 3, avg_degree=6, homophily=0.85, num_features=8, feature_signal=0.4, seed=2)
+    apply_split(data, "random:0.3,0.2,0.3", seed=2)
+    return partition_graph(data, 60, "node", seed=0)
+
+
+@pytest.mark.parametrize("broadcast_bits", [4, 32])
+def test_a_stage_is_tested_on_the_clients_with_test_nodes_and_ends_as_when_all_are(
+    node_level_unlabelled, monkeypatch, broadcast_bits
+):
+    """A stage's test goes to the clients that hold a test node; the others get the stage's state
+    and relayed rows with its embed instead. The run ends exactly as when every client is tested
+    (the rule before 2026-11-28, restored by making every client count as holding test nodes):
+    the same curves, test accuracy, kept stage and bytes, with fewer evaluate messages."""
+    parts = node_level_unlabelled
+    untested = {p.partition_id for p in parts if not int(p.test_mask.sum())}
+    lean, t_lean = _run(parts, broadcast_bits=broadcast_bits, self_training=1)
+    with monkeypatch.context() as m:
+        m.setattr("retexo_fl.coordinator.federation.FederationView.tests", lambda self, pid: True)
+        everyone, t_all = _run(parts, broadcast_bits=broadcast_bits, self_training=1)
+    assert _val_curve(lean) == _val_curve(everyone)
+    assert [r["test_accuracy"] for r in lean["stage_results"]] == [
+        r["test_accuracy"] for r in everyone["stage_results"]
+    ]
+    assert lean["test_accuracy"] == everyone["test_accuracy"] and lean["kept_stage"] == everyone["kept_stage"]
+    assert lean["bytes_boundary"] == everyone["bytes_boundary"]
+    assert lean["bytes_model"] == everyone["bytes_model"]
+    stages = len(lean["stages"])
+    assert stages == 6  # two passes of three stages
+    assert everyone["messages"]["evaluate"] - lean["messages"]["evaluate"] == stages * len(untested)
+    assert lean["messages"]["embed"] == everyone["messages"]["embed"] == (stages - 1) * 60
+    # Who neither trained, validated nor was tested got the state whole with the embed, and the
+    # stage's rows with it from the first conv stage on.
+    for stage in range(stages - 1):
+        took_part = {a for s, _, a, _, _ in t_lean.rounds if s == stage}
+        left = untested - took_part
+        assert left or stage >= 3, "pass 1 has clients that only the embed reaches"
+        if broadcast_bits < 32:  # else every message carries the state whole
+            assert {a for s, a in t_lean.embedded_whole if s == stage} == left
+        rows = {a for s, a in t_lean.embedded_rows if s == stage}
+        assert rows <= left and (rows or stage % 3 == 0 or not left)  # an MLP stage relays none
+    assert not t_all.embedded_rows, "the test brought them before"
+    assert broadcast_bits == 32 or not t_all.embedded_whole
 
 
 def test_a_fraction_of_the_trainers_trains_each_round_sampled_from_the_seed(node_level):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import stat
 
 import pytest
@@ -11,7 +12,14 @@ from retexo_fl.config import TrainConfig
 from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.party.eager_client import EagerClient
 from retexo_fl.party.lazy_client import LazyClient
-from retexo_fl.party.state import STATE_FILE, ClientState
+from retexo_fl.party.state import (
+    STATE_FILE,
+    STATE_MAGIC,
+    ClientState,
+    decode_state,
+    encode_state,
+    read_state_file,
+)
 
 
 def test_state_round_trips_and_is_owner_only(tmp_path):
@@ -86,7 +94,7 @@ def test_the_key_directory_is_saved_once_beside_the_states_and_checked(tmp_path,
         ClientState(stage=stage, channel=channel).save(folder)
     files = list(folder.glob("key-directory-*.json"))
     assert len(files) == 1 and stat.S_IMODE(files[0].stat().st_mode) == 0o600
-    raw = torch.load(folder / STATE_FILE, weights_only=True)
+    raw = read_state_file(folder / STATE_FILE)
     assert raw["channel"]["directory"] is None and raw["channel"]["directory-digest"]  # named, not held
     monkeypatch.setattr(state_module, "_loaded", {})  # a fresh process: read from the file
     back = ClientState.load(folder)
@@ -98,4 +106,95 @@ def test_the_key_directory_is_saved_once_beside_the_states_and_checked(tmp_path,
         ClientState.load(folder)
     files[0].unlink()
     with pytest.raises(ValueError, match=r"key-directory-.*\.json: the key directory this client"):
+        ClientState.load(folder)
+
+
+def test_a_process_hashes_a_key_directory_once_whichever_way_it_met_it(tmp_path, monkeypatch):
+    """A Ray actor serving thousands of one-node clients meets one key directory at setup (a
+    read-only view), in each state it saves (hex) and in each it loads: one view, one hex dict,
+    one digest for all of them (each save hashed it again: a tenth of a node-level actor's time)."""
+    from retexo_fl.party import state as state_module
+    from retexo_fl.secure import channel as channel_module
+
+    for module, memo in (
+        (state_module, "_loaded"),
+        (state_module, "_saved_digests"),
+        (channel_module, "_hex_of"),
+        (channel_module, "_view_of"),
+    ):
+        monkeypatch.setattr(module, memo, {})
+    digests = []
+    real = state_module._directory_digest
+    monkeypatch.setattr(state_module, "_directory_digest", lambda d: digests.append(1) or real(d))
+
+    view, _ = channel_module.frozen_directory({q: bytes([q]) * 32 for q in range(50)}, {})
+    hexed = channel_module._directory_hex(view)
+    assert channel_module._directory_hex(view) is hexed
+    assert channel_module._directory_parsed(hexed) is view, "a state's directory is the view set up"
+    for node in range(3):
+        channel = {
+            "identity": "ab" * 32,
+            "directory": channel_module._directory_hex(view),
+            "transcript": "cd" * 32,
+        }
+        ClientState(stage=1, channel=channel).save(tmp_path / f"node-{node}")
+    back = [ClientState.load(tmp_path / f"node-{node}") for node in range(3)]
+    assert all(b is not None and b.channel["directory"] is hexed for b in back)
+    assert channel_module._directory_parsed(back[2].channel["directory"]) is view
+    assert len(digests) == 1
+    # A directory met first in a saved state (another process saved it) is parsed once too.
+    other = {str(q): f"{q:02x}" * 32 for q in range(40)}
+    ClientState(stage=1, channel={"directory": other, "transcript": "cd" * 32}).save(tmp_path / "node-9")
+    monkeypatch.setattr(state_module, "_loaded", {})
+    first, second = ClientState.load(tmp_path / "node-9"), ClientState.load(tmp_path / "node-9")
+    assert first is not None and second is not None
+    parsed = channel_module._directory_parsed(first.channel["directory"])
+    assert channel_module._directory_parsed(second.channel["directory"]) is parsed
+    assert channel_module._directory_hex(parsed) is first.channel["directory"]
+
+
+def test_the_state_file_format_round_trips_every_kind_of_value_exactly():
+    """Tensors of every dtype and shape (bit for bit), bytes, tuples, int-keyed maps, floats that
+    JSON has no literal for: what a client keeps comes back as it was, type for type."""
+    values = {
+        "stage": 3,
+        "owned": torch.randn(5, 3, dtype=torch.float64),
+        "halo": torch.empty(0, 4),
+        "halo_degree": torch.tensor([3, 0, 7]),
+        "residual": {"w": torch.randn(2, 2).t(), "mask": torch.tensor([True, False]), "s": torch.tensor(2.5)},
+        "view": {"b": torch.randn(3, dtype=torch.bfloat16), "h": torch.randn(2, dtype=torch.float16)},
+        "sent": [1, {4: b"\x00\xff" * 3, 9: b""}, '{"rows": 2}'],
+        "journal": [(1, 0, 4), {"kept": {"w": torch.arange(6, dtype=torch.int32).reshape(2, 3)}}, None],
+        "secagg": {"loss": float("nan"), "inf": float("-inf"), "ok": True, "members": [0, 2]},
+    }
+    back = decode_state(encode_state(values))
+    assert set(back) == set(values) and back["stage"] == 3 and back["halo"].shape == (0, 4)
+    for a, b in ((values["owned"], back["owned"]), (values["residual"]["w"], back["residual"]["w"])):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    for group in ("residual", "view"):
+        for k, v in values[group].items():
+            assert back[group][k].dtype == v.dtype and back[group][k].shape == v.shape
+            assert torch.equal(back[group][k], v)
+    assert back["sent"] == [1, {4: b"\x00\xff" * 3, 9: b""}, '{"rows": 2}']
+    assert back["journal"][0] == (1, 0, 4) and isinstance(back["journal"][0], tuple)
+    assert torch.equal(back["journal"][1]["kept"]["w"], values["journal"][1]["kept"]["w"])
+    assert math.isnan(back["secagg"]["loss"]) and back["secagg"]["inf"] == float("-inf")
+    assert back["secagg"]["members"] == [0, 2] and back["secagg"]["ok"] is True
+    back["owned"].add_(1)  # tensors read back are writable and their own
+    assert not torch.equal(back["owned"], values["owned"])
+    with pytest.raises(TypeError, match="cannot hold a set"):
+        encode_state({"x": {1, 2}})
+
+
+def test_a_state_file_of_the_earlier_format_still_loads_and_a_cut_one_is_named(tmp_path):
+    folder = tmp_path / "node-0"
+    folder.mkdir(mode=0o700)
+    old = {"stage": 2, "view": {"w": torch.ones(2, 2)}, "boundary_releases": 1}
+    torch.save(old, folder / STATE_FILE)  # written by torch.save, as until 2026-11-28
+    back = ClientState.load(folder)
+    assert back is not None and back.stage == 2 and torch.equal(back.view["w"], torch.ones(2, 2))
+    path = ClientState(stage=4, view={"w": torch.randn(64, 64)}).save(folder)
+    assert path.read_bytes().startswith(STATE_MAGIC)
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=rf"{STATE_FILE}: not a client state \(ValueError: cut short\)"):
         ClientState.load(folder)

@@ -16,6 +16,7 @@ from retexo_fl.coordinator.transport import ClientFailure, Membership
 from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.metrics import RunRecorder
 from retexo_fl.party.lazy_client import LazyClient
+from retexo_fl.party.state import read_state_file
 from retexo_fl.plan import PlanMismatchError
 from retexo_fl.training.inprocess import InProcessTransport
 
@@ -142,7 +143,7 @@ def _corrupt_client_state_at_stage(
     while not done.is_set():
         for path in base.glob(f"run-*/node-{client}/client-state.pt"):
             try:
-                if path.stat().st_mtime > started and torch.load(path, weights_only=True)["stage"] == stage:
+                if path.stat().st_mtime > started and read_state_file(path)["stage"] == stage:
                     path.write_bytes(b"not a checkpoint")
                     return
             except Exception:  # being replaced right now: look again

@@ -45,6 +45,9 @@ CACHED_RUNS = 1
 #: Set by the node worker: no other process writes this node's state, so a cached client that
 #: this process loaded or answered with is current and is not loaded again before each message.
 SOLE_WRITER = False
+#: run key -> how many of its clients ``_CACHE`` holds (so that building a client does not walk
+#: the cache, thousands of clients at one node per client, to find runs to drop).
+_RUN_SIZES: dict[int, int] = {}
 #: (run key, node) -> the version of the saved state its cached client holds (``None``: unknown).
 #: Ray actors (several serve one virtual node, one message at a time) cannot tell two writes in
 #: a row apart by file times, which are too coarse: each save names a new version in the node's
@@ -117,9 +120,27 @@ def forget(run_keys: Iterable[int]) -> None:
     with _LOCK:
         held = {run for run, _ in _HELD}
         for key in [k for k in _CACHE if k[0] in runs and k[0] not in held]:
-            del _CACHE[key]
-            _VIEWS.pop(key, None)
-            _CURRENT.pop(key, None)
+            _uncache(key)
+
+
+def _cache(key: tuple[int, str], client: Client, view: NodeView | None) -> None:
+    """Keep one client, most recently used. The caller holds ``_LOCK``; ``_CACHE`` changes only
+    here and in :func:`_uncache`, which keep ``_RUN_SIZES`` with it."""
+    if key not in _CACHE:
+        _RUN_SIZES[key[0]] = _RUN_SIZES.get(key[0], 0) + 1
+    _CACHE[key] = client
+    if view is not None:
+        _VIEWS[key] = view
+
+
+def _uncache(key: tuple[int, str]) -> None:
+    """Drop one cached client. The caller holds ``_LOCK``."""
+    del _CACHE[key]
+    _VIEWS.pop(key, None)
+    _CURRENT.pop(key, None)
+    left = _RUN_SIZES.pop(key[0], 0) - 1
+    if left > 0:
+        _RUN_SIZES[key[0]] = left
 
 
 def _drop_old_runs(keep: int) -> None:
@@ -129,15 +150,15 @@ def _drop_old_runs(keep: int) -> None:
     Args:
         keep (int): the run key of the client just built.
     """
+    if len(_RUN_SIZES) <= CACHED_RUNS:  # nothing to drop: no walk over thousands of clients
+        return
     held = {run for run, _ in _HELD}
     runs = [run for run in dict.fromkeys(run for run, _ in _CACHE) if run != keep]  # oldest first
     for run in runs[: max(0, len(runs) - (CACHED_RUNS - 1))]:
         if run in held:  # another thread is answering with it: dropped when a later client is built
             continue
         for key in [k for k in _CACHE if k[0] == run]:
-            del _CACHE[key]
-            _VIEWS.pop(key, None)
-            _CURRENT.pop(key, None)
+            _uncache(key)
 
 
 def load_node_partition(view: NodeView, work: Path) -> Partition:
@@ -202,7 +223,7 @@ def node_client(view: NodeView, context: Context) -> tuple[Client, Path]:
             log = AuditLog(policy.audit_dir, client.id, str(view.partition), cfg.encrypt)
             client.channel.observer = log.record_sealed
         with _LOCK:
-            _CACHE[key], _VIEWS[key] = client, view
+            _cache(key, client, view)
             _CURRENT.pop(key, None)  # a new client holds nothing yet: restored below
             _drop_old_runs(key[0])  # earlier runs' tensors
     # Another Ray actor may have advanced this node since, or this is a restarted worker: the

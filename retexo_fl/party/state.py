@@ -105,7 +105,7 @@ class ClientState:
             digest = _save_directory(path.parent, channel["directory"])
             values["channel"] = {**channel, "directory": None, DIRECTORY_DIGEST: digest}
         with os.fdopen(fd, "wb") as f:
-            f.write(encode_state(values))
+            f.writelines(state_parts(values))
         tmp.replace(path)
         return path
 
@@ -135,14 +135,18 @@ class ClientState:
 DIRECTORY_DIGEST = "directory-digest"
 #: Key directories saved (by the identity of the dict saved) and loaded (by digest) in this
 #: process: a node-level run's thousands of states share one.
-_saved_digests: dict[int, tuple[dict, str]] = {}
+_saved_digests: dict[int, tuple[dict, str, bytes]] = {}
 _loaded: dict[str, dict[str, str]] = {}
 _DIRECTORIES_KEPT = 4
 
 
+def _directory_text(directory: dict[str, str]) -> bytes:
+    """The directory file's bytes, which its digest is of."""
+    return json.dumps(directory, sort_keys=True, separators=(",", ":")).encode()
+
+
 def _directory_digest(directory: dict[str, str]) -> str:
-    blob = json.dumps(directory, sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.sha256(blob).hexdigest()
+    return hashlib.sha256(_directory_text(directory)).hexdigest()
 
 
 def _directory_file(folder: Path, digest: str) -> Path:
@@ -160,20 +164,21 @@ def _save_directory(folder: Path, directory: dict[str, str]) -> str:
     return its digest."""
     memo = _saved_digests.get(id(directory))
     if memo is not None and memo[0] is directory:
-        digest = memo[1]
+        digest, text = memo[1], memo[2]
     else:
-        digest = _directory_digest(directory)
-        _keep(_saved_digests, id(directory), (directory, digest))
+        text = _directory_text(directory)
+        digest = hashlib.sha256(text).hexdigest()
+        _keep(_saved_digests, id(directory), (directory, digest, text))
         # A state of this process that names the digest loads this very dict back (and the
         # channel the view it was made from), not a parsed copy checked again.
         if digest not in _loaded:
             _keep(_loaded, digest, directory)
     path = _directory_file(folder, digest)
-    if not path.is_file():
+    if not path.is_file():  # each node folder its own copy, written from the text made once
         tmp = path.with_name(path.name + ".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(directory, f, sort_keys=True, separators=(",", ":"))
+        with os.fdopen(fd, "wb") as f:
+            f.write(text)
         tmp.replace(path)
     return digest
 
@@ -210,24 +215,36 @@ _ALIGN = 64  # each tensor's bytes start at a multiple of this (any dtype's alig
 
 
 def encode_state(values: dict[str, Any]) -> bytes:
-    """``values`` (a state's fields) as a state file's bytes.
+    """``values`` (a state's fields) as a state file's bytes (see :func:`state_parts`)."""
+    return b"".join(state_parts(values))
+
+
+def state_parts(values: dict[str, Any]) -> list[bytes | memoryview]:
+    """``values`` (a state's fields) as the pieces of a state file, in order: the tensors' bytes
+    are views of the tensors, not copies (written out once, by the caller).
 
     Raises:
         TypeError: a value that is not ``None``, a bool, int, float, str, bytes, tensor, list,
             tuple or dict of those (dict keys: str or int).
     """
-    blobs: list[tuple[dict[str, Any], bytes]] = []
+    blobs: list[tuple[dict[str, Any], bytes | memoryview]] = []
+    # A tensor held twice (the journal's view of a round and the kept view, say) is written once
+    # and read back as one tensor, as torch.save did: by identity (the values hold them alive).
+    written: dict[int, int] = {}
 
     def tree(value: Any) -> Any:
         if value is None or isinstance(value, bool | int | float | str):
             return value
         if isinstance(value, Tensor):
+            if id(value) in written:
+                return {"T": written[id(value)]}
             t = value.detach()
             meta = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
             if t.device.type != "cpu":
                 meta["device"] = str(t.device)
             flat = t.cpu().contiguous().reshape(-1)
-            blobs.append((meta, flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""))
+            blobs.append((meta, memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else b""))
+            written[id(value)] = len(blobs) - 1
             return {"T": len(blobs) - 1}
         if isinstance(value, bytes | bytearray | memoryview):
             blobs.append(({"bytes": True}, bytes(value)))
@@ -244,16 +261,16 @@ def encode_state(values: dict[str, Any]) -> bytes:
         raise TypeError(f"a client state cannot hold a {type(value).__name__}")
 
     skeleton = tree(values)
-    entries, offset = [], 0
+    entries, body, offset = [], [], 0
     for meta, raw in blobs:
-        offset = -(-offset // _ALIGN) * _ALIGN
-        entries.append({**meta, "at": offset, "n": len(raw)})
-        offset += len(raw)
+        aligned = -(-offset // _ALIGN) * _ALIGN
+        if aligned > offset:
+            body.append(bytes(aligned - offset))
+        entries.append({**meta, "at": aligned, "n": len(raw)})
+        body.append(raw)
+        offset = aligned + len(raw)
     header = json.dumps({"values": skeleton, "blobs": entries}, separators=(",", ":")).encode()
-    body = bytearray(offset)
-    for entry, (_, raw) in zip(entries, blobs, strict=True):
-        body[entry["at"] : entry["at"] + len(raw)] = raw
-    return b"".join((STATE_MAGIC, _HEADER.pack(len(header)), header, body))
+    return [STATE_MAGIC, _HEADER.pack(len(header)), header, *body]
 
 
 def decode_state(data: bytes) -> dict[str, Any]:
@@ -272,7 +289,14 @@ def decode_state(data: bytes) -> dict[str, Any]:
     body = bytearray(memoryview(data)[start + size :])  # writable: tensors are views of it
     blobs = head["blobs"]
 
+    read: dict[int, Any] = {}
+
     def blob(i: int) -> Any:
+        if i not in read:
+            read[i] = _blob(i)
+        return read[i]
+
+    def _blob(i: int) -> Any:
         entry = blobs[i]
         at, n = int(entry["at"]), int(entry["n"])
         if at + n > len(body):

@@ -174,12 +174,19 @@ def cache(monkeypatch) -> Iterator[dict]:
     """The client cache, empty, with one run kept (a process that is not a node worker)."""
     monkeypatch.setattr(node_client, "_CACHE", {})
     monkeypatch.setattr(node_client, "_CURRENT", {})
+    monkeypatch.setattr(node_client, "_RUN_SIZES", {})
     monkeypatch.setattr(node_client, "CACHED_RUNS", 1)
     yield node_client._CACHE
 
 
+def _fill(clients: dict) -> None:
+    with node_client._LOCK:
+        for key, client in clients.items():
+            node_client._cache(key, client, None)
+
+
 def test_a_held_client_is_not_dropped_when_another_run_builds_one(cache):
-    cache.update({(1, "5"): "client-1", (2, "5"): "client-2", (3, "5"): "client-3"})
+    _fill({(1, "5"): "client-1", (2, "5"): "client-2", (3, "5"): "client-3"})
     with node_client.holding(_msg(1), _Context()) as key:  # type: ignore[arg-type]
         assert key == (1, "5")
         with node_client._LOCK:
@@ -199,7 +206,7 @@ def test_a_run_whose_lane_ended_leaves_the_cache(cache, monkeypatch):
     for run_key in range(10):  # a server that names a new run key every message
         node_worker._note_run_key(5, run_key)
     assert list(node_worker._RUN_KEYS[5]) == [6, 7, 8, 9]  # bounded: MAX_RUNS, most recent
-    cache.update({(9, "5"): "client-9", (2, "5"): "client-2", (42, "5"): "other run's"})
+    _fill({(9, "5"): "client-9", (2, "5"): "client-2", (42, "5"): "other run's"})
     node_worker.forget_run(5)
     assert list(cache) == [(2, "5"), (42, "5")] and node_worker._RUN_KEYS == {}
 

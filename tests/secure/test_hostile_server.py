@@ -209,7 +209,8 @@ def test_a_payload_replayed_from_another_run_is_refused(nodes, tmp_path):
         return req
 
     _lazy(nodes, tmp_path / "a", capture)
-    node_client._CACHE.clear()  # the parties start afresh (new node processes) for the next run
+    node_client.forget({run for run, _ in node_client._CACHE})  # the parties start afresh (new
+    # node processes) for the next run
     assert key in captured
 
     def replay(kind: str, address: int, req: Records) -> Records:

@@ -124,8 +124,8 @@ def test_a_process_hashes_a_key_directory_once_whichever_way_it_met_it(tmp_path,
     ):
         monkeypatch.setattr(module, memo, {})
     digests = []
-    real = state_module._directory_digest
-    monkeypatch.setattr(state_module, "_directory_digest", lambda d: digests.append(1) or real(d))
+    real = state_module._directory_text  # what the digest is of: made once, hashed once
+    monkeypatch.setattr(state_module, "_directory_text", lambda d: digests.append(1) or real(d))
 
     view, _ = channel_module.frozen_directory({q: bytes([q]) * 32 for q in range(50)}, {})
     hexed = channel_module._directory_hex(view)
@@ -198,3 +198,13 @@ def test_a_state_file_of_the_earlier_format_still_loads_and_a_cut_one_is_named(t
     path.write_bytes(path.read_bytes()[:-100])
     with pytest.raises(ValueError, match=rf"{STATE_FILE}: not a client state \(ValueError: cut short\)"):
         ClientState.load(folder)
+
+
+def test_a_tensor_held_twice_is_written_once_and_read_back_as_one():
+    view = {"w": torch.randn(64, 64)}
+    values = {"view": view, "kept": dict(view), "journal": [[0, 0, 2], {"view": dict(view)}, None]}
+    once, twice = encode_state(values), encode_state({**values, "kept": {"w": view["w"].clone()}})
+    assert len(twice) - len(once) >= 64 * 64 * 4
+    back = decode_state(once)
+    assert back["kept"]["w"] is back["view"]["w"] is back["journal"][1]["view"]["w"]
+    assert torch.equal(back["view"]["w"], view["w"])

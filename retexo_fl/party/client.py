@@ -105,6 +105,10 @@ class Client(HaloExchange, ModelExchange, Evaluation, Persistence, ABC):
         # variates), so that a round a resumed server sends again starts from there, not from
         # what that round already left (a delta applied twice, a residual counted twice).
         self.journal: list[Any] | None = None
+        # The digest of the last deliveries a test or an embed opened: the same message sent
+        # again by a resumed server finds them applied (and saved) already, and does not open
+        # them twice (a sender's second frame in it would refuse its first as a replay).
+        self.delivered: str | None = None
         # The party's own policy, never the server's run config, says what it requires and which
         # pins, key and audit folder it uses.
         self.policy = policy if policy is not None else PartyPolicy.from_settings(cfg.security)

@@ -28,6 +28,7 @@ class Persistence:
     view: StateDict | None
     kept: StateDict | None
     journal: list[Any] | None
+    delivered: str | None
     boundary_releases: int
     secagg: dict[str, Any] | None
     _edges: tuple[Tensor, Tensor | None] | None
@@ -48,6 +49,7 @@ class Persistence:
             kept=self.kept if self.cfg.broadcast_bits < 32 else None,
             channel=self.channel.to_state(),
             journal=self.journal,
+            delivered=self.delivered,
             boundary_releases=self.boundary_releases,
             secagg=self.secagg,
         )
@@ -61,6 +63,7 @@ class Persistence:
         self.view = state.view
         self.kept = state.kept
         self.journal = state.journal
+        self.delivered = state.delivered
         self.boundary_releases = int(state.boundary_releases)
         self.secagg = state.secagg
         self._edges = self._adjacency = None

@@ -56,6 +56,8 @@ class ClientState:
         journal (list, optional): ``[[stage, trial, round], {name: state}, incoming counters]``, what
             the last train round found, so that the same round sent again (a resumed server)
             starts from it.
+        delivered (str, optional): the digest of the last deliveries a test or an embed opened
+            (the same message sent again is not opened twice).
         boundary_releases (int): boundary row releases this client made in the run (counted
             against its own ``max-boundary-epsilon``).
         secagg (dict, optional): secure aggregation: the survivor set answered per round, and
@@ -78,6 +80,7 @@ class ClientState:
     control: StateDict | None = None
     control_view: StateDict | None = None
     journal: list[Any] | None = None
+    delivered: str | None = None
     boundary_releases: int = 0
     secagg: dict | None = None
 

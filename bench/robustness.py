@@ -131,6 +131,11 @@ def _job(args: tuple[dict, str]) -> dict:
     stages = summary.get("stages", [])
     results = summary.get("stage_results") or []
     stage0 = results[0]["val_accuracy"] if results else None
+    # first-stage auto: each stage-0 training's validation curve, to study when to stop the second
+    trials: dict[str, list[float]] = {}
+    for row in stages[0].get("history", []) if stages else []:
+        if "first_stage" in row:
+            trials.setdefault(row["first_stage"], []).append(row["val_accuracy"])
     return {
         **{k: v for k, v in settings.items() if k != "dataset"},
         "test_accuracy": summary["test_accuracy"],
@@ -138,6 +143,7 @@ def _job(args: tuple[dict, str]) -> dict:
         "stage0_val": stage0,
         "kept_stage": summary.get("kept_stage"),
         "stage_vals": [r["val_accuracy"] for r in results],
+        **({"stage0_trials": trials, "first_stage": stages[0].get("first_stage")} if trials else {}),
         "rounds": sum(s.get("rounds_sent", 0) for s in stages),
         "bytes_total": summary.get("bytes_total", 0),
         "wall_seconds": summary["wall_seconds"],

@@ -100,6 +100,18 @@ class ModelSettings:
         "0 trained both ways, the one with the better validation kept, and a self-training pass's "
         "stage 0 built the same way; it costs the second stage 0's rounds and model bytes)",
     )
+    first_stage_first: Literal["mlp", "local"] = setting(
+        "mlp", "first-stage auto: the variant stage 0 is trained as first (the second races it)"
+    )
+    first_stage_race: int = setting(
+        0,
+        "first-stage auto: the second training of stage 0 stops once it has run this many rounds "
+        "and its best validation accuracy is more than first-stage-race-margin below the best the "
+        "first training reached in as many rounds (0: it trains as long as the first could)",
+    )
+    first_stage_race_margin: float = setting(
+        0.0, "first-stage auto: how far (accuracy, 0.02 is 2 points) the second training may trail"
+    )
     dropout: float | list[float] = setting(0.5, "dropout", per_stage=True)
     input_dropout: float | list[float] = setting(0.5, "dropout of each stage's input", per_stage=True)
 
@@ -108,6 +120,11 @@ class ModelSettings:
         check_choices(self)
         if self.stages < 1:
             raise ValueError(f"stages must be >= 1, got {self.stages}")
+        if self.first_stage_race < 0 or not 0 <= self.first_stage_race_margin <= 1:
+            raise ValueError(
+                "first-stage-race must be >= 0 and first-stage-race-margin in [0, 1], got "
+                f"{self.first_stage_race} and {self.first_stage_race_margin}"
+            )
         if self.eager_model == "standard" and (self.model not in ("gcn", "sage") or self.stages < 3):
             raise ValueError(
                 "eager-model standard splits 2 or more gcn or sage layers (stages >= 3), got "
@@ -578,6 +595,12 @@ class TrainConfig:
         if self.self_training <= 0:
             return f"stage {stage}"
         return f"pass {stage // self.stages + 1} stage {self.layer(stage)}"
+
+    @property
+    def first_stage_order(self) -> tuple[str, ...]:
+        """The order in which ``first-stage auto`` trains the layer-0 variants."""
+        first = self.first_stage_first
+        return (first, *(v for v in FIRST_STAGE_VARIANTS if v != first))
 
     def ends_pass(self, stage: int) -> bool:
         """Whether ``stage`` is the last of a self-training pass that another pass follows."""

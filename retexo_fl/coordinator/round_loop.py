@@ -163,7 +163,7 @@ class RoundLoop:
         on_round: Callable[[RoundState], None] | None = None,
     ) -> None:
         """The rounds of :meth:`run` and the stage's last validation."""
-        fed, cfg = self.fed, self.cfg
+        fed = self.fed
         pending = deliveries
         for r in range(rs.round + 1, rounds + 1):
             rs.sent = r
@@ -215,7 +215,7 @@ class RoundLoop:
                 if rs.tracker.should_stop:
                     # A lazy stage is named as its progress lines name it ("pass 2 stage 0").
                     who = label if refresh else rs.tracker.name
-                    self.rec.progress(f"{who}: no validation gain for {cfg.patience} rounds, stopping")
+                    self.rec.progress(f"{who}: {rs.tracker.stop_reason()}")
                     break
             if refresh:
                 metrics = [m[P.METRICS] for m in ordered.values()]

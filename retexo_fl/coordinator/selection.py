@@ -33,6 +33,13 @@ class StageTracker:
             best-accuracy one. (default: :obj:`"accuracy"`)
     """
 
+    #: ``first-stage auto``'s second training of stage 0 races the first (:meth:`race`): the
+    #: first's validation accuracy by round, the round from which the second stops once it
+    #: trails, and by how much it may trail. Class defaults: a checkpoint of older code has none.
+    pace: list[float] | None = None
+    pace_after: int = 0
+    pace_margin: float = 0.0
+
     def __init__(
         self,
         stage: int,
@@ -82,11 +89,43 @@ class StageTracker:
         else:
             self.stale += 1
 
+    def race(self, pace: list[float], after: int, margin: float) -> None:
+        """Stop as soon as this stage, ``after`` rounds or more in, validates more than ``margin``
+        below the best that another training of it reached in as many rounds.
+
+        Args:
+            pace (list[float]): the other training's validation accuracy, round by round.
+            after (int): the first round at which the comparison may stop this one (0: never).
+            margin (float): how far below it this one may be (accuracy, not points).
+        """
+        self.pace, self.pace_after, self.pace_margin = list(pace), after, margin
+
+    @property
+    def behind_pace(self) -> bool:
+        """Whether :meth:`race`'s rule stops this stage now."""
+        n = len(self.history)
+        if not self.pace or not self.pace_after or n < self.pace_after:
+            return False
+        return self.best_val < max(self.pace[:n]) - self.pace_margin
+
     @property
     def should_stop(self) -> bool:
         """Whether ``patience`` rounds have passed without a validation gain, and at least
-        ``min_rounds`` rounds were recorded (never when ``patience`` is 0)."""
-        return bool(self.patience) and self.stale >= self.patience and len(self.history) >= self.min_rounds
+        ``min_rounds`` rounds were recorded (never when ``patience`` is 0); or whether the stage
+        trails the training it races (:meth:`race`)."""
+        rounds = len(self.history)
+        patience = bool(self.patience) and self.stale >= self.patience and rounds >= self.min_rounds
+        return patience or self.behind_pace
+
+    def stop_reason(self) -> str:
+        """Why :attr:`should_stop` holds, for the progress line."""
+        if self.behind_pace:
+            n = len(self.history)
+            return (
+                f"best val {self.best_val:.4f} after {n} rounds, below the {max(self.pace[:n]):.4f} "
+                "the other stage 0 reached by then, stopping"
+            )
+        return f"no validation gain for {self.patience} rounds, stopping"
 
     def progress_line(self, round_: int, rounds: int) -> str | None:
         """A progress line for about five rounds a stage, ``None`` for the others.
@@ -123,6 +162,7 @@ class StageTracker:
             "bytes_model": self.model_bytes,
             "history": self.history,
             "seconds": seconds,
+            **({"behind_pace": self.behind_pace} if self.pace else {}),
         }
 
 

@@ -85,7 +85,7 @@ class LazyStageMachine:
         for stage in range(ck.stage, last + 1):
             if stage == 0 and auto:
                 state, figures, undelivered = self._train_first_stage(ck)
-                if figures["first_stage"] != FIRST_STAGE_VARIANTS[-1]:
+                if figures["first_stage"] != cfg.first_stage_order[-1]:
                     # Clients hold the last training's states, not the kept one's: the stage's
                     # test and embed send it whole rather than by a digest they would refuse.
                     fed.unheld = set(fed.pids)
@@ -158,13 +158,14 @@ class LazyStageMachine:
         )
 
     def _train_stage(
-        self, stage: int, ck: Checkpoint, bytes_before: int = 0
+        self, stage: int, ck: Checkpoint, bytes_before: int = 0, pace: list[float] | None = None
     ) -> tuple[StateDict, dict[str, Any], dict[int, Frames]]:
         """The stage's rounds, from its initial weights or from the checkpoint's round: the kept
         state, the stage's figures, and the relayed frames of clients its rounds left out.
 
         ``bytes_before``: model bytes this stage already sent (``first-stage auto``'s first
-        training), counted before its rounds' in the history."""
+        training), counted before its rounds' in the history. ``pace``: the first training's
+        validation by round, which the second races (``first-stage-race``)."""
         cfg, fed = self.cfg, self.fed
         layer = cfg.layer(stage)
         rs = ck.round_state
@@ -182,6 +183,8 @@ class LazyStageMachine:
             min_rounds = cfg.warm_min_rounds if warm else cfg.min_rounds
             tracker = StageTracker(stage, cfg.patience, min_rounds, cfg.stop_metric, name)
             tracker.bytes_offset = fed.bytes_boundary + self.model_bytes_done + bytes_before
+            if pace is not None:
+                tracker.race(pace, cfg.first_stage_race, cfg.first_stage_race_margin)
             rs = self.loop.start(state, layer, tracker, derive_seed(cfg.seed, stage, BROADCAST_TAG))
 
         def after_round(rs: RoundState) -> None:
@@ -197,10 +200,13 @@ class LazyStageMachine:
         return result.best_state, result.figures, result.undelivered
 
     def _train_first_stage(self, ck: Checkpoint) -> tuple[StateDict, dict[str, Any], dict[int, Frames]]:
-        """``first-stage auto``: stage 0 trained as the MLP, then as the local layer, and the one
-        with the better validation kept (accuracy, then loss, as stages are kept:
-        :func:`keep_best_stage`); every later message names it, so a self-training pass's stage 0
-        is built the same way.
+        """``first-stage auto``: stage 0 trained as each variant in turn (``first-stage-first``:
+        the MLP, then the local layer, by default), and the one with the better validation kept
+        (accuracy, then loss, as stages are kept: :func:`keep_best_stage`); every later message
+        names it, so a self-training pass's stage 0 is built the same way. With
+        ``first-stage-race``, the second training races the first: it stops once, that many
+        rounds in, it validates more than ``first-stage-race-margin`` below the best the first
+        reached in as many rounds.
 
         Neither reads another client's rows, so the choice costs no boundary traffic: it costs
         the second training's rounds and model bytes, which the stage's figures count
@@ -209,10 +215,12 @@ class LazyStageMachine:
         each training's own figures). Resumable: a finished training is in the checkpoint.
         """
         trials = ck.first_stage_trials
-        for variant in FIRST_STAGE_VARIANTS[len(trials) :]:
+        for variant in self.cfg.first_stage_order[len(trials) :]:
             self.fed.first_stage = variant
             before = sum(int(t["figures"]["bytes_model"]) for t in trials)
-            state, figures, undelivered = self._train_stage(0, ck, bytes_before=before)
+            # The second races the first: stopped once it trails what the first had by then.
+            pace = [row["val_accuracy"] for row in trials[0]["figures"]["history"]] if trials else None
+            state, figures, undelivered = self._train_stage(0, ck, bytes_before=before, pace=pace)
             best = f"best val {figures['val_accuracy']:.4f} at round {figures['best_round']}"
             self.rec.progress(f"stage 0 as {variant}: {best}")
             trials.append(
@@ -395,4 +403,5 @@ class LazyStageMachine:
 def _trial_figures(figures: dict[str, Any]) -> dict[str, Any]:
     """One ``first-stage auto`` training's figures, without its round history."""
     keys = ("val_accuracy", "val_loss", "best_round", "rounds_run", "rounds_sent", "bytes_model", "seconds")
-    return {k: figures.get(k) for k in keys}
+    raced = {"behind_pace": figures["behind_pace"]} if "behind_pace" in figures else {}
+    return {k: figures.get(k) for k in keys} | raced

@@ -214,9 +214,10 @@ class LazyClient(Client):
 
     @property
     def round_trial(self) -> int:
-        # first-stage auto trains stage 0 as the MLP, then as the local layer
-        auto_second = self.cfg.first_stage == "auto" and self.layer == 0 and self.first_stage == "local"
-        return 1 if auto_second else 0
+        # first-stage auto trains stage 0 as each variant, in the run config's order
+        if self.cfg.first_stage != "auto" or self.layer != 0 or self.first_stage is None:
+            return 0
+        return self.cfg.first_stage_order.index(self.first_stage)
 
     def layer_index(self) -> int:
         return self.layer

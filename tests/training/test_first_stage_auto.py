@@ -65,6 +65,67 @@ def test_auto_keeps_the_better_stage_0_and_goes_on_as_that_variant_would(homophi
     assert {row["first_stage"] for row in stage0["history"]} == {"mlp", "local"}
 
 
+def test_a_raced_second_training_stops_when_it_trails_and_the_run_is_the_first_variants():
+    # Strong features, edges across classes: the MLP (trained first) wins, the local layer trails.
+    parts = _parts(0.2, 0.8)
+    full = run_lazy(parts, TrainConfig.resolve(**BASE, first_stage="auto"))
+    race = {"first_stage_race": 4, "first_stage_race_margin": 0.02}
+    raced = run_lazy(parts, TrainConfig.resolve(**BASE, first_stage="auto", **race))
+    mlp = run_lazy(parts, TrainConfig.resolve(**BASE, first_stage="mlp"))
+    full0, raced0 = full["stages"][0], raced["stages"][0]
+    trials = {t["variant"]: t for t in raced0["first_stage_trials"]}
+    # It can fail: an unraced local training runs its min-rounds and patience (measured: 21 rounds).
+    assert trials["local"]["behind_pace"] and trials["local"]["rounds_run"] == 4
+    assert full0["first_stage_trials"][1]["rounds_run"] > 4
+    # The local training's rounds are the unraced one's first four, to the bit.
+    local_rows = [r for r in raced0["history"] if r["first_stage"] == "local"]
+    full_rows = [r for r in full0["history"] if r["first_stage"] == "local"]
+    assert [r["val_accuracy"] for r in local_rows] == [r["val_accuracy"] for r in full_rows[:4]]
+    # The MLP is kept, and the run goes on as first-stage mlp's: later stages, test, bytes.
+    assert raced0["first_stage"] == full0["first_stage"] == "mlp"
+    assert raced["stage_results"] == mlp["stage_results"] == full["stage_results"]
+    assert raced["bytes_boundary"] == mlp["bytes_boundary"]
+    # Five rounds sent: round 5's replies validate round 4's state, as early stopping counts.
+    assert trials["local"]["rounds_sent"] == 5
+    assert raced0["rounds_sent"] == mlp["stages"][0]["rounds_sent"] + 5
+    assert raced["bytes_model"] < full["bytes_model"]
+
+
+def test_a_race_the_second_training_leads_changes_nothing():
+    # Classes on the edges, weak features: the local layer leads from early on and is kept.
+    parts = _parts(0.9, 0.1)
+    settings = {**BASE, "first_stage": "auto"}
+    full = run_lazy(parts, TrainConfig.resolve(**settings))
+    raced = run_lazy(parts, TrainConfig.resolve(**settings, first_stage_race=4, first_stage_race_margin=0.02))
+    assert raced["stages"][0]["first_stage"] == "local"
+    assert not raced["stages"][0]["first_stage_trials"][1]["behind_pace"]
+    for key in ("stage_results", "test_accuracy", "bytes_total"):
+        assert raced[key] == full[key], key
+
+
+def test_the_local_layer_first_races_the_mlp_and_a_client_journals_the_trainings_in_that_order():
+    # Classes on the edges: the local layer, trained first, leads; the MLP trails and is cut.
+    parts = _parts(0.9, 0.1)
+    settings = {**BASE, "first_stage": "auto"}
+    full = run_lazy(parts, TrainConfig.resolve(**settings))
+    race = {"first_stage_race": 4, "first_stage_race_margin": 0.02}
+    first = TrainConfig.resolve(**settings, first_stage_first="local", **race)
+    assert first.first_stage_order == ("local", "mlp")
+    raced = run_lazy(parts, first)
+    stage0 = raced["stages"][0]
+    assert [t["variant"] for t in stage0["first_stage_trials"]] == ["local", "mlp"]
+    mlp = stage0["first_stage_trials"][1]
+    assert mlp["behind_pace"] and mlp["rounds_run"] == 4
+    # Each training is its variant's, whatever the order: the local one as in the MLP-first run.
+    local_first = stage0["first_stage_trials"][0]
+    local_full = full["stages"][0]["first_stage_trials"][1]
+    for key in ("val_accuracy", "val_loss", "best_round", "rounds_sent", "bytes_model"):
+        assert local_first[key] == local_full[key], key
+    assert stage0["first_stage"] == "local"
+    assert raced["stage_results"] == full["stage_results"]
+    assert stage0["rounds_sent"] < full["stages"][0]["rounds_sent"]
+
+
 def test_a_self_training_pass_builds_its_stage_0_as_the_kept_variant():
     parts = _parts(0.9, 0.1)
     settings = {**BASE, "stages": 2, "self_training": 1}
@@ -117,6 +178,17 @@ def test_the_round_journal_takes_the_second_training_and_refuses_going_back():
     client.set_first_stage("mlp")  # a server going back to the MLP's rounds once the local began
     with pytest.raises(ValueError, match=r"client 0: train round 10 of stage 0 after round 2 of stage 0"):
         client.begin_round(10)
+    # The local layer first (first-stage-first local): the MLP's rounds come second.
+    parts = _parts(0.9, 0.1)
+    cfg = TrainConfig.resolve(**BASE, first_stage="auto", first_stage_first="local")
+    local_first = LazyClient(parts[0], cfg)
+    local_first.set_first_stage("local")
+    local_first.begin_round(9)
+    local_first.set_first_stage("mlp")
+    local_first.begin_round(1)
+    local_first.set_first_stage("local")
+    with pytest.raises(ValueError, match=r"client 0: train round 10 of stage 0 after round 1 of stage 0"):
+        local_first.begin_round(10)
 
 
 @pytest.mark.slow

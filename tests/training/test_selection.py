@@ -35,6 +35,29 @@ def test_min_rounds_holds_early_stopping_back():
     assert _feed(StageTracker(0, patience=0, min_rounds=2), accs) == len(accs)  # 0: never stops
 
 
+def test_a_race_stops_a_training_that_trails_the_other_by_more_than_the_margin():
+    pace = [0.5, 0.6, 0.7, 0.8, 0.8, 0.8]  # the first training, round by round
+    behind = [0.4, 0.5, 0.55, 0.6, 0.9]
+    t = StageTracker(0)
+    t.race(pace, after=3, margin=0.1)
+    # Round 3: best 0.55 against 0.7 - 0.1; not before round 3 (0.5 < 0.6 - 0.1 at round 2).
+    assert _feed(t, behind) == 3
+    assert t.behind_pace and "below the 0.7000 the other stage 0 reached" in t.stop_reason()
+    assert t.figures(1.0)["behind_pace"] is True
+    close = StageTracker(0)
+    close.race(pace, after=3, margin=0.25)  # within 0.25 of it each round: runs on
+    assert _feed(close, behind) == len(behind) and not close.behind_pace
+    assert close.figures(1.0)["behind_pace"] is False
+    late = StageTracker(0)
+    late.race(pace[:2], after=3, margin=0.0)  # past the other's rounds: its best overall
+    assert _feed(late, [0.5, 0.55, 0.59, 0.61]) == 3
+    never = StageTracker(0)
+    never.race(pace, after=0, margin=0.0)  # 0: no race
+    assert _feed(never, behind) == len(behind)
+    plain = StageTracker(0, patience=2)  # no race: early stopping alone, no race figure
+    assert _feed(plain, behind) == len(behind) and "behind_pace" not in plain.figures(1.0)
+
+
 def test_accuracy_or_loss_waits_out_a_plateau_the_loss_still_descends():
     # The curve of a GCN stage on a social graph: every node predicted as the majority class for
     # rounds 1-6 (a flat accuracy) while the validation loss falls, then the minority learned.

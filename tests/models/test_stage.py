@@ -135,8 +135,10 @@ def test_conv_stage_targets_need_only_their_in_edges():
 @pytest.mark.parametrize("layout", ["edges", "csr"])
 def test_selected_rows_equal_their_rows_of_the_whole_stage_dropout_included(layout):
     """``rows=``: messages along the rows' in-edges only, and the dropout masks of the whole
-    computation (training mode, input and hidden dropout), so every row is bit for bit its row of
-    all targets computed and sliced. A mask drawn for the selected rows alone would differ."""
+    computation (training mode, input and hidden dropout), so every row is its row of all targets
+    computed and sliced. Equal to float rounding, not bit for bit: a dense layer over 5 rows and
+    over 40 may take different GEMM kernels, and on some CPUs (CI's, not ours) their last bits
+    differ. A mask drawn for the selected rows alone would differ by whole activations."""
     from retexo_fl.models.adjacency import sparse_adjacency
 
     gen = torch.Generator().manual_seed(0)
@@ -155,8 +157,8 @@ def test_selected_rows_equal_their_rows_of_the_whole_stage_dropout_included(layo
         whole_h, whole_z = model(x, graph, weight, num_targets=n)
         torch.manual_seed(5)
         h, z = model(x, graph, weight, num_targets=n, rows=rows)
-        assert torch.equal(h, whole_h[rows]), kind
-        assert torch.equal(z, whole_z[rows]), kind
+        torch.testing.assert_close(h, whole_h[rows], rtol=1e-5, atol=1e-6, msg=kind)
+        torch.testing.assert_close(z, whole_z[rows], rtol=1e-5, atol=1e-6, msg=kind)
         # Dropout drew a mask: a differently seeded whole computation gives other logits.
         torch.manual_seed(6)
         assert not torch.equal(model(x, graph, weight, num_targets=n)[1][rows], z), kind

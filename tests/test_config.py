@@ -265,6 +265,33 @@ def test_one_node_per_client_takes_the_node_level_defaults_where_nothing_was_giv
     assert TrainConfig.from_run_config({**app, "mode": "eager"}).server_lr == 0.01
 
 
+def test_a_lazy_run_over_partitions_trains_stage_0_both_ways_where_it_can():
+    lazy = TrainConfig.resolve(method="metis")
+    assert (lazy.first_stage, lazy.first_stage_order, lazy.first_stage_race) == ("auto", ("local", "mlp"), 8)
+    assert lazy.first_stage_race_margin == 0.02
+    assert TrainConfig().first_stage == "mlp"  # the section's value; resolve applies the default
+    # Where auto cannot or should not run, stage 0 stays the MLP, and the run validates.
+    for elsewhere in (
+        {"method": "node"},  # a client's own subgraph is its node: local is the MLP
+        {"profile": "exact"},
+        {"secure_aggregation": True, "clients": 4},  # a client masks a stage's rounds once
+        {"dp_noise": 0.5},  # a second stage 0 would spend privacy budget
+        {"boundary_noise": 0.5, "boundary_clip": 1.0},  # rows accounted one node each
+        {"mode": "eager"},
+        {"mode": "centralized"},
+    ):
+        cfg = TrainConfig.resolve(**elsewhere)
+        assert cfg.first_stage == "mlp", elsewhere
+        cfg.validate()
+    assert TrainConfig.resolve(first_stage="mlp").first_stage == "mlp"  # given wins
+    # Through Flower's run config: pyproject's "mlp" is the section default, so not given ...
+    app = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    assert TrainConfig.from_run_config(app).first_stage == "auto"
+    assert TrainConfig.from_run_config(app, []).first_stage == "auto"
+    # ... unless the submitter set it.
+    assert TrainConfig.from_run_config(app, ["first-stage"]).first_stage == "mlp"
+
+
 def test_secure_aggregation_settings_that_cannot_work_are_refused_by_name():
     TrainConfig(secure_aggregation=True, clients=4, secagg_threshold=3).validate()
     TrainConfig(secure_aggregation=True, clients=200).validate()  # the most that is measured

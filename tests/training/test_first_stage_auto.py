@@ -19,6 +19,8 @@ from retexo_fl.party.lazy_client import LazyClient
 from retexo_fl.training.lazy import run_lazy
 
 BASE = {"stages": 3, "hidden": 16, "seed": 0, "self_training": 0}
+#: auto's unraced form, the MLP first: each training runs as its fixed variant's stage 0 would.
+UNRACED = {"first_stage": "auto", "first_stage_first": "mlp", "first_stage_race": 0}
 
 
 def _parts(homophily: float, feature_signal: float):
@@ -41,7 +43,7 @@ def _parts(homophily: float, feature_signal: float):
 )
 def test_auto_keeps_the_better_stage_0_and_goes_on_as_that_variant_would(homophily, feature_signal, winner):
     parts = _parts(homophily, feature_signal)
-    auto = run_lazy(parts, TrainConfig.resolve(**BASE, first_stage="auto"))
+    auto = run_lazy(parts, TrainConfig.resolve(**BASE, **UNRACED))
     fixed = {v: run_lazy(parts, TrainConfig.resolve(**BASE, first_stage=v)) for v in ("mlp", "local")}
     stage0 = auto["stages"][0]
     trials = {t["variant"]: t for t in stage0["first_stage_trials"]}
@@ -68,9 +70,9 @@ def test_auto_keeps_the_better_stage_0_and_goes_on_as_that_variant_would(homophi
 def test_a_raced_second_training_stops_when_it_trails_and_the_run_is_the_first_variants():
     # Strong features, edges across classes: the MLP (trained first) wins, the local layer trails.
     parts = _parts(0.2, 0.8)
-    full = run_lazy(parts, TrainConfig.resolve(**BASE, first_stage="auto"))
+    full = run_lazy(parts, TrainConfig.resolve(**BASE, **UNRACED))
     race = {"first_stage_race": 4, "first_stage_race_margin": 0.02}
-    raced = run_lazy(parts, TrainConfig.resolve(**BASE, first_stage="auto", **race))
+    raced = run_lazy(parts, TrainConfig.resolve(**{**BASE, **UNRACED, **race}))
     mlp = run_lazy(parts, TrainConfig.resolve(**BASE, first_stage="mlp"))
     full0, raced0 = full["stages"][0], raced["stages"][0]
     trials = {t["variant"]: t for t in raced0["first_stage_trials"]}
@@ -94,9 +96,10 @@ def test_a_raced_second_training_stops_when_it_trails_and_the_run_is_the_first_v
 def test_a_race_the_second_training_leads_changes_nothing():
     # Classes on the edges, weak features: the local layer leads from early on and is kept.
     parts = _parts(0.9, 0.1)
-    settings = {**BASE, "first_stage": "auto"}
+    settings = {**BASE, **UNRACED}
     full = run_lazy(parts, TrainConfig.resolve(**settings))
-    raced = run_lazy(parts, TrainConfig.resolve(**settings, first_stage_race=4, first_stage_race_margin=0.02))
+    race = {"first_stage_race": 4, "first_stage_race_margin": 0.02}
+    raced = run_lazy(parts, TrainConfig.resolve(**{**settings, **race}))
     assert raced["stages"][0]["first_stage"] == "local"
     assert not raced["stages"][0]["first_stage_trials"][1]["behind_pace"]
     for key in ("stage_results", "test_accuracy", "bytes_total"):
@@ -106,10 +109,10 @@ def test_a_race_the_second_training_leads_changes_nothing():
 def test_the_local_layer_first_races_the_mlp_and_a_client_journals_the_trainings_in_that_order():
     # Classes on the edges: the local layer, trained first, leads; the MLP trails and is cut.
     parts = _parts(0.9, 0.1)
-    settings = {**BASE, "first_stage": "auto"}
+    settings = {**BASE, **UNRACED}
     full = run_lazy(parts, TrainConfig.resolve(**settings))
     race = {"first_stage_race": 4, "first_stage_race_margin": 0.02}
-    first = TrainConfig.resolve(**settings, first_stage_first="local", **race)
+    first = TrainConfig.resolve(**{**settings, "first_stage_first": "local", **race})
     assert first.first_stage_order == ("local", "mlp")
     raced = run_lazy(parts, first)
     stage0 = raced["stages"][0]
@@ -138,9 +141,9 @@ def test_a_self_training_pass_builds_its_stage_0_as_the_kept_variant():
     assert "first_stage_trials" not in auto["stages"][2]
 
 
-def _client(first_stage: str) -> LazyClient:
+def _client(first_stage: str, **settings) -> LazyClient:
     parts = _parts(0.9, 0.1)
-    return LazyClient(parts[0], TrainConfig.resolve(**BASE, first_stage=first_stage))
+    return LazyClient(parts[0], TrainConfig.resolve(**BASE, first_stage=first_stage, **settings))
 
 
 def test_a_variant_the_run_config_does_not_allow_is_refused_naming_the_client():
@@ -168,7 +171,7 @@ def test_auto_is_refused_with_secure_aggregation_and_outside_lazy_mode():
 
 
 def test_the_round_journal_takes_the_second_training_and_refuses_going_back():
-    client = _client("auto")
+    client = _client("auto", first_stage_first="mlp")
     client.set_first_stage("mlp")
     client.begin_round(1)
     client.begin_round(9)
@@ -180,7 +183,8 @@ def test_the_round_journal_takes_the_second_training_and_refuses_going_back():
         client.begin_round(10)
     # The local layer first (first-stage-first local): the MLP's rounds come second.
     parts = _parts(0.9, 0.1)
-    cfg = TrainConfig.resolve(**BASE, first_stage="auto", first_stage_first="local")
+    cfg = TrainConfig.resolve(**BASE, first_stage="auto")  # the local layer first by default
+    assert cfg.first_stage_first == "local"
     local_first = LazyClient(parts[0], cfg)
     local_first.set_first_stage("local")
     local_first.begin_round(9)
@@ -199,7 +203,7 @@ def test_both_engines_keep_the_same_variant_with_the_same_results(tmp_path):
 
     # Short stages: both trainings and a conv stage after them are what the engines must agree on.
     short = {**BASE, "stages": 2, "rounds": 4, "min_rounds": 0, "patience": 0}
-    common = {"dataset": "sbm:300,3,8,0.9", "clients": 3, "method": "metis", **short, "first_stage": "auto"}
+    common = {"dataset": "sbm:300,3,8,0.9", "clients": 3, "method": "metis", **short, **UNRACED}
     sim = simulate(TrainConfig.resolve(**common, out_dir=str(tmp_path / "sim")))
     ref = train(TrainConfig.resolve(**common), RunRecorder(None, stream=None))
     assert sim["stages"][0]["first_stage"] == ref["stages"][0]["first_stage"]

@@ -24,7 +24,8 @@ from dense import edges as _edges  # noqa: E402
 
 
 def _cfg(**values) -> TrainConfig:
-    base = {"model": "gcn", "stages": 3, "hidden": 16}
+    # Stage 0 as the MLP: a lazy run's default (auto) names its layer-0 variant per message.
+    base = {"model": "gcn", "stages": 3, "hidden": 16, "first-stage": "mlp"}
     return TrainConfig.from_mapping({**base, **values})
 
 

@@ -94,7 +94,8 @@ def test_members_with_wide_inputs_train_bit_for_bit_as_alone(clients, method):
     another order than a member's own Linear: measured there before each member got its own
     calls, 45 of 64 members differed after one round. With 24 clients a member trains several rows
     (its loss the mean over them)."""
-    parts, cfg = _node_level(clients, method)
+    # Stage 0 as the MLP: over partitions the default (auto) waits for a message to name it.
+    parts, cfg = _node_level(clients, method, first_stage="mlp")
     gen = torch.Generator().manual_seed(0)
     clients = {p.partition_id: LazyClient(p, cfg) for p in parts if int(p.train_mask.sum())}
     for client in clients.values():  # sparse 0/1 rows, 1,433 wide

@@ -23,7 +23,9 @@ from retexo_fl.metrics import RunRecorder
 from retexo_fl.party.lazy_client import LazyClient
 from retexo_fl.training.inprocess import InProcessTransport
 
-CFG = dict(model="gcn", stages=3, hidden=16, rounds=3, seed=0, patience=0, self_training=0)
+# Stage 0 as the MLP, trained once: the message counts below are those of one training a stage
+# (the default over partitions, first-stage auto, trains stage 0 twice).
+CFG = dict(model="gcn", stages=3, hidden=16, rounds=3, seed=0, patience=0, self_training=0, first_stage="mlp")
 
 
 class Recording(InProcessTransport):

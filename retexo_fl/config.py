@@ -74,7 +74,9 @@ class ModelSettings:
         "the conv of stages >= 1: gcn, sage, sage-max or gat; centralized mode also takes mlp, "
         "the graph-free reference",
     )
-    stages: int = setting(3, "stages of a lazy run (stage 0 is the MLP; K stages are K - 1 GNN layers)")
+    stages: int = setting(
+        3, "stages of a lazy run (stage 0 an MLP or a local layer: first-stage; K stages, K - 1 GNN layers)"
+    )
     central_layers: int = setting(2, "layers of the centralized (end-to-end) reference GNN")
     eager_model: Literal["auto", "standard", "layered"] = setting(
         "auto",

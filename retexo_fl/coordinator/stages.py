@@ -84,11 +84,9 @@ class LazyStageMachine:
             fed.first_stage = self._kept_first_stage(ck)
         for stage in range(ck.stage, last + 1):
             if stage == 0 and auto:
+                # Clients hold the first training's kept state through the second, so the
+                # stage's test and embed name either by digest (one a client lacks goes whole).
                 state, figures, undelivered = self._train_first_stage(ck)
-                if figures["first_stage"] != cfg.first_stage_order[-1]:
-                    # Clients hold the last training's states, not the kept one's: the stage's
-                    # test and embed send it whole rather than by a digest they would refuse.
-                    fed.unheld = set(fed.pids)
             else:
                 state, figures, undelivered = self._train_stage(stage, ck)
             if cfg.pass_init == "warm" and stage + cfg.stages <= last:

@@ -101,6 +101,10 @@ class Client(HaloExchange, ModelExchange, Evaluation, Persistence, ABC):
         self.control_view: StateDict | None = None  # ... and the server's c as broadcast
         self.view: StateDict | None = None  # the model as the compressed broadcast left it
         self.kept: StateDict | None = None  # a view the server named the stage's best so far (KEEP)
+        # first-stage auto: the first training of stage 0's last and kept views, held while
+        # the second trains (either may be the stage's best)
+        self.earlier_view: StateDict | None = None
+        self.earlier_kept: StateDict | None = None
         # [[stage, round], {name: state}]: what the last round found (view, residual, control
         # variates), so that a round a resumed server sends again starts from there, not from
         # what that round already left (a delta applied twice, a residual counted twice).

@@ -53,6 +53,8 @@ class ModelExchange:
     control_view: StateDict | None
     view: StateDict | None
     kept: StateDict | None
+    earlier_view: StateDict | None
+    earlier_kept: StateDict | None
     journal: list[Any] | None
     last_steps: int
     cohort: RoundCohort | None
@@ -62,7 +64,7 @@ class ModelExchange:
     round_trial: int
     layer_index: Callable[[], int]
 
-    _ROUND_STATE = ("view", "kept", "residual", "control", "control_view")
+    _ROUND_STATE = ("view", "kept", "earlier_view", "earlier_kept", "residual", "control", "control_view")
 
     def begin_round(self, round_: int) -> bool:
         """Mark the start of train round ``round_``: remember what it finds or, for a round seen
@@ -116,7 +118,14 @@ class ModelExchange:
             if state is None:
                 raise ValueError(f"client {self.id}: a model message with neither state nor delta")
             if not keep:
-                self.kept = None  # a stage's first state: what was kept belongs to the last stage
+                # A stage's first state: what was kept belongs to the last stage, or, as the
+                # second training of stage 0 begins (first-stage auto), to the first training,
+                # whose best (its last view or the one kept) may still be chosen: held, the
+                # stage's test names it by digest instead of sending it whole.
+                second = self.round_trial > 0
+                self.earlier_view = self.view if second else None
+                self.earlier_kept = self.kept if second else None
+                self.kept = None
             self.view = state
             return state
         if self.view is None:
@@ -136,10 +145,9 @@ class ModelExchange:
         """Keep ``state``, sent whole (broadcast-bits < 32): later messages may then name it by
         digest. Returns whether it was kept.
 
-        A state comes whole to a client that holds no copy of it: one its rounds left out, one
-        restarted without its folder, or one whose view is of another training than the kept
-        state (``first-stage auto`` keeping its first training); what the server names next
-        is this state, not the view kept before."""
+        A state comes whole to a client that holds no copy of it: one its rounds left out, or
+        one restarted without its folder; what the server names next is this state, not the
+        view kept before."""
         if self.cfg.broadcast_bits >= 32 or self.kept is state:
             return False
         self.kept = state
@@ -147,8 +155,9 @@ class ModelExchange:
 
     def held_state(self, digest: str) -> StateDict | None:
         """The state this client holds whose :func:`~retexo_fl.records.state_digest` is
-        ``digest`` (its view, or the one it kept), or ``None``: the server then sends it whole."""
-        for state in (self.view, self.kept):
+        ``digest`` (its view, the one it kept, or ``first-stage auto``'s first training of stage
+        0's last and kept views), or ``None``: the server then sends it whole."""
+        for state in (self.view, self.kept, self.earlier_view, self.earlier_kept):
             if state is not None and state_digest(state) == digest:
                 return state
         return None

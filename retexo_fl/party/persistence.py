@@ -27,6 +27,8 @@ class Persistence:
     control_view: StateDict | None
     view: StateDict | None
     kept: StateDict | None
+    earlier_view: StateDict | None
+    earlier_kept: StateDict | None
     journal: list[Any] | None
     delivered: str | None
     boundary_releases: int
@@ -47,6 +49,8 @@ class Persistence:
             control_view=self.control_view,
             view=self.view if self.cfg.broadcast_bits < 32 else None,
             kept=self.kept if self.cfg.broadcast_bits < 32 else None,
+            earlier_view=self.earlier_view if self.cfg.broadcast_bits < 32 else None,
+            earlier_kept=self.earlier_kept if self.cfg.broadcast_bits < 32 else None,
             channel=self.channel.to_state(),
             journal=self.journal,
             delivered=self.delivered,
@@ -62,6 +66,8 @@ class Persistence:
         self.control_view = state.control_view
         self.view = state.view
         self.kept = state.kept
+        self.earlier_view = state.earlier_view
+        self.earlier_kept = state.earlier_kept
         self.journal = state.journal
         self.delivered = state.delivered
         self.boundary_releases = int(state.boundary_releases)

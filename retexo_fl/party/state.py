@@ -42,6 +42,9 @@ class ClientState:
         view (StateDict, optional): the model as the compressed broadcast left it.
         kept (StateDict, optional): a view the server named the stage's best so far (a later
             message names it by digest instead of sending it again).
+        earlier_view (StateDict, optional): ``first-stage auto``: the first training of stage 0's
+            last view, held while the second trains (it may still be chosen).
+        earlier_kept (StateDict, optional): ... and the view it kept.
         channel (dict, optional): the sealed channels (:meth:`PeerChannel.to_state`): the X25519
             private key, which never leaves this folder, the key directory, the run transcript
             and each direction's payload counters.
@@ -72,6 +75,8 @@ class ClientState:
     residual: StateDict | None = None
     view: StateDict | None = None
     kept: StateDict | None = None
+    earlier_view: StateDict | None = None
+    earlier_kept: StateDict | None = None
     channel: dict | None = None
     halo_round: int = 0
     sent: list[Any] | None = None

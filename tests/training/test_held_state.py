@@ -19,8 +19,8 @@ from retexo_fl.records import state_digest
 from retexo_fl.training.inprocess import InProcessTransport
 
 # Early stopping on (its best round is rarely the last), one self-training pass, 4-bit deltas.
-# Stage 0 trained once, as the MLP: under first-stage auto (the default over partitions) a kept
-# first variant's state is no longer the one a client holds after the second, and goes whole.
+# Stage 0 trained once, as the MLP: the carried states counted below are one training's (the
+# default over partitions, first-stage auto, trains stage 0 twice; its own test is below).
 CFG = dict(
     clients=3, model="gcn", stages=2, hidden=16, rounds=8, seed=0, patience=2, min_rounds=2, first_stage="mlp"
 )
@@ -80,6 +80,27 @@ def test_kept_states_go_by_digest_and_the_run_ends_as_when_sent_whole(sbm, monke
     assert whole["test_accuracy"] == held["test_accuracy"]
     assert _curve(whole) == _curve(held)
     assert [s["best_round"] for s in whole["stages"]] == [s["best_round"] for s in held["stages"]]
+
+
+def test_first_stage_auto_names_the_first_trainings_state_by_digest_after_the_second(sbm, monkeypatch):
+    """Under ``first-stage auto`` clients hold the first training's last and kept views while the
+    second trains, so whichever is kept goes to the stage's test and embed by digest. Before,
+    a kept first variant went whole to every client (checked here: in one order the first
+    training's variant is the one kept)."""
+    parts = partition_graph(sbm, 3, "random", seed=0)
+    kept_first = []
+    for first in ("local", "mlp"):
+        auto = {"first_stage": "auto", "first_stage_first": first, "first_stage_race": 0}
+        held, t_held = _run(parts, **auto)
+        kept_first.append(held["stages"][0]["first_stage"] == first)
+        stage_0 = [how for kind, how in t_held.carried if kind in (P.EVALUATE, P.EMBED)]
+        assert "whole" not in stage_0 and t_held.not_held == 0, first
+        with monkeypatch.context() as m:  # every named state refused: the run must not change
+            m.setattr(Client, "held_state", lambda self, digest: None)
+            whole, t_whole = _run(parts, **auto)
+        assert t_whole.not_held > 0
+        assert whole["test_accuracy"] == held["test_accuracy"] and _curve(whole) == _curve(held), first
+    assert any(kept_first), "neither order kept its first training: the case is not exercised"
 
 
 def test_a_wrong_kept_state_is_never_used(sbm, monkeypatch):

@@ -129,7 +129,8 @@ def main() -> int:
     cli(["partition", "--dataset", "Cora", "--root", str(data), "--clients", "3", "--out", str(parts)])
 
     sim_dir = tmp / "sim"
-    cfg = TrainConfig(
+    # resolve, as the deployed ServerApp's run config does: both sides train the same stage 0
+    cfg = TrainConfig.resolve(
         partitions=str(parts), clients=3, stages=1, rounds=args.rounds, hidden=64, out_dir=str(sim_dir)
     )
     simulate(cfg)

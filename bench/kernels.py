@@ -161,7 +161,7 @@ def main() -> None:
         with EdgeLists():
             timed("retexo-fl centralized, edge list (before)", lambda: run_centralized(part, central, quiet))
     if args.lazy_defaults:
-        lazy = TrainConfig(dataset=args.dataset, clients=args.clients, seed=0, device="cpu")
+        lazy = TrainConfig.resolve(dataset=args.dataset, clients=args.clients, seed=0, device="cpu")
     else:
         lazy = TrainConfig.resolve(**{**base.to_dict(), "clients": args.clients, "rounds": args.lazy_rounds})
     parts = partition_graph(data, args.clients, lazy.method, seed=0)

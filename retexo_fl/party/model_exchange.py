@@ -96,6 +96,11 @@ class ModelExchange:
                 setattr(self, name, None if value is None else dict(value))
             self.channel.rewind(self.journal[2] if len(self.journal) > 2 else None)
             return False
+        if self.journal is None or self.journal[0][:2] != key[:2]:
+            # This client's first round of a stage (or of stage 0's second training): an update
+            # residual left is another model's. Round 1 resets it too, but a client sampled out
+            # of round 1 kept the last stage's, and added it to the new model's update.
+            self.residual = None
         found = {name: getattr(self, name) for name in self._ROUND_STATE}
         accepted = self.channel.accepted()
         self.journal = [key, {k: None if v is None else dict(v) for k, v in found.items()}, accepted]

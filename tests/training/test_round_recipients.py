@@ -236,3 +236,32 @@ def test_a_sampled_trainer_whose_view_is_behind_gets_the_state_whole(node_level,
 def _rounds(transport) -> list[list[tuple]]:
     train = [x for x in transport.sent if x[0] == P.TRAIN]
     return [train[i : i + 30] for i in range(0, len(train), 30)]
+
+
+def test_a_client_sampled_out_of_a_stages_first_round_starts_it_without_the_last_stages_residual():
+    """A client's update residual (4-bit error feedback) belongs to one stage's model. One left out
+    of a stage's round 1 used to keep the last stage's and add it to the new model's update by
+    parameter name: a local layer-0 stage after the last GCN stage (same names, another input
+    width) failed with a size mismatch, and same-shaped stages took another model's error."""
+    from retexo_fl.metrics import RunRecorder
+    from retexo_fl.runner import train
+
+    settings = dict(dataset="sbm:300,3", clients=3, fraction_train=0.5, rounds=3, min_rounds=0)
+    for seed in (0, 1):  # seed 0 failed in pass 2's stage 0 (the default: first-stage auto)
+        cfg = TrainConfig.resolve(**settings, warm_min_rounds=0, seed=seed)
+        assert cfg.first_stage == "auto" and cfg.update_bits < 32
+        summary = train(cfg, RunRecorder(None, stream=None))
+        assert len(summary["stage_results"]) == 2 * cfg.stages
+        assert summary["test_accuracy"] > 0.5, seed
+
+
+def test_a_residual_is_the_stages_own_whoever_missed_round_1(node_level):
+    cfg = TrainConfig.resolve(**{**CFG, "clients": len(node_level), "update_bits": 4})
+    client = LazyClient(node_level[0], cfg)
+    client.begin_round(1)
+    client.residual = {"w": math.nan}  # what stage 0's rounds left
+    client.begin_round(2)
+    assert client.residual is not None  # the same stage: error feedback carries over
+    client.stage = 1
+    client.begin_round(2)  # stage 1's round 2, its round 1 missed
+    assert client.residual is None

@@ -518,9 +518,8 @@ class TrainConfig:
         :data:`MODE_DEFAULTS`, then a lazy run at one node per client (``method node``, no
         exact profile) :data:`NODE_LEVEL_DEFAULTS` and any other lazy run without the exact
         profile, secure aggregation, DP noise or boundary noise :data:`LAZY_PARTITION_DEFAULTS`,
-        each only where
-        ``given`` has no value (``clients_per_round`` not with secure aggregation, DP noise or
-        drift correction, which take every client every round);
+        each only where ``given`` has no value (``clients_per_round`` not with secure
+        aggregation, DP noise or drift correction, which take every client every round);
         ``boundary-noise`` turns eager's halo gradients off unless they were given (noised rows
         with raw gradients back would undo the noise); ``profile edge`` makes the device CPU,
         threads 1, chunks of 4,096 rows and 32-bit payloads 8-bit. What ``given`` names is kept

@@ -127,7 +127,8 @@ class ModelExchange:
                 # second training of stage 0 begins (first-stage auto), to the first training,
                 # whose best (its last view or the one kept) may still be chosen: held, the
                 # stage's test names it by digest instead of sending it whole.
-                second = self.round_trial > 0
+                # (a later pass's stage 0 trains one variant: nothing earlier to hold)
+                second = self.round_trial > 0 and self.seed_stage == 0
                 self.earlier_view = self.view if second else None
                 self.earlier_kept = self.kept if second else None
                 self.kept = None

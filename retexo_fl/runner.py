@@ -25,6 +25,9 @@ def make_partitions(cfg: TrainConfig, rec: RunRecorder | None = None) -> list[Pa
         parts = load_partitions(cfg.partitions)
         if rec:
             rec.progress(f"loaded {len(parts)} partitions from {cfg.partitions}")
+            note = node_level_note(parts, cfg)
+            if note:
+                rec.progress(note)
         return parts
     data = load_graph(cfg)
     parts = partition_graph(data, cfg.clients, cfg.method, seed=cfg.seed)
@@ -35,6 +38,27 @@ def make_partitions(cfg: TrainConfig, rec: RunRecorder | None = None) -> list[Pa
             f"{len(parts)} {cfg.method} partitions, {cut} cross-edge records"
         )
     return parts
+
+
+def node_level_note(parts: list[Partition], cfg: TrainConfig) -> str | None:
+    """What to say when partitions read from files hold one node each but the run was not
+    declared node level (``method node``), else ``None``.
+
+    The level's defaults (:data:`~retexo_fl.config.NODE_LEVEL_DEFAULTS`, and stage 0 as the MLP
+    where partitions get ``first-stage auto``) are chosen from the settings, before any
+    partition is read: a deployed server never reads one. Only ``--method node`` declares the
+    level, so files cut with ``partition --method node`` would otherwise train with the defaults
+    of partitions, without saying so.
+    """
+    if cfg.mode != "lazy" or cfg.method == "node" or len(parts) < 2:
+        return None
+    if any(p.num_nodes != 1 for p in parts):
+        return None
+    return (
+        f"note: each of the {len(parts)} partitions holds one node, but the run is not declared "
+        "node level: add --method node (the run config's method = \"node\") for the node-level "
+        "defaults (at most 512 trainers a round, the server's Adam at 0.05, stage 0 as the MLP)"
+    )
 
 
 def device_line(setting: str, sizes: list[int]) -> str:

@@ -56,7 +56,7 @@ def node_level_note(parts: list[Partition], cfg: TrainConfig) -> str | None:
         return None
     return (
         f"note: each of the {len(parts)} partitions holds one node, but the run is not declared "
-        "node level: add --method node (the run config's method = \"node\") for the node-level "
+        'node level: add --method node (the run config\'s method = "node") for the node-level '
         "defaults (at most 512 trainers a round, the server's Adam at 0.05, stage 0 as the MLP)"
     )
 

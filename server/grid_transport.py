@@ -11,7 +11,7 @@ from flwr.serverapp import Grid
 from clients.records import Record, from_flower, to_flower
 from retexo_fl.coordinator.transport import Batch, ClientFailure
 from retexo_fl.protocol import Records
-from server.messaging import Traffic, exchange
+from server.messaging import Traffic, exchange, wire_sizes
 
 
 class GridTransport:
@@ -52,6 +52,7 @@ class GridTransport:
         sent = {m.metadata.dst_node_id: m for m in messages}
         replies = exchange(self.grid, messages, self.timeout)
         batch = Batch()
+        answered = []
         for node in requests:
             reply = replies.get(node)
             if reply is None:
@@ -59,9 +60,13 @@ class GridTransport:
             elif reply.has_error():
                 batch.failures[node] = f"failed during {phase}: {reply.error.reason}"
             else:
-                self.traffic.count(stage, kind, node, "down", sent[node])
-                self.traffic.count(stage, kind, node, "up", reply)
+                answered.append(node)
                 batch.replies[node] = from_flower(reply.content)
+        down = wire_sizes([sent[node] for node in answered])  # the shared broadcast once
+        up = wire_sizes([replies[node] for node in answered])
+        for node, wire_down, wire_up in zip(answered, down, up, strict=True):
+            self.traffic.count(stage, kind, node, "down", sent[node], wire_down)
+            self.traffic.count(stage, kind, node, "up", replies[node], wire_up)
         return batch
 
     def report(self, names: dict[int, int]) -> dict[str, Any]:

@@ -20,6 +20,7 @@ import logging
 import math
 import time
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -109,6 +110,11 @@ class Client(HaloExchange, ModelExchange, Evaluation, Persistence, ABC):
         # variates), so that a round a resumed server sends again starts from there, not from
         # what that round already left (a delta applied twice, a residual counted twice).
         self.journal: list[Any] | None = None
+        # Saved: the file in the work folder that holds the journal's round state (the state
+        # file as the round found it, kept by a hard link), and what the state file holds now.
+        self.journal_file: str | None = None
+        self.state_folder: Path | None = None
+        self.on_file: dict[str, Any] | None = None
         # The digest of the last deliveries a test or an embed opened: the same message sent
         # again by a resumed server finds them applied (and saved) already, and does not open
         # them twice (a sender's second frame in it would refuse its first as a replay).

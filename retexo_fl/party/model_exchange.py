@@ -56,6 +56,7 @@ class ModelExchange:
     earlier_view: StateDict | None
     earlier_kept: StateDict | None
     journal: list[Any] | None
+    journal_file: str | None
     last_steps: int
     cohort: RoundCohort | None
     # The client's own (:class:`~retexo_fl.party.client.Client`):
@@ -63,6 +64,7 @@ class ModelExchange:
     seed_stage: int
     round_trial: int
     layer_index: Callable[[], int]
+    journal_state: Callable[[str], dict[str, StateDict | None]]
 
     _ROUND_STATE = ("view", "kept", "earlier_view", "earlier_kept", "residual", "control", "control_view")
 
@@ -92,7 +94,10 @@ class ModelExchange:
                 f"{self.journal[0][-1]} of stage {self.journal[0][0]} began: rounds only go forward"
             )
         if self.journal is not None and self.journal[0] == key:
-            for name, value in self.journal[1].items():
+            found = self.journal[1]
+            if isinstance(found, str):  # saved as a file of the work folder: read it now
+                found = self.journal_state(found)
+            for name, value in found.items():
                 setattr(self, name, None if value is None else dict(value))
             self.channel.rewind(self.journal[2] if len(self.journal) > 2 else None)
             return False
@@ -104,6 +109,7 @@ class ModelExchange:
         found = {name: getattr(self, name) for name in self._ROUND_STATE}
         accepted = self.channel.accepted()
         self.journal = [key, {k: None if v is None else dict(v) for k, v in found.items()}, accepted]
+        self.journal_file = None  # not saved yet
         return any(v is not None for v in found.values()) or bool(accepted)
 
     def receive_model(

@@ -12,6 +12,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +59,8 @@ class ClientState:
             its broadcast left it.
         journal (list, optional): ``[[stage, trial, round], {name: state}, incoming counters]``, what
             the last train round found, so that the same round sent again (a resumed server)
-            starts from it.
+            starts from it; ``{name: state}`` is the name of a file in the same folder when the
+            state saved before the round holds it (the journal's fields are read from there).
         delivered (str, optional): the digest of the last deliveries a test or an embed opened
             (the same message sent again is not opened twice).
         boundary_releases (int): boundary row releases this client made in the run (counted
@@ -89,8 +91,15 @@ class ClientState:
     boundary_releases: int = 0
     secagg: dict | None = None
 
-    def save(self, folder: str | Path) -> Path:
+    def save(self, folder: str | Path, journal_link: str | None = None) -> Path:
         """Write to ``folder``/:data:`STATE_FILE` atomically, readable by this user alone.
+
+        Args:
+            folder (str or Path): the node-local work folder.
+            journal_link (str, optional): first keep the state file there now under this name
+                in ``folder`` (a hard link): it holds what the round journal found, and this
+                state's journal names it. Other journal files there are removed once this state
+                is written. (default: :obj:`None`)
 
         Returns:
             Path: the file written.
@@ -114,7 +123,23 @@ class ClientState:
             values["channel"] = {**channel, "directory": None, DIRECTORY_DIGEST: digest}
         with os.fdopen(fd, "wb") as f:
             f.writelines(state_parts(values))
+        if journal_link is not None:
+            # Linked under a temporary name, then renamed: at every step the folder holds a
+            # complete state file and every journal file a saved state names.
+            kept = path.with_name(journal_link)
+            staged = kept.with_name(kept.name + ".tmp")
+            staged.unlink(missing_ok=True)
+            try:
+                os.link(path, staged)
+            except OSError:  # a file system without hard links: a copy holds the same
+                shutil.copyfile(path, staged)
+            staged.replace(kept)
         tmp.replace(path)
+        named = self.journal[1] if self.journal and isinstance(self.journal[1], str) else None
+        if journal_link is not None or named is None:
+            for old in path.parent.glob(JOURNAL_GLOB):  # the journals no saved state names
+                if old.name != named:
+                    old.unlink(missing_ok=True)
         return path
 
     @classmethod
@@ -138,6 +163,9 @@ class ClientState:
             state.channel = {**channel, "directory": directory}
         return state
 
+
+#: The files a saved state's round journal names (:func:`~retexo_fl.party.persistence.journal_file_name`).
+JOURNAL_GLOB = "journal-*.state"
 
 #: The entry of a saved state's channel that names its key directory's file by digest.
 DIRECTORY_DIGEST = "directory-digest"

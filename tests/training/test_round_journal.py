@@ -13,7 +13,10 @@ from retexo_fl.coordinator.transport import Batch
 from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.metrics import RunRecorder
 from retexo_fl.party.client import Client
+from retexo_fl.party.handlers import handle
 from retexo_fl.party.lazy_client import LazyClient
+from retexo_fl.party.persistence import journal_file_name
+from retexo_fl.party.state import STATE_FILE, read_state_file
 from retexo_fl.training.inprocess import InProcessTransport
 
 CFG = dict(
@@ -58,4 +61,70 @@ def test_a_round_sent_again_ends_the_run_as_if_it_was_sent_once(sbm, monkeypatch
 
     monkeypatch.setattr(Client, "begin_round", forgetful)
     drifted = _run(parts, ResendsOneRound)
+    assert _curve(drifted) != pytest.approx(_curve(whole), rel=1e-9)
+
+
+class SavesEachMessage(ResendsOneRound):
+    """Each client saves its state after every message that changed it and is restored from its
+    folder before the next, as a Flower node whose messages another process may answer: the
+    round sent again reads what the round found from the work folder."""
+
+    folder = None  # set per test
+
+    def send(self, kind: str, requests: dict, phase: str, stage: int) -> Batch:
+        replies = {}
+        for a, request in requests.items():
+            client, work = self.clients[a], self.folder / f"node-{a}"
+            client.restore(work)
+            reply = handle(client, kind, request)
+            if reply.changed:
+                client.save(work)
+            replies[a] = reply
+        self.last = replies
+        return Batch({a: r.records for a, r in replies.items()})
+
+
+class SavesAndResends(SavesEachMessage):
+    def send(self, kind: str, requests: dict, phase: str, stage: int) -> Batch:
+        if kind == P.TRAIN and stage == 1 and any(int(r[P.CONFIG][P.ROUND]) == 3 for r in requests.values()):
+            SavesEachMessage.send(self, kind, requests, phase, stage)  # answered, then lost
+        return SavesEachMessage.send(self, kind, requests, phase, stage)
+
+
+def test_a_saved_round_journal_is_the_state_file_the_round_found_and_a_resent_round_reads_it(
+    sbm, tmp_path, monkeypatch
+):
+    parts = partition_graph(sbm, 3, "random", seed=0)
+    whole = _run(parts, InProcessTransport)
+    SavesEachMessage.folder = tmp_path / "once"
+    saved = _run(parts, SavesEachMessage)
+    assert _curve(saved) == _curve(whole)
+    SavesEachMessage.folder = tmp_path / "again"
+    again = _run(parts, SavesAndResends)
+    assert again["test_accuracy"] == whole["test_accuracy"]
+    assert _curve(again) == _curve(whole)
+
+    # What a trainer's saved state holds: the journal names the state file the round found
+    # (the one saved after the message before), kept under its name, and no other journal file.
+    work = tmp_path / "once" / "node-0"
+    values = read_state_file(work / STATE_FILE)
+    key, found = values["journal"][0], values["journal"][1]
+    assert found == journal_file_name(key) and isinstance(found, str)
+    assert sorted(p.name for p in work.glob("journal-*")) == [found]
+    before = read_state_file(work / found)
+    assert before["view"] is not None and before["residual"] is not None
+
+    # The test can fail: a journal file that is not what the round found (here: the state the
+    # round left) sends the resent round on from the wrong place, and the run drifts.
+    real = Client.save
+
+    def links_the_new_state(self: Client, folder) -> None:
+        real(self, folder)
+        if self.journal_file is not None:
+            (folder / self.journal_file).unlink()
+            (folder / self.journal_file).hardlink_to(folder / STATE_FILE)
+
+    monkeypatch.setattr(Client, "save", links_the_new_state)
+    SavesEachMessage.folder = tmp_path / "wrong"
+    drifted = _run(parts, SavesAndResends)
     assert _curve(drifted) != pytest.approx(_curve(whole), rel=1e-9)

@@ -230,14 +230,19 @@ class PeerChannel:
         self._open(directory, transcript, peers, None)
 
     def _open(
-        self, directory: Mapping[int, bytes], transcript: bytes, peers: set[int], counters: dict | None
+        self,
+        directory: Mapping[int, bytes],
+        transcript: bytes,
+        peers: set[int],
+        counters: dict | None,
+        lazy: bool = False,
     ) -> None:
         assert self.identity is not None
         # A read-only directory is kept as it is: in process the parties share one, not n copies.
         self.directory = directory if _is_frozen(directory) else dict(directory)
         self.transcript = transcript
         reachable = {q: directory[q] for q in peers if q in directory}  # lost at key setup: none
-        self.envelopes = Envelopes(self.party, self.identity, transcript, reachable, counters)
+        self.envelopes = Envelopes(self.party, self.identity, transcript, reachable, counters, lazy=lazy)
 
     def _ready(self) -> Envelopes:
         if self.envelopes is None:
@@ -307,4 +312,5 @@ class PeerChannel:
             self.own_contribution = bytes.fromhex(state["contribution"])
         if state.get("directory") and state.get("transcript"):
             directory = _directory_parsed(state["directory"])
-            self._open(directory, bytes.fromhex(state["transcript"]), peers, state.get("counters"))
+            # Keys derived at setup already: each peer's again when a payload needs it.
+            self._open(directory, bytes.fromhex(state["transcript"]), peers, state.get("counters"), lazy=True)

@@ -84,15 +84,15 @@ def transcript_hash(
     return h.digest()
 
 
-def _key(own: X25519PrivateKey, peer: bytes, transcript: bytes, src: int, dst: int, own_id: int) -> bytes:
-    mine = public_bytes(own)
-    src_pub, dst_pub = (mine, peer) if src == own_id else (peer, mine)
+def _key(shared: bytes, keys: tuple[bytes, bytes], transcript: bytes, src: int, dst: int, me: int) -> bytes:
+    """One direction's key (``src`` to ``dst``) of a channel, from its X25519 ``shared`` secret
+    and ``keys``, (this party's public key, the peer's)."""
+    mine, peer = keys
+    src_pub, dst_pub = (mine, peer) if src == me else (peer, mine)
     # Like libsodium's crypto_kx and Noise: the key binds both public keys, the direction and the
     # whole transcript, not only the shared secret and a server-chosen salt.
     info = b"retexo-fl boundary v2" + struct.pack(">II", src, dst) + src_pub + dst_pub
-    return HKDF(algorithm=hashes.SHA256(), length=32, salt=transcript, info=info).derive(
-        own.exchange(X25519PublicKey.from_public_bytes(peer))
-    )
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=transcript, info=info).derive(shared)
 
 
 class Envelopes:
@@ -114,6 +114,10 @@ class Envelopes:
         directory (dict[int, bytes]): the peers' public keys (``{client id: 32 bytes}``).
         counters (dict, optional): what :meth:`counters` returned before (a restored client).
             (default: :obj:`None`)
+        lazy (bool, optional): derive a peer's keys when a payload first goes to or comes from
+            it, not now: a restored client whose message seals and opens nothing (most train
+            rounds of a lazy stage) derives none. At key setup they are derived at once, so
+            that a bad peer key fails there. (default: :obj:`False`)
     """
 
     def __init__(
@@ -123,16 +127,17 @@ class Envelopes:
         transcript: bytes,
         directory: dict[int, bytes],
         counters: dict | None = None,
+        lazy: bool = False,
     ) -> None:
         self.own_id, self.transcript = own_id, bytes(transcript)
-        peers = {q: pub for q, pub in directory.items() if q != own_id}
-        self._send = {
-            q: AESGCM(_key(key, pub, self.transcript, own_id, q, own_id)) for q, pub in peers.items()
-        }
-        self._recv = {
-            p: AESGCM(_key(key, pub, self.transcript, p, own_id, own_id)) for p, pub in peers.items()
-        }
-        self.peers = set(peers)
+        self._identity, self._mine = key, public_bytes(key)
+        self._keys = {q: pub for q, pub in directory.items() if q != own_id}
+        self._send: dict[int, AESGCM] = {}
+        self._recv: dict[int, AESGCM] = {}
+        self.peers = set(self._keys)
+        if not lazy:
+            for q in sorted(self.peers):
+                self._channel(q)
         counters = counters or {}
         self._sent: dict[int, int] = {int(q): int(n) for q, n in counters.get("sent", {}).items()}
         self._accepted: dict[int, tuple[int, str]] = {
@@ -141,6 +146,15 @@ class Envelopes:
         self._accepted_apart: dict[int, tuple[int, str]] = {
             int(p): (int(v[0]), str(v[1])) for p, v in counters.get("accepted_apart", {}).items()
         }
+
+    def _channel(self, q: int) -> tuple[AESGCM, AESGCM]:
+        """The (send, receive) ciphers of peer ``q``'s channel: one X25519 exchange, two keys."""
+        if q not in self._send:
+            me, keys = self.own_id, (self._mine, self._keys[q])
+            shared = self._identity.exchange(X25519PublicKey.from_public_bytes(keys[1]))
+            self._send[q] = AESGCM(_key(shared, keys, self.transcript, me, q, me))
+            self._recv[q] = AESGCM(_key(shared, keys, self.transcript, q, me, me))
+        return self._send[q], self._recv[q]
 
     def counters(self) -> dict:
         """Each direction's last number sent and last accepted (with its payload's digest)."""
@@ -173,13 +187,13 @@ class Envelopes:
         Raises:
             EnvelopeError: if the route's source is not this client or its destination has no channel.
         """
-        if route.src != self.own_id or route.dst not in self._send:
+        if route.src != self.own_id or route.dst not in self._keys:
             raise EnvelopeError(f"client {self.own_id}: no channel for {route}")
         counter = self._sent.get(route.dst, 0) + 1
         self._sent[route.dst] = counter
         head = route.header(counter)
         nonce = os.urandom(NONCE_BYTES)
-        return head + nonce + self._send[route.dst].encrypt(nonce, frame, self.transcript + head)
+        return head + nonce + self._channel(route.dst)[0].encrypt(nonce, frame, self.transcript + head)
 
     def open(self, blob: bytes, kind: str, stage: int, src: int, min_round: int = 0) -> tuple[bytes, int]:
         """The frame in ``blob`` from client ``src``, and the round it was sent in.
@@ -212,7 +226,7 @@ class Envelopes:
             raise EnvelopeError(f"{where}: replayed, sealed as kind {k} at stage {st}")
         if rnd < min_round:
             raise EnvelopeError(f"{where}: replayed, sealed in round {rnd}, expected round >= {min_round}")
-        if src not in self._recv:
+        if src not in self._keys:
             raise EnvelopeError(f"{where}: client {src} is not in the key directory")
         digest = hashlib.sha256(blob).hexdigest()
         order = self._accepted_apart if kind in SEPARATE_KINDS else self._accepted
@@ -223,7 +237,8 @@ class Envelopes:
             )
         head, nonce = blob[: _HEAD.size], blob[_HEAD.size : _HEAD.size + NONCE_BYTES]
         try:
-            frame = self._recv[src].decrypt(nonce, blob[_HEAD.size + NONCE_BYTES :], self.transcript + head)
+            receive = self._channel(src)[1]
+            frame = receive.decrypt(nonce, blob[_HEAD.size + NONCE_BYTES :], self.transcript + head)
         except InvalidTag:
             raise EnvelopeError(f"{where}: failed authentication (tampered, truncated or forged)") from None
         order[src] = (counter, digest)

@@ -14,6 +14,7 @@ from retexo_fl.coordinator.federation import FederationView
 from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.metrics import RunRecorder
 from retexo_fl.party.lazy_client import LazyClient
+from retexo_fl.secure import envelope
 from retexo_fl.secure.envelope import (
     ENVELOPE_BYTES,
     NONCE_BYTES,
@@ -49,6 +50,33 @@ def test_only_the_destination_opens(parties):
     # Misrouted: the server hands client 0's payload for client 1 to client 2.
     with pytest.raises(EnvelopeError, match=r"client 2: payload from client 0 .*misrouted"):
         env[2].open(blob, "halo", 2, 0)
+
+
+def test_a_restored_channel_derives_a_peers_keys_when_a_payload_needs_them(parties, monkeypatch):
+    env, keys, directory = parties
+    exchanges = []
+    real = envelope.X25519PublicKey
+
+    class Counted:  # each X25519 exchange reads its peer's public key once
+        @staticmethod
+        def from_public_bytes(data):
+            exchanges.append(data)
+            return real.from_public_bytes(data)
+
+    monkeypatch.setattr(envelope, "X25519PublicKey", Counted)
+    eager = Envelopes(0, keys[0], _transcript(directory), directory)
+    assert len(exchanges) == 2  # key setup: each peer's channel at once, one exchange for both ways
+    exchanges.clear()
+    lazy = Envelopes(0, keys[0], _transcript(directory), directory, eager.counters(), lazy=True)
+    assert exchanges == [] and lazy.peers == {1, 2}
+    # The keys it derives later are the channel's own, both ways.
+    blob = lazy.seal(b"rows for client 1", Route("halo", 1, 0, 0, 1))
+    assert env[1].open(blob, "halo", 1, 0) == (b"rows for client 1", 0)
+    back = env[2].seal(b"rows for client 0", Route("halo", 1, 0, 2, 0))
+    assert lazy.open(back, "halo", 1, 2) == (b"rows for client 0", 0)
+    assert len(exchanges) == 2
+    with pytest.raises(EnvelopeError, match="no channel"):  # no key for a stranger, lazy or not
+        lazy.seal(b"x", Route("halo", 1, 0, 0, 7))
 
 
 def test_tampered_payload_names_its_source(parties):

@@ -163,10 +163,15 @@ def unpack_frame(
         raw = torch.from_numpy(np.frombuffer(data, np.uint8, 4 * k, offset).copy())
         lo, hi = raw[: 2 * k].view(dtype), raw[2 * k :].view(dtype)
         offset += 4 * k
-        if not (bool(torch.isfinite(lo).all()) and bool(torch.isfinite(hi).all()) and bool((hi >= lo).all())):
-            raise PayloadError(f"payload from {source}: row ranges are not finite, ordered intervals")
-        if not bool(torch.isfinite(hi.float() - lo.float()).all()):  # would decode to NaN
-            raise PayloadError(f"payload from {source}: a row range is wider than float32 can step")
+        # One pass for the valid frame: a finite, non-negative float32 spread means finite,
+        # ordered bounds that decode to numbers (an infinite or NaN bound spreads to Inf or NaN;
+        # float32 holds every fp16 / bf16 difference's sign, so hi < lo never rounds to 0).
+        spread = hi.float() - lo.float()
+        if not bool((torch.isfinite(spread) & (spread >= 0)).all()):
+            bounds = torch.cat([lo, hi])
+            if not (bool(torch.isfinite(bounds).all()) and bool((hi >= lo).all())):
+                raise PayloadError(f"payload from {source}: row ranges are not finite, ordered intervals")
+            raise PayloadError(f"payload from {source}: a row range is wider than float32 can step")  # NaN
     body = torch.from_numpy(np.frombuffer(data, np.uint8, len(data) - offset, offset).copy())
     q = QuantizedRows((k, d), row_bits, lo, hi, body, half)
     if bits:

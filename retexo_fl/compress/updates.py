@@ -20,6 +20,7 @@ from retexo_fl.compress.quantize import (
     QuantizedRows,
     dequantize_rows,
     fixed_widths,
+    quantize_rows,
     quantize_stacked,
 )
 from retexo_fl.compress.settings import QUANT_BITS
@@ -114,10 +115,19 @@ class UpdateCodec:
             delta = value.detach().float().cpu() - base[key].detach().float().cpu()
             if residual is not None and key in residual:
                 delta = delta + residual[key]
-            frames[key] = encode_rows(
+            if self.bits not in QUANT_BITS:  # 16 / 32 bits: the frame is the values
+                frames[key] = encode_rows(
+                    _as_rows(delta), self.bits, generator=generator, half=self.half, where=f"{where}, {key}"
+                )
+                kept[key] = delta - decode_rows(frames[key], where).view_as(delta)
+                continue
+            # The residual from the codes as quantized, not from the frame parsed and checked
+            # again: the same values (a frame holds the codes and ranges as they are).
+            q = quantize_rows(
                 _as_rows(delta), self.bits, generator=generator, half=self.half, where=f"{where}, {key}"
             )
-            kept[key] = delta - decode_rows(frames[key], where).view_as(delta)
+            frames[key] = pack_frame(q)
+            kept[key] = delta - dequantize_rows(q).view_as(delta)
         return frames, kept
 
     def encode_many(

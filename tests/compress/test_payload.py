@@ -86,6 +86,16 @@ def test_a_range_float32_cannot_step_across_is_refused_at_both_ends():
 
 
 @pytest.mark.parametrize(
+    ("lo", "hi"),
+    [(float("nan"), 1.0), (0.0, float("nan")), (float("-inf"), 1.0), (0.0, float("inf")), (2.0, 1.0)],
+)
+def test_a_range_that_is_not_a_finite_ordered_interval_is_refused(lo, hi):
+    with pytest.raises(PayloadError, match="client 3: row ranges are not finite, ordered intervals"):
+        decode_rows(_bf16_frame_with_ranges(lo, hi), "client 3", 4, 6)
+    assert torch.isfinite(decode_rows(_bf16_frame_with_ranges(1.0, 1.0), "client 3", 4, 6)).all()
+
+
+@pytest.mark.parametrize(
     ("blob", "needle"),
     [
         (GOOD[:5], "shorter than a header"),

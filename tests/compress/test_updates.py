@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from retexo_fl.compress.payload import PayloadError
+from retexo_fl.compress.payload import PayloadError, decode_rows
 from retexo_fl.compress.updates import UpdateCodec
 
 
@@ -30,6 +30,21 @@ def test_error_feedback_tracks_the_true_sum(bits):
     for k in base:
         assert torch.allclose(sent[k] + residual[k], true[k], atol=1e-5)
         assert residual[k].abs().max() < 0.5 if bits == 2 else residual[k].abs().max() < 0.01
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8, 16, 32])
+def test_the_residual_kept_is_what_the_frames_sent_left_out_bit_for_bit(bits):
+    # The residual is taken from the codes as quantized; the server reads the frames: the two
+    # must agree to the bit, or error feedback adds what was already sent (odd sizes: codes
+    # that end inside a byte).
+    gen = torch.Generator().manual_seed(bits)
+    base = {"w": torch.randn(7, 5, generator=gen), "b": torch.randn(3, generator=gen), "s": torch.randn(1, 1)}
+    new = {k: v + 0.1 * torch.randn(v.shape, generator=gen) for k, v in base.items()}
+    carried = {k: 0.01 * torch.randn(v.shape, generator=gen) for k, v in base.items()}
+    frames, residual = UpdateCodec(bits).encode(new, base, carried, gen)
+    for k in base:
+        delta = new[k] - base[k] + carried[k]
+        assert torch.equal(residual[k], delta - decode_rows(frames[k], "client 0").view_as(delta))
 
 
 def test_sizes_shrink_and_bad_frames_fail():

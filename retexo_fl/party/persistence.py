@@ -88,9 +88,10 @@ class Persistence:
         The round journal's state (what a train round found: the view and residual before it)
         is not written again when the state file already holds it, as it does when the round
         began right after the last save or restore: that file is kept under the journal's name
-        (a hard link, no copy) and the new state names it. A trainer's state is then two
-        model-sized dicts, not four (at one node per client in Flower simulation, each of a
-        thousand messages a round writes one, and another process may read it).
+        (a hard link, no copy) and the new state names it. A trainer's state then holds its
+        view, the view kept and its residual, not also the round's earlier view and residual
+        (at one node per client in Flower simulation each of a thousand messages a round writes
+        one, and another process may read it: 0.58 MB against 0.73 MB at Cora's stage 0).
         """
         folder = Path(folder)
         state = self.snapshot()

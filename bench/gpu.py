@@ -218,7 +218,7 @@ def section_cora(args: argparse.Namespace) -> None:
     from common import private_planetoid
 
     root = private_planetoid(args.root, ("Cora",))
-    cfg = TrainConfig(dataset="Cora", data_root=str(root), clients=10, method="random", seed=0)
+    cfg = TrainConfig.resolve(dataset="Cora", data_root=str(root), clients=10, method="random", seed=0)
     if args.quick:
         cfg = dataclasses.replace(cfg, rounds=4, min_rounds=0, warm_min_rounds=0, self_training=0)
     data = load_graph(cfg)
@@ -347,7 +347,7 @@ def section_large(args: argparse.Namespace) -> None:
     sync(gpu)
     seconds = round(time.perf_counter() - t0, 2)
     emit({"section": "large-profile", "device": str(gpu), "seconds": seconds, "top": top})
-    cfg = TrainConfig(clients=8, method="random", seed=0)
+    cfg = TrainConfig.resolve(clients=8, method="random", seed=0)
     if args.quick:
         cfg = dataclasses.replace(cfg, rounds=4, min_rounds=0, warm_min_rounds=0, self_training=0)
     for side, device in devices(args):

@@ -35,7 +35,6 @@ def test_a_batch_counts_each_message_as_it_travels_and_serializes_a_shared_recor
         for i in range(5)
     ]
     expected = [_one_by_one(m) for m in messages]
-    assert len(set(expected)) > 1 or expected[0] > 0  # each message's config is its own
 
     calls = {"n": 0}
     real = ConfigRecord.deflate

@@ -9,7 +9,9 @@ the answer changed it, and replies. Either way the mods (error reporting, audit)
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
+from typing import Any
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
@@ -18,8 +20,39 @@ from clients import shim
 from clients.mods import Next, audit_messages, report_errors
 from retexo_fl import protocol as P
 
+
+def app_named(ref: str) -> ClientApp:
+    """The ClientApp a ``module:attribute`` reference names (``clients.app:app``)."""
+    module, _, name = ref.partition(":")
+    found = getattr(importlib.import_module(module), name, None)
+    if not isinstance(found, ClientApp):
+        raise ValueError(f"{ref!r} names no ClientApp")
+    return found
+
+
+class NamedClientApp(ClientApp):
+    """A ClientApp that travels as the ``module:attribute`` reference that holds it.
+
+    Flower's simulation engine pickles the ClientApp (in a closure) into every message's Ray
+    task. Pickled whole, it cost the server 0.4 ms a message, a seventh of its time at one node
+    per client (113,000 messages); as a reference, 0.05 ms, and the actor imports the module it
+    names, as ``flwr run`` does.
+
+    Args:
+        ref (str): where the app is, ``module:attribute``.
+        mods (list, optional): the app's mods, outermost first. (default: :obj:`None`)
+    """
+
+    def __init__(self, ref: str, mods: list[Any] | None = None) -> None:
+        super().__init__(mods=mods)
+        self.ref = ref
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (app_named, (self.ref,))
+
+
 # The audit is outermost: it records the error replies report_errors makes, too.
-app = ClientApp(mods=[audit_messages, report_errors])
+app = NamedClientApp("clients.app:app", mods=[audit_messages, report_errors])
 
 
 def _answer(msg: Message, context: Context) -> Message:

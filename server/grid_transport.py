@@ -73,8 +73,8 @@ class GridTransport:
         return {"traffic": self.traffic.summary(names)}
 
     def snapshot(self) -> Any:
-        return self.traffic.rows
+        return self.traffic.snapshot()
 
     def restore(self, snapshot: Any) -> None:
         if snapshot is not None:
-            self.traffic.rows = snapshot
+            self.traffic.restore(snapshot)

@@ -8,6 +8,7 @@ measured ratio.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -86,6 +87,9 @@ class Traffic:
     def __init__(self) -> None:
         # (stage, message type, node id, direction) -> [messages, wire bytes, payload bytes]
         self.rows: dict[tuple[int, str, int, str], list[int]] = {}
+        self._keys: dict[int, list[tuple[int, str, int, str]]] = {}  # each stage's rows, in order
+        self._saved: dict[int, bytes] = {}  # each stage's rows as the last snapshot encoded them
+        self._changed: set[int] = set()  # stages with rows added to since
 
     def count(
         self, stage: int, kind: str, node: int, direction: str, msg: Message, wire: int | None = None
@@ -101,10 +105,48 @@ class Traffic:
             wire (int, optional): its :func:`wire_bytes`, if counted already (:func:`wire_sizes`
                 of its batch). (default: :obj:`None`)
         """
-        row = self.rows.setdefault((stage, kind, node, direction), [0, 0, 0])
-        row[0] += 1
-        row[1] += wire_bytes(msg) if wire is None else wire
-        row[2] += payload_bytes(msg)
+        self.add(stage, kind, node, direction, wire_bytes(msg) if wire is None else wire, payload_bytes(msg))
+
+    def add(
+        self, stage: int, kind: str, node: int, direction: str, wire: int, payload: int, messages: int = 1
+    ) -> None:
+        """Add ``messages`` messages of ``wire`` serialized and ``payload`` record bytes in all
+        (see :meth:`count`)."""
+        key = (stage, kind, node, direction)
+        row = self.rows.get(key)
+        if row is None:
+            row = self.rows[key] = [0, 0, 0]
+            self._keys.setdefault(stage, []).append(key)
+        row[0] += messages
+        row[1] += wire
+        row[2] += payload
+        self._changed.add(stage)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The rows as a checkpoint keeps them: each stage's rows encoded once it has changed.
+
+        The server saves its checkpoint after every round. At one node per client the rows are
+        tens of thousands of keys, and ``torch.save`` visits each key and list in Python: 290 ms
+        a round on Cora's 2,708 clients, with the actors idle. A finished stage's rows are now
+        encoded once (JSON text, which a weights-only load reads as bytes), and a round
+        re-encodes only its own stage's.
+        """
+        for stage in self._changed:
+            rows = [[k, n, d, *self.rows[(s, k, n, d)]] for s, k, n, d in self._keys[stage]]
+            self._saved[stage] = json.dumps(rows, separators=(",", ":")).encode()
+        self._changed.clear()
+        return {"stages": dict(self._saved)}
+
+    def restore(self, snapshot: dict[str, Any]) -> None:
+        """Adopt a :meth:`snapshot` (or the plain rows an older checkpoint kept)."""
+        self.__init__()  # type: ignore[misc]
+        if "stages" not in snapshot:  # (stage, type, node, direction) -> counts, as saved before
+            for (stage, kind, node, direction), (n, wire, payload) in snapshot.items():
+                self.add(stage, kind, node, direction, wire, payload, n)
+            return
+        for stage, encoded in snapshot["stages"].items():
+            for kind, node, direction, n, wire, payload in json.loads(encoded):
+                self.add(stage, kind, node, direction, wire, payload, n)
 
     def summary(self, names: dict[int, int]) -> dict[str, Any]:
         """Per-row counts (``names``: node id -> client id) and wire / payload ratios."""

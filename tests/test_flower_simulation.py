@@ -287,6 +287,25 @@ def test_virtual_nodes_reserve_a_share_of_the_gpus_when_the_device_may_be_one():
     assert gpus_for_clients(TrainConfig(clients=4, device="auto"), gpus=0) == 0.0
 
 
+def test_the_actor_pool_is_one_more_than_the_cores_and_no_more_than_the_clients(monkeypatch):
+    import flwr.simulation.ray_transport.ray_actor as ray_actor
+
+    from server.simulation import actor_cpus
+
+    class _Ray:  # what Flower's pool sizing reads: each Ray node's resources
+        cores = 0
+
+        def nodes(self) -> list[dict]:
+            return [{"Resources": {"CPU": float(self.cores)}}]
+
+    ray = _Ray()
+    monkeypatch.setattr(ray_actor, "ray", ray)
+    for cores, clients, actors in [(2, 2708, 3), (16, 2708, 17), (2, 2, 2), (4, 1, 1), (1, 10, 2)]:
+        ray.cores = cores
+        resources = {"num_cpus": actor_cpus(clients, cores), "num_gpus": 0.0}
+        assert ray_actor.pool_size_from_resources(resources) == actors, (cores, clients)
+
+
 @pytest.mark.slow
 def test_node_level_in_simulation_matches_in_process(tmp_path):
     """One node per client, 40 clients, most of whom neither train nor validate: Flower's engine

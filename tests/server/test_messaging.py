@@ -49,3 +49,41 @@ def test_a_batch_counts_each_message_as_it_travels_and_serializes_a_shared_recor
     # own config twice: 2 + 2 x 5, not 4 x 5 as serialized message by message.
     assert calls["n"] == 2 + 2 * len(messages)
     assert wire_bytes(messages[0]) == expected[0]
+
+
+def test_the_traffic_a_checkpoint_keeps_is_the_rows_it_was_taken_from(tmp_path):
+    import io
+
+    from server.checkpoint import SAFE_GLOBALS
+    from server.messaging import Traffic
+
+    traffic = Traffic()
+    # Flower node ids are unsigned 64-bit: one above int64's range must come back as it was.
+    nodes = [7, 2**63 + 5, 2**64 - 1]
+
+    def saved_and_read(snapshot):
+        buffer = io.BytesIO()
+        torch.save(snapshot, buffer)
+        buffer.seek(0)
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            return torch.load(buffer, weights_only=True)  # as a checkpoint is read
+
+    for stage in (-1, 0, 1):
+        for _ in range(2):  # each stage is snapshotted after each of its rounds
+            for i, node in enumerate(nodes):
+                traffic.add(stage, "train", node, "down", 1000 * i + stage, 900 * i)
+                traffic.add(stage, "embed", node, "up", 10 + i, 5 + stage)
+            snapshot = saved_and_read(traffic.snapshot())
+            resumed = Traffic()
+            resumed.restore(snapshot)
+            assert resumed.rows == traffic.rows  # the rounds of a finished stage, and this one's
+            assert list(resumed.rows) == list(traffic.rows)  # the summary's order too
+    assert traffic.rows[(1, "train", 2**64 - 1, "down")] == [2, 2 * 2001, 2 * 1800]
+    resumed.add(1, "train", 7, "down", 5, 4)  # a resumed run counts on from what it found
+    assert resumed.rows[(1, "train", 7, "down")] == [3, 7, 4]
+    older = Traffic()
+    older.restore(saved_and_read(dict(traffic.rows)))  # a checkpoint from before kept the rows
+    assert older.rows == traffic.rows
+    empty = Traffic()
+    empty.restore(Traffic().snapshot())
+    assert empty.rows == {}

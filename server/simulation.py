@@ -157,9 +157,11 @@ def actor_cpus(clients: int, cores: int | None = None) -> float:
 
     An actor waits for the server between messages (Ray's submit and result, the server's turn
     between rounds), so with one actor a core the cores sat a fifth idle. At one node per client
-    on Cora (2,708 clients, 2 cores, the run shortened to 6 rounds a stage) three actors ended
-    the first pass in 209 s where two took 250 s, and four 240 s (they contend for the cores);
-    the accuracy, bytes and messages the same.
+    on Cora (2,708 clients, 2 cores), shortened to 6 rounds a stage, two actors reached the first
+    pass's last round in 218 s, three in 184 s, four in 213 s (they contend for the cores); the
+    whole default run took 854 s and 866 s with three (and the ClientApp sent by reference, the
+    checkpoint's traffic encoded per stage) against 917 s with two, run between them. Accuracy,
+    bytes and messages are the same.
 
     Args:
         clients (int): the virtual nodes.

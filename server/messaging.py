@@ -138,8 +138,9 @@ class Traffic:
         return {"stages": dict(self._saved)}
 
     def restore(self, snapshot: dict[str, Any]) -> None:
-        """Adopt a :meth:`snapshot` (or the plain rows an older checkpoint kept)."""
-        self.__init__()  # type: ignore[misc]
+        """Adopt a :meth:`snapshot` (or the plain rows an older checkpoint kept) in place of
+        the rows counted so far."""
+        self.rows, self._keys, self._saved, self._changed = {}, {}, {}, set()
         if "stages" not in snapshot:  # (stage, type, node, direction) -> counts, as saved before
             for (stage, kind, node, direction), (n, wire, payload) in snapshot.items():
                 self.add(stage, kind, node, direction, wire, payload, n)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
+
 import torch
 from flwr.app import ConfigRecord, Message
 
@@ -87,3 +90,64 @@ def test_the_traffic_a_checkpoint_keeps_is_the_rows_it_was_taken_from(tmp_path):
     empty = Traffic()
     empty.restore(Traffic().snapshot())
     assert empty.rows == {}
+
+
+class _Grid:
+    """A grid whose nodes answer when the test says; it records the ids each pull asks for."""
+
+    def __init__(self) -> None:
+        self.done: set[str] = set()
+        self.asked: list[set[str]] = []
+        self.ids: list[str] = []
+
+    def push_messages(self, messages):
+        self.ids = [f"m{i}" for i in range(len(messages))]
+        return self.ids
+
+    def pull_messages(self, ids):
+        self.asked.append(set(ids))
+        ready = [
+            SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id=m)) for m in ids if m in self.done
+        ]
+        self.done -= set(ids)  # a reply is handed out once
+        return ready
+
+
+def _requests(n: int) -> list:
+    return [SimpleNamespace(metadata=SimpleNamespace(dst_node_id=100 + i)) for i in range(n)]
+
+
+def test_exchange_asks_for_the_earliest_pending_replies_and_collects_every_one(monkeypatch):
+    from server import messaging
+
+    monkeypatch.setattr(messaging, "PULL_WINDOW", 4)
+    grid = _Grid()
+    clock = {"pulls": 0}
+    real_pull = grid.pull_messages
+
+    def pull(ids):  # nodes answer out of order, a few per pull
+        clock["pulls"] += 1
+        grid.done |= {f"m{i}" for i in (9, 2, 0, 5, 1, 3, 4, 8, 7, 6)[: 2 * clock["pulls"]]}
+        return real_pull(ids)
+
+    grid.pull_messages = pull
+    monkeypatch.setattr(messaging, "time", SimpleNamespace(monotonic=time.monotonic, sleep=lambda s: None))
+    replies = messaging.exchange(grid, _requests(10), timeout=60)
+    assert sorted(replies) == list(range(100, 110))
+    assert all(len(asked) <= 4 for asked in grid.asked)
+    assert grid.asked[0] == {"m0", "m1", "m2", "m3"}  # the earliest sent
+
+
+def test_exchange_asks_for_every_pending_reply_before_it_gives_up(monkeypatch):
+    from server import messaging
+
+    monkeypatch.setattr(messaging, "PULL_WINDOW", 2)
+    grid = _Grid()
+    grid.done = {"m3", "m4"}  # m0-m2 never answer; m3 and m4 lie beyond the window
+    now = {"t": 0.0}
+    clock = SimpleNamespace(monotonic=lambda: now["t"], sleep=lambda s: now.__setitem__("t", now["t"] + s))
+    monkeypatch.setattr(messaging, "time", clock)
+    replies = messaging.exchange(grid, _requests(5), timeout=1.0)
+    assert sorted(replies) == [103, 104]
+    assert grid.asked[-1] == {"m0", "m1", "m2", "m3", "m4"}
+    assert all(len(asked) <= 2 for asked in grid.asked[:-1])

@@ -69,8 +69,8 @@ def exchange(grid: Grid, messages: list[Message], timeout: float) -> dict[int, M
     A pull asks for the :data:`PULL_WINDOW` earliest-sent pending replies, not all of them:
     Flower's link state checks every id a pull names, under its lock, and nodes answer about in
     the order they were sent. At one node per client a round's thousand pending ids asked every
-    0.1 s were a seventh of the server's time. Replies further on wait until the window reaches
-    them; before giving up, the last pull asks for every pending reply.
+    0.1 s were a seventh of the server's Python time in a profile. Replies further on wait until
+    the window reaches them; before giving up, the last pull asks for every pending reply.
 
     Returns:
         dict[int, Message]: destination node id -> reply, for the replies that came.

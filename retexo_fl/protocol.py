@@ -74,7 +74,7 @@ KEEP = "keep"
 # evaluate and embed (broadcast-bits < 32), instead of ARRAYS: the state_digest() of a state the
 # client holds (its view, or the copy KEEP made); a client that holds none answers NOT_HELD.
 HELD = "held"
-SPLIT = "split"  # evaluate: "val" or "test"
+SPLIT = "split"  # evaluate: "val" or "test"; embed: "test", the kept state's test before it embeds
 # evaluate (eager): after evaluating, reply with the rows of the received state for the peers
 # (sealed with ROUND), so that halos computed from later states are refreshed from it.
 REFRESH = "refresh"

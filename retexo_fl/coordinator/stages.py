@@ -29,7 +29,7 @@ from retexo_fl.coordinator.selection import StageTracker, keep_best_stage, same_
 from retexo_fl.coordinator.transport import Transport
 from retexo_fl.metrics import RunRecorder, human_bytes
 from retexo_fl.models.factory import build_stage_model, stage_input_dim
-from retexo_fl.records import StateDict
+from retexo_fl.records import EvalResult, StateDict
 from retexo_fl.seeding import derive_seed
 from retexo_fl.summary import RunSummary
 
@@ -93,19 +93,27 @@ class LazyStageMachine:
                 ck.pass_weights[cfg.layer(stage)] = state  # the next pass's same layer starts here
             self.model_bytes_done += figures["bytes_model"]
             deliveries = None
-            if all(r["stage"] != stage for r in ck.passes):
-                # The stage's model is tested now, while clients still hold its stage inputs (the
-                # state goes by digest where clients hold it); the run delivers the stage with
-                # the best validation accuracy (see _kept). Saved at once: a server resumed after
-                # the clients embedded or relabelled must not test again, as they have moved on.
+            # The stage's model is tested while clients still hold its stage inputs; the run
+            # delivers the stage with the best validation accuracy (see _kept). Before a stage
+            # the run goes on from, the test rides on the embed (one message a client, not two:
+            # at one node per client a test message each for a thousand clients). Under secure
+            # aggregation it is its own message: its counts are masked over every live client.
+            untested = all(r["stage"] != stage for r in ck.passes)
+            test_with_embed = untested and stage < last and self._tests_with_embed()
+            if untested and not test_with_embed:
+                # Saved at once: a server resumed after the clients embedded or relabelled must
+                # not test again, as they have moved on.
                 ck.passes.append(self._stage_result(state, stage, figures, undelivered))
                 self._save(ck)
             if stage < last:
                 # Clients embed, or after a pass's last stage label their own nodes (nothing to
                 # relay); those the test did not reach are sent the stage's frames they lack now.
-                tested = next(set(r.get("members", fed.pids)) for r in ck.passes if r["stage"] == stage)
+                rows = [r for r in ck.passes if r["stage"] == stage]  # none: the embed tests
+                tested = set(rows[0].get("members", fed.pids)) if rows else set()
                 late = {pid: f for pid, f in undelivered.items() if pid not in tested}
-                deliveries = self._embed(state, stage, late)
+                deliveries, tests = self._embed(state, stage, late, test=test_with_embed)
+                if test_with_embed:
+                    ck.passes.append(self._result_row(stage, figures, tests))
                 if cfg.ends_pass(stage):
                     deliveries = None
                     self.rec.event("relabel", stage=stage, train_nodes=self.relabeled)
@@ -275,6 +283,19 @@ class LazyStageMachine:
             asked = set(pids)
             deliveries = {p: f for p, f in deliveries.items() if p in asked}
         tests = fed.evaluate(state, "test", stage, deliveries or None, pids=pids)
+        return self._result_row(stage, figures, tests)
+
+    def _tests_with_embed(self) -> bool:
+        """Whether a stage the run goes on from is tested by its embed (no test message of its
+        own): unless under secure aggregation, whose masked counts are summed over every live
+        client in a message of their own."""
+        return self.fed.secure is None
+
+    def _result_row(
+        self, stage: int, figures: dict[str, Any], tests: dict[int, EvalResult]
+    ) -> dict[str, Any]:
+        """A stage's row of ``ck.passes``: its ``figures``' validation beside ``tests``, the
+        test counts by partition id (or the masked sum, :data:`AGGREGATE`)."""
         return {
             "pass": stage // self.cfg.stages,
             "stage": stage,
@@ -310,25 +331,40 @@ class LazyStageMachine:
             "passes": [f for f in figures if f["stage"] in ends],
         }
 
-    def _embed(self, state: StateDict, stage: int, late: dict[int, Frames]) -> dict[int, Frames]:
-        """Clients move on from ``stage`` with ``state``; their sealed boundary rows, relayed.
+    def _embed(
+        self, state: StateDict, stage: int, late: dict[int, Frames], test: bool = False
+    ) -> tuple[dict[int, Frames], dict[int, EvalResult]]:
+        """Clients move on from ``stage`` with ``state``: their sealed boundary rows, relayed,
+        and, with ``test``, the test counts of the clients that hold test nodes, which each
+        took of ``state`` before it moved on (by partition id; else empty).
 
         ``late``: the stage's relayed frames for clients that neither its rounds nor its test
         reached, opened before they embed."""
         fed = self.fed
-        replies = fed.send_state(
-            P.EMBED, state, f"stage {stage} embed", stage, {P.STAGE: stage}, late or None
-        )
+        config: dict[str, Any] = {P.STAGE: stage, **({P.SPLIT: "test"} if test else {})}
+        phase = f"stage {stage} embed"
+        replies = fed.send_state(P.EMBED, state, phase, stage, config, late or None)
+        tests: dict[int, EvalResult] = {}
+        for pid in [p for p in replies if test and fed.tests(p)]:
+            try:
+                tests[pid] = test_counts(pid, replies[pid])
+            except ValueError as exc:  # one client's bad reply is its own failure, not the run's
+                del replies[pid]
+                fed.members.lose(pid, phase, str(exc))
         stats = ExchangeStats()
         fed.add_stats(stats, list(replies.values()))
         self.exchange_stats[stage] = stats
-        relabeled = {pid: int(r[P.METRICS][P.NUM_EXAMPLES]) for pid, r in replies.items() if P.METRICS in r}
+        relabeled = {
+            pid: int(r[P.METRICS][P.NUM_EXAMPLES])
+            for pid, r in replies.items()
+            if P.NUM_EXAMPLES in r.get(P.METRICS, {})
+        }
         fed.training_nodes.update(relabeled)  # the next pass's rounds go to who trains now
         self.relabeled = sum(relabeled.values())
         before = fed.bytes_boundary
         incoming = fed.route({pid: r.get(P.PAYLOADS, {}) for pid, r in replies.items()}, P.HALO, stage)
         self.rec.event("exchange", stage=stage, bytes=fed.bytes_boundary - before, **exchange_figures(stats))
-        return incoming
+        return incoming, tests
 
     # -- checkpoint and resume --------------------------------------------------------------
     def _save(self, ck: Checkpoint) -> None:
@@ -396,6 +432,22 @@ class LazyStageMachine:
         where = f"stage {ck.stage}" + (f" after round {ck.round_state.round}" if ck.round_state else "")
         self.rec.progress(f"resumed at {where} with {len(fed.pids)} clients")
         return ck
+
+
+def test_counts(pid: int, reply: dict[str, Any]) -> EvalResult:
+    """The test counts an embed's ``reply`` carries (client ``pid``'s).
+
+    Raises:
+        ValueError: the reply lacks them, or they are not counts (naming the client).
+    """
+    metrics = reply.get(P.METRICS, {})
+    try:
+        correct, count, loss = int(metrics[P.CORRECT]), int(metrics[P.COUNT]), float(metrics[P.LOSS])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"client {pid}: the embed asked for test counts, its reply carries none") from None
+    if not 0 <= correct <= count:
+        raise ValueError(f"client {pid}: its embed reply's test counts are not counts: {correct} of {count}")
+    return EvalResult(correct, count, loss)
 
 
 def _trial_figures(figures: dict[str, Any]) -> dict[str, Any]:

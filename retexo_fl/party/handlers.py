@@ -299,16 +299,28 @@ def evaluate(client: Client, request: Records) -> Reply:
 
 
 def embed(client: Client, request: Records) -> Reply:
-    """Lazy: move on from the stage (embed, or relabel at a pass's end); return the sealed rows."""
+    """Lazy: move on from the stage (embed, or relabel at a pass's end); return the sealed rows.
+
+    With :data:`~retexo_fl.protocol.SPLIT` ``"test"`` the client first tests the state on its
+    test nodes, while it still holds the stage's inputs, and the reply carries the counts as an
+    evaluate reply's do: a stage's test and embed in one message. A resumed server that asks
+    again gets the same counts (the client has moved on and could not test again).
+    """
     if not isinstance(client, LazyClient):
         raise ValueError(
             f"client {client.id}: {P.EMBED} is a lazy-mode message, this run is {client.cfg.mode}"
         )
-    stage = int(request[P.CONFIG][P.STAGE])
+    config = request[P.CONFIG]
+    stage = int(config[P.STAGE])
+    split = str(config.get(P.SPLIT, ""))
+    if split not in ("", "test"):
+        raise ValueError(f"client {client.id}: an embed tests the test split only, not {split!r}")
     changed = False
     ends_pass = client.cfg.ends_pass(stage)
     if client.sent is not None and client.sent[0] == stage:  # asked again by a resumed server
-        frames, stats = client.sent[1], ExchangeStats.from_dict(client.sent[2])
+        frames, stats, tested = client.sent[1], ExchangeStats.from_dict(client.sent[2]), client.sent[3]
+        if split and tested is None:
+            raise ValueError(f"client {client.id}: stage {stage}'s embed asked again, now with a test")
     else:
         # The stage's frames for a client neither its rounds nor its test reached: its halo rows
         # of this stage's input, needed to embed. Not opened again when asked again above.
@@ -318,15 +330,21 @@ def embed(client: Client, request: Records) -> Reply:
             reply = _not_held()
             reply.changed = changed
             return reply
+        tested = client.evaluate(state, "test") if split else None
         frames, stats = client.encode_boundary(client.next_stage(state))
-        client.sent = (stage, frames, stats.to_dict())
+        client.sent = (stage, frames, stats.to_dict(), tested)
         changed = True
     records: Records = {
         P.PAYLOADS: {P.outgoing_key(q): f for q, f in frames.items()},
         P.STATS: {P.STATS_JSON: json.dumps(stats.to_dict())},
     }
+    metrics: dict[str, int | float] = {}
     if ends_pass:  # relabelled: the next pass's training nodes (a count, as every round reports)
-        records[P.METRICS] = {P.NUM_EXAMPLES: client.num_train}
+        metrics[P.NUM_EXAMPLES] = client.num_train
+    if split and tested is not None:
+        metrics.update({P.CORRECT: tested.correct, P.COUNT: tested.count, P.LOSS: tested.loss_sum})
+    if metrics:
+        records[P.METRICS] = metrics
     return Reply(records, changed)
 
 

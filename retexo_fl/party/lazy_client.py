@@ -24,7 +24,7 @@ from retexo_fl.party.client import Client
 from retexo_fl.party.pseudo import pseudo_labels
 from retexo_fl.party.state import ClientState
 from retexo_fl.protocol import HALO
-from retexo_fl.records import StateDict
+from retexo_fl.records import EvalResult, StateDict
 from retexo_fl.secure.boundary_noise import release_rows
 from retexo_fl.secure.policy import PartyPolicy
 from retexo_fl.seeding import derive_seed
@@ -159,8 +159,9 @@ class LazyClient(Client):
         # A conv stage's steps: per row set (the training rows, or each chunk of them), the graph
         # restricted to its in-edges, with the labels of the rows; built by prepare_steps().
         self._step_plan: StepPlan | None = None
-        # (stage, frames, stats) of the last boundary rows sent: a resumed server may ask again.
-        self.sent: tuple[int, dict[int, bytes], dict] | None = None
+        # (stage, frames, stats, test) of the last boundary rows sent, with the test of the state
+        # they were computed with when the embed asked for it: a resumed server may ask again.
+        self.sent: tuple[int, dict[int, bytes], dict, EvalResult | None] | None = None
 
     @property
     def layer(self) -> int:
@@ -585,7 +586,12 @@ class LazyClient(Client):
         # Layer 0 reads the raw features: they stay in the partition, not in a second file.
         state.owned = None if self.layer == 0 else self.owned.cpu()
         state.halo = None if self.halo is None else self.halo.cpu()
-        state.sent = None if self.sent is None else [self.sent[0], self.sent[1], json.dumps(self.sent[2])]
+        if self.sent is None:
+            state.sent = None
+        else:
+            stage, frames, stats, tested = self.sent
+            test = None if tested is None else [tested.correct, tested.count, tested.loss_sum]
+            state.sent = [stage, frames, json.dumps(stats), test]
         if self.train_y is not self.y:  # self-training labels: node-local, kept for later messages
             state.pseudo_labels, state.pseudo_mask = self.train_y.cpu(), self.masks["train"].cpu()
         return state
@@ -596,7 +602,12 @@ class LazyClient(Client):
         self.owned = self.raw_features() if state.owned is None else state.owned.to(self.device)
         self.halo = None if state.halo is None else state.halo.to(self.device)
         sent = state.sent
-        self.sent = None if sent is None else (int(sent[0]), dict(sent[1]), json.loads(sent[2]))
+        if sent is None:
+            self.sent = None
+        else:  # a state of an earlier version holds no test
+            test = sent[3] if len(sent) > 3 else None
+            tested = None if test is None else EvalResult(int(test[0]), int(test[1]), float(test[2]))
+            self.sent = (int(sent[0]), dict(sent[1]), json.loads(sent[2]), tested)
         if state.pseudo_labels is None or state.pseudo_mask is None:
             self.train_y, self.masks["train"] = self.y, self.given_train
         else:

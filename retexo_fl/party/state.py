@@ -50,8 +50,9 @@ class ClientState:
             private key, which never leaves this folder, the key directory, the run transcript
             and each direction's payload counters.
         halo_round (int): eager: the newest round whose halo rows were accepted.
-        sent (list, optional): ``[stage, frames, stats JSON]`` of the last boundary rows sent, for
-            a resumed server that asks again.
+        sent (list, optional): ``[stage, frames, stats JSON, test]`` of the last boundary rows
+            sent, for a resumed server that asks again; ``test`` is ``[correct, count, loss]`` of
+            the state they were computed with, when the embed asked for it (else ``None``).
         pseudo_labels (Tensor, optional): self-training labels, ``[n]`` (node-local, like labels).
         pseudo_mask (Tensor, optional): the training mask with them, ``[n]``.
         control (StateDict, optional): drift correction: this client's control variate, this stage.

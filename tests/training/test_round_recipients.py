@@ -1,10 +1,11 @@
 """A lazy stage's rounds go to the clients that have something to train or validate.
 
 At one node per client most clients hold neither a training nor a validation node: they are sent
-no train message, get the stage's relayed rows and state with its test if they hold a test node,
-else with its embed, and still embed. Clients
-with validation nodes only validate and send no update. The run must end exactly as when every
-client takes part in every round (zero-weight clients add nothing to FedAvg)."""
+no train message, get the stage's relayed rows and state with its embed, which also tests the
+stage on the clients that hold a test node (the run's last stage, which no embed follows, is
+tested by a message of its own). Clients with validation nodes only validate and send no update.
+The run must end exactly as when every client takes part in every round (zero-weight clients add
+nothing to FedAvg), and as when each stage is tested by a message of its own."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ class Recording(InProcessTransport):
         self.rounds: list[tuple[int, int, int, bool, bool]] = []
         self.embedded_whole: set[tuple[int, int]] = set()  # (stage, address): embed with the state
         self.embedded_rows: set[tuple[int, int]] = set()  # ... and with relayed frames
+        self.embedded_tests: set[tuple[int, int]] = set()  # ... that also tests the stage
 
     def send(self, kind: str, requests: dict, phase: str, stage: int) -> Batch:
         for a, r in requests.items():
@@ -49,6 +51,8 @@ class Recording(InProcessTransport):
                 self.embedded_whole.add((stage, a))
             if kind == P.EMBED and r.get(P.PAYLOADS):
                 self.embedded_rows.add((stage, a))
+            if kind == P.EMBED and r[P.CONFIG].get(P.SPLIT) == "test":
+                self.embedded_tests.add((stage, a))
         return super().send(kind, requests, phase, stage)
 
     def by_round(self) -> dict[tuple[int, int], list[tuple[int, bool, bool]]]:
@@ -93,11 +97,14 @@ def test_rounds_skip_clients_with_nothing_to_train_and_end_as_with_every_client(
     assert {a for a, v in trained if v} == val_only, "clients with validation nodes only just validate"
     tests = {p.partition_id for p in parts if int(p.test_mask.sum())}
     assert len(tests) == 30
-    for stage in range(3):  # every client with a test node is tested; every client embeds
-        tested = {a for kind, s, a, _ in transport.sent if kind == P.EVALUATE and s == stage}
-        assert tested == tests | train | val_only
-        # The test to the 30 with a test node, the stage's last validation to the 30 that took part.
-        assert sum(kind == P.EVALUATE and s == stage for kind, s, *_ in transport.sent) == 60
+    for stage in range(3):  # every client embeds; the embeds test the stage, but the last's
+        evaluated = {a for kind, s, a, _ in transport.sent if kind == P.EVALUATE and s == stage}
+        asked = sum(kind == P.EVALUATE and s == stage for kind, s, *_ in transport.sent)
+        if stage < 2:  # the stage's last validation to the 30 that took part; its embed tests
+            assert evaluated == train | val_only and asked == 30
+            assert {a for s, a in transport.embedded_tests if s == stage} == set(range(60))
+        else:  # no embed: the test to the 30 with a test node, besides the last validation
+            assert evaluated == tests | train | val_only and asked == 60
     assert {a for kind, _, a, _ in transport.sent if kind == P.EMBED} == set(range(60))
     rounds = sum(s["rounds_sent"] for s in summary["stages"])
     assert summary["messages"]["train"] == rounds * 30
@@ -123,42 +130,56 @@ def node_level_unlabelled():
 
 
 @pytest.mark.parametrize("broadcast_bits", [4, 32])
-def test_a_stage_is_tested_on_the_clients_with_test_nodes_and_ends_as_when_all_are(
+def test_a_stage_is_tested_with_its_embed_and_ends_as_when_tested_on_its_own(
     node_level_unlabelled, monkeypatch, broadcast_bits
 ):
-    """A stage's test goes to the clients that hold a test node; the others get the stage's state
-    and relayed rows with its embed instead. The run ends exactly as when every client is tested
-    (the rule before 2026-11-28, restored by making every client count as holding test nodes):
-    the same curves, test accuracy, kept stage and bytes, with fewer evaluate messages."""
+    """A stage the run goes on from is tested by its embed, on the clients that hold a test node,
+    before they move on; the others get the stage's state and relayed rows with it too. The run
+    ends exactly as with a test message of its own before each embed (the rule before
+    2026-11-29, restored by patching the choice), sent to the clients that hold a test node, and
+    as when every client counts as holding one (the rule before 2026-11-28): the same curves,
+    each stage's test accuracy, per-client rows, kept stage and boundary bytes, with a test
+    message fewer for each client a stage's test reached, and no more model bytes."""
     parts = node_level_unlabelled
     untested = {p.partition_id for p in parts if not int(p.test_mask.sum())}
     lean, t_lean = _run(parts, broadcast_bits=broadcast_bits, self_training=1)
     with monkeypatch.context() as m:
+        m.setattr(LazyStageMachine, "_tests_with_embed", lambda self: False)
+        apart, t_apart = _run(parts, broadcast_bits=broadcast_bits, self_training=1)
+    with monkeypatch.context() as m:
         m.setattr("retexo_fl.coordinator.federation.FederationView.tests", lambda self, pid: True)
         everyone, t_all = _run(parts, broadcast_bits=broadcast_bits, self_training=1)
-    assert _val_curve(lean) == _val_curve(everyone)
-    assert [r["test_accuracy"] for r in lean["stage_results"]] == [
-        r["test_accuracy"] for r in everyone["stage_results"]
-    ]
-    assert lean["test_accuracy"] == everyone["test_accuracy"] and lean["kept_stage"] == everyone["kept_stage"]
-    assert lean["bytes_boundary"] == everyone["bytes_boundary"]
-    assert lean["bytes_model"] == everyone["bytes_model"]
     stages = len(lean["stages"])
     assert stages == 6  # two passes of three stages
-    assert everyone["messages"]["evaluate"] - lean["messages"]["evaluate"] == stages * len(untested)
-    assert lean["messages"]["embed"] == everyone["messages"]["embed"] == (stages - 1) * 60
-    # Who neither trained, validated nor was tested got the state whole with the embed, and the
-    # stage's rows with it from the first conv stage on.
+    for other in (apart, everyone):
+        assert _val_curve(lean) == _val_curve(other)
+        assert [r["test_accuracy"] for r in lean["stage_results"]] == [
+            r["test_accuracy"] for r in other["stage_results"]
+        ]
+        assert lean["test_accuracy"] == other["test_accuracy"] and lean["kept_stage"] == other["kept_stage"]
+        assert lean["bytes_boundary"] == other["bytes_boundary"]
+        assert lean["messages"]["embed"] == other["messages"]["embed"] == (stages - 1) * 60
+    assert lean["clients"] == apart["clients"] and len(lean["clients"]) == 60 - len(untested)
+    assert apart["messages"]["evaluate"] - lean["messages"]["evaluate"] == (stages - 1) * (60 - len(untested))
+    assert lean["bytes_model"] <= apart["bytes_model"]
+    # Every client counted as tested: only the last stage's test message goes to more of them.
+    assert everyone["messages"]["evaluate"] - lean["messages"]["evaluate"] == len(untested)
+    assert len(everyone["clients"]) == 60
+    assert {(s, a) for s, a in t_lean.embedded_tests} == {(s, a) for s in range(stages - 1) for a in range(60)}
+    assert not t_apart.embedded_tests
+    # Who neither trained nor validated got the state whole with the embed (it tests them now),
+    # and the stage's rows with it from the first conv stage on.
     for stage in range(stages - 1):
         took_part = {a for s, _, a, _, _ in t_lean.rounds if s == stage}
-        left = untested - took_part
-        assert left or stage >= 3, "pass 1 has clients that only the embed reaches"
+        left = set(range(60)) - took_part
+        assert left - untested, "pass 1 has tested clients that only the embed reaches"
         if broadcast_bits < 32:  # else every message carries the state whole
             assert {a for s, a in t_lean.embedded_whole if s == stage} == left
         rows = {a for s, a in t_lean.embedded_rows if s == stage}
         assert rows <= left and (rows or stage % 3 == 0 or not left)  # an MLP stage relays none
-    assert not t_all.embedded_rows, "the test brought them before"
-    assert broadcast_bits == 32 or not t_all.embedded_whole
+        # With a test of its own, who holds a test node got them with the test instead.
+        rows_apart = {a for s, a in t_apart.embedded_rows if s == stage}
+        assert rows_apart == rows & untested
 
 
 def test_a_fraction_of_the_trainers_trains_each_round_sampled_from_the_seed(node_level):

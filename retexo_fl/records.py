@@ -31,6 +31,22 @@ def state_digest(state: StateDict) -> str:
     return h.hexdigest()[:32]
 
 
+def same_bits(a: StateDict, b: StateDict) -> bool:
+    """Whether two states hold the same names, dtypes, shapes and bits (as :func:`state_digest`
+    would say, without hashing: ``0.0`` and ``-0.0`` differ, a NaN equals itself)."""
+    if a is b:
+        return True
+    if a.keys() != b.keys():
+        return False
+    for name, x in a.items():
+        y = b[name]
+        if x.dtype != y.dtype or x.shape != y.shape or x.device != y.device:
+            return False
+        if not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
+            return False
+    return True
+
+
 @dataclass
 class EvalResult:
     """One client's evaluation of a state on one split.

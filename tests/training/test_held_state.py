@@ -15,7 +15,7 @@ from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.metrics import RunRecorder
 from retexo_fl.party.client import Client
 from retexo_fl.party.lazy_client import LazyClient
-from retexo_fl.records import state_digest
+from retexo_fl.records import same_bits, state_digest
 from retexo_fl.training.inprocess import InProcessTransport
 
 # Early stopping on (its best round is rarely the last), one self-training pass, 4-bit deltas.
@@ -62,6 +62,49 @@ def test_state_digest_sees_every_bit():
     same["w"][1, 2] = torch.nextafter(same["w"][1, 2], torch.tensor(10.0))  # one ulp
     assert state_digest(state) != state_digest(same)
     assert state_digest(state) != state_digest({"w": state["w"].view(3, 2), "b": state["b"]})
+
+
+def test_same_bits_is_the_digests_equality_without_hashing():
+    state = {"w": torch.tensor([[0.0, 1.5], [float("nan"), -2.0]]), "b": torch.tensor(0.5)}
+    copy = {k: v.clone() for k, v in state.items()}
+    assert same_bits(state, copy) and state_digest(state) == state_digest(copy)  # NaN: same bits
+    for changed in (
+        {**copy, "w": torch.tensor([[-0.0, 1.5], [float("nan"), -2.0]])},  # equal values, not bits
+        {**copy, "w": copy["w"].view(4)},
+        {**copy, "b": copy["b"].double()},
+        {"w": copy["w"]},
+    ):
+        assert not same_bits(state, changed) and state_digest(state) != state_digest(changed)
+
+
+def test_a_broadcast_is_decoded_once_for_views_with_the_same_bits(sbm, monkeypatch):
+    """Clients whose views hold the same bits in separate tensors (a Flower simulation actor reads
+    each node's view from its own file) share one decode of a broadcast delta, and hold what each
+    would have decoded alone; a view one ulp apart decodes its own."""
+    from retexo_fl.compress.updates import UpdateCodec
+    from retexo_fl.party import model_exchange
+
+    cfg = TrainConfig.resolve(**{**CFG, "broadcast_bits": 8})
+    a, b, c = (LazyClient(p, cfg) for p in partition_graph(sbm, 3, "random", seed=0))
+    torch.manual_seed(0)
+    base = {"weight": torch.randn(16, 8), "bias": torch.randn(16)}
+    new = {k: v + 0.01 * torch.randn_like(v) for k, v in base.items()}
+    frames, _ = UpdateCodec(8).encode(new, base, None, torch.Generator().manual_seed(0), where="server")
+    decodes = []
+    real = UpdateCodec.decode
+    monkeypatch.setattr(UpdateCodec, "decode", lambda self, *args: decodes.append(1) or real(self, *args))
+    monkeypatch.setattr(model_exchange, "_last_decode", None)
+    apart = {k: v.clone() for k, v in base.items()}
+    apart["bias"][3] = torch.nextafter(apart["bias"][3], torch.tensor(10.0))
+    for client, view in ((a, base), (b, {k: v.clone() for k, v in base.items()}), (c, apart)):
+        client.view = view
+    got_a, got_b = a.receive_model(None, dict(frames)), b.receive_model(None, dict(frames))
+    assert len(decodes) == 1 and got_b is got_a
+    alone = real(UpdateCodec(8), frames, base, "server")
+    assert same_bits(got_a, alone)
+    got_c = c.receive_model(None, dict(frames))
+    assert len(decodes) == 2 and same_bits(got_c, real(UpdateCodec(8), frames, apart, "server"))
+    assert not same_bits(got_c, got_a)
 
 
 def test_kept_states_go_by_digest_and_the_run_ends_as_when_sent_whole(sbm, monkeypatch):

@@ -148,7 +148,7 @@ def test_a_stage_is_tested_with_its_embed_and_ends_as_when_tested_on_its_own(
         apart, t_apart = _run(parts, broadcast_bits=broadcast_bits, self_training=1)
     with monkeypatch.context() as m:
         m.setattr("retexo_fl.coordinator.federation.FederationView.tests", lambda self, pid: True)
-        everyone, t_all = _run(parts, broadcast_bits=broadcast_bits, self_training=1)
+        everyone, _ = _run(parts, broadcast_bits=broadcast_bits, self_training=1)
     stages = len(lean["stages"])
     assert stages == 6  # two passes of three stages
     for other in (apart, everyone):
@@ -165,7 +165,7 @@ def test_a_stage_is_tested_with_its_embed_and_ends_as_when_tested_on_its_own(
     # Every client counted as tested: only the last stage's test message goes to more of them.
     assert everyone["messages"]["evaluate"] - lean["messages"]["evaluate"] == len(untested)
     assert len(everyone["clients"]) == 60
-    assert {(s, a) for s, a in t_lean.embedded_tests} == {(s, a) for s in range(stages - 1) for a in range(60)}
+    assert t_lean.embedded_tests == {(s, a) for s in range(stages - 1) for a in range(60)}
     assert not t_apart.embedded_tests
     # Who neither trained nor validated got the state whole with the embed (it tests them now),
     # and the stage's rows with it from the first conv stage on.

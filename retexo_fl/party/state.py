@@ -107,9 +107,8 @@ class ClientState:
         """
         path = private_folder(folder) / STATE_FILE
         tmp = path.with_name(STATE_FILE + ".tmp")
-        # The file holds the identity key and, after a conv stage's start, this client's own
-        # embeddings and halo rows: owner-only from birth, in an owner-only folder.
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        spare = path.with_name(SPARE_FILE)
+        fd = _writable(tmp, spare)
         # Field by field, not dataclasses.asdict: that deep-copies every tensor and container
         # first, a sixth of a node-level simulation's client time (its key directory is
         # thousands of entries), for a file written at once.
@@ -124,6 +123,7 @@ class ClientState:
             values["channel"] = {**channel, "directory": None, DIRECTORY_DIGEST: digest}
         with os.fdopen(fd, "wb") as f:
             f.writelines(state_parts(values))
+            f.truncate()  # a reused file may have been longer
         if journal_link is not None:
             # Linked under a temporary name, then renamed: at every step the folder holds a
             # complete state file and every journal file a saved state names.
@@ -135,11 +135,13 @@ class ClientState:
             except OSError:  # a file system without hard links: a copy holds the same
                 shutil.copyfile(path, staged)
             staged.replace(kept)
+        else:
+            _keep_spare(path, spare)  # the state replaced now, unless a journal names it
         tmp.replace(path)
         named = self.journal[1] if self.journal and isinstance(self.journal[1], str) else None
         if journal_link is not None or named is None:
             for old in path.parent.glob(JOURNAL_GLOB):  # the journals no saved state names
-                if old.name != named:
+                if old.name != named and not _keep_spare(old, spare, move=True):
                     old.unlink(missing_ok=True)
         return path
 
@@ -167,6 +169,51 @@ class ClientState:
 
 #: The files a saved state's round journal names (:func:`~retexo_fl.party.persistence.journal_file_name`).
 JOURNAL_GLOB = "journal-*.state"
+#: A state file no name needs any more, kept to be written over by the next save: at one node
+#: per client in Flower simulation a node's state is saved at every message, and a new file
+#: written, renamed over the last and the one before deleted cost 0.67 ms a save on this
+#: project's ext4 disks (freeing and allocating half a megabyte of blocks), against 0.09 ms for
+#: writing over a spare one.
+SPARE_FILE = STATE_FILE + ".spare"
+
+
+def _writable(tmp: Path, spare: Path) -> int:
+    """A descriptor of ``tmp`` to write a state into: the spare file renamed to it and written
+    over (:data:`SPARE_FILE`), or a new file.
+
+    The file holds the identity key and, after a conv stage's start, this client's own
+    embeddings and halo rows: owner-only from birth, in an owner-only folder; a spare is one of
+    this client's earlier state files, and is used only while no other name links to it.
+    """
+    try:
+        spare.replace(tmp)
+        fd = os.open(tmp, os.O_WRONLY)
+    except FileNotFoundError:
+        pass
+    else:
+        info = os.fstat(fd)
+        if info.st_nlink == 1 and info.st_uid == os.getuid() and not info.st_mode & 0o077:
+            return fd
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+
+
+def _keep_spare(path: Path, spare: Path, move: bool = False) -> bool:
+    """Keep the file at ``path`` as the spare (:data:`SPARE_FILE`) when none is kept and no
+    other name links to it: renamed (``move``) or linked (the state file, about to be replaced).
+    Returns whether it was kept."""
+    try:
+        if spare.exists() or os.stat(path).st_nlink != 1:
+            return False
+        if move:
+            path.replace(spare)
+        else:
+            os.link(path, spare)
+    except OSError:  # gone, or no hard links here: the next save writes a new file
+        return False
+    return True
+
 
 #: The entry of a saved state's channel that names its key directory's file by digest.
 DIRECTORY_DIGEST = "directory-digest"

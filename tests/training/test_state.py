@@ -13,6 +13,7 @@ from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.party.eager_client import EagerClient
 from retexo_fl.party.lazy_client import LazyClient
 from retexo_fl.party.state import (
+    SPARE_FILE,
     STATE_FILE,
     STATE_MAGIC,
     ClientState,
@@ -38,6 +39,40 @@ def test_state_round_trips_and_is_owner_only(tmp_path):
     )
     assert torch.equal(back.owned, state.owned)
     assert ClientState.load(tmp_path / "nothing") is None
+
+
+def test_saves_write_over_a_spare_file_that_no_other_name_links(tmp_path):
+    """A save writes over the state file no name needs any more (the one it replaced, or an old
+    journal) instead of a new file: each load reads the last save, longer or shorter than the
+    file written over, the folder holds at most the state, one spare and the journal the state
+    names, owner-only; a spare another name also links is never written over."""
+    folder = tmp_path / "node-0"
+
+    def state(n: int, journal: list | None = None) -> ClientState:
+        return ClientState(stage=n, owned=torch.full((n % 3 * 50 + 1, 4), float(n)), journal=journal)
+
+    state(0).save(folder)
+    inodes = set()
+    for n in range(1, 9):
+        # Every other save keeps the file it replaces as a round journal (a hard link), as a
+        # train round's does; the journal before it is then no state's, and becomes the spare.
+        link = f"journal-{n}.state" if n % 2 else None
+        journal = [[0, 0, n], link or f"journal-{n - 1}.state", {}]
+        path = state(n, journal).save(folder, journal_link=link)
+        inodes.add(path.stat().st_ino)
+        back = ClientState.load(folder)
+        assert back is not None and back.stage == n and torch.equal(back.owned, state(n).owned)
+        names = {f.name for f in folder.iterdir() if not f.name.startswith("key-directory")}
+        assert names == {STATE_FILE, SPARE_FILE, journal[1]} - ({SPARE_FILE} if n == 1 else set()), n
+        assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in folder.iterdir())
+    assert len(inodes) <= 3, "the saves took turns over the same few files"
+    # A spare another name links (kept by someone else) is not written over.
+    other = tmp_path / "elsewhere"
+    other.hardlink_to(folder / SPARE_FILE)
+    before = other.read_bytes()
+    state(20).save(folder)
+    assert other.read_bytes() == before
+    assert ClientState.load(folder).stage == 20
 
 
 def test_a_layer_0_snapshot_holds_no_raw_features(sbm, tmp_path):

@@ -345,7 +345,7 @@ class LazyStageMachine:
         phase = f"stage {stage} embed"
         replies = fed.send_state(P.EMBED, state, phase, stage, config, late or None)
         tests: dict[int, EvalResult] = {}
-        for pid in [p for p in replies if test and fed.tests(p)]:
+        for pid in [p for p in replies if fed.tests(p)] if test else []:
             try:
                 tests[pid] = test_counts(pid, replies[pid])
             except ValueError as exc:  # one client's bad reply is its own failure, not the run's

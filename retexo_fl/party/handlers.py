@@ -315,6 +315,8 @@ def embed(client: Client, request: Records) -> Reply:
     split = str(config.get(P.SPLIT, ""))
     if split not in ("", "test"):
         raise ValueError(f"client {client.id}: an embed tests the test split only, not {split!r}")
+    if split and client.cfg.secure_aggregation:  # its counts would leave unmasked, this client's own
+        raise ValueError(f"client {client.id}: under secure aggregation a test is masked, not in an embed")
     changed = False
     ends_pass = client.cfg.ends_pass(stage)
     if client.sent is not None and client.sent[0] == stage:  # asked again by a resumed server

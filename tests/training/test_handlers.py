@@ -64,6 +64,9 @@ def test_deliveries_and_embeddings_change_what_the_node_keeps(sbm):
 
 def test_bad_messages_are_refused_by_name(sbm):
     _, clients, fed = _lazy(sbm)
+    # Under secure aggregation a client's test counts leave masked only: an embed that asks for
+    # them in clear (as a coordinator could, message by message) is refused.
+    _, secure, _ = _lazy(sbm, secure_aggregation=True)
     with pytest.raises(ValueError, match=r"unknown message type 'query\.nope'"):
         handle(clients[0], "query.nope", {})
     eager = EagerClient(
@@ -71,5 +74,10 @@ def test_bad_messages_are_refused_by_name(sbm):
     )
     with pytest.raises(ValueError, match=r"query\.embed is a lazy-mode message, this run is eager"):
         handle(eager, P.EMBED, fed.content(clients[0].make_model().state_dict(), **{P.STAGE: 0}))
+    state = clients[1].make_model().state_dict()
+    with pytest.raises(ValueError, match=r"an embed tests the test split only, not 'val'"):
+        handle(clients[1], P.EMBED, fed.content(state, **{P.STAGE: 0, P.SPLIT: "val"}))
+    with pytest.raises(ValueError, match=r"client 1: under secure aggregation a test is masked"):
+        handle(secure[1], P.EMBED, fed.content(state, **{P.STAGE: 0, P.SPLIT: "test"}))
     with pytest.raises(ValueError, match=r"expected 'deg\|halo-from-<client id>'"):
         handle(clients[0], P.EVALUATE, {P.PAYLOADS: {"to-1": b"x"}, P.CONFIG: {P.SPLIT: "val"}})

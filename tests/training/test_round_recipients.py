@@ -172,7 +172,7 @@ def test_a_stage_is_tested_with_its_embed_and_ends_as_when_tested_on_its_own(
     for stage in range(stages - 1):
         took_part = {a for s, _, a, _, _ in t_lean.rounds if s == stage}
         left = set(range(60)) - took_part
-        assert left - untested, "pass 1 has tested clients that only the embed reaches"
+        assert left - untested, "some clients with a test node only the embed reaches"
         if broadcast_bits < 32:  # else every message carries the state whole
             assert {a for s, a in t_lean.embedded_whole if s == stage} == left
         rows = {a for s, a in t_lean.embedded_rows if s == stage}

@@ -186,6 +186,13 @@ class TrainingSettings:
         "from the run's seed after fraction-train (cross-device training's clients per round); "
         "the others only validate. 0: no cap",
     )
+    validate_every: int = setting(
+        1,
+        "validate every this many rounds: a stage's rounds 1+k, 1+2k, ... carry the validation of "
+        "the state they bring, and the stage's last state is validated too. Clients that only "
+        "validate are sent those rounds alone, with the broadcast deltas they missed. Patience and "
+        "min-rounds still count rounds",
+    )
     weight_decay: float = setting(5e-4, "L2 weight decay")
     patience: int = setting(
         5, "early stopping: rounds without a validation gain before a stage stops (0: never)"
@@ -295,6 +302,9 @@ class TrainingSettings:
                     "refreshes its rows each round) nor drift-correction (every control variate "
                     f"advances each round); got mode {self.mode}, drift-correction {self.drift_correction}"
                 )
+        every = self.validate_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"validate-every must be a whole number >= 1, got {every!r}")
         if self.patience < 0 or self.min_rounds < 0 or self.warm_min_rounds < 0:
             raise ValueError(
                 "patience, min-rounds and warm-min-rounds must be >= 0, got "

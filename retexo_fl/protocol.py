@@ -37,6 +37,7 @@ PAYLOADS = "payloads"  # outgoing_key(q) (replies) or delivery_key(kind, p) (req
 STATS = "stats"  # a client's exchange figures (bytes before / after, widths) as JSON in STATS_JSON
 MISSING = "missing"  # replies: expected payloads not delivered, JSON [[kind, stage, src]] in STATS_JSON
 MODEL = "model"  # tensor name -> broadcast delta frame (broadcast-bits < 32)
+MODEL_BEFORE = "model-before"  # chain_key(step, name) -> the deltas a client missed, applied before MODEL's
 UPDATE = "update"  # tensor name -> compressed update frame (update-bits < 32)
 CONTROL = "control"  # train, drift-correction scaffold: the server's control variate (a state dict)
 MASKED = "masked"  # train replies, secure aggregation: VECTOR and outgoing_key(q) -> sealed share
@@ -216,6 +217,41 @@ def parse_delivery_key(key: str) -> tuple[str, int]:
     if not sep or kind not in (DEGREES, HALO) or not src.isdigit():
         raise ValueError(f"payload key {key!r}: expected '{DEGREES}|{HALO}-from-<client id>'")
     return kind, int(src)
+
+
+#: The most broadcast deltas one message may chain (:data:`MODEL_BEFORE`): a server that sends
+#: more sends the state whole, which costs less.
+MAX_CHAIN = 64
+
+
+def chain_key(step: int, name: str) -> str:
+    """The :data:`MODEL_BEFORE` key of tensor ``name``'s frame in the ``step``-th missed delta
+    (from 0, the oldest): ``"<step>/<name>"``."""
+    return f"{int(step)}/{name}"
+
+
+def chain_record(steps: list[dict[str, bytes]]) -> dict[str, bytes]:
+    """The :data:`MODEL_BEFORE` record of missed deltas ``steps`` (oldest first)."""
+    return {chain_key(i, name): frame for i, frames in enumerate(steps) for name, frame in frames.items()}
+
+
+def chain_frames(entries: Mapping[str, Any], where: str) -> list[dict[str, bytes]]:
+    """The missed deltas a :data:`MODEL_BEFORE` record holds, oldest first.
+
+    Raises:
+        ValueError: a key that is not a :func:`chain_key`, steps that are not 0, 1, ... in
+            turn, or more than :data:`MAX_CHAIN` of them; naming ``where``.
+    """
+    steps: dict[int, dict[str, bytes]] = {}
+    for key, frame in entries.items():
+        step, sep, name = str(key).partition("/")
+        if not sep or not step.isdigit() or not name or int(step) >= MAX_CHAIN:
+            expected = f"'<step below {MAX_CHAIN}>/<tensor>'"
+            raise ValueError(f"{where}: {MODEL_BEFORE} key {key!r}: expected {expected}")
+        steps.setdefault(int(step), {})[name] = bytes(frame)
+    if sorted(steps) != list(range(len(steps))):
+        raise ValueError(f"{where}: {MODEL_BEFORE} steps {sorted(steps)} are not 0, 1, ... in turn")
+    return [steps[i] for i in range(len(steps))]
 
 
 #: The largest JSON text a message field may hold (a key directory of 10,000 clients is ~1 MB).

@@ -33,7 +33,7 @@ USER_KEYS = {
     "lr", "server-optimizer", "server-lr", "weight-decay", "dropout", "input-dropout", "norm",
     "heads", "root-weight", "first-stage", "first-stage-first", "first-stage-race",
     "first-stage-race-margin", "patience", "min-rounds", "warm-min-rounds", "stop-metric",
-    "drift-correction", "halo-gradients", "fraction-train", "clients-per-round",
+    "drift-correction", "halo-gradients", "fraction-train", "clients-per-round", "validate-every",
     "precompute",
     "device", "round-seconds", "step-delay",
     "profile", "threads", "cohorts",

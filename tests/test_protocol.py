@@ -40,6 +40,18 @@ def test_payload_keys_round_trip_and_refuse_anything_else():
             P.parse_delivery_key(bad)
 
 
+def test_missed_deltas_round_trip_in_order_and_refuse_anything_else():
+    steps = [{"w": b"a", "b": b"b"}, {"w": b"c", "b": b"d"}, {"w": b"e", "b": b"f"}]
+    record = P.chain_record(steps)
+    assert record["2/w"] == b"e" and P.chain_frames(dict(reversed(list(record.items()))), "c") == steps
+    assert P.chain_frames({}, "c") == []
+    for bad in ({"w": b"x"}, {"x/w": b"x"}, {"0/": b"x"}, {f"{P.MAX_CHAIN}/w": b"x"}):
+        with pytest.raises(ValueError, match="client 3: model-before key"):
+            P.chain_frames(bad, "client 3")
+    with pytest.raises(ValueError, match=r"steps \[0, 2\] are not 0, 1"):
+        P.chain_frames({"0/w": b"x", "2/w": b"y"}, "client 3")
+
+
 def test_a_run_config_text_is_parsed_once_and_each_caller_gets_its_own_copy(monkeypatch):
     """Thousands of one-node clients in one process read the same run config: it is parsed and
     validated once; each gets an equal object of its own, so no caller's change reaches another."""

@@ -9,6 +9,7 @@ deQ(...)`` for its next round, so what quantization drops is sent later instead 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -260,6 +261,11 @@ class ModelBroadcast:
     ``view``. What a round leaves out stays in ``state - view`` and goes out with the next round
     (error feedback). At 32 bits the view is the state itself.
 
+    A client that missed rounds (sampled out, or a validator asked every few rounds) catches up
+    with the deltas it missed, in order (:meth:`chain`): it then holds the very view the others
+    hold, for no more bytes than they were sent. The broadcast keeps the last deltas of the stage
+    for that, as many as cost less than the state sent whole.
+
     Args:
         bits (int, optional): width of the broadcast deltas (32: send the state whole every
             round). (default: :obj:`32`)
@@ -268,11 +274,16 @@ class ModelBroadcast:
             (default: :obj:`0`)
     """
 
+    #: ``(round, frames)`` of the stage's last deltas, oldest first (see :meth:`chain`). A class
+    #: default: a checkpoint written by older code has none, and its clients catch up whole.
+    past: ClassVar[list[tuple[int, dict[str, bytes]]]] = []
+
     def __init__(self, bits: int = 32, half: str = "fp16", seed: int = 0) -> None:
         self.codec = UpdateCodec(bits, half)
         self.bits, self.seed = int(bits), int(seed)
         self.view: StateDict | None = None
         self.frames: dict[str, bytes] | None = None
+        self.past = []
 
     def prepare(self, state: StateDict, round_: int) -> StateDict:
         """The view clients will hold after round ``round_``'s broadcast of ``state``.
@@ -287,15 +298,47 @@ class ModelBroadcast:
         if self.bits >= 32 or self.view is None or round_ <= 1:
             self.frames = None
             self.view = state  # states are never modified in place once made
-
+            self.past = []
         else:
             gen = torch.Generator().manual_seed((self.seed * 1_000_003 + round_) % (1 << 63))
             self.frames, _ = self.codec.encode(state, self.view, None, gen, where="broadcast")
             self.view = self.codec.decode(self.frames, self.view, "server broadcast")
+            # Keep the deltas a client might still catch up with: a longer chain than these
+            # costs more than the state whole, which such a client is sent instead.
+            past, whole, size = [*self.past, (round_, self.frames)], self.whole_nbytes(), 0
+            for i in range(len(past) - 1, -1, -1):
+                size += UpdateCodec.nbytes(past[i][1])
+                if size >= whole:
+                    past = past[i + 1 :]
+                    break
+            self.past = past
         return self.view
+
+    def chain(self, held: int) -> list[dict[str, bytes]] | None:
+        """The deltas that take a client from the view of round ``held``'s broadcast to the
+        current one, oldest first, when they cost less than the state sent whole; else ``None``.
+
+        Args:
+            held (int): the round whose broadcast the client holds (it took part in that round,
+                or was caught up to it), from 1, the stage's whole state.
+
+        Returns:
+            list[dict[str, bytes]] | None: at least one delta (the current one last); ``None``
+            also when the current broadcast is the state whole.
+        """
+        if self.frames is None or not self.past or held < self.past[0][0] - 1:
+            return None
+        steps = [frames for round_, frames in self.past if round_ > held]
+        if not steps or sum(UpdateCodec.nbytes(f) for f in steps) >= self.whole_nbytes():
+            return None
+        return steps
+
+    def whole_nbytes(self) -> int:
+        """Bytes of the current view sent whole."""
+        return sum(t.numel() * t.element_size() for t in (self.view or {}).values())
 
     def nbytes(self) -> int:
         """Bytes of the prepared broadcast, per client (the whole state when it is sent whole)."""
         if self.frames is None:
-            return sum(t.numel() * t.element_size() for t in (self.view or {}).values())
+            return self.whole_nbytes()
         return UpdateCodec.nbytes(self.frames)

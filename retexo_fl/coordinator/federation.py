@@ -114,6 +114,7 @@ class FederationView:
         payloads: Frames | None = None,
         model: ModelBroadcast | None = None,
         by_digest: bool = False,
+        missed: Frames | None = None,
         **config: Any,
     ) -> Records:
         """A message's records.
@@ -123,6 +124,8 @@ class FederationView:
             payloads (Frames, optional): relayed frames for the recipient. (default: :obj:`None`)
             model (ModelBroadcast, optional): sends its prepared delta frames instead of
                 ``state`` when it has them. (default: :obj:`None`)
+            missed (Frames, optional): with ``model``'s frames, the deltas of rounds the recipient
+                missed (:func:`~retexo_fl.protocol.chain_record`). (default: :obj:`None`)
             by_digest (bool, optional): name the run config by its digest instead of carrying it
                 (train messages: see :func:`~retexo_fl.protocol.config_digest`). (default: :obj:`False`)
             **config: further :data:`~retexo_fl.protocol.CONFIG` entries (stage, round, split, ...).
@@ -132,6 +135,8 @@ class FederationView:
         records: Records = {P.CONFIG: {**run, P.RUN_KEY: self.run_key, **variant, **config}}
         if model is not None and model.frames is not None:
             records[P.MODEL] = model.frames
+            if missed:
+                records[P.MODEL_BEFORE] = missed
         elif state is not None:
             records[P.ARRAYS] = state
         if payloads is not None:
@@ -450,6 +455,7 @@ class FederationView:
         deliveries: dict[int, Frames] | None = None,
         model: ModelBroadcast | None = None,
         pids: list[int] | None = None,
+        plans: dict[int, dict[str, Any]] | None = None,
         **config: Any,
     ) -> dict[int, EvalResult]:
         """Every live client's evaluation of ``state`` on ``split``, by partition id.
@@ -465,6 +471,9 @@ class FederationView:
                 (default: :obj:`None`)
             pids (list[int], optional): the clients to ask (a stage's last validation: those that
                 took part in its rounds). (default: every live client)
+            plans (dict[int, dict], optional): with ``model``, how the state goes to clients that
+                do not take its delta as is (:meth:`content` arguments: the deltas they missed, or
+                the state whole; a :data:`~retexo_fl.protocol.KEEP`). (default: :obj:`None`)
             **config: further :data:`~retexo_fl.protocol.CONFIG` entries (``round``, ``keep``).
 
         Returns:
@@ -478,8 +487,13 @@ class FederationView:
         if model is not None and model.frames is not None:
             # Only the clients that took part in the rounds hold the view the delta applies to.
             to = self.live(pids)
+            plans = plans or {}
             requests = {
-                pid: self.content(None, deliveries.get(pid) if deliveries else None, model=model, **config)
+                pid: self.content(
+                    **{"state": None, "model": model, **plans.get(pid, {})},
+                    payloads=deliveries.get(pid) if deliveries else None,
+                    **config,
+                )
                 for pid in to
             }
             replies = self.send(P.EVALUATE, requests, phase, stage)

@@ -20,8 +20,8 @@ from typing import Any
 
 from retexo_fl import protocol as P
 from retexo_fl.compress.boundary import ExchangeStats
-from retexo_fl.compress.updates import ModelBroadcast
-from retexo_fl.coordinator.aggregate import ServerOptimizer, state_nbytes
+from retexo_fl.compress.updates import ModelBroadcast, UpdateCodec
+from retexo_fl.coordinator.aggregate import ServerOptimizer
 from retexo_fl.coordinator.checkpoint import RoundState
 from retexo_fl.coordinator.drift import ServerControl
 from retexo_fl.coordinator.federation import AGGREGATE, FederationView, Frames, total
@@ -165,31 +165,39 @@ class RoundLoop:
         """The rounds of :meth:`run` and the stage's last validation."""
         fed = self.fed
         pending = deliveries
+        every = int(self.cfg.validate_every)
+        if rs.holds is None:  # a checkpoint of older code: the last round's recipients hold its view
+            rs.holds = {pid: rs.round for pid in (rs.recipients or [])} if rs.round else {}
+            rs.keep_for = list(rs.recipients or []) if getattr(rs, "keep", False) else []
+            rs.kept_by = []
         for r in range(rs.round + 1, rounds + 1):
             rs.sent = r
             aggregation = round_aggregation(fed, rs, stage, r, label)
             trainers, validators = aggregation.select()
-            config = {P.STAGE: stage, P.ROUND: r, P.VALIDATE: r > 1, **self._keep(rs)}
+            # A round validates the state it brings (the last round's result): from round 2, every
+            # `validate-every`-th. Clients that only validate are sent those rounds alone.
+            validating = r > 1 and (r - 1) % every == 0
+            rs.validators = validators
+            asked = sorted(trainers + (validators if validating else []))
+            config = {P.STAGE: stage, P.ROUND: r, P.VALIDATE: validating}
             config.update(aggregation.configure())
-            # A recipient the last round left out holds an older view than the broadcast's delta
-            # starts from: it is sent the round's state whole (sampled trainers, clients-per-round).
-            behind = self._behind(rs, r, trainers + validators)
+            # A recipient that missed rounds is sent the deltas it missed, or the state whole
+            # when it holds no view of the stage or those deltas would cost more.
+            plans, down_for = self._model_plans(rs, r, asked)
             # A lazy stage's frames go with a client's first round in it: round 1's, or, for a
             # client sampled later, the frames held back for it (else they go with the test).
             held_back = {} if pending or refresh else (getattr(rs, "undelivered", None) or {})
             requests = {
                 pid: fed.content(
-                    rs.view,
-                    pending.get(pid) if pending else held_back.get(pid),
-                    model=None if pid in behind else rs.broadcast,
+                    **{"state": rs.view, "model": rs.broadcast, **plans.get(pid, {})},
+                    payloads=pending.get(pid) if pending else held_back.get(pid),
                     by_digest=True,
                     **config,
                     **({P.VALIDATE_ONLY: True} if pid in validators else {}),
                 )
-                for pid in sorted(trainers + validators)
+                for pid in asked
             }
-            rs.recipients = sorted(requests)
-            fed.unheld = set(fed.pids) - set(requests)  # they will be sent the stage's state whole
+            rs.recipients = asked
             if (pending or held_back) and not refresh:
                 # Frames for clients the rounds leave out go with the stage's test (see run).
                 rs.undelivered = {p: f for p, f in (pending or held_back).items() if p not in requests}
@@ -201,16 +209,16 @@ class RoundLoop:
             # Counted before the stop check: a round whose replies end the stage was still sent.
             down = rs.broadcast.nbytes() + aggregation.extra_down
             exchange = aggregation.collect(ordered, down)
-            if behind:  # sent the state whole, not the delta `down` counted
-                extra = state_nbytes(rs.view) - rs.broadcast.nbytes()
-                for pid in behind & set(ordered):
-                    rs.tracker.model_bytes += extra
-                    fed.count_client_bytes(stage, pid, model=extra)
+            for pid in set(down_for) & set(ordered):  # sent the state whole, or deltas it missed
+                extra = down_for[pid] - rs.broadcast.nbytes()
+                rs.tracker.model_bytes += extra
+                fed.count_client_bytes(stage, pid, model=extra)
             while exchange is not None:  # e.g. secure aggregation's unmasking
                 answers = fed.send(exchange.kind, exchange.requests, exchange.phase, stage)
                 exchange = aggregation.resume(answers)
             rs.model_raw += aggregation.raw + aggregation.extra_raw * len(ordered)
-            if r > 1:  # each reply validated the state it received: the previous round's result
+            self._received(rs, r, list(ordered), plans)
+            if validating:  # each reply validated the state it received: the previous round's result
                 self._record(rs, r - 1, aggregation.val, refresh)
                 if rs.tracker.should_stop:
                     # A lazy stage is named as its progress lines name it ("pass 2 stage 0").
@@ -233,28 +241,74 @@ class RoundLoop:
             if on_round is not None:
                 on_round(rs)
         else:  # the last state still needs its validation (eager: with the last round's halo rows)
-            # It goes as the next broadcast delta, so that clients hold it too (embed, test).
-            extra = {P.ROUND: rounds + 1, **self._keep(rs)}
-            asked = getattr(rs, "recipients", None)  # older checkpoints lack it: every client
-            val = total(fed.evaluate(rs.view, "val", stage, pending, model=rs.broadcast, pids=asked, **extra))
+            # It goes as the next broadcast delta, so that clients hold it too (embed, test): to
+            # the last round's recipients and the stage's validators, who may have missed rounds.
+            last = fed.pids if rs.recipients is None else rs.recipients
+            asked = sorted(set(last) | set(rs.validators or []))
+            plans, _ = self._model_plans(rs, rounds + 1, asked)
+            ask = {"model": rs.broadcast, "pids": asked, "plans": plans, P.ROUND: rounds + 1}
+            val = total(fed.evaluate(rs.view, "val", stage, pending, **ask))
+            live = set(fed.pids)  # without any client lost in the validation
+            self._received(rs, rounds + 1, [p for p in asked if p in live], plans)
             self._record(rs, rounds, (val.correct, val.count, val.loss_sum), refresh)
+        # Clients that hold neither the stage's best state nor any view of it: they are sent it
+        # whole with the stage's next message (test or embed); the others are named its digest.
+        best = rs.tracker.best_round + 1  # the round whose message brought the best state
+        holders = {p for p, h in rs.holds.items() if h == best} | set(rs.kept_by or [])
+        fed.unheld = set(fed.pids) - holders
+
+    def _model_plans(
+        self, rs: RoundState, round_: int, recipients: list[int]
+    ) -> tuple[dict[int, dict[str, Any]], dict[int, int]]:
+        """How round ``round_``'s model goes to each recipient that does not take the broadcast
+        as is (:meth:`FederationView.content` arguments), and the bytes those are sent.
+
+        The round's delta applies to the previous round's view. A client that missed rounds
+        (sampled out, or a validator asked every few rounds) is sent the deltas it missed first,
+        oldest first (:meth:`~retexo_fl.compress.updates.ModelBroadcast.chain`), so that it holds
+        the others' view for the bytes they were sent; a client holding no view of the stage, or
+        one the kept deltas no longer reach, is sent the state whole. A recipient whose view is
+        the stage's best so far is told to keep it (:data:`~retexo_fl.protocol.KEEP`).
+        """
+        b, holds = rs.broadcast, rs.holds or {}
+        keep_for = set(rs.keep_for or [])
+        plans: dict[int, dict[str, Any]] = {}
+        down: dict[int, int] = {}
+        missed: dict[int | None, tuple[Frames, int] | None] = {}  # by round held: shared records
+        for pid in recipients:
+            plan: dict[str, Any] = {P.KEEP: True} if pid in keep_for else {}
+            held = holds.get(pid)
+            if round_ > 1 and b.frames is not None and held != round_ - 1:
+                if held not in missed:
+                    steps = b.chain(held) if held is not None else None
+                    ok = steps is not None and len(steps) - 1 <= P.MAX_CHAIN
+                    missed[held] = (
+                        (P.chain_record(steps[:-1]), sum(UpdateCodec.nbytes(f) for f in steps))
+                        if ok and steps
+                        else None
+                    )
+                chain = missed[held]
+                if chain is None:
+                    plan.update(state=rs.view, model=None)
+                    down[pid] = b.whole_nbytes()
+                else:
+                    plan["missed"], down[pid] = chain
+            if plan:
+                plans[pid] = plan
+        return plans, down
 
     @staticmethod
-    def _behind(rs: RoundState, round_: int, recipients: list[int]) -> set[int]:
-        """The round's recipients whose view is not the one the broadcast's delta is taken from:
-        those the last round left out (none in a stage's first round, which is whole anyway,
-        or without compressed broadcasts)."""
-        last = getattr(rs, "recipients", None)  # older checkpoints lack it: every client
-        if round_ <= 1 or last is None or rs.broadcast.frames is None:
-            return set()
-        return set(recipients) - set(last)
-
-    def _keep(self, rs: RoundState) -> dict[str, bool]:
-        """The :data:`~retexo_fl.protocol.KEEP` entry of the next message to clients (compressed
-        broadcasts only: clients persist their views then), and clear it."""
-        keep = getattr(rs, "keep", False) and self.cfg.broadcast_bits < 32  # older checkpoints lack it
-        rs.keep = False
-        return {P.KEEP: True} if keep else {}
+    def _received(rs: RoundState, round_: int, pids: list[int], plans: dict[int, dict[str, Any]]) -> None:
+        """Clients ``pids`` answered round ``round_``'s message: they hold its view, and those told
+        to keep the best view kept it."""
+        holds = rs.holds if rs.holds is not None else {}
+        for pid in pids:
+            holds[pid] = round_
+        rs.holds = holds
+        told = {pid for pid in pids if plans.get(pid, {}).get(P.KEEP)}
+        if told:
+            rs.keep_for = [p for p in (rs.keep_for or []) if p not in told]
+            rs.kept_by = sorted(set(rs.kept_by or []) | told)
 
     def _record(self, rs: RoundState, round_: int, val: tuple[int, int, float], refresh: bool) -> None:
         if refresh:  # bytes so far include this run's relayed rows
@@ -263,8 +317,12 @@ class RoundLoop:
         acc = correct / count if count else 0.0
         val_loss = loss / count if count else 0.0
         rs.tracker.record(round_, rs.view, acc, train_loss=rs.train_loss, val_loss=val_loss)
-        # A new best accuracy: the view clients hold now (a falling loss resets patience, not the best).
-        rs.keep = rs.tracker.best_round == round_
+        # A new best accuracy: the view its validators hold now (a falling loss resets patience,
+        # not the best). Compressed broadcasts only: clients persist their views then.
+        if rs.tracker.best_round == round_:
+            holds = rs.holds or {}
+            held = [p for p, h in holds.items() if h == round_ + 1] if self.cfg.broadcast_bits < 32 else []
+            rs.keep_for, rs.kept_by = sorted(held), []
         self.rec.event(
             "round", stage=rs.tracker.stage, round=round_, train_loss=rs.train_loss, val_accuracy=acc
         )

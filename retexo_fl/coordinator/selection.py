@@ -74,6 +74,7 @@ class StageTracker:
             val_accuracy (float): its validation accuracy.
             **extra (float, optional): more figures for the history row (e.g. ``train_loss``).
         """
+        since = round_ - self.last_round  # 1 a round; more when rounds are validated every few
         row = {"round": round_, "val_accuracy": val_accuracy, **extra}
         row["bytes_total"] = self.bytes_offset + self.model_bytes
         self.history.append(row)
@@ -87,14 +88,20 @@ class StageTracker:
         elif lower_loss and self.stop_metric == "accuracy-or-loss":
             self.stale = 0
         else:
-            self.stale += 1
+            self.stale += max(1, since)
+
+    @property
+    def last_round(self) -> int:
+        """The last round recorded (0: none yet)."""
+        return int(self.history[-1]["round"]) if self.history else 0
 
     def race(self, pace: list[float], after: int, margin: float) -> None:
         """Stop as soon as this stage, ``after`` rounds or more in, validates more than ``margin``
         below the best that another training of it reached in as many rounds.
 
         Args:
-            pace (list[float]): the other training's validation accuracy, round by round.
+            pace (list[float]): the other training's validation accuracy, round by round (from
+                round 1; see :func:`pace_by_round`).
             after (int): the first round at which the comparison may stop this one (0: never).
             margin (float): how far below it this one may be (accuracy, not points).
         """
@@ -103,7 +110,7 @@ class StageTracker:
     @property
     def behind_pace(self) -> bool:
         """Whether :meth:`race`'s rule stops this stage now."""
-        n = len(self.history)
+        n = self.last_round
         if not self.pace or not self.pace_after or n < self.pace_after:
             return False
         return self.best_val < max(self.pace[:n]) - self.pace_margin
@@ -112,15 +119,16 @@ class StageTracker:
     def should_stop(self) -> bool:
         """Whether ``patience`` rounds have passed without a validation gain, and at least
         ``min_rounds`` rounds were recorded (never when ``patience`` is 0); or whether the stage
-        trails the training it races (:meth:`race`)."""
-        rounds = len(self.history)
+        trails the training it races (:meth:`race`). Rounds, not records: a run that validates
+        every few rounds (``validate-every``) stops after as many rounds."""
+        rounds = self.last_round
         patience = bool(self.patience) and self.stale >= self.patience and rounds >= self.min_rounds
         return patience or self.behind_pace
 
     def stop_reason(self) -> str:
         """Why :attr:`should_stop` holds, for the progress line."""
         if self.behind_pace:
-            n = len(self.history)
+            n = self.last_round
             return (
                 f"best val {self.best_val:.4f} after {n} rounds, below the {max(self.pace[:n]):.4f} "
                 "the other stage 0 reached by then, stopping"
@@ -155,7 +163,7 @@ class StageTracker:
         """
         return {
             "stage": self.stage,
-            "rounds_run": len(self.history),
+            "rounds_run": self.last_round,  # rounds, not validations (validate-every)
             "best_round": self.best_round,
             "val_accuracy": self.best_val,
             "val_loss": self.best_val_loss,
@@ -164,6 +172,17 @@ class StageTracker:
             "seconds": seconds,
             **({"behind_pace": self.behind_pace} if self.pace else {}),
         }
+
+
+def pace_by_round(history: list[dict[str, Any]]) -> list[float]:
+    """A stage's validation accuracy at each round from 1 to its last recorded one: a round that
+    was not validated (``validate-every``) carries the last validated figure on (0 before any)."""
+    pace: list[float] = []
+    for row in history:
+        last = pace[-1] if pace else 0.0
+        pace.extend([last] * (int(row["round"]) - 1 - len(pace)))
+        pace.append(float(row["val_accuracy"]))
+    return pace
 
 
 def same_clients(result: dict[str, Any], last: dict[str, Any]) -> bool:

@@ -25,7 +25,7 @@ from retexo_fl.coordinator.round_loop import (
     exchange_figures,
     per_client,
 )
-from retexo_fl.coordinator.selection import StageTracker, keep_best_stage, same_clients
+from retexo_fl.coordinator.selection import StageTracker, keep_best_stage, pace_by_round, same_clients
 from retexo_fl.coordinator.transport import Transport
 from retexo_fl.metrics import RunRecorder, human_bytes
 from retexo_fl.models.factory import build_stage_model, stage_input_dim
@@ -225,7 +225,7 @@ class LazyStageMachine:
             self.fed.first_stage = variant
             before = sum(int(t["figures"]["bytes_model"]) for t in trials)
             # The second races the first: stopped once it trails what the first had by then.
-            pace = [row["val_accuracy"] for row in trials[0]["figures"]["history"]] if trials else None
+            pace = pace_by_round(trials[0]["figures"]["history"]) if trials else None
             state, figures, undelivered = self._train_stage(0, ck, bytes_before=before, pace=pace)
             best = f"best val {figures['val_accuracy']:.4f} at round {figures['best_round']}"
             self.rec.progress(f"stage 0 as {variant}: {best}")

@@ -239,7 +239,12 @@ def _received_model(client: Client, request: Records) -> StateDict:
     model held since, or a state sent whole."""
     keep = bool(request[P.CONFIG].get(P.KEEP, False))
     if P.MODEL in request:
-        return client.receive_model(None, {k: bytes(v) for k, v in request[P.MODEL].items()}, keep)
+        # A client that missed rounds is sent the deltas it missed first (oldest first).
+        missed = P.chain_frames(request.get(P.MODEL_BEFORE, {}), f"client {client.id}")
+        frames = {k: bytes(v) for k, v in request[P.MODEL].items()}
+        return client.receive_model(None, frames, keep, missed)
+    if P.MODEL_BEFORE in request:
+        raise ValueError(f"client {client.id}: missed broadcast deltas without the round's own")
     return client.receive_model(request[P.ARRAYS], None, keep)
 
 

@@ -21,13 +21,16 @@ from retexo_fl.seeding import derive_seed
 #: Seed tag of a client's compressed-update rounding.
 UPDATE_TAG = 0xC0
 
-# The last broadcast delta decoded in this process: (view it applied to, its frames, the result).
+# The last broadcast deltas decoded in this process: (view it applied to, its frames, the result).
 # Every client a round reaches decodes the same delta from the same view, about 2 ms each at
 # Cora's stage 0 (at one node per client, most of a round): the first in a process decodes, the
 # others share the result (views are never modified in place). In process the views are the very
 # same tensors; a Flower simulation actor serving many nodes reads each node's view from its
 # file, so there the view is compared bit for bit (0.06 ms). A deployed client decodes its own.
-_last_decode: tuple[StateDict, dict[str, bytes], StateDict] | None = None
+# A few are kept: clients that missed rounds decode a chain of them, one step after another.
+_decoded: list[tuple[StateDict, dict[str, bytes], StateDict]] = []
+#: How many decoded deltas :data:`_decoded` keeps.
+DECODES_KEPT = 4
 
 
 class RoundCohort(Protocol):
@@ -115,7 +118,11 @@ class ModelExchange:
         return any(v is not None for v in found.values()) or bool(accepted)
 
     def receive_model(
-        self, state: StateDict | None, frames: dict[str, bytes] | None, keep: bool = False
+        self,
+        state: StateDict | None,
+        frames: dict[str, bytes] | None,
+        keep: bool = False,
+        missed: list[dict[str, bytes]] | None = None,
     ) -> StateDict:
         """The round's model: ``state`` sent whole, or ``frames`` of a delta from the last one.
 
@@ -124,6 +131,9 @@ class ModelExchange:
             frames (dict[str, bytes], optional): the model as a broadcast delta from the view held.
             keep (bool, optional): the view held before this message is the stage's best so far
                 (:data:`~retexo_fl.protocol.KEEP`): keep a copy. (default: :obj:`False`)
+            missed (list[dict[str, bytes]], optional): the broadcast deltas of rounds this client
+                missed, oldest first, applied before ``frames`` (:data:`~retexo_fl.protocol.MODEL_BEFORE`).
+                (default: :obj:`None`)
         """
         if keep and self.view is not None:
             self.kept = self.view  # views are never modified in place once made
@@ -144,16 +154,22 @@ class ModelExchange:
             return state
         if self.view is None:
             raise RuntimeError(f"client {self.id}: a model delta arrived before any whole state")
-        global _last_decode
-        last = _last_decode
-        if last is not None and last[1] == frames and same_bits(last[0], self.view):
-            self.view = last[2]
-            return self.view
-        codec = UpdateCodec(self.cfg.broadcast_bits, self.cfg.range_dtype)
-        decoded = codec.decode(frames, self.view, "server broadcast")
-        _last_decode = (self.view, frames, decoded)
-        self.view = decoded
+        for step in [*(missed or []), frames]:
+            self.view = self._decode_broadcast(self.view, step)
         return self.view
+
+    def _decode_broadcast(self, view: StateDict, frames: dict[str, bytes]) -> StateDict:
+        """``view`` advanced by one broadcast delta; shared with the other clients of this
+        process that decode the same delta from a view of the same bits (see :data:`_decoded`)."""
+        for i, (seen, sent, decoded) in enumerate(_decoded):
+            if sent == frames and (seen is view or same_bits(seen, view)):
+                _decoded.append(_decoded.pop(i))  # most recently used last
+                return decoded
+        codec = UpdateCodec(self.cfg.broadcast_bits, self.cfg.range_dtype)
+        decoded = codec.decode(frames, view, "server broadcast")
+        _decoded.append((view, frames, decoded))
+        del _decoded[:-DECODES_KEPT]
+        return decoded
 
     def hold(self, state: StateDict) -> bool:
         """Keep ``state``, sent whole (broadcast-bits < 32): later messages may then name it by

@@ -147,3 +147,37 @@ def test_one_pass_codecs_name_the_client_they_refuse():
         codec.decode_many(swapped, base, names)
     with pytest.raises(ValueError, match="client 2: missing tensors"):
         codec.decode_many([f if i != 2 else {"w": f["w"]} for i, f in enumerate(frames)], base, names)
+
+
+def test_a_client_that_missed_rounds_catches_up_with_the_deltas_to_the_same_bits():
+    """The deltas a client missed, decoded in turn from the view it holds, give the view every
+    other client holds; the broadcast keeps only as many as cost less than the state whole."""
+    from retexo_fl.compress.updates import ModelBroadcast
+    from retexo_fl.records import same_bits
+
+    gen = torch.Generator().manual_seed(3)
+    state = {"w": torch.randn(64, 32, generator=gen), "b": torch.randn(64, generator=gen)}
+    cast, codec = ModelBroadcast(4, seed=1), UpdateCodec(4)
+    views = {1: cast.prepare(state, 1)}
+    assert cast.chain(1) is None and cast.past == []  # round 1 goes whole: nothing to chain
+    for r in range(2, 40):
+        state = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
+        views[r] = cast.prepare(state, r)
+        kept = sum(UpdateCodec.nbytes(f) for _, f in cast.past)
+        assert kept < cast.whole_nbytes()
+        assert [q for q, _ in cast.past] == list(range(r - len(cast.past) + 1, r + 1))  # the last ones
+    assert len(cast.past) < 38, "old deltas are dropped once they would cost more than the state"
+    oldest = cast.past[0][0] - 1
+    for held in (38, oldest + 1, oldest):
+        steps = cast.chain(held)
+        assert steps is not None and len(steps) == 39 - held and steps[-1] is cast.frames
+        view = views[held]
+        for frames in steps:
+            view = codec.decode(frames, view, "catch-up")
+        assert same_bits(view, views[39]), held
+    assert cast.chain(oldest - 1) is None  # the deltas it needs are gone: it is sent the state whole
+    assert cast.chain(39) is None  # holds the current view: nothing to catch up
+    whole = ModelBroadcast(32)
+    whole.prepare(state, 1)
+    whole.prepare(state, 2)
+    assert whole.chain(1) is None and whole.past == []

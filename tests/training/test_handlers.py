@@ -81,3 +81,9 @@ def test_bad_messages_are_refused_by_name(sbm):
         handle(secure[1], P.EMBED, fed.content(state, **{P.STAGE: 0, P.SPLIT: "test"}))
     with pytest.raises(ValueError, match=r"expected 'deg\|halo-from-<client id>'"):
         handle(clients[0], P.EVALUATE, {P.PAYLOADS: {"to-1": b"x"}, P.CONFIG: {P.SPLIT: "val"}})
+    # Missed broadcast deltas come before the round's own, never alone, and in numbered steps.
+    with pytest.raises(ValueError, match=r"client 0: missed broadcast deltas without the round's own"):
+        handle(clients[0], P.TRAIN, {**fed.content(state, **{P.ROUND: 2}), P.MODEL_BEFORE: {"0/w": b"x"}})
+    request = {P.CONFIG: {P.ROUND: 2, P.SPLIT: "val"}, P.MODEL: {"w": b"x"}, P.MODEL_BEFORE: {"w": b"x"}}
+    with pytest.raises(ValueError, match=r"client 0: model-before key 'w'"):
+        handle(clients[0], P.EVALUATE, request)

@@ -93,7 +93,7 @@ def test_a_broadcast_is_decoded_once_for_views_with_the_same_bits(sbm, monkeypat
     decodes = []
     real = UpdateCodec.decode
     monkeypatch.setattr(UpdateCodec, "decode", lambda self, *args: decodes.append(1) or real(self, *args))
-    monkeypatch.setattr(model_exchange, "_last_decode", None)
+    monkeypatch.setattr(model_exchange, "_decoded", [])
     apart = {k: v.clone() for k, v in base.items()}
     apart["bias"][3] = torch.nextafter(apart["bias"][3], torch.tensor(10.0))
     for client, view in ((a, base), (b, {k: v.clone() for k, v in base.items()}), (c, apart)):
@@ -152,8 +152,8 @@ def test_a_wrong_kept_state_is_never_used(sbm, monkeypatch):
     parts = partition_graph(sbm, 3, "random", seed=0)
     original = Client.receive_model
 
-    def keeps_the_new_view(self: Client, state, frames, keep: bool = False):
-        view = original(self, state, frames, False)
+    def keeps_the_new_view(self: Client, state, frames, keep: bool = False, missed=None):
+        view = original(self, state, frames, False, missed)
         if keep:
             self.kept = view
         return view

@@ -40,6 +40,7 @@ class Recording(InProcessTransport):
         self.embedded_whole: set[tuple[int, int]] = set()  # (stage, address): embed with the state
         self.embedded_rows: set[tuple[int, int]] = set()  # ... and with relayed frames
         self.embedded_tests: set[tuple[int, int]] = set()  # ... that also tests the stage
+        self.missed: dict[tuple[int, int, int], int] = {}  # (stage, round, address) -> deltas caught up
 
     def send(self, kind: str, requests: dict, phase: str, stage: int) -> Batch:
         for a, r in requests.items():
@@ -47,6 +48,9 @@ class Recording(InProcessTransport):
             self.sent.append((kind, stage, a, only))
             if kind == P.TRAIN:
                 self.rounds.append((stage, int(r[P.CONFIG][P.ROUND]), a, only, P.ARRAYS in r))
+                if P.MODEL_BEFORE in r:
+                    steps = P.chain_frames(r[P.MODEL_BEFORE], "test")
+                    self.missed[(stage, int(r[P.CONFIG][P.ROUND]), a)] = len(steps)
             if kind == P.EMBED and P.ARRAYS in r:
                 self.embedded_whole.add((stage, a))
             if kind == P.EMBED and r.get(P.PAYLOADS):
@@ -106,15 +110,16 @@ def test_rounds_skip_clients_with_nothing_to_train_and_end_as_with_every_client(
         else:  # no embed: the test to the 30 with a test node, besides the last validation
             assert evaluated == tests | train | val_only and asked == 60
     assert {a for kind, _, a, _ in transport.sent if kind == P.EMBED} == set(range(60))
-    rounds = sum(s["rounds_sent"] for s in summary["stages"])
-    assert summary["messages"]["train"] == rounds * 30
-    assert summary["messages_per_stage"]["0"]["train"] == summary["stages"][0]["rounds_sent"] * 30
+    # Trainers every round; validators from round 2, the first that validates.
+    sent = [s["rounds_sent"] for s in summary["stages"]]
+    assert summary["messages"]["train"] == sum(18 * n + 12 * (n - 1) for n in sent)
+    assert summary["messages_per_stage"]["0"]["train"] == 18 * sent[0] + 12 * (sent[0] - 1)
     assert all(math.isfinite(h["train_loss"]) for s in summary["stages"] for h in s["history"])
 
     # Every client in every round, as before: zero-weight updates change no aggregate.
     monkeypatch.setattr(FedAvgRound, "select", lambda self: (self.fed.pids, []))
     everyone, t_all = _run(parts, broadcast_bits=broadcast_bits)
-    assert sum(kind == P.TRAIN for kind, *_ in t_all.sent) == rounds * 60
+    assert sum(kind == P.TRAIN for kind, *_ in t_all.sent) == sum(sent) * 60
     assert _val_curve(summary) == _val_curve(everyone)
     assert summary["test_accuracy"] == everyone["test_accuracy"]
     assert summary["bytes_boundary"] == everyone["bytes_boundary"]
@@ -185,7 +190,8 @@ def test_a_stage_is_tested_with_its_embed_and_ends_as_when_tested_on_its_own(
 def test_a_fraction_of_the_trainers_trains_each_round_sampled_from_the_seed(node_level):
     """``fraction-train 0.5``: 9 of the 18 clients with a training node train each round, a sample
     drawn again by a resumed server (a function of seed, stage and round); the 12 with a
-    validation node validate; an unsampled trainer with none is sent nothing that round."""
+    validation node validate (from round 2, the first that validates); an unsampled trainer with
+    none is sent nothing that round."""
     summary, transport = _run(node_level, fraction_train=0.5)
     trainers = {p.partition_id for p in node_level if int(p.train_mask.sum())}
     validators = {p.partition_id for p in node_level if int(p.val_mask.sum())}
@@ -193,10 +199,10 @@ def test_a_fraction_of_the_trainers_trains_each_round_sampled_from_the_seed(node
     rounds = transport.by_round()
     assert len(rounds) == sum(s["rounds_sent"] for s in summary["stages"])
     samples = []
-    for batch in rounds.values():
+    for (_, r), batch in rounds.items():
         sampled = {a for a, only, _ in batch if not only}
         assert len(sampled) == 9 and sampled <= trainers
-        assert {a for a, only, _ in batch if only} == validators
+        assert {a for a, only, _ in batch if only} == (validators if r > 1 else set())
         samples.append(sampled)
     assert len({frozenset(s) for s in samples}) > 1, "a new sample each round"
     again, t_again = _run(node_level, fraction_train=0.5)
@@ -224,12 +230,15 @@ def test_clients_per_round_caps_the_sample(node_level):
 
 
 @pytest.mark.parametrize("broadcast_bits", [4, 32])
-def test_a_sampled_trainer_whose_view_is_behind_gets_the_state_whole(node_level, monkeypatch, broadcast_bits):
-    """Unsampled trainers with no validation node are left out of a round, and one sampled after
-    missing a round is sent the round's state whole: the run trains exactly as when every trainer
-    was kept up to date with validate-only messages (the rule before 2026-11-28, restored here by
-    making every client count as a validator; they hold no validation node, so every sum is
-    unchanged), with fewer messages."""
+def test_a_client_whose_view_is_behind_gets_the_deltas_it_missed_or_the_state_whole(
+    node_level, monkeypatch, broadcast_bits
+):
+    """Unsampled trainers with no validation node are left out of a round. One sampled after
+    missing rounds is sent the deltas it missed with the round's, oldest first, and one that holds
+    no view of the stage yet (a validator's first round, round 2) the state whole: the run trains
+    exactly as when every trainer was kept up to date with validate-only messages (the rule
+    before 2026-11-28, restored here by making every client count as a validator; they hold no
+    validation node, so every sum is unchanged), with fewer messages."""
     settings = dict(clients_per_round=4, broadcast_bits=broadcast_bits)
     lean, t_lean = _run(node_level, **settings)
     with monkeypatch.context() as m:
@@ -242,16 +251,21 @@ def test_a_sampled_trainer_whose_view_is_behind_gets_the_state_whole(node_level,
     if broadcast_bits == 32:  # every message carries the state whole: nobody is behind
         assert lean["bytes_model"] < kept_up["bytes_model"]
         return
-    # Compressed broadcasts: exactly the recipients the round before left out get it whole.
+    # Compressed broadcasts: of the recipients the round before left out, those with a view of the
+    # stage catch up with the deltas since their last round, the others get the state whole.
     rounds = t_lean.by_round()
-    expected = sorted(
-        (s, r, a)
-        for (s, r), batch in rounds.items()
-        if r > 1
-        for a, _, _ in batch
-        if a not in {b for b, _, _ in rounds[(s, r - 1)]}
-    )
-    assert whole and whole == expected
+    expected_whole, expected_missed = [], {}
+    for (s, r), batch in rounds.items():
+        for a, _, _ in batch:
+            earlier = [q for q in range(1, r) if a in {b for b, _, _ in rounds.get((s, q), [])}]
+            if r == 1 or (earlier and earlier[-1] == r - 1):
+                continue
+            if earlier:
+                expected_missed[(s, r, a)] = r - 1 - earlier[-1]
+            else:
+                expected_whole.append((s, r, a))
+    assert whole and whole == sorted(expected_whole)
+    assert t_lean.missed and t_lean.missed == expected_missed
 
 
 def _rounds(transport) -> list[list[tuple]]:
@@ -286,3 +300,53 @@ def test_a_residual_is_the_stages_own_whoever_missed_round_1(node_level):
     client.stage = 1
     client.begin_round(2)  # stage 1's round 2, its round 1 missed
     assert client.residual is None
+
+
+def test_validating_every_few_rounds_asks_validators_those_rounds_only_and_trains_the_same(node_level):
+    """``validate-every 2``: rounds 3, 5, 7 carry the validation of the state they bring (and the
+    stage's last state is validated after its rounds). Clients that only validate are sent those
+    rounds alone: the first whole (no view of the stage yet), the later ones with the delta they
+    missed before the round's own. Trainers take every round, so with early stopping off each
+    validated state is the one validated every round, to the bit: the curve is the every-round
+    curve at those rounds, with fewer messages and model bytes. It can fail: a validator that
+    applied the round's delta to the view before the one it missed would validate another state."""
+    settings = dict(rounds=7, broadcast_bits=4)
+    every, t_every = _run(node_level, **settings)
+    two, t_two = _run(node_level, validate_every=2, **settings)
+    validators = {p.partition_id for p in node_level if int(p.val_mask.sum()) and not int(p.train_mask.sum())}
+    rounds = t_two.by_round()
+    for (stage, r), batch in rounds.items():
+        asked = {a for a, only, _ in batch if only}
+        assert asked == (validators if r in (3, 5, 7) else set()), (stage, r)
+        for a, only, whole in batch:
+            if only:
+                assert whole == (r == 3) and t_two.missed.get((stage, r, a)) == (None if r == 3 else 1)
+    assert all(a not in validators for (_, _, a) in t_every.missed), "every round: nothing missed"
+    first = {h["round"]: h["val_accuracy"] for h in every["stages"][0]["history"]}
+    assert [h["round"] for h in two["stages"][0]["history"]] == [2, 4, 6, 7]
+    assert [h["val_accuracy"] for h in two["stages"][0]["history"]] == [first[r] for r in (2, 4, 6, 7)]
+    trained = [(s, r, a) for s, r, a, only, _ in t_every.rounds if not only]
+    assert [(s, r, a) for s, r, a, only, _ in t_two.rounds if not only] == trained
+    assert two["messages"]["train"] == every["messages"]["train"] - 3 * 3 * len(validators)
+    assert two["bytes_model"] < every["bytes_model"]
+    assert math.isfinite(two["test_accuracy"])
+
+
+def test_validating_every_few_rounds_stops_after_as_many_rounds_without_gain(node_level):
+    """Patience and min-rounds count rounds, not validations: with ``validate-every 2`` a stage
+    stops at the first validated round at least ``patience`` rounds after its best."""
+    over = dict(rounds=30, patience=4, min_rounds=6, stop_metric="accuracy")
+    summary, _ = _run(node_level, validate_every=2, **over)
+    stopped = []
+    for stage in summary["stages"]:
+        history = stage["history"]
+        assert all(h["round"] % 2 == 0 for h in history)
+        last = history[-1]["round"]
+        if stage["rounds_run"] < 30:  # stopped early: 4 or 5 rounds past its best, 6 or more in
+            assert last >= 6 and 4 <= last - stage["best_round"] <= 5, stage
+            stopped.append(stage["stage"])
+    assert stopped, "early stopping ended a stage"
+    every, _ = _run(node_level, **over)  # validated each round: the last is 4 past its best
+    for s in every["stages"]:
+        if s["rounds_run"] < 30:  # 4 past its best, or min-rounds came later
+            assert s["history"][-1]["round"] - s["best_round"] == 4 or s["rounds_run"] == 6, s

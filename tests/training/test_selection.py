@@ -28,6 +28,37 @@ def test_patience_counts_rounds_without_a_gain_and_keeps_the_best_state():
     assert (t.best_round, t.best_val) == (2, 0.6) and float(t.best_state["w"]) == 2.0
 
 
+def test_patience_and_min_rounds_count_rounds_when_rounds_are_validated_every_few():
+    """``validate-every 2``: records at rounds 2, 4, 6, ... A stage stops at the first record at
+    least ``patience`` rounds after its best and at least ``min_rounds`` rounds in."""
+    t = StageTracker(0, patience=4, min_rounds=6)
+    for r, acc in ((2, 0.5), (4, 0.6), (6, 0.6)):
+        t.record(r, {"w": torch.tensor(float(r))}, acc)
+        assert not t.should_stop, r
+    t.record(8, {"w": torch.tensor(8.0)}, 0.55)
+    assert t.should_stop and (t.best_round, t.stale, t.last_round) == (4, 4, 8)
+    assert t.figures(1.0)["rounds_run"] == 8
+    early = StageTracker(0, patience=2, min_rounds=6)
+    for r in (2, 4):
+        early.record(r, {}, 0.5 if r == 2 else 0.4)
+    assert early.stale == 2 and not early.should_stop  # 4 rounds in: min-rounds holds it back
+
+
+def test_a_pace_is_read_by_round_whatever_rounds_were_validated():
+    from retexo_fl.coordinator.selection import pace_by_round
+
+    every = [{"round": r, "val_accuracy": a} for r, a in ((1, 0.5), (2, 0.6), (3, 0.7))]
+    assert pace_by_round(every) == [0.5, 0.6, 0.7]
+    sparse = [{"round": r, "val_accuracy": a} for r, a in ((2, 0.5), (4, 0.7), (5, 0.6))]
+    assert pace_by_round(sparse) == [0.0, 0.5, 0.5, 0.7, 0.6]
+    t = StageTracker(0)
+    t.race(pace_by_round(sparse), after=4, margin=0.05)
+    t.record(2, {}, 0.6)
+    assert not t.behind_pace  # round 2: before the race's round 4
+    t.record(4, {}, 0.62)
+    assert t.behind_pace  # by round 4 the other had 0.7
+
+
 def test_min_rounds_holds_early_stopping_back():
     accs = [0.7, 0.6, 0.6, 0.6, 0.6, 0.6, 0.8]
     assert _feed(StageTracker(0, patience=2), accs) == 3

@@ -43,9 +43,10 @@ def _halo_senders(request: Records) -> set[int]:
     return {src for kind, src in keys if kind != P.DEGREES}
 
 
-def _deliveries_digest(payloads: Mapping[str, object]) -> str:
-    """One digest of a message's deliveries, whatever their order."""
-    h = hashlib.sha256()
+def _deliveries_digest(payloads: Mapping[str, object], stage: object) -> str:
+    """One digest of a message's deliveries for ``stage``, whatever their order. The stage is in
+    it: an isolated client's deliveries are empty at every stage, and each must still be applied."""
+    h = hashlib.sha256(f"stage {stage}:".encode())
     for key in sorted(payloads):
         blob = bytes(payloads[key])  # type: ignore[call-overload]
         h.update(f"{key}:{len(blob)}:".encode())
@@ -65,7 +66,7 @@ def _deliver(client: Client, request: Records, once: bool = False) -> bool:
     if P.PAYLOADS not in request:
         return False
     if once:
-        digest = _deliveries_digest(request[P.PAYLOADS])
+        digest = _deliveries_digest(request[P.PAYLOADS], request.get(P.CONFIG, {}).get(P.STAGE))
         if digest == client.delivered:
             return False
         client.delivered = digest

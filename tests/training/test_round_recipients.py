@@ -350,3 +350,24 @@ def test_validating_every_few_rounds_stops_after_as_many_rounds_without_gain(nod
     for s in every["stages"]:
         if s["rounds_run"] < 30:  # 4 past its best, or min-rounds came later
             assert s["history"][-1]["round"] - s["best_round"] == 4 or s["rounds_run"] == 6, s
+
+
+@pytest.mark.parametrize("tested", [True, False])
+def test_an_isolated_client_the_rounds_leave_out_gets_every_stages_empty_rows(tested):
+    """A node with no edge and no training or validation label is sent each stage's rows, none,
+    with the stage's last message (its embed, or the last stage's test). The rows are opened
+    once per message; every stage's are empty, and were taken for the last stage's sent again,
+    so the client reached stage 2 without its (empty) halo: CiteSeer at one node per client
+    failed so ("client 834: stage 2 has no halo rows yet")."""
+    import torch
+
+    data = synthetic_sbm(60, 3, avg_degree=6, homophily=0.85, num_features=8, feature_signal=0.4, seed=2)
+    apply_split(data, "random:0.3,0.2,0.3", seed=2)
+    labelled = data.train_mask | data.val_mask
+    node = next(v for v in range(60) if not labelled[v] and bool(data.test_mask[v]) == tested)
+    keep = (data.edge_index != node).all(dim=0)
+    data.edge_index = data.edge_index[:, keep]
+    parts = partition_graph(data, 60, "node", seed=0)
+    assert not parts[node].cross_edges.shape[0] and not int(parts[node].train_mask.sum())
+    summary, _ = _run(parts, stages=4 if not tested else 3)
+    assert math.isfinite(summary["test_accuracy"]) and torch.isfinite(torch.tensor(summary["val_accuracy"]))

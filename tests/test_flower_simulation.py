@@ -310,18 +310,22 @@ def test_the_actor_pool_is_one_more_than_the_cores_and_no_more_than_the_clients(
 def test_node_level_in_simulation_matches_in_process(tmp_path):
     """One node per client, 40 clients, most of whom neither train nor validate: Flower's engine
     sends the same messages (no train message to the latter) and ends with the same accuracy and
-    bytes as the in-process engine."""
+    bytes as the in-process engine. Three of the eight trainers a round and validation every
+    second round: sampled trainers and validators catch up with the broadcast deltas they missed
+    (31 such messages in process), and are told to keep the best view late."""
     cfg = TrainConfig.resolve(
         dataset="sbm:40,3,6,0.85",
         split="random:0.2,0.2,0.6",
         clients=40,
         method="node",
         stages=3,
-        rounds=3,
+        rounds=5,
         patience=0,
         self_training=0,
         hidden=16,
         seed=0,
+        clients_per_round=3,
+        validate_every=2,
         out_dir=str(tmp_path / "sim"),
     )
     sim, ref = _both_engines(cfg)
@@ -329,4 +333,4 @@ def test_node_level_in_simulation_matches_in_process(tmp_path):
     assert sim["bytes_boundary"] == ref["bytes_boundary"] > 0
     assert sim["bytes_model"] == ref["bytes_model"]
     assert sim["messages"] == ref["messages"]
-    assert sim["messages"]["train"] < 3 * 3 * 40  # rounds went only to who trains or validates
+    assert sim["messages"]["train"] < 3 * 5 * 40  # rounds went only to who trains or validates

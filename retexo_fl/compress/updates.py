@@ -272,18 +272,22 @@ class ModelBroadcast:
         half (str, optional): dtype of the per-row ranges. (default: :obj:`"fp16"`)
         seed (int, optional): seed of the stochastic rounding (rounds are mixed in).
             (default: :obj:`0`)
+        catch_up (bool, optional): keep the deltas for clients that missed rounds (a control
+            variate's broadcast reaches every client every round: it keeps none).
+            (default: :obj:`True`)
     """
 
     #: ``(round, frames)`` of the stage's last deltas, oldest first (see :meth:`chain`). A class
     #: default: a checkpoint written by older code has none, and its clients catch up whole.
     past: ClassVar[list[tuple[int, dict[str, bytes]]]] = []
 
-    def __init__(self, bits: int = 32, half: str = "fp16", seed: int = 0) -> None:
+    def __init__(self, bits: int = 32, half: str = "fp16", seed: int = 0, catch_up: bool = True) -> None:
         self.codec = UpdateCodec(bits, half)
         self.bits, self.seed = int(bits), int(seed)
         self.view: StateDict | None = None
         self.frames: dict[str, bytes] | None = None
         self.past = []
+        self.catch_up = catch_up
 
     def prepare(self, state: StateDict, round_: int) -> StateDict:
         """The view clients will hold after round ``round_``'s broadcast of ``state``.
@@ -306,6 +310,8 @@ class ModelBroadcast:
             # Keep the deltas a client might still catch up with: a longer chain than these
             # costs more than the state whole, which such a client is sent instead.
             past, whole, size = [*self.past, (round_, self.frames)], self.whole_nbytes(), 0
+            if not getattr(self, "catch_up", True):  # older checkpoints: True
+                past = []
             for i in range(len(past) - 1, -1, -1):
                 size += UpdateCodec.nbytes(past[i][1])
                 if size >= whole:

@@ -28,7 +28,7 @@ class ServerControl:
         self.control = zeros_like_state(state)
         self.lr = lr
         self.clients: dict[int, StateDict] = {}
-        self.broadcast = ModelBroadcast(bits, half, seed)
+        self.broadcast = ModelBroadcast(bits, half, seed, catch_up=False)  # every client, every round
         # Round 1: c is zero and every client starts from zero without being told.
         self.view = self.broadcast.prepare(self.control, 1)
         self.round = 1

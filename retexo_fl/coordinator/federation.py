@@ -90,8 +90,8 @@ class FederationView:
         # stage -> client -> [boundary bytes sent, boundary bytes received, model bytes] (the
         # exchange that ends a stage counts to it; setup's degree frames to stage -1)
         self.client_bytes: dict[int, dict[int, list[int]]] = {}
-        # Clients that hold no copy of the state a stage ends with (they took no part in its
-        # rounds): evaluate and embed send it to them whole instead of by digest.
+        # Clients that hold no copy of the state a stage ends with (its best: they were neither
+        # sent it last nor told to keep it): evaluate and embed send it to them whole, not by digest.
         self.unheld: set[int] = set()
         # first-stage auto: what layer-0 stages are, mlp or local (the one being tried, then the
         # one kept); every message names it (see content).
@@ -238,7 +238,7 @@ class FederationView:
         whole; a client that holds no such state (a node restarted without its folder) answers
         :data:`~retexo_fl.protocol.NOT_HELD` and is sent the state whole. Messages that carry
         ``payloads`` always carry the state whole: their frames are opened once. So do messages to
-        the clients in :attr:`unheld` (no part in the stage's rounds), which hold it from then on.
+        the clients in :attr:`unheld` (holding no copy of the stage's best), which hold it from then on.
         """
         held = self.cfg.broadcast_bits < 32
         named = {P.HELD: state_digest(state)} if held else {}

@@ -140,6 +140,13 @@ class RoundLoop:
             rs.finished, rs.seconds = True, time.perf_counter() - t0
             if on_round is not None:  # clients move on after this: a resume must not ask them again
                 on_round(rs)
+        # Clients that hold no copy of the stage's best state are sent it whole with the stage's
+        # next message (test or embed); the others are named its digest. From the checkpointed
+        # round state, so a resumed server asks as the first would have.
+        if rs.holds is not None:
+            best = rs.tracker.best_round + 1  # the round whose message brought the best state
+            holders = {p for p, h in rs.holds.items() if h == best} | set(rs.kept_by or [])
+            self.fed.unheld = set(self.fed.pids) - holders
         result.figures = rs.tracker.figures(time.perf_counter() - t0)
         result.figures["bytes_model_raw"] = rs.model_raw
         # Rounds whose messages went out: one more than rounds_run where early stopping ended the
@@ -168,7 +175,8 @@ class RoundLoop:
         every = int(self.cfg.validate_every)
         if rs.holds is None:  # a checkpoint of older code: the last round's recipients hold its view
             rs.holds = {pid: rs.round for pid in (rs.recipients or [])} if rs.round else {}
-            rs.keep_for = list(rs.recipients or []) if getattr(rs, "keep", False) else []
+            keep = getattr(rs, "keep", False) and self.cfg.broadcast_bits < 32
+            rs.keep_for = list(rs.recipients or []) if keep else []
             rs.kept_by = []
         for r in range(rs.round + 1, rounds + 1):
             rs.sent = r
@@ -246,16 +254,16 @@ class RoundLoop:
             last = fed.pids if rs.recipients is None else rs.recipients
             asked = sorted(set(last) | set(rs.validators or []))
             plans, _ = self._model_plans(rs, rounds + 1, asked)
+            if not refresh:  # a validator no round reached (rounds <= validate-every) lacks the stage's rows
+                held_back = getattr(rs, "undelivered", None) or {}
+                pending = {p: held_back[p] for p in asked if p in held_back} or None
             ask = {"model": rs.broadcast, "pids": asked, "plans": plans, P.ROUND: rounds + 1}
             val = total(fed.evaluate(rs.view, "val", stage, pending, **ask))
             live = set(fed.pids)  # without any client lost in the validation
             self._received(rs, rounds + 1, [p for p in asked if p in live], plans)
+            if pending and not refresh:
+                rs.undelivered = {p: f for p, f in rs.undelivered.items() if p not in pending}
             self._record(rs, rounds, (val.correct, val.count, val.loss_sum), refresh)
-        # Clients that hold neither the stage's best state nor any view of it: they are sent it
-        # whole with the stage's next message (test or embed); the others are named its digest.
-        best = rs.tracker.best_round + 1  # the round whose message brought the best state
-        holders = {p for p, h in rs.holds.items() if h == best} | set(rs.kept_by or [])
-        fed.unheld = set(fed.pids) - holders
 
     def _model_plans(
         self, rs: RoundState, round_: int, recipients: list[int]
@@ -306,9 +314,11 @@ class RoundLoop:
             holds[pid] = round_
         rs.holds = holds
         told = {pid for pid in pids if plans.get(pid, {}).get(P.KEEP)}
-        if told:
+        # A state sent whole without KEEP is taken afresh: what its client kept is gone.
+        afresh = {pid for pid in pids if "state" in plans.get(pid, {}) and pid not in told}
+        if told or afresh:
             rs.keep_for = [p for p in (rs.keep_for or []) if p not in told]
-            rs.kept_by = sorted(set(rs.kept_by or []) | told)
+            rs.kept_by = sorted((set(rs.kept_by or []) | told) - afresh)
 
     def _record(self, rs: RoundState, round_: int, val: tuple[int, int, float], refresh: bool) -> None:
         if refresh:  # bytes so far include this run's relayed rows

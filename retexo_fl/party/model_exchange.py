@@ -29,8 +29,9 @@ UPDATE_TAG = 0xC0
 # file, so there the view is compared bit for bit (0.06 ms). A deployed client decodes its own.
 # A few are kept: clients that missed rounds decode a chain of them, one step after another.
 _decoded: list[tuple[StateDict, dict[str, bytes], StateDict]] = []
-#: How many decoded deltas :data:`_decoded` keeps.
-DECODES_KEPT = 4
+#: How many decoded deltas :data:`_decoded` keeps: a chain as long as a 4-bit broadcast's kept
+#: deltas (about seven) is decoded once, not once per client.
+DECODES_KEPT = 8
 
 
 class RoundCohort(Protocol):
@@ -154,8 +155,10 @@ class ModelExchange:
             return state
         if self.view is None:
             raise RuntimeError(f"client {self.id}: a model delta arrived before any whole state")
-        for step in [*(missed or []), frames]:
-            self.view = self._decode_broadcast(self.view, step)
+        view = self.view
+        for step in [*(missed or []), frames]:  # a step that fails to decode leaves the view as it was
+            view = self._decode_broadcast(view, step)
+        self.view = view
         return self.view
 
     def _decode_broadcast(self, view: StateDict, frames: dict[str, bytes]) -> StateDict:

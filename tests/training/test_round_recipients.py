@@ -371,3 +371,16 @@ def test_an_isolated_client_the_rounds_leave_out_gets_every_stages_empty_rows(te
     assert not parts[node].cross_edges.shape[0] and not int(parts[node].train_mask.sum())
     summary, _ = _run(parts, stages=4 if not tested else 3)
     assert math.isfinite(summary["test_accuracy"]) and torch.isfinite(torch.tensor(summary["val_accuracy"]))
+
+
+@pytest.mark.parametrize("rounds, every", [(1, 1), (2, 2), (3, 2)])
+def test_validators_no_round_reached_get_the_stages_rows_with_its_last_validation(node_level, rounds, every):
+    """A stage of ``rounds`` <= ``validate-every`` has no round that validates: its validators'
+    first message is the stage's last validation, which must bring them the stage's rows (and
+    the state whole). It failed so ("client 3: GCN needs halo degrees first")."""
+    summary, transport = _run(node_level, rounds=rounds, validate_every=every, broadcast_bits=4)
+    validators = {p.partition_id for p in node_level if int(p.val_mask.sum()) and not int(p.train_mask.sum())}
+    asked = {(s, a) for kind, s, a, _ in transport.sent if kind == P.TRAIN and a in validators}
+    assert bool(asked) == (rounds > every), "validators are sent the rounds that validate only"
+    assert all(s["history"][-1]["val_accuracy"] > 0 for s in summary["stages"])  # they validated
+    assert math.isfinite(summary["test_accuracy"])

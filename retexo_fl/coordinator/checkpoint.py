@@ -41,16 +41,13 @@ class RoundState:
         finished (bool): the stage's rounds are over and its last validation recorded; a resumed
             server goes straight on to the exchange (clients may have moved on already).
         keep (bool): written by older code: the view clients hold is the stage's best so far
-            (now :attr:`keep_for`).
+            (now derived from :attr:`holds` and the tracker's best round).
         recipients (list[int], optional): the clients the last round went to (a lazy stage's
             rounds leave out those with neither training nor validation nodes).
         undelivered (dict[int, dict[str, bytes]], optional): the stage's relayed frames for the
             clients its rounds left out, delivered with the stage's test.
         holds (dict[int, int], optional): client -> the round whose broadcast view it holds (it
             took part in that round); clients that hold no view of the stage are not in it.
-        keep_for (list[int], optional): the clients whose view is the stage's best so far and
-            that have not been sent a message since: their next one tells them to keep it
-            (:data:`~retexo_fl.protocol.KEEP`).
         kept_by (list[int], optional): the clients told to keep the stage's best so far.
         validators (list[int], optional): the last round's clients that only validate (sent the
             round's message only when it validates: see ``validate-every``).
@@ -72,7 +69,6 @@ class RoundState:
     recipients: list[int] | None = None
     undelivered: dict[int, dict[str, bytes]] | None = None
     holds: dict[int, int] | None = None
-    keep_for: list[int] | None = None
     kept_by: list[int] | None = None
     validators: list[int] | None = None
 

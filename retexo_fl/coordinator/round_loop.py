@@ -175,8 +175,6 @@ class RoundLoop:
         every = int(self.cfg.validate_every)
         if rs.holds is None:  # a checkpoint of older code: the last round's recipients hold its view
             rs.holds = {pid: rs.round for pid in (rs.recipients or [])} if rs.round else {}
-            keep = getattr(rs, "keep", False) and self.cfg.broadcast_bits < 32
-            rs.keep_for = list(rs.recipients or []) if keep else []
             rs.kept_by = []
         for r in range(rs.round + 1, rounds + 1):
             rs.sent = r
@@ -279,7 +277,7 @@ class RoundLoop:
         the stage's best so far is told to keep it (:data:`~retexo_fl.protocol.KEEP`).
         """
         b, holds = rs.broadcast, rs.holds or {}
-        keep_for = set(rs.keep_for or [])
+        keep_for = self._untold(rs)
         plans: dict[int, dict[str, Any]] = {}
         down: dict[int, int] = {}
         missed: dict[int | None, tuple[Frames, int] | None] = {}  # by round held: shared records
@@ -317,8 +315,16 @@ class RoundLoop:
         # A state sent whole without KEEP is taken afresh: what its client kept is gone.
         afresh = {pid for pid in pids if "state" in plans.get(pid, {}) and pid not in told}
         if told or afresh:
-            rs.keep_for = [p for p in (rs.keep_for or []) if p not in told]
             rs.kept_by = sorted((set(rs.kept_by or []) | told) - afresh)
+
+    def _untold(self, rs: RoundState) -> set[int]:
+        """The clients whose view is the stage's best so far and that no message reached since:
+        their next one tells them to keep it (compressed broadcasts only: clients persist their
+        views then). A client told moved on to a later round's view."""
+        if self.cfg.broadcast_bits >= 32 or not rs.tracker.history:
+            return set()
+        best = rs.tracker.best_round + 1  # the round whose message brought the best state
+        return {p for p, h in (rs.holds or {}).items() if h == best}
 
     def _record(self, rs: RoundState, round_: int, val: tuple[int, int, float], refresh: bool) -> None:
         if refresh:  # bytes so far include this run's relayed rows
@@ -328,11 +334,9 @@ class RoundLoop:
         val_loss = loss / count if count else 0.0
         rs.tracker.record(round_, rs.view, acc, train_loss=rs.train_loss, val_loss=val_loss)
         # A new best accuracy: the view its validators hold now (a falling loss resets patience,
-        # not the best). Compressed broadcasts only: clients persist their views then.
+        # not the best); nobody kept it yet (:meth:`_untold` says who is to).
         if rs.tracker.best_round == round_:
-            holds = rs.holds or {}
-            held = [p for p, h in holds.items() if h == round_ + 1] if self.cfg.broadcast_bits < 32 else []
-            rs.keep_for, rs.kept_by = sorted(held), []
+            rs.kept_by = []
         self.rec.event(
             "round", stage=rs.tracker.stage, round=round_, train_loss=rs.train_loss, val_accuracy=acc
         )

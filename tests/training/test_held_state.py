@@ -68,6 +68,11 @@ def test_same_bits_is_the_digests_equality_without_hashing():
     state = {"w": torch.tensor([[0.0, 1.5], [float("nan"), -2.0]]), "b": torch.tensor(0.5)}
     copy = {k: v.clone() for k, v in state.items()}
     assert same_bits(state, copy) and state_digest(state) == state_digest(copy)  # NaN: same bits
+    strided = {**copy, "w": copy["w"].t().contiguous().t()}  # the same bits laid out column-major
+    assert not strided["w"].is_contiguous() and same_bits(state, strided)
+    half = {"w": state["w"].to(torch.bfloat16)}  # a dtype numpy lacks
+    assert same_bits(half, {"w": half["w"].clone()})
+    assert not same_bits(half, {"w": half["w"].neg()})
     for changed in (
         {**copy, "w": torch.tensor([[-0.0, 1.5], [float("nan"), -2.0]])},  # equal values, not bits
         {**copy, "w": copy["w"].view(4)},

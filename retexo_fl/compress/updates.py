@@ -280,6 +280,8 @@ class ModelBroadcast:
     #: ``(round, frames)`` of the stage's last deltas, oldest first (see :meth:`chain`). A class
     #: default: a checkpoint written by older code has none, and its clients catch up whole.
     past: ClassVar[list[tuple[int, dict[str, bytes]]]] = []
+    #: Whether deltas are kept at all (see ``catch_up``); a class default for the same reason.
+    catch_up: ClassVar[bool] = True
 
     def __init__(self, bits: int = 32, half: str = "fp16", seed: int = 0, catch_up: bool = True) -> None:
         self.codec = UpdateCodec(bits, half)
@@ -309,9 +311,8 @@ class ModelBroadcast:
             self.view = self.codec.decode(self.frames, self.view, "server broadcast")
             # Keep the deltas a client might still catch up with: a longer chain than these
             # costs more than the state whole, which such a client is sent instead.
-            past, whole, size = [*self.past, (round_, self.frames)], self.whole_nbytes(), 0
-            if not getattr(self, "catch_up", True):  # older checkpoints: True
-                past = []
+            past = [*self.past, (round_, self.frames)] if self.catch_up else []
+            whole, size = self.whole_nbytes(), 0
             for i in range(len(past) - 1, -1, -1):
                 size += UpdateCodec.nbytes(past[i][1])
                 if size >= whole:

@@ -144,9 +144,7 @@ class RoundLoop:
         # next message (test or embed); the others are named its digest. From the checkpointed
         # round state, so a resumed server asks as the first would have.
         if rs.holds is not None:
-            best = rs.tracker.best_round + 1  # the round whose message brought the best state
-            holders = {p for p, h in rs.holds.items() if h == best} | set(rs.kept_by or [])
-            self.fed.unheld = set(self.fed.pids) - holders
+            self.fed.unheld = set(self.fed.pids) - self._holding_best(rs) - set(rs.kept_by or [])
         result.figures = rs.tracker.figures(time.perf_counter() - t0)
         result.figures["bytes_model_raw"] = rs.model_raw
         # Rounds whose messages went out: one more than rounds_run where early stopping ended the
@@ -323,7 +321,13 @@ class RoundLoop:
         views then). A client told moved on to a later round's view."""
         if self.cfg.broadcast_bits >= 32 or not rs.tracker.history:
             return set()
-        best = rs.tracker.best_round + 1  # the round whose message brought the best state
+        return self._holding_best(rs)
+
+    @staticmethod
+    def _holding_best(rs: RoundState) -> set[int]:
+        """The clients whose view is the stage's best so far (they took part in the round whose
+        message brought it)."""
+        best = rs.tracker.best_round + 1
         return {p for p, h in (rs.holds or {}).items() if h == best}
 
     def _record(self, rs: RoundState, round_: int, val: tuple[int, int, float], refresh: bool) -> None:

@@ -1,8 +1,11 @@
-"""Fused CPU loops for the row codec, compiled from C on first use, with torch ops as the fallback.
+"""Fused CPU loops for the row codec and dropout masks, compiled from C on first use, with torch
+ops as the fallback.
 
 Encoding a row block in torch ops takes about seven passes over it (extremes, dither, scale,
 offset, clamp, cast), each a separate kernel. The loops below do the same arithmetic in two
 passes whose rows stay in L1: one for the row extremes, one for the codes, and one for decoding.
+A dropout mask (:mod:`retexo_fl.models.dropout`) is hashed and written in one pass instead of
+about ten integer passes.
 They are compiled with the machine's C compiler (``cc``) into a shared library, cached per user,
 and called through :mod:`ctypes`, which releases the GIL, so row chunks run on
 ``torch.get_num_threads()`` Python threads at once.
@@ -141,6 +144,34 @@ void dequantize(const uint8_t *codes, int64_t k, int64_t d, const float *lo, con
             float v = (float)c[j] * s;
             o[j] = l + v;
         }
+    }
+}
+
+/* A dropout mask's elements [4 w0, min(4 w1, n)): element 4 w + j takes the 16-bit lane j (bits
+   16 j to 16 j + 15, read as a signed value s) of splitmix64's output for the counter
+   key + (w + 1) * golden, and is scale when s >= lo, else 0. */
+static inline uint64_t splitmix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+void dropout_mask(const int64_t *key, int64_t w0, int64_t w1, int64_t n, int32_t lo, float scale,
+                  float *out) {
+    const uint64_t k = (uint64_t)key[0];
+    const int64_t whole = n / 4 < w1 ? n / 4 : w1;
+    /* Four lanes a word written out, no count: this loop vectorizes (20x the loop with one). */
+    for (int64_t w = w0; w < whole; ++w) {
+        const uint64_t z = splitmix64(k + (uint64_t)(w + 1) * 0x9E3779B97F4A7C15ull);
+        float *o = out + 4 * w;
+        o[0] = (int32_t)(int16_t)(uint16_t)z >= lo ? scale : 0.0f;
+        o[1] = (int32_t)(int16_t)(uint16_t)(z >> 16) >= lo ? scale : 0.0f;
+        o[2] = (int32_t)(int16_t)(uint16_t)(z >> 32) >= lo ? scale : 0.0f;
+        o[3] = (int32_t)(int16_t)(uint16_t)(z >> 48) >= lo ? scale : 0.0f;
+    }
+    for (int64_t w = whole > w0 ? whole : w0; w < w1; ++w) { /* the last word, partly used */
+        const uint64_t z = splitmix64(k + (uint64_t)(w + 1) * 0x9E3779B97F4A7C15ull);
+        for (int64_t e = 4 * w, j = 0; e + j < n && j < 4; ++j)
+            out[e + j] = (int32_t)(int16_t)(uint16_t)(z >> (16 * j)) >= lo ? scale : 0.0f;
     }
 }
 """
@@ -295,7 +326,8 @@ def _load() -> ctypes.CDLL | None:
     lib.dequantize.argtypes = [p, i64, i64, p, p, p]
     lib.pack.argtypes = [p, i64, i64, i64, ctypes.c_int, p]
     lib.unpack.argtypes = [p, i64, i64, ctypes.c_int, p]
-    for fn in (lib.row_extremes, lib.quantize, lib.dequantize, lib.pack, lib.unpack):
+    lib.dropout_mask.argtypes = [p, i64, i64, i64, ctypes.c_int32, ctypes.c_float, p]
+    for fn in (lib.row_extremes, lib.quantize, lib.dequantize, lib.pack, lib.unpack, lib.dropout_mask):
         fn.restype = None
     return lib
 
@@ -504,3 +536,28 @@ def unpack(packed: Tensor, bits: int, count: int) -> Tensor:
     _over_rows(size, per, lambda s, e: lib.unpack(_ptr(packed), s, e, bits, _ptr(codes)))
     codes = codes[:count]
     return codes
+
+
+def dropout_mask(key: Tensor, n: int, lo: int, scale: float) -> Tensor:
+    """A flat float32 dropout mask of ``n`` elements, :func:`retexo_fl.models.dropout.keep_mask`'s
+    lanes hashed in C (its torch ops give the same values).
+
+    Only integers are compared and two constants written, so unlike the codec's loops this one
+    does not depend on torch's denormal flushing.
+
+    Args:
+        key (Tensor): the mask's counter key, one int64 on the CPU.
+        n (int): the mask's elements.
+        lo (int): an element is kept when its signed 16-bit lane is at least ``lo``.
+        scale (float): a kept element's value.
+
+    Shapes:
+        - **output:** ``[n]`` float32
+    """
+    lib = _required()
+    if key.device.type != "cpu" or key.dtype != torch.int64 or key.numel() != 1:
+        raise ValueError(f"dropout mask key: expected one int64 on the CPU, got {key.dtype}, {key.shape}")
+    key = key.contiguous()
+    out = torch.empty(n)
+    _over_rows(-(-n // 4), 4, lambda s, e: lib.dropout_mask(_ptr(key), s, e, n, lo, scale, _ptr(out)))
+    return out

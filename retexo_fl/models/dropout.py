@@ -1,15 +1,21 @@
-"""Dropout with a cheaper mask than ``nn.Dropout``'s: 16 random bits per element, compared.
+"""Dropout with a cheaper mask than ``nn.Dropout``'s: 16 hashed bits per element, compared.
 
 PyTorch's CPU dropout draws its mask with ``bernoulli_(1 - p)``, one scalar Bernoulli draw per
 element: about 15 ns an element on these machines (torch 2.13, 2 threads). In a lazy conv stage
 that was half of a round's time: the input dropout covers every owned and halo row at every
-step (``bench/scale.py``'s profile, 100,000 nodes). Here one 64-bit draw gives four elements a
-16-bit uniform ``w`` each, and an element is kept when ``w >= round(p * 2^16)``: with
-probability ``1 - p'``, ``p'`` being ``p`` rounded to a multiple of 2^-16 (exactly ``p`` for
-0.5, 0.25, ...; within 7.7e-6 of it always). A kept element is scaled by ``1 / (1 - p')``, so
-the output's expectation is the input, as with ``nn.Dropout``. The masks differ from
-``nn.Dropout``'s for the same seed; they come from the same global generator, so runs stay
-reproducible per seed. 2.8 ms per million elements against 15 (2026-11-25).
+step (``bench/scale.py``'s profile, 100,000 nodes). Here a mask takes one 64-bit key from
+torch's generator (the device's, so runs stay reproducible per seed) and hashes a counter with
+it: word ``w`` is ``splitmix64(key + (w + 1) * 0x9E3779B97F4A7C15)``, whose four 16-bit lanes
+give elements ``4 w`` to ``4 w + 3`` a uniform ``w16`` each. An element is kept when ``w16 >=
+round(p * 2^16)``: with probability ``1 - p'``, ``p'`` being ``p`` rounded to a multiple of
+2^-16 (exactly ``p`` for 0.5, 0.25, ...; within 7.7e-6 of it always). A kept element is scaled by
+``1 / (1 - p')``, so the output's expectation is the input, as with ``nn.Dropout``.
+
+On the CPU the hash runs as one compiled loop (:func:`retexo_fl.compress.native.dropout_mask`),
+elsewhere (a GPU, no compiler, ``RETEXO_FL_NATIVE=0``) as torch integer ops; both give the same
+mask, bit for bit. The loop replaced a draw of all the lanes from torch's Mersenne Twister,
+whose 64-bit draws alone took 7.4 ns per four elements, and four more passes to compare, cast and
+scale: a Cora run with the defaults spent a quarter of its time there.
 """
 
 from __future__ import annotations
@@ -19,10 +25,45 @@ import math
 import torch
 from torch import Tensor, nn
 
+from retexo_fl.compress import native
+
+# splitmix64's constants, as the int64 values of the same bits (torch's integers are signed; its
+# products wrap as unsigned ones do).
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def _shift_right(z: Tensor, bits: int) -> Tensor:
+    """``z >> bits`` as on unsigned 64-bit integers (torch's ``>>`` on int64 copies the sign)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def hashed_lanes(key: Tensor, n: int) -> Tensor:
+    """The first ``n`` signed 16-bit lanes of the counter hash, as torch ops (the compiled loop's
+    reference, and the path on devices other than the CPU).
+
+    Args:
+        key (Tensor): the mask's key, one int64 (on the device the lanes are made on).
+        n (int): lanes to return.
+
+    Shapes:
+        - **output:** ``[n]`` int16
+    """
+    z = torch.arange(1, (n + 3) // 4 + 1, dtype=torch.int64, device=key.device).mul_(_GOLDEN).add_(key)
+    z = z.bitwise_xor_(_shift_right(z, 30)).mul_(_MIX1)
+    z = z.bitwise_xor_(_shift_right(z, 27)).mul_(_MIX2)
+    z = z.bitwise_xor_(_shift_right(z, 31))
+    # Lane j of a word is bits 16 j to 16 j + 15: the int16 at index j of the word on a
+    # little-endian machine, which every platform torch ships wheels for is.
+    return z.view(torch.int16)[:n]
+
 
 def keep_mask(shape: tuple[int, ...], p: float, *, dtype: torch.dtype, device: torch.device) -> Tensor:
     """A dropout mask: ``1 / (1 - p')`` where an element is kept (probability ``1 - p'``), else 0;
     ``p'`` is ``p`` rounded to a multiple of 2^-16.
+
+    Draws one int64 from ``device``'s generator.
 
     Args:
         shape (tuple[int, ...]): the mask's shape.
@@ -36,12 +77,16 @@ def keep_mask(shape: tuple[int, ...], p: float, *, dtype: torch.dtype, device: t
     if not 0.0 <= p < 1.0:
         raise ValueError(f"a keep mask needs 0 <= p < 1, got {p}")
     n = math.prod(shape)
-    dropped = min(round(p * 65536), 65535)  # of the 2^16 equally likely values of w
-    # Four uniform 16-bit lanes per 64-bit draw (the range is every int64 but the largest).
-    words = torch.randint(-(2**63), 2**63 - 1, ((n + 3) // 4,), dtype=torch.int64, device=device)
-    lanes = words.view(torch.int16)[:n].view(shape)
-    mask = lanes.ge(dropped - 32768).to(dtype)
-    return mask.mul_(65536 / (65536 - dropped))
+    dropped = min(round(p * 65536), 65535)  # of the 2^16 equally likely values of a lane
+    lo = dropped - 32768  # the same threshold on the lane read as a signed value
+    scale = 65536 / (65536 - dropped)
+    # Every int64 but the largest; the key is read on the device, never by the host.
+    key = torch.randint(-(2**63), 2**63 - 1, (1,), dtype=torch.int64, device=device)
+    if dtype == torch.float32 and key.device.type == "cpu" and native.library() is not None:
+        return native.dropout_mask(key, n, lo, scale).view(shape)
+    # A float32 scale written as a constant equals 1.0 * scale in float32, as below; other
+    # dtypes round the scale their own way, so they take this path everywhere.
+    return hashed_lanes(key, n).view(shape).ge(lo).to(dtype).mul_(scale)
 
 
 def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:

@@ -1,4 +1,5 @@
-"""The 16-bit-lane dropout: nn.Dropout's distribution (p on a 2^-16 grid), scaling and modes."""
+"""The 16-bit-lane dropout: nn.Dropout's distribution (p on a 2^-16 grid), scaling and modes, and
+its counter hash, equal from first principles, in the compiled loop and in torch ops."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import math
 import pytest
 import torch
 
-from retexo_fl.models.dropout import Dropout, dropout, keep_mask
+from retexo_fl.compress import native
+from retexo_fl.models.dropout import Dropout, dropout, hashed_lanes, keep_mask
+
+HAVE_CC = native._compiler() is not None
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.8])
@@ -67,3 +71,71 @@ def test_a_half_precision_input_keeps_its_dtype():
     out = dropout(torch.ones(1000, dtype=torch.bfloat16), 0.5)
     assert out.dtype == torch.bfloat16
     assert set(out.unique().tolist()) <= {0.0, 2.0}
+
+
+def _splitmix64_lanes(key: int, n: int) -> list[int]:
+    """The signed 16-bit lanes of splitmix64 over the counters ``key + (w + 1) * golden``, in Python
+    integers (the published algorithm, no torch)."""
+    mask, lanes, w = (1 << 64) - 1, [], 0
+    while len(lanes) < n:
+        w += 1
+        z = (key + w * 0x9E3779B97F4A7C15) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        z ^= z >> 31
+        for j in range(4):
+            v = (z >> (16 * j)) & 0xFFFF
+            lanes.append(v - 65536 if v >= 32768 else v)
+    return lanes[:n]
+
+
+@pytest.mark.parametrize("key", [0, 1, -1, 2**62 + 12_345, -(2**63), 2**63 - 2])
+def test_the_torch_lanes_are_splitmix64_of_the_counter(key):
+    assert hashed_lanes(torch.tensor([key]), 41).tolist() == _splitmix64_lanes(key, 41)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32)  # tells 0.0 from -0.0 and compares the scale's exact bits
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the torch ops serve")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n", [1, 3, 4, 5, 8, 37, 65_537, 200_003])
+def test_the_compiled_mask_equals_the_torch_ops_bit_for_bit(n, threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # with 2, the pool splits a mask of 65,536 or more by words
+    try:
+        for key in (0, -7, 2**61 + 3):
+            for p in (0.1, 0.3, 0.5, 0.9):
+                dropped = min(round(p * 65536), 65535)
+                lo, scale = dropped - 32768, 65536 / (65536 - dropped)
+                compiled = native.dropout_mask(torch.tensor([key]), n, lo, scale)
+                ops = hashed_lanes(torch.tensor([key]), n).ge(lo).to(torch.float32).mul_(scale)
+                assert torch.equal(_bits(compiled), _bits(ops)), (key, p, n)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_a_mask_is_the_same_with_and_without_the_compiled_loop(dtype, monkeypatch):
+    masks = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv(native.NATIVE_ENV, flag)
+        torch.manual_seed(11)
+        masks.append(keep_mask((300, 7), 0.3, dtype=dtype, device=torch.device("cpu")))
+        masks.append(torch.randint(0, 1 << 30, (1,)))  # and what the generator draws next
+    assert torch.equal(masks[0], masks[2]) and torch.equal(masks[1], masks[3])
+    kept = masks[0] != 0
+    assert 0.6 < float(kept.float().mean()) < 0.8
+
+
+def test_a_mask_draws_one_int64_from_the_generator_whatever_its_size():
+    # Chunked steps replay the generator's state and the batched cohort draws each member's
+    # masks in turn: both rely on a mask's draw being one value, not one per element.
+    for shape in [(1,), (5, 3), (1000, 64)]:
+        torch.manual_seed(5)
+        keep_mask(shape, 0.5, dtype=torch.float32, device=torch.device("cpu"))
+        after_mask = torch.randint(0, 1 << 30, (4,))
+        torch.manual_seed(5)
+        torch.randint(-(2**63), 2**63 - 1, (1,), dtype=torch.int64)
+        assert torch.equal(after_mask, torch.randint(0, 1 << 30, (4,)))

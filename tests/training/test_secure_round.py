@@ -150,9 +150,11 @@ def test_compressed_updates_and_the_baselines_compose(sbm):
     plain = run_lazy(parts, cfg)
     secure = run_lazy(parts, dataclasses.replace(cfg, secure_aggregation=True))
     # Each round's decoded sum differs from the plain mean by the fixed-point error (first test),
-    # so the weights differ in their last bits. On 300 test nodes that moved one prediction
-    # (0.717 against 0.713) with the dropout masks and GCN order of 2026-11-25: one point at most.
-    assert abs(secure["test_accuracy"] - plain["test_accuracy"]) <= 0.01
+    # so the weights differ in their last bits, and 8 rounds a stage leave the model where such
+    # bits still move predictions: on 300 test nodes, seeds 0-5 differed by 0.033, 0.007, 0.007,
+    # 0.010, 0 and 0.020 (measured 2026-11-29, test 0.59-0.82). A secure sum that is wrong
+    # beyond that error trains nothing like the plain run.
+    assert abs(secure["test_accuracy"] - plain["test_accuracy"]) <= 0.04
     assert secure["secure_aggregation"]["rounds"] == 16
     for local in (False, True):
         eager = dataclasses.replace(BASE, mode="local" if local else "eager", rounds=10)

@@ -1,0 +1,135 @@
+"""Dropout masks: the hashed lanes against the drawn lanes they replaced and ``nn.Dropout``.
+
+    python bench/dropout.py [--repeats 21] [--threads 2] [--out bench/results/dropout-DATE.json]
+
+For each input shape (one node's features or hidden row at node level, a Cora client's
+partition, a whole Cora graph, a conv stage's input on a 300,000-node graph), it times, median
+of ``--repeats`` calls in one process:
+
+- ``keep_mask`` as it is (one key, the counter hash: the compiled loop on the CPU);
+- the same with ``RETEXO_FL_NATIVE=0`` (the hash as torch integer ops: the path on a GPU);
+- the lanes drawn from torch's generator (``randint`` of every lane, compare, cast, scale: the
+  code before 2026-11-29, rebuilt here as the reference);
+- a whole dropout forward and backward: ours, the drawn lanes, and ``nn.functional.dropout``.
+
+It prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable
+from datetime import date
+from pathlib import Path
+
+import torch
+
+from retexo_fl.compress import native
+from retexo_fl.models.dropout import dropout, keep_mask
+
+SHAPES = {
+    "one node, Cora features": (1, 1433),
+    "one node, hidden 64": (1, 64),
+    "Cora client (10 random), features": (271, 1433),
+    "Cora, whole graph, features": (2708, 1433),
+    "300,000-node graph, conv input 64": (300_000, 64),
+}
+CPU = torch.device("cpu")
+
+
+def drawn_mask(shape: tuple[int, ...], p: float) -> torch.Tensor:
+    """The mask as drawn before the hash: every lane from torch's generator, then four passes."""
+    n = math.prod(shape)
+    dropped = min(round(p * 65536), 65535)
+    words = torch.randint(-(2**63), 2**63 - 1, ((n + 3) // 4,), dtype=torch.int64)
+    lanes = words.view(torch.int16)[:n].view(shape)
+    return lanes.ge(dropped - 32768).to(torch.float32).mul_(65536 / (65536 - dropped))
+
+
+def median_us(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm: the library's first load, allocator pools
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def forward_backward(drop: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Callable[[], None]:
+    def run() -> None:
+        x.grad = None
+        drop(x).sum().backward()
+
+    return run
+
+
+def measure(shape: tuple[int, ...], p: float, repeats: int) -> dict:
+    """One shape's row: each mask and each forward and backward, median microseconds."""
+
+    def ours() -> torch.Tensor:
+        return keep_mask(shape, p, dtype=torch.float32, device=CPU)
+
+    row: dict = {"size": list(shape), "elements": math.prod(shape)}
+    row["mask_hashed_us"] = median_us(ours, repeats)
+    os.environ[native.NATIVE_ENV] = "0"
+    row["mask_hashed_torch_ops_us"] = median_us(ours, repeats)
+    del os.environ[native.NATIVE_ENV]
+    row["mask_drawn_us"] = median_us(lambda: drawn_mask(shape, p), repeats)
+    x = torch.randn(*shape, requires_grad=True)
+    drops = {
+        "hashed": lambda t: dropout(t, p),
+        "drawn": lambda t: t * drawn_mask(shape, p),
+        "nn_dropout": lambda t: torch.nn.functional.dropout(t, p),
+    }
+    for name, drop in drops.items():
+        row[f"fwd_bwd_{name}_us"] = median_us(forward_backward(drop, x), repeats)
+    return row
+
+
+COLUMNS = {
+    "mask hashed (C)": "mask_hashed_us",
+    "hashed, torch ops": "mask_hashed_torch_ops_us",
+    "drawn (before)": "mask_drawn_us",
+    "fwd+bwd hashed": "fwd_bwd_hashed_us",
+    "drawn": "fwd_bwd_drawn_us",
+    "nn.Dropout": "fwd_bwd_nn_dropout_us",
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=21, help="calls per figure (x20 below 1M elements)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--p", type=float, default=0.5)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    compiled = native.library() is not None
+    rows = []
+    for name, shape in SHAPES.items():
+        repeats = args.repeats if math.prod(shape) > 1_000_000 else args.repeats * 20
+        rows.append({"shape": name, **measure(shape, args.p, repeats)})
+        print(f"  {name}: done", flush=True)
+    loop = "yes" if compiled else "no"
+    print(f"\nthreads {args.threads}, p {args.p}, compiled loop {loop}; microseconds, median\n")
+    print("| shape | elements | " + " | ".join(COLUMNS) + " |")
+    print("|---|---:|" + "---:|" * len(COLUMNS))
+    for r in rows:
+        cells = " | ".join(f"{r[key]:,.0f}" for key in COLUMNS.values())
+        print(f"| {r['shape']} | {r['elements']:,} | {cells} |")
+    if args.out:
+        meta = {"date": str(date.today()), "threads": args.threads, "p": args.p, "compiled": compiled,
+                "torch": torch.__version__, "cpus": os.cpu_count()}  # fmt: skip
+        args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        print(f"-> {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -174,6 +174,44 @@ void dropout_mask(const int64_t *key, int64_t w0, int64_t w1, int64_t n, int32_t
             out[e + j] = (int32_t)(int16_t)(uint16_t)(z >> (16 * j)) >= lo ? scale : 0.0f;
     }
 }
+
+/* out[e] = x[e] * m[e] for dropout_mask's m, over the same elements, without writing m: one
+   multiply each, as torch's x * m. */
+void dropout_apply(const float *x, const int64_t *key, int64_t w0, int64_t w1, int64_t n,
+                   int32_t lo, float scale, float *out) {
+    const uint64_t k = (uint64_t)key[0];
+    const int64_t whole = n / 4 < w1 ? n / 4 : w1;
+    for (int64_t w = w0; w < whole; ++w) {
+        const uint64_t z = splitmix64(k + (uint64_t)(w + 1) * 0x9E3779B97F4A7C15ull);
+        const float *i = x + 4 * w;
+        float *o = out + 4 * w;
+        o[0] = i[0] * ((int32_t)(int16_t)(uint16_t)z >= lo ? scale : 0.0f);
+        o[1] = i[1] * ((int32_t)(int16_t)(uint16_t)(z >> 16) >= lo ? scale : 0.0f);
+        o[2] = i[2] * ((int32_t)(int16_t)(uint16_t)(z >> 32) >= lo ? scale : 0.0f);
+        o[3] = i[3] * ((int32_t)(int16_t)(uint16_t)(z >> 48) >= lo ? scale : 0.0f);
+    }
+    for (int64_t w = whole > w0 ? whole : w0; w < w1; ++w) {
+        const uint64_t z = splitmix64(k + (uint64_t)(w + 1) * 0x9E3779B97F4A7C15ull);
+        for (int64_t e = 4 * w, j = 0; e + j < n && j < 4; ++j)
+            out[e + j] = x[e + j] * ((int32_t)(int16_t)(uint16_t)(z >> (16 * j)) >= lo ? scale : 0.0f);
+    }
+}
+
+/* Whether the calling thread flushes denormals (torch.set_flush_denormal sets it there): 1 or 0,
+   -1 where this is not known. The loops' pool threads never flush, so a multiply in them would
+   differ from torch's on denormals while it does. */
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+int denormals_flushed(void) { return (_mm_getcsr() & 0x8040u) != 0; }
+#elif defined(__aarch64__)
+int denormals_flushed(void) {
+    uint64_t fpcr;
+    __asm__ volatile("mrs %0, fpcr" : "=r"(fpcr));
+    return (int)((fpcr >> 24) & 1u);
+}
+#else
+int denormals_flushed(void) { return -1; }
+#endif
 """
 
 # -ffp-contract=off: no fused multiply-add, so each operation rounds once, as torch's do.
@@ -327,7 +365,12 @@ def _load() -> ctypes.CDLL | None:
     lib.pack.argtypes = [p, i64, i64, i64, ctypes.c_int, p]
     lib.unpack.argtypes = [p, i64, i64, ctypes.c_int, p]
     lib.dropout_mask.argtypes = [p, i64, i64, i64, ctypes.c_int32, ctypes.c_float, p]
-    for fn in (lib.row_extremes, lib.quantize, lib.dequantize, lib.pack, lib.unpack, lib.dropout_mask):
+    lib.dropout_apply.argtypes = [p, p, i64, i64, i64, ctypes.c_int32, ctypes.c_float, p]
+    lib.denormals_flushed.argtypes = []
+    lib.denormals_flushed.restype = ctypes.c_int
+    for fn in (lib.row_extremes, lib.quantize, lib.dequantize, lib.pack, lib.unpack):
+        fn.restype = None
+    for fn in (lib.dropout_mask, lib.dropout_apply):
         fn.restype = None
     return lib
 
@@ -560,4 +603,40 @@ def dropout_mask(key: Tensor, n: int, lo: int, scale: float) -> Tensor:
     key = key.contiguous()
     out = torch.empty(n)
     _over_rows(-(-n // 4), 4, lambda s, e: lib.dropout_mask(_ptr(key), s, e, n, lo, scale, _ptr(out)))
+    return out
+
+
+def denormals_flushed() -> bool | None:
+    """Whether this thread flushes denormals (``torch.set_flush_denormal``), read from the FPU's
+    control register without touching a tensor; ``None`` where that is not known."""
+    flag = _required().denormals_flushed()
+    return None if flag < 0 else bool(flag)
+
+
+def dropout_apply(x: Tensor, key: Tensor, lo: int, scale: float) -> Tensor:
+    """``x * mask`` for :func:`dropout_mask`'s mask of ``x.numel()`` elements, the mask never
+    written: the same values as that product, bit for bit, while denormals are not flushed
+    (:func:`denormals_flushed`; the caller checks).
+
+    Args:
+        x (Tensor): a float32 CPU tensor (made contiguous).
+        key (Tensor): the mask's counter key, one int64 on the CPU.
+        lo (int): an element is kept when its signed 16-bit lane is at least ``lo``.
+        scale (float): a kept element's factor.
+
+    Shapes:
+        - **input:** ``x`` any shape
+        - **output:** the shape of ``x``
+    """
+    lib = _required()
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        raise ValueError(f"dropout apply: expected a float32 CPU tensor, got {x.dtype} on {x.device}")
+    if key.device.type != "cpu" or key.dtype != torch.int64 or key.numel() != 1:
+        raise ValueError(f"dropout apply key: expected one int64 on the CPU, got {key.dtype}, {key.shape}")
+    x, key = x.contiguous(), key.contiguous()
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    n = x.numel()
+    _over_rows(
+        -(-n // 4), 4, lambda s, e: lib.dropout_apply(_ptr(x), _ptr(key), s, e, n, lo, scale, _ptr(out))
+    )
     return out

@@ -13,7 +13,9 @@ round(p * 2^16)``: with probability ``1 - p'``, ``p'`` being ``p`` rounded to a 
 
 On the CPU the hash runs as one compiled loop (:func:`retexo_fl.compress.native.dropout_mask`),
 elsewhere (a GPU, no compiler, ``RETEXO_FL_NATIVE=0``) as torch integer ops; both give the same
-mask, bit for bit. The loop replaced a draw of all the lanes from torch's Mersenne Twister,
+mask, bit for bit. From :data:`FUSED_MIN_ELEMENTS` elements a CPU float32 dropout multiplies by
+the mask in that loop without writing it, and hashes it again for the backward pass, so no mask
+is held between the passes: the same values and gradients as ``x * mask``. The loop replaced a draw of all the lanes from torch's Mersenne Twister,
 whose 64-bit draws alone took 7.4 ns per four elements, and four more passes to compare, cast and
 scale: a Cora run with the defaults spent a quarter of its time there.
 """
@@ -59,6 +61,19 @@ def hashed_lanes(key: Tensor, n: int) -> Tensor:
     return z.view(torch.int16)[:n]
 
 
+def _mask_constants(p: float) -> tuple[int, float]:
+    """The lane threshold (on the lane read as a signed value) and a kept element's scale."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"a keep mask needs 0 <= p < 1, got {p}")
+    dropped = min(round(p * 65536), 65535)  # of the 2^16 equally likely values of a lane
+    return dropped - 32768, 65536 / (65536 - dropped)
+
+
+def _draw_key(device: torch.device) -> Tensor:
+    # Every int64 but the largest; the key is read on the device, never by the host.
+    return torch.randint(-(2**63), 2**63 - 1, (1,), dtype=torch.int64, device=device)
+
+
 def keep_mask(shape: tuple[int, ...], p: float, *, dtype: torch.dtype, device: torch.device) -> Tensor:
     """A dropout mask: ``1 / (1 - p')`` where an element is kept (probability ``1 - p'``), else 0;
     ``p'`` is ``p`` rounded to a multiple of 2^-16.
@@ -74,14 +89,9 @@ def keep_mask(shape: tuple[int, ...], p: float, *, dtype: torch.dtype, device: t
     Raises:
         ValueError: unless ``0 <= p < 1``.
     """
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"a keep mask needs 0 <= p < 1, got {p}")
+    lo, scale = _mask_constants(p)
     n = math.prod(shape)
-    dropped = min(round(p * 65536), 65535)  # of the 2^16 equally likely values of a lane
-    lo = dropped - 32768  # the same threshold on the lane read as a signed value
-    scale = 65536 / (65536 - dropped)
-    # Every int64 but the largest; the key is read on the device, never by the host.
-    key = torch.randint(-(2**63), 2**63 - 1, (1,), dtype=torch.int64, device=device)
+    key = _draw_key(device)
     if dtype == torch.float32 and key.device.type == "cpu" and native.library() is not None:
         return native.dropout_mask(key, n, lo, scale).view(shape)
     # A float32 scale written as a constant equals 1.0 * scale in float32, as below; other
@@ -106,7 +116,41 @@ def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
         return x
     if p >= 1.0:
         return x * 0.0  # keeps the graph, as nn.Dropout(1.0) does
+    if _fused(x):
+        lo, scale = _mask_constants(p)
+        return _MaskedProduct.apply(x, _draw_key(x.device), lo, scale)
     return x * keep_mask(tuple(x.shape), p, dtype=x.dtype, device=x.device)
+
+
+#: From this many elements a CPU float32 dropout multiplies by its mask in the compiled loop
+#: without writing the mask (forward and backward); below, the autograd function's own cost is
+#: more than the pass it saves. The values are the same either way.
+FUSED_MIN_ELEMENTS = 1 << 17
+
+
+def _fused(x: Tensor) -> bool:
+    """Whether :func:`dropout` multiplies ``x`` by its mask in the compiled loop."""
+    large_cpu = x.numel() >= FUSED_MIN_ELEMENTS and x.dtype == torch.float32 and x.device.type == "cpu"
+    return large_cpu and native.library() is not None and native.denormals_flushed() is False
+
+
+class _MaskedProduct(torch.autograd.Function):
+    """``x * keep_mask(...)`` with the mask hashed again in the backward pass instead of kept:
+    the same values and gradients, one pass each way, and no mask held between them."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, key: Tensor, lo: int, scale: float) -> Tensor:
+        ctx.save_for_backward(key)
+        ctx.lo, ctx.scale = lo, scale
+        return native.dropout_apply(x, key, lo, scale)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        (key,) = ctx.saved_tensors
+        if grad.dtype != torch.float32 or native.denormals_flushed() is not False:
+            mask = native.dropout_mask(key, grad.numel(), ctx.lo, ctx.scale).view(grad.shape)
+            return grad * mask.to(grad.dtype), None, None, None
+        return native.dropout_apply(grad, key, ctx.lo, ctx.scale), None, None, None
 
 
 class Dropout(nn.Dropout):

@@ -77,9 +77,13 @@ def measure(shape: tuple[int, ...], p: float, repeats: int) -> dict:
 
     row: dict = {"size": list(shape), "elements": math.prod(shape)}
     row["mask_hashed_us"] = median_us(ours, repeats)
+    switch = os.environ.get(native.NATIVE_ENV)
     os.environ[native.NATIVE_ENV] = "0"
     row["mask_hashed_torch_ops_us"] = median_us(ours, repeats)
-    del os.environ[native.NATIVE_ENV]
+    if switch is None:
+        del os.environ[native.NATIVE_ENV]
+    else:
+        os.environ[native.NATIVE_ENV] = switch
     row["mask_drawn_us"] = median_us(lambda: drawn_mask(shape, p), repeats)
     x = torch.randn(*shape, requires_grad=True)
     drops = {

@@ -137,7 +137,8 @@ def section_tests(args: argparse.Namespace) -> None:
     argv = [
         sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
         "--import-mode=importlib", "tests/training/test_device.py", "tests/compress/test_fused.py",
-        "tests/compress/test_quantize.py", "-k", "gpu or cuda or device or fused",
+        "tests/compress/test_quantize.py", "tests/models/test_dropout.py", "-k",
+        "gpu or cuda or device or fused",
     ]  # fmt: skip
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=SECTIONS["tests"][0] - 5)
     print(done.stdout[-4000:], done.stderr[-2000:], flush=True)

@@ -17,9 +17,10 @@ ranges and decoded values are therefore bit for bit equal with and without a com
 ``tests/compress/test_native.py``), and a run is reproducible across the two.
 
 **When the loops are not used:** on tensors that are not on the CPU, when no compiler is found
-or compiling fails (logged once at debug level), while torch flushes denormals
-(``torch.set_flush_denormal(True)``, which the loops' threads would not follow), on systems
-other than POSIX ones, and when ``RETEXO_FL_NATIVE=0``.
+or compiling fails (logged once at debug level), on systems other than POSIX ones, and when
+``RETEXO_FL_NATIVE=0``; the loops that compute with floats (not the dropout mask, which only
+writes two constants) also not while torch flushes denormals (``torch.set_flush_denormal(True)``,
+which the loops' threads do not follow: each turns flushing off when it starts).
 
 **Where the library is kept, and why it is trusted.** In ``$RETEXO_FL_KERNEL_CACHE``, else
 ``$XDG_CACHE_HOME/retexo-fl/kernels``, else ``~/.cache/retexo-fl/kernels``, named by a digest of
@@ -198,19 +199,28 @@ void dropout_apply(const float *x, const int64_t *key, int64_t w0, int64_t w1, i
 }
 
 /* Whether the calling thread flushes denormals (torch.set_flush_denormal sets it there): 1 or 0,
-   -1 where this is not known. The loops' pool threads never flush, so a multiply in them would
-   differ from torch's on denormals while it does. */
+   -1 where this is not known. keep_denormals() turns flushing off in the calling thread: each
+   pool thread calls it when it starts, since a new thread takes on the mode of the thread that
+   started it, and a pool started while torch flushed would flush for good. */
 #if defined(__x86_64__) || defined(__i386__)
 #include <xmmintrin.h>
 int denormals_flushed(void) { return (_mm_getcsr() & 0x8040u) != 0; }
+void keep_denormals(void) { _mm_setcsr(_mm_getcsr() & ~0x8040u); }
 #elif defined(__aarch64__)
 int denormals_flushed(void) {
     uint64_t fpcr;
     __asm__ volatile("mrs %0, fpcr" : "=r"(fpcr));
     return (int)((fpcr >> 24) & 1u);
 }
+void keep_denormals(void) {
+    uint64_t fpcr;
+    __asm__ volatile("mrs %0, fpcr" : "=r"(fpcr));
+    fpcr &= ~((uint64_t)1 << 24);
+    __asm__ volatile("msr fpcr, %0" : : "r"(fpcr));
+}
 #else
 int denormals_flushed(void) { return -1; }
+void keep_denormals(void) {}
 #endif
 """
 
@@ -368,6 +378,8 @@ def _load() -> ctypes.CDLL | None:
     lib.dropout_apply.argtypes = [p, p, i64, i64, i64, ctypes.c_int32, ctypes.c_float, p]
     lib.denormals_flushed.argtypes = []
     lib.denormals_flushed.restype = ctypes.c_int
+    lib.keep_denormals.argtypes = []
+    lib.keep_denormals.restype = None
     for fn in (lib.row_extremes, lib.quantize, lib.dequantize, lib.pack, lib.unpack):
         fn.restype = None
     for fn in (lib.dropout_mask, lib.dropout_apply):
@@ -406,6 +418,14 @@ def usable(*tensors: Tensor) -> bool:
     return on_cpu and library() is not None and not _flushing_denormals()
 
 
+def _pool_thread_start() -> None:
+    # The loops are used only while the caller does not flush denormals (usable(),
+    # denormals_flushed()); a thread started while it did would have taken the mode on.
+    lib = library()
+    if lib is not None:
+        lib.keep_denormals()
+
+
 def _over_rows(k: int, d: int, run: Callable[[int, int], None]) -> None:
     """Call ``run(start, stop)`` on row chunks, on up to ``torch.get_num_threads()`` threads."""
     global _pool, _pool_threads
@@ -415,7 +435,9 @@ def _over_rows(k: int, d: int, run: Callable[[int, int], None]) -> None:
         return
     with _lock:
         if _pool is None or _pool_threads != threads:
-            _pool = ThreadPoolExecutor(threads, thread_name_prefix="retexo-rows")
+            _pool = ThreadPoolExecutor(
+                threads, thread_name_prefix="retexo-rows", initializer=_pool_thread_start
+            )
             _pool_threads = threads
         pool = _pool
     chunk = -(-k // threads)
@@ -426,7 +448,7 @@ def _over_rows(k: int, d: int, run: Callable[[int, int], None]) -> None:
 def _required() -> ctypes.CDLL:
     lib = library()
     if lib is None:
-        raise RuntimeError("the native row codec is not available here; check usable() first")
+        raise RuntimeError("the compiled loops are not available here; check library() first")
     return lib
 
 

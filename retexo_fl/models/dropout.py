@@ -11,18 +11,22 @@ round(p * 2^16)``: with probability ``1 - p'``, ``p'`` being ``p`` rounded to a 
 2^-16 (exactly ``p`` for 0.5, 0.25, ...; within 7.7e-6 of it always). A kept element is scaled by
 ``1 / (1 - p')``, so the output's expectation is the input, as with ``nn.Dropout``.
 
-On the CPU the hash runs as one compiled loop (:func:`retexo_fl.compress.native.dropout_mask`),
-elsewhere (a GPU, no compiler, ``RETEXO_FL_NATIVE=0``) as torch integer ops; both give the same
-mask, bit for bit. From :data:`FUSED_MIN_ELEMENTS` elements a CPU float32 dropout multiplies by
-the mask in that loop without writing it, and hashes it again for the backward pass, so no mask
-is held between the passes: the same values and gradients as ``x * mask``. The loop replaced a draw of all the lanes from torch's Mersenne Twister,
-whose 64-bit draws alone took 7.4 ns per four elements, and four more passes to compare, cast and
-scale: a Cora run with the defaults spent a quarter of its time there.
+On the CPU a float32 mask is hashed by one compiled loop
+(:func:`retexo_fl.compress.native.dropout_mask`); elsewhere (a GPU, another dtype, no compiler,
+``RETEXO_FL_NATIVE=0``) torch integer ops hash it; both give the same mask, bit for bit. From
+:data:`FUSED_MIN_ELEMENTS` elements a contiguous CPU float32 dropout multiplies by the mask in
+that loop without writing it, and hashes it again for the backward pass, so no mask is held
+between the passes: the same values and gradients as ``x * mask``.
+
+The hash replaced a draw of every lane from torch's Mersenne Twister, whose 64-bit draws alone
+took 7.4 ns per four elements, and four more passes to compare, cast and scale: a Cora run with
+the defaults spent a quarter of its time there.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 from torch import Tensor, nn
@@ -34,6 +38,11 @@ from retexo_fl.compress import native
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
 _MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _MIX2 = 0x94D049BB133111EB - (1 << 64)
+
+#: From this many elements a contiguous CPU float32 dropout multiplies by its mask in the compiled
+#: loop without writing the mask (forward and backward); below, the autograd function's own cost
+#: is more than the pass it saves. The values are the same either way.
+FUSED_MIN_ELEMENTS = 1 << 17
 
 
 def _shift_right(z: Tensor, bits: int) -> Tensor:
@@ -57,8 +66,11 @@ def hashed_lanes(key: Tensor, n: int) -> Tensor:
     z = z.bitwise_xor_(_shift_right(z, 27)).mul_(_MIX2)
     z = z.bitwise_xor_(_shift_right(z, 31))
     # Lane j of a word is bits 16 j to 16 j + 15: the int16 at index j of the word on a
-    # little-endian machine, which every platform torch ships wheels for is.
-    return z.view(torch.int16)[:n]
+    # little-endian machine (one view, no pass); elsewhere each lane is cut out by value.
+    if sys.byteorder == "little":
+        return z.view(torch.int16)[:n]
+    lanes = torch.stack([_shift_right(z, 16 * j) & 0xFFFF for j in range(4)], dim=1).view(-1)[:n]
+    return (lanes - ((lanes >= 32768).to(torch.int64) << 16)).to(torch.int16)
 
 
 def _mask_constants(p: float) -> tuple[int, float]:
@@ -122,16 +134,17 @@ def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
     return x * keep_mask(tuple(x.shape), p, dtype=x.dtype, device=x.device)
 
 
-#: From this many elements a CPU float32 dropout multiplies by its mask in the compiled loop
-#: without writing the mask (forward and backward); below, the autograd function's own cost is
-#: more than the pass it saves. The values are the same either way.
-FUSED_MIN_ELEMENTS = 1 << 17
-
-
 def _fused(x: Tensor) -> bool:
     """Whether :func:`dropout` multiplies ``x`` by its mask in the compiled loop."""
-    large_cpu = x.numel() >= FUSED_MIN_ELEMENTS and x.dtype == torch.float32 and x.device.type == "cpu"
-    return large_cpu and native.library() is not None and native.denormals_flushed() is False
+    large = x.numel() >= FUSED_MIN_ELEMENTS and x.is_contiguous()  # the product keeps x's layout
+    return large and _loop_serves(x)
+
+
+def _loop_serves(x: Tensor) -> bool:
+    """Whether the compiled loop computes ``x * mask`` as torch would: float32 on the CPU, the
+    loop built, and denormals not flushed (its threads do not flush them)."""
+    on_cpu = x.dtype == torch.float32 and x.device.type == "cpu"
+    return on_cpu and native.library() is not None and native.denormals_flushed() is False
 
 
 class _MaskedProduct(torch.autograd.Function):
@@ -147,10 +160,12 @@ class _MaskedProduct(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
         (key,) = ctx.saved_tensors
-        if grad.dtype != torch.float32 or native.denormals_flushed() is not False:
-            mask = native.dropout_mask(key, grad.numel(), ctx.lo, ctx.scale).view(grad.shape)
-            return grad * mask.to(grad.dtype), None, None, None
-        return native.dropout_apply(grad, key, ctx.lo, ctx.scale), None, None, None
+        if _loop_serves(grad):
+            # The gradient of the product is the same product, so this is differentiable again
+            # (``create_graph``) and exact at every order.
+            return _MaskedProduct.apply(grad, key, ctx.lo, ctx.scale), None, None, None
+        mask = hashed_lanes(key, grad.numel()).view(grad.shape).ge(ctx.lo).to(grad.dtype)
+        return grad * mask.mul_(ctx.scale), None, None, None
 
 
 class Dropout(nn.Dropout):

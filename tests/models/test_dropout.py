@@ -11,7 +11,8 @@ import torch
 from retexo_fl.compress import native
 from retexo_fl.models.dropout import Dropout, dropout, hashed_lanes, keep_mask
 
-HAVE_CC = native._compiler() is not None
+# A compiler that fails to build shows here as skips, and in test_native as a failure.
+HAVE_CC = native.library() is not None
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.8])
@@ -171,7 +172,7 @@ def test_the_fused_product_equals_input_times_mask_forward_and_backward(n, monke
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
-def test_a_strided_input_and_gradient_go_through_the_fused_product(monkeypatch):
+def test_an_expanded_gradient_and_a_strided_input(monkeypatch):
     import retexo_fl.models.dropout as module
 
     base = torch.randn(300, 500)
@@ -180,10 +181,87 @@ def test_a_strided_input_and_gradient_go_through_the_fused_product(monkeypatch):
         monkeypatch.setattr(module, "FUSED_MIN_ELEMENTS", threshold)
         x = base.clone().requires_grad_(True)
         torch.manual_seed(6)
-        out = dropout(x.t(), 0.5)  # a transposed view: the mask follows the view's order
+        out = dropout(x, 0.5)
         out.sum().backward()  # an expanded (stride 0) gradient
         outs.append((out.detach(), x.grad))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    # A transposed view is left to torch's product, which keeps its layout (a later matrix
+    # product over another layout may round differently).
+    monkeypatch.setattr(module, "FUSED_MIN_ELEMENTS", 1)
+    view = base.t()
+    assert dropout(view, 0.5).stride() == (view * 2.0).stride()
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+def test_second_derivatives_through_the_fused_product_are_the_plain_ones(monkeypatch):
+    import retexo_fl.models.dropout as module
+
+    x0, w0 = torch.randn(40, 30), torch.randn(40, 30)
+    grads = []
+    for threshold in (1, 1 << 40):
+        monkeypatch.setattr(module, "FUSED_MIN_ELEMENTS", threshold)
+        x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        torch.manual_seed(9)
+        y = dropout(x * w, 0.3)
+        (g,) = torch.autograd.grad((y * y).sum(), x, create_graph=True)
+        assert g.requires_grad  # the gradient still depends on w
+        (gw,) = torch.autograd.grad(g.sum(), w)
+        grads.append((g.detach(), gw))
+    assert torch.equal(_bits(grads[0][0]), _bits(grads[1][0]))
+    assert torch.equal(_bits(grads[0][1]), _bits(grads[1][1]))
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+def test_a_backward_after_the_loops_are_switched_off_uses_torch_ops(monkeypatch):
+    import retexo_fl.models.dropout as module
+
+    monkeypatch.setattr(module, "FUSED_MIN_ELEMENTS", 1)
+    x = torch.randn(500, requires_grad=True)
+    weights = torch.randn(500)
+    torch.manual_seed(10)
+    out = dropout(x, 0.4)
+    monkeypatch.setenv(native.NATIVE_ENV, "0")
+    (out * weights).sum().backward()
+    torch.manual_seed(10)
+    mask = keep_mask((500,), 0.4, dtype=torch.float32, device=torch.device("cpu"))
+    assert torch.equal(_bits(x.grad), _bits(weights * mask))
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+def test_pool_threads_started_while_torch_flushed_do_not_flush_later(monkeypatch):
+    # A new thread takes on the denormal mode of the thread that starts it: a pool started by a
+    # large mask drawn while torch flushed must not go on flushing the loop's products.
+    import retexo_fl.models.dropout as module
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the pool serves 65,536 elements or more on 2 threads
+    monkeypatch.setattr(native, "_pool", None)  # started afresh below
+    x = torch.full((300_000,), 1e-40)  # denormal, made before flushing (which would zero it)
+    if not torch.set_flush_denormal(True):
+        torch.set_num_threads(before)
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        keep_mask((300_000,), 0.5, dtype=torch.float32, device=torch.device("cpu"))
+    finally:
+        torch.set_flush_denormal(False)
+    try:
+        monkeypatch.setattr(module, "FUSED_MIN_ELEMENTS", 1)
+        torch.manual_seed(12)
+        out = dropout(x, 0.5)
+        torch.manual_seed(12)
+        expected = x * keep_mask((300_000,), 0.5, dtype=torch.float32, device=torch.device("cpu"))
+        assert torch.equal(_bits(out), _bits(expected)) and bool(out.any())
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_lanes_equal_the_cpu_lanes():
+    # Signed int64 products wrap on the GPU as on the CPU: the same masks on either device.
+    for key in (0, -1, 2**62 + 12_345, -(2**63)):
+        cpu = hashed_lanes(torch.tensor([key]), 100_003)
+        cuda = hashed_lanes(torch.tensor([key], device="cuda"), 100_003)
+        assert torch.equal(cpu, cuda.cpu())
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")

@@ -464,19 +464,19 @@ NODE_LEVEL_DEFAULTS: dict[str, Any] = {
     "clients_per_round": 512,
 }
 
-#: What a lazy run over partitions (not one node per client, not ``--profile exact``) changes
-#: from the section defaults: stage 0 trained as the local layer and, racing it, as the MLP, the
-#: better validation kept (``first-stage auto``; its order and race are the section defaults:
-#: local first, the MLP stopped after 8 rounds more than 2 points behind). Over every shared
-#: graph x 4 METIS, 10 random and 10 label-skew clients x 3 seeds, side by side with stage 0 as
-#: the MLP: the worst cell's validation gap to the best centralized reference -6.6 -> -6.2
-#: points, the mean's -0.68 -> +0.04, mean test gap -0.72 -> +0.17, at 114 rounds a run instead
-#: of 101; Cora with 10 random clients 0.813 in 102 rounds against 0.821 in 93
-#: (``bench/results/robustness-2026-11-29-s16-*.jsonl``). Not at one node per client (a client's
-#: own subgraph is its node: local is the MLP), nor with secure aggregation (a client masks a
-#: stage's rounds once), DP noise (a second stage 0 would spend privacy budget) or boundary noise
-#: (a local stage 0's row mixes same-client neighbours' features, which the per-row privacy
-#: figure does not account): :meth:`TrainConfig.resolve` leaves those at mlp.
+#: What a lazy run over partitions (not one node per client, not ``--profile exact``) changes from the
+#: section defaults: stage 0 trained as the local layer and, racing it, as the MLP, the better validation
+#: kept (``first-stage auto``; its order and race are the section defaults: local first, the MLP stopped
+#: after 8 rounds more than 2 points behind). Over every shared graph x 4 METIS, 10 random and 10
+#: label-skew clients x 3 seeds, side by side with stage 0 as the MLP: the worst cell's validation gap to
+#: the best centralized reference -6.6 -> -6.2 points, the mean's -0.68 -> +0.04, mean test gap -0.72 ->
+#: +0.17, at 114 rounds a run instead of 101; Cora with 10 random clients 0.813 in 102 rounds against
+#: 0.821 in 93 (``bench/results/robustness-2026-11-29-s16-*.jsonl``; with dropout masks hashed since,
+#: another draw of the same randomness: 0.822 in 99 rounds, ``-s22-hashed.jsonl``). Not at one node per
+#: client (a client's own subgraph is its node: local is the MLP), nor with secure aggregation (a client
+#: masks a stage's rounds once), DP noise (a second stage 0 would spend privacy budget) or boundary noise
+#: (a local stage 0's row mixes same-client neighbours' features, which the per-row privacy figure does
+#: not account): :meth:`TrainConfig.resolve` leaves those at mlp.
 LAZY_PARTITION_DEFAULTS: dict[str, Any] = {"first_stage": "auto"}
 
 

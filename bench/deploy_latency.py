@@ -35,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_ROOT, private_planetoid  # noqa: E402
 from federation import FederationProcesses  # noqa: E402
 
+from retexo_fl.data.partition import partition_dirs  # noqa: E402
+
 
 def round_latencies(run_dir: Path) -> list[float]:
     t = [
@@ -90,7 +92,7 @@ def deployed(
 ) -> DeployedRun:
     """A whole deployed run of ``run_config`` on SuperNodes holding ``parts``' partitions."""
     fed = FederationProcesses(work, database=database)
-    parties = sorted(parts.glob("part-*"))
+    parties = partition_dirs(parts)
     run = DeployedRun(work / "run", fed.work, 0.0)
     try:
         t0 = time.monotonic()

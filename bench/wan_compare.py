@@ -37,6 +37,8 @@ from common import DEFAULT_ROOT, private_planetoid  # noqa: E402
 from federation import FederationProcesses  # noqa: E402
 from wan import EmulatedWan, wan_unavailable  # noqa: E402
 
+from retexo_fl.data.partition import partition_dirs  # noqa: E402
+
 COMMON = "optimizer='adam' lr='0.01' server-optimizer='avg' local-epochs='10'"
 MODES = {
     "lazy": "mode='lazy' stages=3 rounds='6'",
@@ -138,7 +140,7 @@ def main() -> int:
     parts_dir = tmp / "parts"
     cli(["partition", "--dataset", "Cora", "--root", str(data), "--clients", str(args.clients),
          "--out", str(parts_dir)])  # fmt: skip
-    parts = sorted(parts_dir.glob("part-*"))
+    parts = partition_dirs(parts_dir)
     rows = []
     relative = args.target == "eager-final"
     modes = args.modes.split(",")

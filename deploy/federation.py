@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 from retexo_fl import protocol as P
+from retexo_fl.data.partition import partition_dirs
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {
@@ -345,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    parts = sorted(Path(args.partitions).resolve().glob("part-*"))
+    parts = partition_dirs(Path(args.partitions).resolve())
     if not parts:
         print(f"{args.partitions}: no part-* folders", file=sys.stderr)
         return 2

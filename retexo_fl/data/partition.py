@@ -462,17 +462,33 @@ def load_partitions(directory: str | os.PathLike[str]) -> list[Partition]:
             fails to load, or two partitions disagree on their cross edges.
     """
     root = Path(directory)
-    dirs = sorted(p for p in root.glob("part-*") if p.is_dir())
+    dirs = partition_dirs(root)
     if not dirs:
         raise PartitionError(root, "directory", "no part-* sub-directories")
-    parts = sorted((load_partition(d) for d in dirs), key=lambda p: p.partition_id)
-    for i, p in enumerate(parts):
-        if p.partition_id != i or p.num_partitions != len(parts):
+    loaded = sorted(((load_partition(d), d) for d in dirs), key=lambda pd: pd[0].partition_id)
+    for i, (p, d) in enumerate(loaded):
+        if p.partition_id != i or p.num_partitions != len(loaded):
             raise PartitionError(
-                dirs[i], "partition_id", f"expected partitions 0..{len(parts) - 1} of {len(parts)}"
+                d, "partition_id", f"expected partitions 0..{len(loaded) - 1} of {len(loaded)}"
             )
+    parts = [p for p, _ in loaded]
     check_cross_consistency(parts)
     return parts
+
+
+def partition_dirs(directory: str | os.PathLike[str]) -> list[Path]:
+    """The ``part-<id>`` sub-directories of ``directory`` in the order of their ids as numbers
+    (``part-10`` after ``part-9``, where a name sort puts it after ``part-1``: launchers that
+    hand out keys by position depend on it).
+
+    Raises:
+        PartitionError: naming a ``part-*`` folder whose id is not a non-negative integer.
+    """
+    dirs = [d for d in Path(directory).glob("part-*") if d.is_dir()]
+    for d in dirs:
+        if not d.name[len("part-") :].isdigit():
+            raise PartitionError(d, "directory", "a partition folder is named part-<id>, <id> a number")
+    return sorted(dirs, key=lambda d: int(d.name[len("part-") :]))
 
 
 def check_disjoint(parts: list[Partition]) -> None:

@@ -16,6 +16,7 @@ from retexo_fl.data.partition import (
     Partition,
     PartitionError,
     load_partitions,
+    partition_dirs,
     read_manifest,
 )
 from retexo_fl.datacenter.settings import DatacenterConfig
@@ -54,7 +55,7 @@ def check_residency(cfg: DatacenterConfig) -> None:
     if not cfg.partitions:
         return
     root = Path(cfg.partitions)
-    dirs = sorted(p for p in root.glob("part-*") if p.is_dir())
+    dirs = partition_dirs(root)
     if not dirs:
         raise PartitionError(root, "directory", "no part-* sub-directories")
     bound = [d.name for d in dirs if read_manifest(d).get("residency_bound", True)]

@@ -16,6 +16,7 @@ from retexo_fl.data.partition import (
     check_cross_consistency,
     load_partition,
     load_partitions,
+    partition_dirs,
     save_partition,
 )
 from retexo_fl.data.partitioners import partition_graph
@@ -236,6 +237,18 @@ def test_load_partitions_requires_a_full_set(written):
     shutil.rmtree(written / "part-1")
     with pytest.raises(PartitionError, match="partition"):
         load_partitions(written)
+
+
+def test_partition_folders_are_ordered_by_their_ids_as_numbers(sbm, tmp_path):
+    # A launcher hands the i-th folder the i-th party's key: part-10 must come after part-9.
+    parts = partition_graph(sbm, 12, "random", seed=0)
+    for p in parts:
+        save_partition(p, tmp_path / f"part-{p.partition_id}")
+    assert [d.name for d in partition_dirs(tmp_path)] == [f"part-{i}" for i in range(12)]
+    assert [p.partition_id for p in load_partitions(tmp_path)] == list(range(12))
+    (tmp_path / "part-x").mkdir()
+    with pytest.raises(PartitionError, match="part-x"):
+        partition_dirs(tmp_path)
 
 
 def test_a_verification_stamp_skips_only_the_hashing(sbm, tmp_path):

@@ -151,50 +151,48 @@ void dequantize(const uint8_t *codes, int64_t k, int64_t d, const float *lo, con
 /* A dropout mask's elements [4 w0, min(4 w1, n)): element 4 w + j takes the 16-bit lane j (bits
    16 j to 16 j + 15, read as a signed value s) of splitmix64's output for the counter
    key + (w + 1) * golden, and is scale when s >= lo, else 0. */
-static inline uint64_t splitmix64(uint64_t z) {
+static inline uint64_t mask_word(uint64_t key, int64_t w) {
+    uint64_t z = key + (uint64_t)(w + 1) * 0x9E3779B97F4A7C15ull;
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     return z ^ (z >> 31);
 }
+#define LANE(z, j) ((int32_t)(int16_t)(uint16_t)((z) >> (16 * (j))) >= lo ? scale : 0.0f)
+
+/* Whole words are written out four lanes at a time, no count, one loop for the mask and one for
+   the product, no branch inside: such loops vectorize (20x a loop with a count or a branch); the
+   last, partly used word goes lane by lane. */
 void dropout_mask(const int64_t *key, int64_t w0, int64_t w1, int64_t n, int32_t lo, float scale,
                   float *out) {
     const uint64_t k = (uint64_t)key[0];
     const int64_t whole = n / 4 < w1 ? n / 4 : w1;
-    /* Four lanes a word written out, no count: this loop vectorizes (20x the loop with one). */
     for (int64_t w = w0; w < whole; ++w) {
-        const uint64_t z = splitmix64(k + (uint64_t)(w + 1) * 0x9E3779B97F4A7C15ull);
+        const uint64_t z = mask_word(k, w);
         float *o = out + 4 * w;
-        o[0] = (int32_t)(int16_t)(uint16_t)z >= lo ? scale : 0.0f;
-        o[1] = (int32_t)(int16_t)(uint16_t)(z >> 16) >= lo ? scale : 0.0f;
-        o[2] = (int32_t)(int16_t)(uint16_t)(z >> 32) >= lo ? scale : 0.0f;
-        o[3] = (int32_t)(int16_t)(uint16_t)(z >> 48) >= lo ? scale : 0.0f;
+        o[0] = LANE(z, 0); o[1] = LANE(z, 1); o[2] = LANE(z, 2); o[3] = LANE(z, 3);
     }
-    for (int64_t w = whole > w0 ? whole : w0; w < w1; ++w) { /* the last word, partly used */
-        const uint64_t z = splitmix64(k + (uint64_t)(w + 1) * 0x9E3779B97F4A7C15ull);
-        for (int64_t e = 4 * w, j = 0; e + j < n && j < 4; ++j)
-            out[e + j] = (int32_t)(int16_t)(uint16_t)(z >> (16 * j)) >= lo ? scale : 0.0f;
+    for (int64_t w = whole > w0 ? whole : w0; w < w1; ++w) {
+        const uint64_t z = mask_word(k, w);
+        for (int64_t e = 4 * w, j = 0; e + j < n && j < 4; ++j) out[e + j] = LANE(z, j);
     }
 }
 
-/* out[e] = x[e] * m[e] for dropout_mask's m, over the same elements, without writing m: one
-   multiply each, as torch's x * m. */
+/* out[e] = x[e] * m[e] for dropout_mask's m, the mask never written: one multiply each, as
+   torch's x * m. */
 void dropout_apply(const float *x, const int64_t *key, int64_t w0, int64_t w1, int64_t n,
                    int32_t lo, float scale, float *out) {
     const uint64_t k = (uint64_t)key[0];
     const int64_t whole = n / 4 < w1 ? n / 4 : w1;
     for (int64_t w = w0; w < whole; ++w) {
-        const uint64_t z = splitmix64(k + (uint64_t)(w + 1) * 0x9E3779B97F4A7C15ull);
+        const uint64_t z = mask_word(k, w);
         const float *i = x + 4 * w;
         float *o = out + 4 * w;
-        o[0] = i[0] * ((int32_t)(int16_t)(uint16_t)z >= lo ? scale : 0.0f);
-        o[1] = i[1] * ((int32_t)(int16_t)(uint16_t)(z >> 16) >= lo ? scale : 0.0f);
-        o[2] = i[2] * ((int32_t)(int16_t)(uint16_t)(z >> 32) >= lo ? scale : 0.0f);
-        o[3] = i[3] * ((int32_t)(int16_t)(uint16_t)(z >> 48) >= lo ? scale : 0.0f);
+        o[0] = i[0] * LANE(z, 0); o[1] = i[1] * LANE(z, 1);
+        o[2] = i[2] * LANE(z, 2); o[3] = i[3] * LANE(z, 3);
     }
     for (int64_t w = whole > w0 ? whole : w0; w < w1; ++w) {
-        const uint64_t z = splitmix64(k + (uint64_t)(w + 1) * 0x9E3779B97F4A7C15ull);
-        for (int64_t e = 4 * w, j = 0; e + j < n && j < 4; ++j)
-            out[e + j] = x[e + j] * ((int32_t)(int16_t)(uint16_t)(z >> (16 * j)) >= lo ? scale : 0.0f);
+        const uint64_t z = mask_word(k, w);
+        for (int64_t e = 4 * w, j = 0; e + j < n && j < 4; ++j) out[e + j] = x[e + j] * LANE(z, j);
     }
 }
 
@@ -380,9 +378,15 @@ def _load() -> ctypes.CDLL | None:
     lib.denormals_flushed.restype = ctypes.c_int
     lib.keep_denormals.argtypes = []
     lib.keep_denormals.restype = None
-    for fn in (lib.row_extremes, lib.quantize, lib.dequantize, lib.pack, lib.unpack):
-        fn.restype = None
-    for fn in (lib.dropout_mask, lib.dropout_apply):
+    for fn in (
+        lib.row_extremes,
+        lib.quantize,
+        lib.dequantize,
+        lib.pack,
+        lib.unpack,
+        lib.dropout_mask,
+        lib.dropout_apply,
+    ):
         fn.restype = None
     return lib
 

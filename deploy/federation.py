@@ -242,6 +242,35 @@ class FederationProcesses:
             env,
         )  # fmt: skip
 
+    def start_device_host(
+        self,
+        host: int,
+        partitions: Path,
+        ids: list[int],
+        keys: Path | None = None,
+        extra: tuple[str, ...] = (),
+    ) -> subprocess.Popen:
+        """Start ``retexo-fl devices`` holding the ``part-<id>`` folders ``ids`` of ``partitions``
+        as as many one-node parties (each its own Flower node; under TLS each authenticates with
+        its ``party-<id>`` key, registered first). ``extra``: more flags for the command."""
+        if keys is not None:
+            self.pins = keys / "pins.json"
+        security = ["--insecure"]
+        if self.tls:
+            security = ["--root-certificates", str(self.tls / "ca.crt"), "--auth-keys", str(self.tls)]
+        return self.start(
+            f"devices-{host}",
+            [
+                "retexo-fl", "devices", *security,
+                "--superlink", f"{self.host}:{self.fleet}",
+                "--partitions", str(partitions),
+                "--ids", ",".join(map(str, ids)),
+                "--work-dir", str(self.work / "node-work"),
+                *(["--keys", str(keys)] if keys is not None else ["--insecure-no-pinned-keys"]),
+                *extra,
+            ],
+        )  # fmt: skip
+
     def run_parties(
         self,
         parts: list[Path],
@@ -252,12 +281,21 @@ class FederationProcesses:
         env: dict[str, str] | None = None,
         worker: bool = True,
         keys: Path | None = None,
+        devices_per_host: int = 0,
     ) -> dict:
         """SuperLink, one SuperNode per partition (registered first under TLS, in ``netns[i]``
         when given; holding its key of ``keys``), then the run into ``out``; returns :meth:`run`'s
-        record. The caller stops the processes (:meth:`stop_all`)."""
+        record. With ``devices_per_host`` the partitions are held that many at a time by
+        ``retexo-fl devices`` hosts instead. The caller stops the processes (:meth:`stop_all`)."""
         self.start_superlink()
-        for i, part in enumerate(parts):
+        if devices_per_host:
+            ids = [int(part.name[len("part-") :]) for part in parts]
+            if self.tls:
+                for i in ids:
+                    self.register(i)
+            for h, start in enumerate(range(0, len(ids), devices_per_host)):
+                self.start_device_host(h, parts[0].parent, ids[start : start + devices_per_host], keys)
+        for i, part in enumerate(parts if not devices_per_host else []):
             if self.tls:
                 self.register(i)
             self.start_supernode(i, part, env=env, netns=netns[i] if netns else "", worker=worker, keys=keys)
@@ -338,6 +376,13 @@ def main(argv: list[str] | None = None) -> int:
         "`retexo-fl supernode` (a node worker per node)",
     )
     parser.add_argument(
+        "--devices-per-host",
+        type=int,
+        default=0,
+        help="emulate devices: hold this many partitions per `retexo-fl devices` process (each its "
+        "own Flower node) instead of one `retexo-fl supernode` per partition",
+    )
+    parser.add_argument(
         "--wan-mbit",
         type=float,
         default=0.0,
@@ -346,6 +391,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
+    if args.devices_per_host < 0 or (args.devices_per_host and (args.wan_mbit or args.flower_supernode)):
+        print(
+            "--devices-per-host: a positive count, without --wan-mbit or --flower-supernode (a host's "
+            "devices share one process, one network namespace and the installed app)",
+            file=sys.stderr,
+        )
+        return 2
     parts = partition_dirs(Path(args.partitions).resolve())
     if not parts:
         print(f"{args.partitions}: no part-* folders", file=sys.stderr)
@@ -384,7 +436,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         netns = [wan.netns(i) for i in range(len(parts))] if wan else None
         record = fed.run_parties(
-            parts, out, args.run_config, args.timeout, netns, worker=not args.flower_supernode, keys=keys
+            parts,
+            out,
+            args.run_config,
+            args.timeout,
+            netns,
+            worker=not args.flower_supernode,
+            keys=keys,
+            devices_per_host=args.devices_per_host,
         )
         status = record.get("status", "")
         summary = out / "summary.json"

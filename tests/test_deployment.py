@@ -238,3 +238,69 @@ def test_plain_flower_supernode_still_works_beside_retexo_supernodes(data_root, 
     assert "node worker" not in (fed.work / "supernode-2.log").read_text()
     for proc in fed.procs.values():
         assert proc.poll() is not None, "a federation process outlived the test"
+
+
+# -- many devices in one process (`retexo-fl devices`) ----------------------------------------
+NODE_RUN = "method='node' stages=2 rounds='3' hidden=16 seed=1"
+DEVICES = 30
+
+
+@pytest.fixture(scope="module")
+def device_host(tmp_path_factory):
+    """A SuperLink and one `retexo-fl devices` process holding every node of a 30-node graph, each
+    node a party (its own Flower node, identity key and pins)."""
+    tmp = tmp_path_factory.mktemp("devices")
+    parts = tmp / "parts"
+    argv = ["partition", "--dataset", f"sbm:{DEVICES},3,4,0.7", "--clients", str(DEVICES), "--method", "node"]
+    assert cli([*argv, "--out", str(parts)]) == 0
+    keys = write_identities(DEVICES, tmp / "keys")
+    fed = FederationProcesses(tmp / "work", database=False)
+    try:
+        fed.start_superlink()
+        # 0.2 s polls at most: the test's rounds wait on idle devices' polls, not on training.
+        fed.start_device_host(0, parts, list(range(DEVICES)), keys, extra=("--max-poll", "0.2"))
+        yield fed, parts, tmp
+    finally:
+        fed.stop_all()
+        for proc in fed.procs.values():
+            assert proc.poll() is not None, "a federation process outlived the test"
+
+
+def test_devices_held_by_one_process_run_as_the_in_process_run(device_host):
+    fed, parts, tmp = device_host
+    out = tmp / "run"
+    record = fed.run(f"clients={DEVICES} out-dir='{out}' {NODE_RUN}", timeout=240)  # a bound, not a target
+    assert record["status"] == "finished:completed"
+    deployed = json.loads((out / "summary.json").read_text())
+    cfg = TrainConfig.resolve(
+        partitions=str(parts), clients=DEVICES, method="node", stages=2, rounds=3, hidden=16, seed=1
+    )
+    in_process = train(cfg, RunRecorder(None, stream=None)).to_dict()
+    assert deployed["engine"] == "flower"
+    assert deployed["test_accuracy"] == pytest.approx(in_process["test_accuracy"], abs=0.005)
+    for key in ("clients", "bytes_boundary", "bytes_total", "messages", "kept_stage"):
+        assert deployed[key] == in_process[key], key
+    # Thirty parties, one process: the host started no SuperExec, ClientApp or worker.
+    host = fed.procs["devices-0"].pid
+    children = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == host]
+    assert children == [] and "holding 30 devices" in (fed.work / "devices-0.log").read_text()
+
+
+def _parent(proc: Path) -> int:
+    try:
+        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):  # gone meanwhile
+        return -1
+
+
+def test_a_device_host_refuses_a_replaced_app_before_any_of_it_runs(device_host):
+    fed, _, tmp = device_host
+    marker = tmp / "replaced-app-ran"
+    project = _replaced_app(tmp, "replaced-app", marker)
+    out = tmp / "replaced"
+    run_id = fed.submit(f"clients={DEVICES} out-dir='{out}' {NODE_RUN}", project)
+    assert _wait_until_finished(fed, run_id, out, timeout=120).startswith("finished:")
+    log = (fed.work / "devices-0.log").read_text()
+    assert f"its code has app digest {app_digest(tree_files(project))}" in log
+    assert "a device host runs only its installed app" in log
+    assert not marker.exists() and not (out / "summary.json").exists()

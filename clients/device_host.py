@@ -1,0 +1,438 @@
+"""``retexo-fl devices``: many one-node parties in one process, each its own Flower node.
+
+    retexo-fl devices --superlink HOST:PORT --partitions DIR [--ids 0-99]
+                      [--keys DIR | --insecure-no-pinned-keys] [--work-dir DIR]
+                      [--insecure | --root-certificates CA.crt [--auth-keys DIR]] [--max-poll S]
+
+At one node per party every phone or edge device is a party. ``retexo-fl supernode`` is one
+device: Flower's SuperNode, its SuperExec, a ClientApp process per message and a node worker
+holding torch, about 0.5 GB of memory. Emulating hundreds of devices on one machine (a test, a
+benchmark, a lab) that way needs hundreds of those process sets. This command is the emulation
+host instead: one process that holds the ``part-<id>`` folders it is given (``--ids``), and for
+each one opens its own connection to the SuperLink's Fleet API over gRPC with Flower's own
+connection code (:func:`flwr.client.grpc_rere_client.connection.grpc_request_response`: it
+registers, activates and heartbeats as that device's node, with its own authentication key under
+TLS), pulls the device's messages and their objects, answers them with the installed ClientApp
+(:data:`clients.app.app`, mods included) in this process, and pushes the replies. To the
+SuperLink and the ServerApp each device is a SuperNode like any other.
+
+What differs from one ``retexo-fl supernode`` per device, and why:
+
+- **One process, one torch.** The devices' clients live in this process (as a node worker's
+  client lives in its), each under its own Flower node id, work folder and keys. Messages are
+  pulled and pushed on a thread per device, and answered one at a time (a host-wide lock): a
+  client's dropout masks come from torch's global generator after seeding it, so answering one
+  at a time keeps every device's training the run a lone device would make.
+- **The installed app only.** A device host never installs or imports a run's FAB. A run whose
+  app code is not the installed app's (:func:`clients.approval.approve`) is refused with an
+  error reply to each of its messages; a signed release of other code needs a
+  ``retexo-fl supernode`` (``--trusted-entities``), which runs each app in a process of its own.
+- **Polls that back off.** A device with nothing to do polls after 50 ms, then twice as long each
+  time up to ``--max-poll`` (default 1 s), so hundreds of idle devices do not flood the
+  SuperLink; a message resets its device's poll to 50 ms.
+
+The devices of one host share its memory, CPU and failure: it is an emulator of many devices, not
+a deployment of one. Every device keeps its own identity key and the pins (``--keys``: the
+``client-<id>.key`` and ``pins.json`` of ``retexo-fl keys``), so sealed boundary rows and secure
+aggregation are as they are between real devices, and nothing of a device's data leaves it in a
+message. The host process itself can read every device it holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.common.constant import ErrorCode
+
+from retexo_fl import protocol as P
+
+#: The first poll after a message, and the floor of the backoff (Flower's SuperNode sleeps 3 s
+#: after an empty pull; ``retexo-fl supernode`` shortens it to 50 ms).
+MIN_POLL_S = 0.05
+#: Where an idle device's poll backs off to, by default.
+MAX_POLL_S = 1.0
+
+
+class DeviceHostError(ValueError):
+    """The host will not start with these devices; the message names the folder or file."""
+
+
+@dataclass
+class DeviceSpec:
+    """One device the host holds.
+
+    Args:
+        name (str): how logs and errors name it (its partition folder's name, ``part-<id>``).
+        node_config (dict[str, Any]): its node config, as ``--node-config`` gives a SuperNode.
+        auth_key (Path, optional): its SuperNode authentication private key (TLS only).
+    """
+
+    name: str
+    node_config: dict[str, Any]
+    auth_key: Path | None = None
+
+
+def parse_ids(text: str) -> list[int]:
+    """``"0-3,7"`` -> ``[0, 1, 2, 3, 7]``.
+
+    Raises:
+        DeviceHostError: ``text`` is not a comma list of ids and ``a-b`` ranges.
+    """
+    ids: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise DeviceHostError(f"--ids {text!r}: {part!r} is not an id or an a-b range")
+        ids.extend(range(int(lo), int(hi if sep else lo) + 1))
+    return ids
+
+
+def device_specs(
+    partitions: Path,
+    ids: list[int] | None,
+    work_dir: Path,
+    keys: Path | None,
+    auth_keys: Path | None = None,
+) -> list[DeviceSpec]:
+    """The devices of ``partitions`` (every ``part-<id>``, or the ``ids`` given), with their keys.
+
+    Args:
+        partitions (Path): a folder of ``part-<id>`` folders (``retexo-fl partition``).
+        ids (list[int], optional): the ids of the devices to hold (default: every folder).
+        work_dir (Path): the base of the devices' work folders (node config ``work-dir``).
+        keys (Path, optional): a folder of ``client-<id>.key`` and ``pins.json``
+            (``retexo-fl keys``); None runs without pinned keys.
+        auth_keys (Path, optional): a folder of ``party-<id>`` SuperNode authentication keys.
+
+    Raises:
+        DeviceHostError: naming a missing folder, id or key file.
+    """
+    from retexo_fl.data.partition import PartitionError, partition_dirs
+
+    try:
+        found = {int(d.name[len("part-") :]): d for d in partition_dirs(partitions)}
+    except PartitionError as exc:
+        raise DeviceHostError(str(exc)) from None
+    if not found:
+        raise DeviceHostError(f"{partitions}: no part-<id> folders")
+    wanted = sorted(found) if ids is None else ids
+    missing = [i for i in wanted if i not in found]
+    if missing:
+        raise DeviceHostError(f"{partitions}: no part-{missing[0]} folder (--ids)")
+    specs = []
+    for i in wanted:
+        config: dict[str, Any] = {P.NODE_PARTITION_DIR: str(found[i]), P.NODE_WORK_DIR: str(work_dir)}
+        if keys is not None:
+            config[P.NODE_IDENTITY_KEY] = str(keys / f"client-{i}.key")
+            config[P.NODE_PINNED_KEYS] = str(keys / "pins.json")
+        auth = auth_keys / f"party-{i}" if auth_keys is not None else None
+        if auth is not None and not auth.is_file():
+            raise DeviceHostError(f"{auth}: no SuperNode authentication key for part-{i}")
+        specs.append(DeviceSpec(found[i].name, config, auth))
+    return specs
+
+
+@dataclass
+class _Run:
+    """What a device knows of a run: its config, or why this host refuses it."""
+
+    run_config: dict[str, Any]
+    refused: str = ""
+    context: Context | None = None
+
+
+@dataclass
+class Device:
+    """One device's node: its connection's loop, run by :meth:`run` on a thread of its own.
+
+    Args:
+        spec (DeviceSpec): the device.
+        answer (Callable[[Message, Context], Message]): answers a message (the host's, locked).
+        connect (Callable[[DeviceSpec], Any]): opens the device's Fleet API connection (a
+            context manager yielding Flower's connection tuple).
+        stop (threading.Event): set to end the loop.
+        max_poll (float): the longest wait between two pulls of an idle device.
+    """
+
+    spec: DeviceSpec
+    answer: Callable[[Message, Context], Message]
+    connect: Callable[[DeviceSpec], Any]
+    stop: threading.Event
+    max_poll: float = MAX_POLL_S
+    node_id: int = 0
+    answered: int = 0
+    error: str = ""
+    runs: dict[int, _Run] = field(default_factory=dict)
+
+    def run(self) -> None:
+        """Connect, then pull, answer and push until :attr:`stop` is set; a failure to connect or
+        in the loop is kept in :attr:`error` (and ends this device only)."""
+        try:
+            with self.connect(self.spec) as conn:
+                self.node_id, receive, send, get_run, get_fab, pull_object, push_object, confirm = conn
+                wait = MIN_POLL_S
+                while not self.stop.is_set():
+                    received = receive()
+                    if received is None:
+                        self.stop.wait(wait)
+                        wait = min(wait * 2, self.max_poll)
+                        continue
+                    wait = MIN_POLL_S
+                    self._serve(*received, send, get_run, get_fab, pull_object, push_object, confirm)
+        except BaseException as exc:  # flwr_exit raises SystemExit on this thread
+            if not self.stop.is_set():
+                self.error = f"{type(exc).__name__}: {exc}"
+
+    def _run_info(self, run_id: int, get_run: Callable, get_fab: Callable) -> _Run:
+        """The run's config and whether this host runs it (its FAB is read, never installed)."""
+        if run_id not in self.runs:
+            from flwr.common.config import get_fused_config_from_fab
+
+            from clients.approval import AppNotApproved, approve
+
+            run = get_run(run_id)
+            fab = get_fab(run.fab_hash, run_id)
+            try:
+                approve(fab.content)
+                refused = ""
+            except AppNotApproved as exc:
+                refused = f"{exc} (a device host runs only its installed app)"
+                print(f"{self.spec.name}: run {run_id} refused: {refused}", file=sys.stderr, flush=True)
+            self.runs[run_id] = _Run(dict(get_fused_config_from_fab(fab.content, run)), refused)
+        return self.runs[run_id]
+
+    def _serve(
+        self,
+        message: Message,
+        tree: Any,
+        send: Callable,
+        get_run: Callable,
+        get_fab: Callable,
+        pull_object: Callable,
+        push_object: Callable,
+        confirm: Callable,
+    ) -> None:
+        """Pull one message's objects, answer it, push the reply (Flower's own steps)."""
+        from flwr.supercore.inflatable.inflatable_object import (
+            get_all_nested_objects,
+            get_object_tree,
+            no_object_id_recompute,
+        )
+        from flwr.supercore.inflatable.inflatable_utils import (
+            pull_and_inflate_object_from_tree,
+            push_objects,
+        )
+        from flwr.supercore.run import RunNotRunningException
+
+        run_id = message.metadata.run_id
+        try:
+            info = self._run_info(run_id, get_run, get_fab)
+            full = pull_and_inflate_object_from_tree(
+                tree,
+                lambda oid: pull_object(run_id, oid),
+                lambda oid: confirm(run_id, oid),
+                return_type=Message,
+            )
+            full.metadata.__dict__["_message_id"] = tree.object_id
+            if info.context is None:  # one context per (device, run): it keeps the node's state
+                info.context = Context(
+                    run_id=run_id,
+                    node_id=self.node_id,
+                    node_config=self.spec.node_config,
+                    state=RecordDict(),
+                    run_config=info.run_config,
+                )
+            started = time.monotonic()
+            if info.refused:
+                refusal = Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=info.refused)
+                reply = Message(refusal, reply_to=full)
+            else:
+                reply = self.answer(full, info.context)
+            reply.metadata.__dict__["_message_id"] = reply.object_id
+            with no_object_id_recompute():
+                reply_tree = get_object_tree(reply)
+                to_push, session = send(reply, reply_tree, time.monotonic() - started)
+                push_objects(
+                    get_all_nested_objects(reply),
+                    lambda oid, content: push_object(run_id, session, oid, content),
+                    object_ids_to_push=to_push,
+                )
+            self.answered += 1
+        except RunNotRunningException:  # the run ended (or was stopped) while this was in flight
+            self.runs.pop(run_id, None)
+
+
+def flower_connection(
+    address: str, insecure: bool, root_certificates: Path | None
+) -> Callable[[DeviceSpec], Any]:
+    """A ``connect`` for :class:`Device`: Flower's gRPC request-response Fleet connection, with the
+    SuperNode's retry policy and the device's authentication key."""
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.serialization import load_ssh_private_key
+    from flwr.common.constant import TRANSPORT_TYPE_GRPC_RERE
+    from flwr.supernode.start_client_internal import _init_connection
+
+    certificates = root_certificates.read_bytes() if root_certificates else None
+
+    def connect(spec: DeviceSpec) -> Any:
+        keys = None
+        if spec.auth_key is not None:
+            key = load_ssh_private_key(spec.auth_key.read_bytes(), None)
+            if not isinstance(key, ec.EllipticCurvePrivateKey):
+                raise DeviceHostError(f"{spec.auth_key}: not an EC private key (deploy/make_certs.py)")
+            keys = (key, key.public_key())
+        return _init_connection(
+            transport=TRANSPORT_TYPE_GRPC_RERE,
+            server_address=address,
+            insecure=insecure,
+            root_certificates=certificates,
+            authentication_keys=keys,
+        )
+
+    return connect
+
+
+class DeviceHost:
+    """Holds the devices: starts a thread per device and answers their messages one at a time.
+
+    Args:
+        specs (list[DeviceSpec]): the devices.
+        connect (Callable[[DeviceSpec], Any]): opens a device's connection
+            (:func:`flower_connection`).
+        max_poll (float): the longest wait between two pulls of an idle device. (default: 1.0)
+        app (Callable[[Message, Context], Message], optional): what answers (default: the
+            installed ClientApp, :data:`clients.app.app`).
+    """
+
+    def __init__(
+        self,
+        specs: list[DeviceSpec],
+        connect: Callable[[DeviceSpec], Any],
+        max_poll: float = MAX_POLL_S,
+        app: Callable[[Message, Context], Message] | None = None,
+    ) -> None:
+        from clients import node_client
+
+        if app is None:
+            from clients.app import app as installed
+
+            app = installed
+        node_client.SOLE_WRITER = True  # this process alone answers, and saves, for its devices
+        self._app, self._lock, self.stop = app, threading.Lock(), threading.Event()
+        self.devices = [Device(spec, self._answer, connect, self.stop, max_poll) for spec in specs]
+        self.threads = [
+            threading.Thread(target=d.run, name=f"device-{d.spec.name}", daemon=True) for d in self.devices
+        ]
+
+    def _answer(self, msg: Message, context: Context) -> Message:
+        with self._lock:
+            return self._app(msg, context)
+
+    def start(self) -> DeviceHost:
+        """Start every device's thread."""
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def failed(self) -> list[str]:
+        """``"<device>: <error>"`` for every device whose loop ended with an error."""
+        return [f"{d.spec.name}: {d.error}" for d in self.devices if d.error]
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop every device (each deactivates its node) and wait for their threads."""
+        self.stop.set()
+        deadline = time.monotonic() + timeout
+        for thread in self.threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="retexo-fl devices", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--superlink", required=True, help="the SuperLink's Fleet API, HOST:PORT")
+    parser.add_argument("--partitions", required=True, help="folder of part-<id>/ (retexo-fl partition)")
+    parser.add_argument(
+        "--ids", default="", help="the devices to hold, e.g. 0-99,120 (default: every part-<id>)"
+    )
+    parser.add_argument("--keys", default="", help="folder of client-<id>.key and pins.json (retexo-fl keys)")
+    parser.add_argument(
+        "--insecure-no-pinned-keys",
+        action="store_true",
+        help="hold the devices without identity keys and pins (the server can then read sealed payloads)",
+    )
+    parser.add_argument("--work-dir", default="", help="base of the devices' work folders (default: temp)")
+    parser.add_argument("--insecure", action="store_true", help="plain gRPC to the SuperLink (no TLS)")
+    parser.add_argument("--root-certificates", default="", help="the CA certificate the SuperLink's TLS uses")
+    parser.add_argument(
+        "--auth-keys", default="", help="folder of party-<id> SuperNode authentication private keys"
+    )
+    parser.add_argument(
+        "--max-poll",
+        type=float,
+        default=MAX_POLL_S,
+        help="longest seconds between two pulls of an idle device",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Hold the devices until interrupted, or until every device's loop has ended."""
+    args = _parser().parse_args(argv)
+    from clients.flower_patch import shorten_object_pulls
+    from clients.node import default_work_base
+    from clients.supernode import SupernodeRefused, check_pinned_keys
+
+    try:
+        if args.insecure == bool(args.root_certificates):
+            raise DeviceHostError("give exactly one of --insecure and --root-certificates")
+        if not args.keys and not args.insecure_no_pinned_keys:
+            raise DeviceHostError(
+                "no --keys: without each device's identity key and the pins, the server chooses the "
+                "keys that seal boundary rows and can read them; pass --insecure-no-pinned-keys to "
+                "run without that protection"
+            )
+        specs = device_specs(
+            Path(args.partitions).resolve(),
+            parse_ids(args.ids) if args.ids else None,
+            Path(args.work_dir).resolve() if args.work_dir else default_work_base(),
+            Path(args.keys).resolve() if args.keys else None,
+            Path(args.auth_keys).resolve() if args.auth_keys else None,
+        )
+        for spec in specs:
+            try:
+                check_pinned_keys(spec.node_config, args.insecure_no_pinned_keys)
+            except SupernodeRefused as exc:
+                raise DeviceHostError(f"{spec.name}: {exc}") from None
+    except DeviceHostError as exc:
+        print(f"retexo-fl devices: error: {exc}", file=sys.stderr)
+        return 2
+    shorten_object_pulls()
+    certificates = Path(args.root_certificates) if args.root_certificates else None
+    connect = flower_connection(args.superlink, args.insecure, certificates)
+    host = DeviceHost(specs, connect, args.max_poll).start()
+    print(f"retexo-fl devices: holding {len(specs)} devices", file=sys.stderr, flush=True)
+    try:
+        while any(t.is_alive() for t in host.threads):
+            time.sleep(0.5)
+            for line in host.failed():
+                print(f"retexo-fl devices: {line}", file=sys.stderr, flush=True)
+                host.close()
+                return 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        host.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

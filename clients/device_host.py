@@ -28,8 +28,9 @@ What differs from one ``retexo-fl supernode`` per device, and why:
   error reply to each of its messages; a signed release of other code needs a
   ``retexo-fl supernode`` (``--trusted-entities``), which runs each app in a process of its own.
 - **Polls that back off.** A device with nothing to do polls after 50 ms, then twice as long each
-  time up to ``--max-poll`` (default 1 s), so hundreds of idle devices do not flood the
-  SuperLink; a message resets its device's poll to 50 ms.
+  time up to ``--max-poll`` (default 1 s), or up to ``devices / --polls-per-second`` seconds
+  where that is longer (default 100 pulls a second for the whole host), so hundreds of idle
+  devices do not saturate the SuperLink; a message resets its device's poll to 50 ms.
 
 The devices of one host share its memory, CPU and failure: it is an emulator of many devices, not
 a deployment of one. Every device keeps its own identity key and the pins (``--keys``: the
@@ -45,6 +46,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +61,11 @@ from retexo_fl import protocol as P
 MIN_POLL_S = 0.05
 #: Where an idle device's poll backs off to, by default.
 MAX_POLL_S = 1.0
+#: Pulls a second that a host's idle devices make at most, together, by default: an idle device
+#: backs off to ``devices / POLLS_PER_S`` seconds where that is longer than ``max_poll``. A pull
+#: costs Flower's SuperLink about 2 ms of one core (in memory; more with its database): 300
+#: devices polling each second held it at one core for a whole run (810 s, 2026-11-29).
+POLLS_PER_S = 100.0
 
 
 class DeviceHostError(ValueError):
@@ -307,7 +314,10 @@ class DeviceHost:
         specs (list[DeviceSpec]): the devices.
         connect (Callable[[DeviceSpec], Any]): opens a device's connection
             (:func:`flower_connection`).
-        max_poll (float): the longest wait between two pulls of an idle device. (default: 1.0)
+        max_poll (float): the longest wait between two pulls of an idle device, unless the
+            devices need longer to stay within ``polls_per_s``. (default: 1.0)
+        polls_per_s (float): pulls a second the idle devices make at most, together.
+            (default: 100.0)
         app (Callable[[Message, Context], Message], optional): what answers (default: the
             installed ClientApp, :data:`clients.app.app`).
     """
@@ -318,6 +328,7 @@ class DeviceHost:
         connect: Callable[[DeviceSpec], Any],
         max_poll: float = MAX_POLL_S,
         app: Callable[[Message, Context], Message] | None = None,
+        polls_per_s: float = POLLS_PER_S,
     ) -> None:
         from clients import node_client
 
@@ -326,15 +337,20 @@ class DeviceHost:
 
             app = installed
         node_client.SOLE_WRITER = True  # this process alone answers, and saves, for its devices
-        self._app, self._lock, self.stop = app, threading.Lock(), threading.Event()
+        # One thread answers every device's messages, one at a time. One at a time: see the
+        # module's doc. One thread: glibc gives each thread that allocates its own malloc arena,
+        # and torch's freed blocks stay in it; answering on each device's thread held 900 MB at 30
+        # devices where one answering thread holds about a third of it.
+        self._answering = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retexo-fl-answer")
+        self._app, self.stop = app, threading.Event()
+        max_poll = max(max_poll, len(specs) / polls_per_s)
         self.devices = [Device(spec, self._answer, connect, self.stop, max_poll) for spec in specs]
         self.threads = [
             threading.Thread(target=d.run, name=f"device-{d.spec.name}", daemon=True) for d in self.devices
         ]
 
     def _answer(self, msg: Message, context: Context) -> Message:
-        with self._lock:
-            return self._app(msg, context)
+        return self._answering.submit(self._app, msg, context).result()
 
     def start(self) -> DeviceHost:
         """Start every device's thread."""
@@ -352,6 +368,7 @@ class DeviceHost:
         deadline = time.monotonic() + timeout
         for thread in self.threads:
             thread.join(max(0.0, deadline - time.monotonic()))
+        self._answering.shutdown(wait=False, cancel_futures=True)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -379,7 +396,13 @@ def _parser() -> argparse.ArgumentParser:
         "--max-poll",
         type=float,
         default=MAX_POLL_S,
-        help="longest seconds between two pulls of an idle device",
+        help="longest seconds between two pulls of an idle device (longer where --polls-per-second needs it)",
+    )
+    parser.add_argument(
+        "--polls-per-second",
+        type=float,
+        default=POLLS_PER_S,
+        help="pulls a second this host's idle devices make at most, together",
     )
     return parser
 
@@ -418,8 +441,13 @@ def main(argv: list[str] | None = None) -> int:
     shorten_object_pulls()
     certificates = Path(args.root_certificates) if args.root_certificates else None
     connect = flower_connection(args.superlink, args.insecure, certificates)
-    host = DeviceHost(specs, connect, args.max_poll).start()
-    print(f"retexo-fl devices: holding {len(specs)} devices", file=sys.stderr, flush=True)
+    host = DeviceHost(specs, connect, args.max_poll, polls_per_s=args.polls_per_second).start()
+    print(
+        f"retexo-fl devices: holding {len(specs)} devices (an idle device polls every "
+        f"{host.devices[0].max_poll:.2f} s at most)",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         while any(t.is_alive() for t in host.threads):
             time.sleep(0.5)

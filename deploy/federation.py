@@ -282,11 +282,13 @@ class FederationProcesses:
         worker: bool = True,
         keys: Path | None = None,
         devices_per_host: int = 0,
+        device_flags: tuple[str, ...] = (),
     ) -> dict:
         """SuperLink, one SuperNode per partition (registered first under TLS, in ``netns[i]``
         when given; holding its key of ``keys``), then the run into ``out``; returns :meth:`run`'s
         record. With ``devices_per_host`` the partitions are held that many at a time by
-        ``retexo-fl devices`` hosts instead. The caller stops the processes (:meth:`stop_all`)."""
+        ``retexo-fl devices`` hosts instead (``device_flags`` added to each). The caller stops
+        the processes (:meth:`stop_all`)."""
         self.start_superlink()
         if devices_per_host:
             ids = [int(part.name[len("part-") :]) for part in parts]
@@ -294,7 +296,8 @@ class FederationProcesses:
                 for i in ids:
                     self.register(i)
             for h, start in enumerate(range(0, len(ids), devices_per_host)):
-                self.start_device_host(h, parts[0].parent, ids[start : start + devices_per_host], keys)
+                chunk = ids[start : start + devices_per_host]
+                self.start_device_host(h, parts[0].parent, chunk, keys, device_flags)
         for i, part in enumerate(parts if not devices_per_host else []):
             if self.tls:
                 self.register(i)
@@ -376,6 +379,19 @@ def main(argv: list[str] | None = None) -> int:
         "`retexo-fl supernode` (a node worker per node)",
     )
     parser.add_argument(
+        "--superlink-in-memory",
+        action="store_true",
+        help="keep the SuperLink's state in memory, not in a database file: less CPU a message (lost "
+        "if the SuperLink restarts)",
+    )
+    parser.add_argument(
+        "--device-max-poll",
+        type=float,
+        default=0.0,
+        help="with --devices-per-host: the longest seconds between two pulls of an idle device "
+        "(retexo-fl devices --max-poll; default its own)",
+    )
+    parser.add_argument(
         "--devices-per-host",
         type=int,
         default=0,
@@ -418,7 +434,12 @@ def main(argv: list[str] | None = None) -> int:
 
         sans = ["--san", "127.0.0.1", "--san", "localhost"] + (["--san", host] if wan else [])
         make_certs(["--out", str(tls), "--parties", str(len(parts)), *sans])
-    fed = FederationProcesses(Path(args.work).resolve() if args.work else out / "federation", tls, host)
+    fed = FederationProcesses(
+        Path(args.work).resolve() if args.work else out / "federation",
+        tls,
+        host,
+        database=not args.superlink_in_memory,
+    )
     keys = Path(args.keys).resolve() if args.keys else fed.work / "keys"
     if not (keys / "pins.json").is_file():
         from retexo_fl.secure.keys import write_identities
@@ -444,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
             worker=not args.flower_supernode,
             keys=keys,
             devices_per_host=args.devices_per_host,
+            device_flags=("--max-poll", str(args.device_max_poll)) if args.device_max_poll else (),
         )
         status = record.get("status", "")
         summary = out / "summary.json"

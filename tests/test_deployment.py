@@ -283,7 +283,7 @@ def test_devices_held_by_one_process_run_as_the_in_process_run(device_host):
     # Thirty parties, one process: the host started no SuperExec, ClientApp or worker.
     host = fed.procs["devices-0"].pid
     children = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == host]
-    assert children == [] and "holding 30 devices" in (fed.work / "devices-0.log").read_text()
+    assert children == [] and "holding 30 devices (" in (fed.work / "devices-0.log").read_text()
 
 
 def _parent(proc: Path) -> int:

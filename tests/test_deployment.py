@@ -241,13 +241,13 @@ def test_plain_flower_supernode_still_works_beside_retexo_supernodes(data_root, 
 
 
 # -- many devices in one process (`retexo-fl devices`) ----------------------------------------
-NODE_RUN = "method='node' stages=2 rounds='3' hidden=16 seed=1"
-DEVICES = 30
+NODE_RUN = "method='node' stages=2 rounds='2' hidden=16 seed=1"
+DEVICES = 20
 
 
 @pytest.fixture(scope="module")
 def device_host(tmp_path_factory):
-    """A SuperLink and one `retexo-fl devices` process holding every node of a 30-node graph, each
+    """A SuperLink and one `retexo-fl devices` process holding every node of a 20-node graph, each
     node a party (its own Flower node, identity key and pins)."""
     tmp = tmp_path_factory.mktemp("devices")
     parts = tmp / "parts"
@@ -273,17 +273,19 @@ def test_devices_held_by_one_process_run_as_the_in_process_run(device_host):
     assert record["status"] == "finished:completed"
     deployed = json.loads((out / "summary.json").read_text())
     cfg = TrainConfig.resolve(
-        partitions=str(parts), clients=DEVICES, method="node", stages=2, rounds=3, hidden=16, seed=1
+        partitions=str(parts), clients=DEVICES, method="node", stages=2, rounds=2, hidden=16, seed=1
     )
     in_process = train(cfg, RunRecorder(None, stream=None)).to_dict()
     assert deployed["engine"] == "flower"
     assert deployed["test_accuracy"] == pytest.approx(in_process["test_accuracy"], abs=0.005)
+    losses = [[s["val_loss"] for s in run["stage_results"]] for run in (deployed, in_process)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-4)  # every stage trained as in process
     for key in ("clients", "bytes_boundary", "bytes_total", "messages", "kept_stage"):
         assert deployed[key] == in_process[key], key
-    # Thirty parties, one process: the host started no SuperExec, ClientApp or worker.
+    # Twenty parties, one process: the host started no SuperExec, ClientApp or worker.
     host = fed.procs["devices-0"].pid
     children = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == host]
-    assert children == [] and "holding 30 devices (" in (fed.work / "devices-0.log").read_text()
+    assert children == [] and f"holding {DEVICES} devices (" in (fed.work / "devices-0.log").read_text()
 
 
 def _parent(proc: Path) -> int:
@@ -304,3 +306,23 @@ def test_a_device_host_refuses_a_replaced_app_before_any_of_it_runs(device_host)
     assert f"its code has app digest {app_digest(tree_files(project))}" in log
     assert "a device host runs only its installed app" in log
     assert not marker.exists() and not (out / "summary.json").exists()
+
+
+def test_a_device_host_holding_an_unregistered_key_is_refused(federation, tmp_path):
+    """Under TLS with SuperNode authentication each device of a host signs in with its own key:
+    a device whose key was never registered is refused, and the host stops naming it."""
+    fed, parts, _ = federation
+    auth = tmp_path / "auth"
+    auth.mkdir()
+    shutil.copy(fed.tls / "party-3", auth / "party-0")  # party-3 is never registered
+    fed.start(
+        "devices-9",
+        [
+            "retexo-fl", "devices", "--root-certificates", str(fed.tls / "ca.crt"),
+            "--auth-keys", str(auth), "--superlink", f"127.0.0.1:{fed.fleet}",
+            "--partitions", str(parts), "--ids", "0", "--insecure-no-pinned-keys",
+        ],
+    )  # fmt: skip
+    assert fed.procs["devices-9"].wait(timeout=90) != 0
+    log = (fed.work / "devices-9.log").read_text()
+    assert "Exit Code: 305" in log and "retexo-fl devices: part-0: SystemExit" in log

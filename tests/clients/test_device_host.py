@@ -98,6 +98,9 @@ def test_an_idle_device_backs_off_and_a_failure_names_the_device(monkeypatch):
     assert waits == [MIN_POLL_S, 0.1, 0.2, 0.2, 0.2, 0.2, 0.2, 0.2]
     assert host.devices[0].node_id == 7
     assert host.failed() == ["part-5: ConnectionError: the SuperLink went away"]
+    # 300 idle devices within 100 pulls a second: each backs off to 3 s, not 0.2.
+    many = DeviceHost([DeviceSpec(f"part-{i}", {}) for i in range(300)], conn.open, 0.2, lambda m, c: m)
+    assert {d.max_poll for d in many.devices} == {3.0}
 
 
 def test_a_device_that_cannot_connect_ends_alone():

@@ -2,7 +2,8 @@
 
     retexo-fl devices --superlink HOST:PORT --partitions DIR [--ids 0-99]
                       [--keys DIR | --insecure-no-pinned-keys] [--work-dir DIR]
-                      [--insecure | --root-certificates CA.crt [--auth-keys DIR]] [--max-poll S]
+                      [--insecure | --root-certificates CA.crt [--auth-keys DIR]]
+                      [--max-poll S] [--polls-per-second N]
 
 At one node per party every phone or edge device is a party. ``retexo-fl supernode`` is one
 device: Flower's SuperNode, its SuperExec, a ClientApp process per message and a node worker
@@ -19,14 +20,21 @@ SuperLink and the ServerApp each device is a SuperNode like any other.
 What differs from one ``retexo-fl supernode`` per device, and why:
 
 - **One process, one torch.** The devices' clients live in this process (as a node worker's
-  client lives in its), each under its own Flower node id, work folder and keys. Messages are
-  pulled and pushed on a thread per device, and answered one at a time (a host-wide lock): a
-  client's dropout masks come from torch's global generator after seeding it, so answering one
-  at a time keeps every device's training the run a lone device would make.
+  client lives in its), each with its own Flower node, keys and work folder
+  (``--work-dir``/``part-<id>``, found by the device's id, not by the node id the SuperLink hands
+  out; a host refuses one node id given to two of its devices). Messages are pulled and pushed on
+  a thread per device, and answered on one thread, one at a time: a client's dropout masks come
+  from torch's global generator after seeding it, so answering one at a time keeps every
+  device's training the run a lone device would make.
 - **The installed app only.** A device host never installs or imports a run's FAB. A run whose
-  app code is not the installed app's (:func:`clients.approval.approve`) is refused with an
-  error reply to each of its messages; a signed release of other code needs a
-  ``retexo-fl supernode`` (``--trusted-entities``), which runs each app in a process of its own.
+  app code is not the installed app's (:func:`clients.approval.approve`) is refused before even
+  its config is read, with an ``INVALID_FAB`` error reply to each of its messages; a signed
+  release of other code needs a ``retexo-fl supernode`` (``--trusted-entities``), which runs each
+  app in a process of its own.
+- **Failures.** A message whose objects cannot be pulled or whose reply cannot be pushed is
+  logged and the device goes on (as Flower's SuperNode does); an app that raises is answered with
+  an error reply. A device whose connection fails, or that cannot sign in (Flower then ends the
+  whole process), stops the host, which names it.
 - **Polls that back off.** A device with nothing to do polls after 50 ms, then twice as long each
   time up to ``--max-poll`` (default 1 s), or up to ``devices / --polls-per-second`` seconds
   where that is longer (default 100 pulls a second for the whole host), so hundreds of idle
@@ -114,13 +122,14 @@ def device_specs(
     Args:
         partitions (Path): a folder of ``part-<id>`` folders (``retexo-fl partition``).
         ids (list[int], optional): the ids of the devices to hold (default: every folder).
-        work_dir (Path): the base of the devices' work folders (node config ``work-dir``).
+        work_dir (Path): the base of the devices' work folders (each device's node config
+            ``work-dir`` is ``work_dir/part-<id>``).
         keys (Path, optional): a folder of ``client-<id>.key`` and ``pins.json``
             (``retexo-fl keys``); None runs without pinned keys.
         auth_keys (Path, optional): a folder of ``party-<id>`` SuperNode authentication keys.
 
     Raises:
-        DeviceHostError: naming a missing folder, id or key file.
+        DeviceHostError: naming a missing folder, id or key file, or an id given twice.
     """
     from retexo_fl.data.partition import PartitionError, partition_dirs
 
@@ -131,12 +140,20 @@ def device_specs(
     if not found:
         raise DeviceHostError(f"{partitions}: no part-<id> folders")
     wanted = sorted(found) if ids is None else ids
+    if not wanted or len(set(wanted)) != len(wanted):
+        raise DeviceHostError(f"--ids: {'no device' if not wanted else 'a device named twice'} ({ids})")
     missing = [i for i in wanted if i not in found]
     if missing:
         raise DeviceHostError(f"{partitions}: no part-{missing[0]} folder (--ids)")
     specs = []
     for i in wanted:
-        config: dict[str, Any] = {P.NODE_PARTITION_DIR: str(found[i]), P.NODE_WORK_DIR: str(work_dir)}
+        # A work folder of its own, and the partition id as its slot: the device's saved state
+        # is found by its folder, not by the node id the SuperLink hands out at each start.
+        config: dict[str, Any] = {
+            P.NODE_PARTITION_DIR: str(found[i]),
+            P.NODE_PARTITION_ID: i,
+            P.NODE_WORK_DIR: str(work_dir / found[i].name),
+        }
         if keys is not None:
             config[P.NODE_IDENTITY_KEY] = str(keys / f"client-{i}.key")
             config[P.NODE_PINNED_KEYS] = str(keys / "pins.json")
@@ -149,71 +166,104 @@ def device_specs(
 
 @dataclass
 class _Run:
-    """What a device knows of a run: its config, or why this host refuses it."""
+    """What a device knows of a run: its config and context, or why this host refuses it."""
 
     run_config: dict[str, Any]
     refused: str = ""
+    series_id: int = 0
     context: Context | None = None
+
+
+#: Runs a device keeps what it knows of (their config and Flower context); the oldest goes first.
+KEPT_RUNS = 8
 
 
 @dataclass
 class Device:
     """One device's node: its connection's loop, run by :meth:`run` on a thread of its own.
 
+    A message that fails (its objects cannot be pulled, its reply cannot be pushed) is logged and
+    the device goes on, as Flower's SuperNode does; an app that raises is answered with an error
+    reply. Only the connection failing ends the device, and :attr:`error` then says why.
+
     Args:
         spec (DeviceSpec): the device.
-        answer (Callable[[Message, Context], Message]): answers a message (the host's, locked).
+        answer (Callable[[Message, Context], tuple[Message, float]]): answers a message (the
+            host's, on its answering thread), with the seconds the answer took.
         connect (Callable[[DeviceSpec], Any]): opens the device's Fleet API connection (a
             context manager yielding Flower's connection tuple).
         stop (threading.Event): set to end the loop.
         max_poll (float): the longest wait between two pulls of an idle device.
+        claim (Callable[[Device], None], optional): called once connected; raises to refuse the
+            node id the SuperLink gave (another device of the host holds it).
     """
 
     spec: DeviceSpec
-    answer: Callable[[Message, Context], Message]
+    answer: Callable[[Message, Context], tuple[Message, float]]
     connect: Callable[[DeviceSpec], Any]
     stop: threading.Event
     max_poll: float = MAX_POLL_S
+    claim: Callable[[Device], None] | None = None
     node_id: int = 0
     answered: int = 0
     error: str = ""
     runs: dict[int, _Run] = field(default_factory=dict)
 
     def run(self) -> None:
-        """Connect, then pull, answer and push until :attr:`stop` is set; a failure to connect or
-        in the loop is kept in :attr:`error` (and ends this device only)."""
+        """Connect, then pull, answer and push until :attr:`stop` is set."""
         try:
             with self.connect(self.spec) as conn:
-                self.node_id, receive, send, get_run, get_fab, pull_object, push_object, confirm = conn
-                wait = MIN_POLL_S
-                while not self.stop.is_set():
-                    received = receive()
-                    if received is None:
-                        self.stop.wait(wait)
-                        wait = min(wait * 2, self.max_poll)
-                        continue
-                    wait = MIN_POLL_S
-                    self._serve(*received, send, get_run, get_fab, pull_object, push_object, confirm)
+                # Flower's connection logs and swallows what its block raises: say it here first.
+                try:
+                    self._loop(conn)
+                except BaseException as exc:
+                    self._failed(exc)
+                    raise
         except BaseException as exc:  # flwr_exit raises SystemExit on this thread
-            if not self.stop.is_set():
-                self.error = f"{type(exc).__name__}: {exc}"
+            self._failed(exc)
+
+    def _failed(self, exc: BaseException) -> None:
+        if not self.stop.is_set() and not self.error:
+            self.error = f"{type(exc).__name__}: {exc}"
+
+    def _loop(self, conn: tuple) -> None:
+        self.node_id, receive, *calls = conn
+        if self.claim is not None:
+            self.claim(self)
+        wait = MIN_POLL_S
+        while not self.stop.is_set():
+            received = receive()
+            if received is None:
+                self.stop.wait(wait)
+                wait = min(wait * 2, self.max_poll)
+                continue
+            wait = MIN_POLL_S
+            self._serve(*received, *calls)
+
+    def _log(self, text: str) -> None:
+        print(f"{self.spec.name}: {text}", file=sys.stderr, flush=True)
 
     def _run_info(self, run_id: int, get_run: Callable, get_fab: Callable) -> _Run:
-        """The run's config and whether this host runs it (its FAB is read, never installed)."""
+        """The run's config and whether this host runs it. Its FAB is read, never installed; a
+        FAB that is not the installed app is refused before even its config is read."""
         if run_id not in self.runs:
             from flwr.common.config import get_fused_config_from_fab
 
-            from clients.approval import AppNotApproved, approve
+            from clients.approval import approve
 
             run = get_run(run_id)
             fab = get_fab(run.fab_hash, run_id)
             try:
-                approve(fab.content)
-                refused = ""
-            except AppNotApproved as exc:
-                refused = f"{exc} (a device host runs only its installed app)"
-                print(f"{self.spec.name}: run {run_id} refused: {refused}", file=sys.stderr, flush=True)
-            self.runs[run_id] = _Run(dict(get_fused_config_from_fab(fab.content, run)), refused)
+                if not approve(fab.content).runs_installed:  # signed by no one: approve() without
+                    raise ValueError("a signed release")  # trusted entities admits no other app
+                info = _Run(dict(get_fused_config_from_fab(fab.content, run)))
+            except Exception as exc:  # AppNotApproved, or a FAB that is not even an archive
+                info = _Run({}, f"{exc} (a device host runs only its installed app)")
+                self._log(f"run {run_id} refused: {info.refused}")
+            info.series_id = int(getattr(run, "series_id", 0) or 0)
+            while len(self.runs) >= KEPT_RUNS:
+                self.runs.pop(next(iter(self.runs)))
+            self.runs[run_id] = info
         return self.runs[run_id]
 
     def _serve(
@@ -239,7 +289,7 @@ class Device:
         )
         from flwr.supercore.run import RunNotRunningException
 
-        run_id = message.metadata.run_id
+        run_id, kind = message.metadata.run_id, message.metadata.message_type
         try:
             info = self._run_info(run_id, get_run, get_fab)
             full = pull_and_inflate_object_from_tree(
@@ -256,17 +306,21 @@ class Device:
                     node_config=self.spec.node_config,
                     state=RecordDict(),
                     run_config=info.run_config,
+                    series_id=info.series_id,
                 )
-            started = time.monotonic()
             if info.refused:
-                refusal = Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=info.refused)
-                reply = Message(refusal, reply_to=full)
+                code, reason = ErrorCode.INVALID_FAB, info.refused
             else:
-                reply = self.answer(full, info.context)
+                try:
+                    reply, seconds = self.answer(full, info.context)
+                    code = None
+                except Exception as exc:  # the app's own mods report its errors; this is the rest
+                    code, reason = ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"{type(exc).__name__}: {exc}"
+            if code is not None:
+                reply, seconds = Message(Error(code=code, reason=reason), reply_to=full), 0.0
             reply.metadata.__dict__["_message_id"] = reply.object_id
             with no_object_id_recompute():
-                reply_tree = get_object_tree(reply)
-                to_push, session = send(reply, reply_tree, time.monotonic() - started)
+                to_push, session = send(reply, get_object_tree(reply), seconds)
                 push_objects(
                     get_all_nested_objects(reply),
                     lambda oid, content: push_object(run_id, session, oid, content),
@@ -275,6 +329,8 @@ class Device:
             self.answered += 1
         except RunNotRunningException:  # the run ended (or was stopped) while this was in flight
             self.runs.pop(run_id, None)
+        except Exception as exc:  # one message failed (as Flower's SuperNode, log it and go on)
+            self._log(f"a {kind} message of run {run_id} failed: {type(exc).__name__}: {exc}")
 
 
 def flower_connection(
@@ -320,6 +376,9 @@ class DeviceHost:
             (default: 100.0)
         app (Callable[[Message, Context], Message], optional): what answers (default: the
             installed ClientApp, :data:`clients.app.app`).
+
+    Raises:
+        DeviceHostError: a poll bound that is not positive.
     """
 
     def __init__(
@@ -330,27 +389,40 @@ class DeviceHost:
         app: Callable[[Message, Context], Message] | None = None,
         polls_per_s: float = POLLS_PER_S,
     ) -> None:
-        from clients import node_client
-
         if app is None:
             from clients.app import app as installed
 
             app = installed
-        node_client.SOLE_WRITER = True  # this process alone answers, and saves, for its devices
-        # One thread answers every device's messages, one at a time. One at a time: see the
-        # module's doc. One thread: glibc gives each thread that allocates its own malloc arena,
-        # and torch's freed blocks stay in it; answering on each device's thread held 900 MB at 30
-        # devices where one answering thread holds about a third of it.
+        if polls_per_s <= 0 or max_poll <= 0:
+            raise DeviceHostError(f"polls a second ({polls_per_s}) and --max-poll ({max_poll}) are positive")
+        # Every device's messages are answered on this one thread, one at a time (the module's
+        # doc says why); the devices' own threads only pull and push.
         self._answering = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retexo-fl-answer")
         self._app, self.stop = app, threading.Event()
+        self._node_ids: dict[int, str] = {}
+        self._claims = threading.Lock()
         max_poll = max(max_poll, len(specs) / polls_per_s)
-        self.devices = [Device(spec, self._answer, connect, self.stop, max_poll) for spec in specs]
+        self.devices = [
+            Device(spec, self._answer, connect, self.stop, max_poll, self._claim) for spec in specs
+        ]
         self.threads = [
             threading.Thread(target=d.run, name=f"device-{d.spec.name}", daemon=True) for d in self.devices
         ]
 
-    def _answer(self, msg: Message, context: Context) -> Message:
-        return self._answering.submit(self._app, msg, context).result()
+    def _claim(self, device: Device) -> None:
+        """Refuse a node id that another device of this host holds: a SuperLink that hands one
+        id to two devices must not get one device's replies for the other's messages."""
+        with self._claims:
+            holder = self._node_ids.setdefault(device.node_id, device.spec.name)
+        if holder != device.spec.name:
+            raise DeviceHostError(f"the SuperLink gave node id {device.node_id} to {holder} too")
+
+    def _timed(self, msg: Message, context: Context) -> tuple[Message, float]:
+        started = time.monotonic()
+        return self._app(msg, context), time.monotonic() - started
+
+    def _answer(self, msg: Message, context: Context) -> tuple[Message, float]:
+        return self._answering.submit(self._timed, msg, context).result()
 
     def start(self) -> DeviceHost:
         """Start every device's thread."""
@@ -435,31 +507,36 @@ def main(argv: list[str] | None = None) -> int:
                 check_pinned_keys(spec.node_config, args.insecure_no_pinned_keys)
             except SupernodeRefused as exc:
                 raise DeviceHostError(f"{spec.name}: {exc}") from None
+        certificates = Path(args.root_certificates) if args.root_certificates else None
+        connect = flower_connection(args.superlink, args.insecure, certificates)
+        host = DeviceHost(specs, connect, args.max_poll, polls_per_s=args.polls_per_second)
     except DeviceHostError as exc:
         print(f"retexo-fl devices: error: {exc}", file=sys.stderr)
         return 2
+    from clients import node_client
+
+    node_client.SOLE_WRITER = True  # this process alone answers, and saves, for its devices
+    node_client.CACHED_RUNS = 4  # as a node worker: runs side by side keep their clients
     shorten_object_pulls()
-    certificates = Path(args.root_certificates) if args.root_certificates else None
-    connect = flower_connection(args.superlink, args.insecure, certificates)
-    host = DeviceHost(specs, connect, args.max_poll, polls_per_s=args.polls_per_second).start()
+    host.start()
     print(
         f"retexo-fl devices: holding {len(specs)} devices (an idle device polls every "
         f"{host.devices[0].max_poll:.2f} s at most)",
         file=sys.stderr,
         flush=True,
     )
+    code = 0
     try:
-        while any(t.is_alive() for t in host.threads):
+        while not host.failed() and any(t.is_alive() for t in host.threads):
             time.sleep(0.5)
-            for line in host.failed():
-                print(f"retexo-fl devices: {line}", file=sys.stderr, flush=True)
-                host.close()
-                return 1
-    except KeyboardInterrupt:
-        pass
+    except KeyboardInterrupt:  # Ctrl-C, or Flower's reply to a SuperLink that refused a node
+        code = 130
     finally:
         host.close()
-    return 0
+    for line in host.failed():  # a device that failed stops the host: say which, and why
+        print(f"retexo-fl devices: {line}", file=sys.stderr, flush=True)
+        code = 1
+    return code
 
 
 if __name__ == "__main__":

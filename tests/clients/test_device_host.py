@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -39,9 +41,10 @@ def parts(tmp_path):
 def test_each_device_gets_its_folder_its_own_key_and_the_pins(parts, tmp_path):
     specs = device_specs(parts, [10, 2], tmp_path / "work", tmp_path / "keys")
     assert [s.name for s in specs] == ["part-10", "part-2"]
-    assert specs[0].node_config == {
+    assert specs[0].node_config == {  # its slot and folder are its own, whatever its node id
         P.NODE_PARTITION_DIR: str(parts / "part-10"),
-        P.NODE_WORK_DIR: str(tmp_path / "work"),
+        P.NODE_PARTITION_ID: 10,
+        P.NODE_WORK_DIR: str(tmp_path / "work" / "part-10"),
         P.NODE_IDENTITY_KEY: str(tmp_path / "keys" / "client-10.key"),
         P.NODE_PINNED_KEYS: str(tmp_path / "keys" / "pins.json"),
     }
@@ -57,6 +60,10 @@ def test_a_missing_folder_or_key_is_named(parts, tmp_path):
         device_specs(parts, [3], tmp_path, None, tmp_path / "auth")
     with pytest.raises(DeviceHostError, match="no part-<id> folders"):
         device_specs(tmp_path / "work", None, tmp_path, None)
+    with pytest.raises(DeviceHostError, match="a device named twice"):  # one key, two nodes
+        device_specs(parts, parse_ids("0-2,1"), tmp_path, None)
+    with pytest.raises(DeviceHostError, match="no device"):
+        device_specs(parts, parse_ids(","), tmp_path, None)
 
 
 def test_the_host_refuses_to_start_without_keys_or_with_unreadable_ones(parts, tmp_path, capsys):
@@ -72,24 +79,36 @@ def test_the_host_refuses_to_start_without_keys_or_with_unreadable_ones(parts, t
 
 
 class _Conn:
-    """A Fleet connection that has no message for ``empty`` pulls, then fails."""
+    """A Fleet connection as Flower's: what its block raises is logged and swallowed. It yields
+    ``messages`` (then nothing, ``empty`` times), then fails; ``get_run`` fails too."""
 
-    def __init__(self, empty: int) -> None:
-        self.pulls, self.empty, self.waits = 0, empty, []
+    def __init__(self, empty: int, messages: list | None = None, node_id: int = 7) -> None:
+        self.pulls, self.empty, self.messages, self.node_id = 0, empty, list(messages or []), node_id
 
     def receive(self):
+        if self.messages:
+            return self.messages.pop(0), None
         self.pulls += 1
         if self.pulls > self.empty:
             raise ConnectionError("the SuperLink went away")
         return None
 
+    def get_run(self, run_id: int):
+        raise RuntimeError(f"run {run_id} unknown")
+
     @contextlib.contextmanager
     def open(self, spec: DeviceSpec):
         unused = lambda *a: pytest.fail("nothing was pulled")  # noqa: E731
-        yield (7, self.receive, unused, unused, unused, unused, unused, unused)
+        # flwr/client/grpc_rere_client/connection.py logs what its block raises, and returns
+        with contextlib.suppress(Exception):
+            yield (self.node_id, self.receive, unused, self.get_run, unused, unused, unused, unused)
 
 
-def test_an_idle_device_backs_off_and_a_failure_names_the_device(monkeypatch):
+def _message(kind: str, run_id: int) -> SimpleNamespace:
+    return SimpleNamespace(metadata=SimpleNamespace(run_id=run_id, message_type=kind))
+
+
+def test_an_idle_device_backs_off_and_a_failed_connection_names_the_device(monkeypatch):
     conn = _Conn(empty=8)
     host = DeviceHost([DeviceSpec("part-5", {})], conn.open, max_poll=0.2, app=lambda m, c: m)
     waits: list[float] = []
@@ -101,9 +120,35 @@ def test_an_idle_device_backs_off_and_a_failure_names_the_device(monkeypatch):
     # 300 idle devices within 100 pulls a second: each backs off to 3 s, not 0.2.
     many = DeviceHost([DeviceSpec(f"part-{i}", {}) for i in range(300)], conn.open, 0.2, lambda m, c: m)
     assert {d.max_poll for d in many.devices} == {3.0}
+    with pytest.raises(DeviceHostError, match="are positive"):
+        DeviceHost([DeviceSpec("part-0", {})], conn.open, 0.2, lambda m, c: m, polls_per_s=0)
 
 
-def test_a_device_that_cannot_connect_ends_alone():
+def test_a_message_that_fails_is_logged_and_the_device_goes_on(monkeypatch, capsys):
+    conn = _Conn(empty=2, messages=[_message("train", 5)])
+    host = DeviceHost([DeviceSpec("part-3", {})], conn.open, app=lambda m, c: m)
+    monkeypatch.setattr(threading.Event, "wait", lambda self, t=None: None)
+    host.devices[0].run()
+    assert "part-3: a train message of run 5 failed: RuntimeError: run 5 unknown" in capsys.readouterr().err
+    assert conn.pulls == 3  # it pulled again after the failed message, until the connection failed
+    assert host.failed() == ["part-3: ConnectionError: the SuperLink went away"]
+
+
+def test_two_devices_given_one_node_id_are_refused():
+    conn = _Conn(empty=10**6, node_id=11)
+    specs = [DeviceSpec("part-0", {}), DeviceSpec("part-1", {})]
+    host = DeviceHost(specs, conn.open, app=lambda m, c: m).start()
+    deadline = time.monotonic() + 10
+    while not host.failed() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    host.close()
+    assert host.failed() in (
+        ["part-1: DeviceHostError: the SuperLink gave node id 11 to part-0 too"],
+        ["part-0: DeviceHostError: the SuperLink gave node id 11 to part-1 too"],
+    )
+
+
+def test_a_device_that_cannot_connect_is_named():
     def refuse(spec: DeviceSpec):
         raise SystemExit(1)  # what Flower's flwr_exit raises when a node cannot register
 

@@ -241,7 +241,8 @@ def test_plain_flower_supernode_still_works_beside_retexo_supernodes(data_root, 
 
 
 # -- many devices in one process (`retexo-fl devices`) ----------------------------------------
-NODE_RUN = "method='node' stages=2 rounds='2' hidden=16 seed=1"
+# No self-training pass: it would run the same messages again.
+NODE_RUN = "method='node' stages=2 rounds='2' hidden=16 seed=1 self-training=0"
 DEVICES = 20
 
 
@@ -273,7 +274,14 @@ def test_devices_held_by_one_process_run_as_the_in_process_run(device_host):
     assert record["status"] == "finished:completed"
     deployed = json.loads((out / "summary.json").read_text())
     cfg = TrainConfig.resolve(
-        partitions=str(parts), clients=DEVICES, method="node", stages=2, rounds=2, hidden=16, seed=1
+        partitions=str(parts),
+        clients=DEVICES,
+        method="node",
+        stages=2,
+        rounds=2,
+        hidden=16,
+        seed=1,
+        self_training=0,
     )
     in_process = train(cfg, RunRecorder(None, stream=None)).to_dict()
     assert deployed["engine"] == "flower"
@@ -306,6 +314,7 @@ def test_a_device_host_refuses_a_replaced_app_before_any_of_it_runs(device_host)
     assert f"its code has app digest {app_digest(tree_files(project))}" in log
     assert "a device host runs only its installed app" in log
     assert not marker.exists() and not (out / "summary.json").exists()
+    assert fed.procs["devices-0"].poll() is None  # the host refused the run, and holds on
 
 
 def test_a_device_host_holding_an_unregistered_key_is_refused(federation, tmp_path):

@@ -20,6 +20,8 @@ Prints a table, writes JSON. Example (about 6 minutes on 2 cores)::
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import sys
@@ -98,7 +100,8 @@ def one_run(kind: str, devices: int, tmp: Path, timeout: float) -> dict:
     base = tmp / f"{kind}-{devices}"
     parts = base / "parts"
     argv = ["partition", "--dataset", f"sbm:{devices},3,4,0.7", "--clients", str(devices), "--method", "node"]
-    assert cli([*argv, "--out", str(parts), "--seed", "0"]) == 0
+    with contextlib.redirect_stdout(io.StringIO()):  # a line per device
+        assert cli([*argv, "--out", str(parts), "--seed", "0"]) == 0
     fed = FederationProcesses(base / "work", database=False)
     out = base / "run"
     try:

@@ -77,6 +77,17 @@ def require_tool(name: str, path: str) -> None:
         )
 
 
+def id_ranges(ids: list[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2,5,7-8"``: thousands of devices in a short command line."""
+    out: list[str] = []
+    for i in sorted(ids):
+        if out and i == int(out[-1].rsplit("-", 1)[-1]) + 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{i}"
+        else:
+            out.append(str(i))
+    return ",".join(out)
+
+
 class FederationProcesses:
     """The processes of one local federation, and how to stop them all.
 
@@ -264,7 +275,7 @@ class FederationProcesses:
                 "retexo-fl", "devices", *security,
                 "--superlink", f"{self.host}:{self.fleet}",
                 "--partitions", str(partitions),
-                "--ids", ",".join(map(str, ids)),
+                "--ids", id_ranges(ids),
                 "--work-dir", str(self.work / "node-work"),
                 *(["--keys", str(keys)] if keys is not None else ["--insecure-no-pinned-keys"]),
                 *extra,

@@ -33,3 +33,12 @@ def test_a_missing_tool_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="flower-nothing"):
         fed.start("x", ["ip", "netns", "exec", "ns0", "flower-nothing", "--help"])
     assert fed.procs == {}
+
+
+def test_a_hosts_ids_travel_as_ranges_that_read_back_the_same():
+    from clients.device_host import parse_ids
+    from deploy.federation import id_ranges
+
+    assert id_ranges(list(range(1000))) == "0-999"
+    for ids in ([0, 1, 2, 5, 7, 8], [3], [0, 2, 4], [9, 10, 11, 12, 20]):
+        assert parse_ids(id_ranges(ids)) == ids

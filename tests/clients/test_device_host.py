@@ -157,3 +157,23 @@ def test_a_device_that_cannot_connect_is_named():
     for thread in host.threads:
         thread.join(10)
     assert host.failed() == ["part-0: SystemExit: 1", "part-1: SystemExit: 1"]
+
+
+def test_flowers_connection_is_the_one_this_host_was_written_for():
+    """The host opens each device's node with Flower's private ``_init_connection`` (the pinned
+    range, flwr>=1.38,<1.40): another Flower must fail here, not in a deployment."""
+    import inspect
+
+    from flwr.client.grpc_rere_client import connection
+    from flwr.supernode.start_client_internal import _init_connection
+
+    params = set(inspect.signature(_init_connection).parameters)
+    assert {"transport", "server_address", "insecure", "root_certificates", "authentication_keys"} <= params
+    # What the host unpacks: node id, receive, then send, get_run, get_fab, pull, push, confirm.
+    order = ["node_id", "receive", "send", "get_run", "get_fab", "pull_object", "push_object"]
+    source = inspect.getsource(connection.grpc_request_response)
+    yielded = source[source.index("yield (") : source.index(")", source.index("yield ("))]
+    assert [w.strip() for w in yielded[len("yield (") :].split(",") if w.strip()] == [
+        *order,
+        "confirm_message_received",
+    ]

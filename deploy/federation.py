@@ -77,6 +77,32 @@ def require_tool(name: str, path: str) -> None:
         )
 
 
+def _stat(pid: int | str) -> tuple[int, int] | None:
+    """(parent id, start time) of process ``pid`` from ``/proc``, or None when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[1]), int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def descendants(roots: set[int]) -> dict[int, int]:
+    """Every living process descended from ``roots``: process id -> its start time (a process id
+    reused later has another; empty where ``/proc`` is not there)."""
+    children: dict[int, list[tuple[int, int]]] = {}
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
+        if entry.name.isdigit() and (stat := _stat(entry.name)) is not None:
+            children.setdefault(stat[0], []).append((int(entry.name), stat[1]))
+    found: dict[int, int] = {}
+    todo = list(roots)
+    while todo:
+        for child, started in children.get(todo.pop(), []):
+            if child not in found:
+                found[child] = started
+                todo.append(child)
+    return found
+
+
 def id_ranges(ids: list[int]) -> str:
     """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2,5,7-8"``: thousands of devices in a short command line."""
     out: list[str] = []
@@ -149,11 +175,20 @@ class FederationProcesses:
             proc.wait(timeout=10)
 
     def stop_all(self) -> None:
+        """Stop every process started here and everything they started. The SuperLink starts its
+        SuperExec in a session of its own, and that starts the run's ServerApp: stopped with the
+        SuperLink's group alone, a run interrupted mid-way left its ServerApp running."""
+        started = descendants({proc.pid for proc in self.procs.values()})
         for name in reversed(list(self.procs)):  # SuperNodes first, the SuperLink last
             self.stop(name)
         for proc in self.procs.values():  # anything left in a group whose leader exited
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
+        for pid, start in started.items():  # and in groups of their own, if still the same process
+            stat = _stat(pid)
+            if stat is not None and stat[1] == start:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
 
     def flwr(self, *args: str, timeout: float = 120, echo: bool = True) -> subprocess.CompletedProcess:
         require_tool("flwr", self.env["PATH"])

@@ -42,3 +42,29 @@ def test_a_hosts_ids_travel_as_ranges_that_read_back_the_same():
     assert id_ranges(list(range(1000))) == "0-999"
     for ids in ([0, 1, 2, 5, 7, 8], [3], [0, 2, 4], [9, 10, 11, 12, 20]):
         assert parse_ids(id_ranges(ids)) == ids
+
+
+def test_stop_all_stops_what_a_process_started_in_a_session_of_its_own(tmp_path):
+    """As the SuperLink's SuperExec and the ServerApp it starts: outside the SuperLink's group."""
+    import time
+
+    from deploy.federation import descendants
+
+    fed = FederationProcesses(tmp_path / "fed")
+    proc = fed.start("parent", ["bash", "-c", "setsid sleep 60 & sleep 60"])
+    deadline = time.monotonic() + 10
+    while len(descendants({proc.pid})) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    children = descendants({proc.pid})
+    assert len(children) == 2  # the group's own sleep, and the one in a new session
+    fed.stop_all()
+    time.sleep(0.2)
+    alive = [pid for pid in children if Path(f"/proc/{pid}").exists() and "Z" not in _state(pid)]
+    assert alive == []
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"

@@ -61,6 +61,13 @@ from typing import Any
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
+from flwr.supercore.inflatable.inflatable_object import (
+    get_all_nested_objects,
+    get_object_tree,
+    no_object_id_recompute,
+)
+from flwr.supercore.inflatable.inflatable_utils import pull_and_inflate_object_from_tree, push_objects
+from flwr.supercore.run import RunNotRunningException
 
 from retexo_fl import protocol as P
 
@@ -131,10 +138,10 @@ def device_specs(
     Raises:
         DeviceHostError: naming a missing folder, id or key file, or an id given twice.
     """
-    from retexo_fl.data.partition import PartitionError, partition_dirs
+    from retexo_fl.data.partition import PartitionError, partition_dirs, partition_folder_id
 
     try:
-        found = {int(d.name[len("part-") :]): d for d in partition_dirs(partitions)}
+        found = {partition_folder_id(d): d for d in partition_dirs(partitions)}
     except PartitionError as exc:
         raise DeviceHostError(str(exc)) from None
     if not found:
@@ -205,7 +212,6 @@ class Device:
     max_poll: float = MAX_POLL_S
     claim: Callable[[Device], None] | None = None
     node_id: int = 0
-    answered: int = 0
     error: str = ""
     runs: dict[int, _Run] = field(default_factory=dict)
 
@@ -278,17 +284,6 @@ class Device:
         confirm: Callable,
     ) -> None:
         """Pull one message's objects, answer it, push the reply (Flower's own steps)."""
-        from flwr.supercore.inflatable.inflatable_object import (
-            get_all_nested_objects,
-            get_object_tree,
-            no_object_id_recompute,
-        )
-        from flwr.supercore.inflatable.inflatable_utils import (
-            pull_and_inflate_object_from_tree,
-            push_objects,
-        )
-        from flwr.supercore.run import RunNotRunningException
-
         run_id, kind = message.metadata.run_id, message.metadata.message_type
         try:
             info = self._run_info(run_id, get_run, get_fab)
@@ -326,7 +321,6 @@ class Device:
                     lambda oid, content: push_object(run_id, session, oid, content),
                     object_ids_to_push=to_push,
                 )
-            self.answered += 1
         except RunNotRunningException:  # the run ended (or was stopped) while this was in flight
             self.runs.pop(run_id, None)
         except Exception as exc:  # one message failed (as Flower's SuperNode, log it and go on)
@@ -514,9 +508,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"retexo-fl devices: error: {exc}", file=sys.stderr)
         return 2
     from clients import node_client
+    from clients.worker import MAX_RUNS
 
     node_client.SOLE_WRITER = True  # this process alone answers, and saves, for its devices
-    node_client.CACHED_RUNS = 4  # as a node worker: runs side by side keep their clients
+    node_client.CACHED_RUNS = MAX_RUNS  # as a node worker: runs side by side keep their clients
     shorten_object_pulls()
     host.start()
     print(

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 from retexo_fl import protocol as P
-from retexo_fl.data.partition import partition_dirs
+from retexo_fl.data.partition import partition_dirs, partition_folder_id
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {
@@ -297,7 +297,7 @@ class FederationProcesses:
         extra: tuple[str, ...] = (),
     ) -> subprocess.Popen:
         """Start ``retexo-fl devices`` holding the ``part-<id>`` folders ``ids`` of ``partitions``
-        as as many one-node parties (each its own Flower node; under TLS each authenticates with
+        as that many one-node parties (each its own Flower node; under TLS each authenticates with
         its ``party-<id>`` key, registered first). ``extra``: more flags for the command."""
         if keys is not None:
             self.pins = keys / "pins.json"
@@ -337,7 +337,7 @@ class FederationProcesses:
         the processes (:meth:`stop_all`)."""
         self.start_superlink()
         if devices_per_host:
-            ids = [int(part.name[len("part-") :]) for part in parts]
+            ids = [partition_folder_id(part) for part in parts]
             if self.tls:
                 for i in ids:
                     self.register(i)

@@ -484,11 +484,20 @@ def partition_dirs(directory: str | os.PathLike[str]) -> list[Path]:
     Raises:
         PartitionError: naming a ``part-*`` folder whose id is not a non-negative integer.
     """
-    dirs = [d for d in Path(directory).glob("part-*") if d.is_dir()]
-    for d in dirs:
-        if not d.name[len("part-") :].isdigit():
-            raise PartitionError(d, "directory", "a partition folder is named part-<id>, <id> a number")
-    return sorted(dirs, key=lambda d: int(d.name[len("part-") :]))
+    return sorted((d for d in Path(directory).glob("part-*") if d.is_dir()), key=partition_folder_id)
+
+
+def partition_folder_id(folder: str | os.PathLike[str]) -> int:
+    """The id a ``part-<id>`` folder names.
+
+    Raises:
+        PartitionError: naming the folder, when ``<id>`` is not a non-negative integer.
+    """
+    name = Path(folder).name
+    if not name.startswith("part-") or not name[len("part-") :].isdigit():
+        why = "a partition folder is named part-<id>, <id> a number"
+        raise PartitionError(Path(folder), "directory", why)
+    return int(name[len("part-") :])
 
 
 def check_disjoint(parts: list[Partition]) -> None:

@@ -143,6 +143,8 @@ def _job(args: tuple[dict, str]) -> dict:
         "stage0_val": stage0,
         "kept_stage": summary.get("kept_stage"),
         "stage_vals": [r["val_accuracy"] for r in results],
+        # Reported to explain a cell (which stage would have tested how), never used to choose.
+        "stage_tests": [r.get("test_accuracy") for r in results],
         **({"stage0_trials": trials, "first_stage": stages[0].get("first_stage")} if trials else {}),
         "rounds": sum(s.get("rounds_sent", 0) for s in stages),
         "bytes_total": summary.get("bytes_total", 0),

@@ -76,6 +76,10 @@ KEEP = "keep"
 # client holds (its view, or the copy KEEP made); a client that holds none answers NOT_HELD.
 HELD = "held"
 SPLIT = "split"  # evaluate: "val" or "test"; embed: "test", the kept state's test before it embeds
+# embed (self-training): the embedded state validates best of the run so far; the client keeps its
+# predictions of its own nodes, and the next pass's end labels from them (not from the pass's
+# last stage, which may validate worse: its labels would put its errors on the test nodes).
+TEACHER = "teacher"
 # evaluate (eager): after evaluating, reply with the rows of the received state for the peers
 # (sealed with ROUND), so that halos computed from later states are refreshed from it.
 REFRESH = "refresh"

@@ -111,7 +111,8 @@ class LazyStageMachine:
                 rows = [r for r in ck.passes if r["stage"] == stage]  # none: the embed tests
                 tested = set(rows[0].get("members", fed.pids)) if rows else set()
                 late = {pid: f for pid, f in undelivered.items() if pid not in tested}
-                deliveries, tests = self._embed(state, stage, late, test=test_with_embed)
+                teacher = self._names_teacher(ck, stage, figures)
+                deliveries, tests = self._embed(state, stage, late, test=test_with_embed, teacher=teacher)
                 if test_with_embed:
                     ck.passes.append(self._result_row(stage, figures, tests))
                 if cfg.ends_pass(stage):
@@ -331,17 +332,35 @@ class LazyStageMachine:
             "passes": [f for f in figures if f["stage"] in ends],
         }
 
+    def _names_teacher(self, ck: Checkpoint, stage: int, figures: dict[str, Any]) -> bool:
+        """Whether ``stage``'s embed names its model the self-training teacher: a relabelling is
+        still ahead and the stage validates best of the run so far (:func:`keep_best_stage` over
+        every finished stage's figures and this one's, the rule that picks the delivered model)."""
+        cfg = self.cfg
+        if stage >= cfg.stages * cfg.self_training:  # no pass's end after it
+            return False
+        candidates = [*ck.stages, figures]
+        return keep_best_stage(candidates) is figures
+
     def _embed(
-        self, state: StateDict, stage: int, late: dict[int, Frames], test: bool = False
+        self,
+        state: StateDict,
+        stage: int,
+        late: dict[int, Frames],
+        test: bool = False,
+        teacher: bool = False,
     ) -> tuple[dict[int, Frames], dict[int, EvalResult]]:
         """Clients move on from ``stage`` with ``state``: their sealed boundary rows, relayed,
         and, with ``test``, the test counts of the clients that hold test nodes, which each
         took of ``state`` before it moved on (by partition id; else empty).
 
         ``late``: the stage's relayed frames for clients that neither its rounds nor its test
-        reached, opened before they embed."""
+        reached, opened before they embed. ``teacher``: clients keep ``state``'s predictions,
+        which the next pass's end labels from (:data:`~retexo_fl.protocol.TEACHER`)."""
         fed = self.fed
         config: dict[str, Any] = {P.STAGE: stage, **({P.SPLIT: "test"} if test else {})}
+        if teacher:
+            config[P.TEACHER] = 1
         phase = f"stage {stage} embed"
         replies = fed.send_state(P.EMBED, state, phase, stage, config, late or None)
         tests: dict[int, EvalResult] = {}

@@ -339,6 +339,8 @@ def embed(client: Client, request: Records) -> Reply:
             reply.changed = changed
             return reply
         tested = client.evaluate(state, "test") if split else None
+        if config.get(P.TEACHER):  # before it moves on: its predictions need the stage's inputs
+            client.keep_teacher(state)
         frames, stats = client.encode_boundary(client.next_stage(state))
         client.sent = (stage, frames, stats.to_dict(), tested)
         changed = True

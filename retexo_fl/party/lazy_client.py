@@ -162,6 +162,9 @@ class LazyClient(Client):
         # (stage, frames, stats, test) of the last boundary rows sent, with the test of the state
         # they were computed with when the embed asked for it: a resumed server may ask again.
         self.sent: tuple[int, dict[int, bytes], dict, EvalResult | None] | None = None
+        # Self-training: the logits, on this client's nodes, of the stage the server named the
+        # best-validating so far (keep_teacher); a pass's end labels from them.
+        self.teacher: Tensor | None = None
 
     @property
     def layer(self) -> int:
@@ -532,15 +535,34 @@ class LazyClient(Client):
         return self.advance(self.embeddings(state))
 
     @torch.no_grad()
+    def predict(self, state: StateDict) -> Tensor:
+        """Logits of ``state`` (this stage's model) on every owned node, ``[n, C]``."""
+        model = self.loaded_model(state)
+        model.eval()
+        return self.forward(model)
+
+    def keep_teacher(self, state: StateDict) -> None:
+        """Keep ``state``'s predictions as the next relabelling's teacher.
+
+        The server names a stage the best-validating so far (:data:`~retexo_fl.protocol.TEACHER`)
+        in its embed, while this client still holds the stage's inputs. A pass's last stage can
+        validate worse than an earlier one (a GCN stage on a graph whose neighbours say little
+        about a node); its labels would train the next pass to repeat its errors on the unlabeled
+        nodes, test nodes included, while validation nodes, never labeled, would not show it.
+        """
+        self.teacher = self.predict(state)
+
+    @torch.no_grad()
     def relabel(self, state: StateDict) -> int:
-        """End a self-training pass: label confident predictions of ``state``, restart at layer 0.
+        """End a self-training pass: label confident predictions, restart at layer 0.
+
+        The predictions are the teacher's (:meth:`keep_teacher`), else ``state``'s (the pass's
+        last stage: a server that names no teacher).
 
         Returns:
             int: how many nodes the next pass trains on.
         """
-        model = self.loaded_model(state)
-        model.eval()
-        logits = self.forward(model)
+        logits = self.teacher if self.teacher is not None else self.predict(state)
         self.train_y, self.masks["train"] = pseudo_labels(
             logits,
             self.y,
@@ -594,6 +616,7 @@ class LazyClient(Client):
             state.sent = [stage, frames, json.dumps(stats), test]
         if self.train_y is not self.y:  # self-training labels: node-local, kept for later messages
             state.pseudo_labels, state.pseudo_mask = self.train_y.cpu(), self.masks["train"].cpu()
+        state.teacher = None if self.teacher is None else self.teacher.cpu()
         return state
 
     def load_snapshot(self, state: ClientState) -> None:
@@ -613,3 +636,4 @@ class LazyClient(Client):
         else:
             self.train_y = state.pseudo_labels.to(self.device)
             self.masks["train"] = state.pseudo_mask.to(self.device)
+        self.teacher = None if state.teacher is None else state.teacher.to(self.device)

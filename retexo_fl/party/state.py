@@ -55,6 +55,8 @@ class ClientState:
             the state they were computed with, when the embed asked for it (else ``None``).
         pseudo_labels (Tensor, optional): self-training labels, ``[n]`` (node-local, like labels).
         pseudo_mask (Tensor, optional): the training mask with them, ``[n]``.
+        teacher (Tensor, optional): self-training: the logits of the best-validating stage so far
+            on this client's nodes, ``[n, C]``, which the next pass's labels are read from.
         control (StateDict, optional): drift correction: this client's control variate, this stage.
         control_view (StateDict, optional): drift correction: the server's control variate as
             its broadcast left it.
@@ -85,6 +87,7 @@ class ClientState:
     sent: list[Any] | None = None
     pseudo_labels: Tensor | None = None
     pseudo_mask: Tensor | None = None
+    teacher: Tensor | None = None
     control: StateDict | None = None
     control_view: StateDict | None = None
     journal: list[Any] | None = None

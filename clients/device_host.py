@@ -23,9 +23,8 @@ What differs from one ``retexo-fl supernode`` per device, and why:
   client lives in its), each with its own Flower node, keys and work folder
   (``--work-dir``/``part-<id>``, found by the device's id, not by the node id the SuperLink hands
   out; a host refuses one node id given to two of its devices). Messages are pulled and pushed on
-  a thread per device, and answered on one thread, one at a time: a client's dropout masks come
-  from torch's global generator after seeding it, so answering one at a time keeps every
-  device's training the run a lone device would make.
+  a thread per device, and answered on one thread, one at a time: a device's training is then
+  the run a lone device would make, and the host's CPU goes to one answer at a time.
 - **The installed app only.** A device host never installs or imports a run's FAB. A run whose
   app code is not the installed app's (:func:`clients.approval.approve`) is refused before even
   its config is read, with an ``INVALID_FAB`` error reply to each of its messages; a signed

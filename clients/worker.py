@@ -24,10 +24,10 @@ new run needs its place, and its run's clients leave the cache (:func:`forget_ru
 is the server's to name, so two runs could name one client: they take turns on it
 (:func:`clients.node_client.holding`).
 
-Runs share the process: its CPU, its memory and torch's global random generator. A client's
-dropout masks are drawn from that generator after seeding it, so two runs that train at once on
-one node draw from one stream: each trains correctly, but neither is bit-reproducible. A run
-alone on a node is.
+Runs share the process: its CPU and its memory, not their random streams. A round's dropout
+masks come from a generator of the round's own (:func:`retexo_fl.seeding.dropout_stream`), and a
+model's initial weights are drawn under a lock right after seeding, so two runs that train at
+once on one node each train bit for bit as alone.
 """
 
 from __future__ import annotations

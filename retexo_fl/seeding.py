@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
+
 import torch
 
 
@@ -20,20 +24,50 @@ def derive_seed(*parts: int) -> int:
     return h
 
 
-def seed_dropout(seed: int, device: torch.device) -> None:
-    """Seed the generator ``device`` draws dropout masks from.
+class _Streams(threading.local):
+    """Each thread's dropout generator while a :func:`dropout_stream` block runs (else none)."""
 
-    ``torch.manual_seed`` would also queue the seed for every accelerator not yet initialised,
-    formatting a stack trace for each: about a millisecond a call, paid by every client every
-    round. The CPU stream it leaves is the same.
+    generator: torch.Generator | None = None
+
+
+_STREAMS = _Streams()
+
+
+@contextlib.contextmanager
+def dropout_stream(seed: int, device: torch.device) -> Iterator[torch.Generator]:
+    """Draw this thread's dropout masks from a generator of their own, seeded with ``seed``.
+
+    Not torch's global generator: two runs a node worker answers side by side each train on a
+    thread of their own, and masks drawn from one shared stream made each run's masks depend on
+    when the other drew. The stream is the one the global generator gives after
+    ``manual_seed(seed)`` (the same algorithm, seeded alike), so a run alone trains as it did.
 
     Args:
         seed (int): the seed, e.g. from :func:`derive_seed`.
-        device (torch.device): where the model runs; CUDA devices are seeded too.
+        device (torch.device): where the masks are drawn (the model's device).
+
+    Yields:
+        torch.Generator: the generator, for a step that replays its masks (its state).
     """
-    torch.random.default_generator.manual_seed(seed)
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    outer, _STREAMS.generator = _STREAMS.generator, generator
+    try:
+        yield generator
+    finally:
+        _STREAMS.generator = outer
+
+
+def dropout_generator(device: torch.device) -> torch.Generator:
+    """The generator dropout masks on ``device`` come from: the thread's :func:`dropout_stream`
+    when one runs on that device, else torch's default generator of the device."""
+    generator = _STREAMS.generator
+    if generator is not None and generator.device.type == device.type:
+        return generator
     if device.type == "cuda":
-        torch.cuda.manual_seed_all(seed)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[index]
+    return torch.random.default_generator
 
 
 #: ``--device auto`` puts a party on the GPU only from this many nodes in its partition up. Below

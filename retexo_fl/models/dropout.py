@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from retexo_fl.compress import native
+from retexo_fl.seeding import dropout_generator
 
 # splitmix64's constants, as the int64 values of the same bits (torch's integers are signed; its
 # products wrap as unsigned ones do).
@@ -85,14 +86,16 @@ def _mask_constants(p: float) -> tuple[int, float]:
 
 def _draw_key(device: torch.device) -> Tensor:
     # Every int64 but the largest; the key is read on the device, never by the host.
-    return torch.randint(-(2**63), 2**63 - 1, (1,), dtype=torch.int64, device=device)
+    return torch.randint(
+        -(2**63), 2**63 - 1, (1,), dtype=torch.int64, device=device, generator=dropout_generator(device)
+    )
 
 
 def keep_mask(shape: tuple[int, ...], p: float, *, dtype: torch.dtype, device: torch.device) -> Tensor:
     """A dropout mask: ``1 / (1 - p')`` where an element is kept (probability ``1 - p'``), else 0;
     ``p'`` is ``p`` rounded to a multiple of 2^-16.
 
-    Draws one int64 from ``device``'s generator.
+    Draws one int64 from ``device``'s dropout generator (:func:`~retexo_fl.seeding.dropout_generator`).
 
     Args:
         shape (tuple[int, ...]): the mask's shape.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from retexo_fl.config import FIRST_STAGE_VARIANTS, TrainConfig
@@ -14,6 +16,10 @@ from retexo_fl.seeding import derive_seed
 EAGER_INIT_TAG = 0xE0
 #: The seed tag of a lazy stage model's initial weights.
 STAGE_INIT_TAG = 0xA11
+#: Held while a model's initial weights are drawn from torch's global generator after seeding it:
+#: two runs built side by side in one process (two servers, or a node worker's two runs) would
+#: otherwise draw from each other's seeded stream.
+_INIT_LOCK = threading.Lock()
 
 
 def stage_input_dim(cfg: TrainConfig, stage: int, num_features: int, num_classes: int) -> int:
@@ -99,21 +105,22 @@ def build_stage_model(
     # The CPU generator only (models are built on the CPU): torch.manual_seed would also queue the
     # seed for every accelerator not initialised, formatting a stack trace for each (0.13 ms a
     # call against 1.4 us, measured alone), once per client and stage.
-    torch.random.default_generator.manual_seed(derive_seed(cfg.seed, stage, STAGE_INIT_TAG))
     kind, in_dim, hidden, classes, dropout, input_dropout, norm, heads, root_weight = stage_model_spec(
         cfg, stage, in_dim, num_classes, first_stage
     )
-    return StageModel(
-        kind,
-        in_dim,
-        hidden,
-        classes,
-        dropout=dropout,
-        input_dropout=input_dropout,
-        norm=norm,
-        heads=heads,
-        root_weight=root_weight,
-    )
+    with _INIT_LOCK:  # seeded and drawn with no other thread's draws between
+        torch.random.default_generator.manual_seed(derive_seed(cfg.seed, stage, STAGE_INIT_TAG))
+        return StageModel(
+            kind,
+            in_dim,
+            hidden,
+            classes,
+            dropout=dropout,
+            input_dropout=input_dropout,
+            norm=norm,
+            heads=heads,
+            root_weight=root_weight,
+        )
 
 
 def build_layered_model(cfg: TrainConfig, num_features: int, num_classes: int) -> LayeredGNN | SplitGNN:
@@ -129,24 +136,25 @@ def build_layered_model(cfg: TrainConfig, num_features: int, num_classes: int) -
         num_features (int): raw feature width.
         num_classes (int): number of classes.
     """
-    torch.manual_seed(derive_seed(cfg.seed, EAGER_INIT_TAG))
-    if cfg.architecture.split_eager_model():
-        return SplitGNN(
+    with _INIT_LOCK:
+        torch.manual_seed(derive_seed(cfg.seed, EAGER_INIT_TAG))
+        if cfg.architecture.split_eager_model():
+            return SplitGNN(
+                cfg.model,
+                num_features,
+                cfg.hidden,
+                num_classes,
+                layers=cfg.stages - 1,
+                dropout=float(cfg.per_stage("dropout", 1)),
+                norm=cfg.norm,
+            )
+        return LayeredGNN(
             cfg.model,
             num_features,
             cfg.hidden,
             num_classes,
-            layers=cfg.stages - 1,
+            layers=cfg.stages,
             dropout=float(cfg.per_stage("dropout", 1)),
             norm=cfg.norm,
+            heads=cfg.heads,
         )
-    return LayeredGNN(
-        cfg.model,
-        num_features,
-        cfg.hidden,
-        num_classes,
-        layers=cfg.stages,
-        dropout=float(cfg.per_stage("dropout", 1)),
-        norm=cfg.norm,
-        heads=cfg.heads,
-    )

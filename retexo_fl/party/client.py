@@ -41,7 +41,7 @@ from retexo_fl.records import StateDict
 from retexo_fl.scaffold import zeros_like_state
 from retexo_fl.secure.channel import PeerChannel
 from retexo_fl.secure.policy import PartyPolicy
-from retexo_fl.seeding import derive_seed, resolve_device, seed_dropout
+from retexo_fl.seeding import derive_seed, dropout_stream, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -314,10 +314,10 @@ class Client(HaloExchange, ModelExchange, Evaluation, Persistence, ABC):
         # the first step: building reads sizes off the device, which no step may do.
         rows, labels = self.split_rows("train"), self.train_labels()
         self.prepare_steps(model, rows, labels)
-        seed_dropout(derive_seed(self.cfg.seed, *self.seed_tags(round_)), self.device)
         model.train()
         steps, deadline = self.step_budget()
-        first, taken = self.run_steps(model, opt, rows, labels, correction, steps, deadline)
+        with dropout_stream(derive_seed(self.cfg.seed, *self.seed_tags(round_)), self.device):
+            first, taken = self.run_steps(model, opt, rows, labels, correction, steps, deadline)
         # A copy: the module is reused next round and would overwrite these tensors in place.
         new = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
         # The round's one read of a loss (the first step's), after the last step was queued.

@@ -35,7 +35,7 @@ from retexo_fl.models.dropout import keep_mask
 from retexo_fl.models.stage import StageModel
 from retexo_fl.party.model_exchange import UPDATE_TAG
 from retexo_fl.records import StateDict, same_bits
-from retexo_fl.seeding import derive_seed, seed_dropout
+from retexo_fl.seeding import derive_seed, dropout_stream
 
 if TYPE_CHECKING:
     from retexo_fl.party.lazy_client import LazyClient
@@ -244,12 +244,12 @@ def _stage_steps(
         else:
             inputs.append(member.owned.index_select(0, rows))
             targets = r
-        seed_dropout(derive_seed(cfg.seed, *member.seed_tags(round_)), member.device)
-        for s in range(steps):  # the draws of its own steps, in their order
-            masks_in[s].append(_mask(tuple(inputs[i].shape), p_in) if p_in > 0 else None)
-            if masks_hidden is not None:
-                mask = _mask((targets, hidden), p_hidden)
-                masks_hidden[s, i, :r] = mask[rows] if conv else mask
+        with dropout_stream(derive_seed(cfg.seed, *member.seed_tags(round_)), member.device):
+            for s in range(steps):  # the draws of its own steps, in their order
+                masks_in[s].append(_mask(tuple(inputs[i].shape), p_in) if p_in > 0 else None)
+                if masks_hidden is not None:
+                    mask = _mask((targets, hidden), p_hidden)
+                    masks_hidden[s, i, :r] = mask[rows] if conv else mask
     stacked_inputs = torch.cat(inputs)
     block = _block_diagonal(graphs, [t.shape[0] for t in inputs]) if conv else None
     slots = torch.cat([torch.arange(m.num_train) + i * width for i, m in enumerate(members)])

@@ -27,7 +27,7 @@ from retexo_fl.protocol import HALO
 from retexo_fl.records import EvalResult, StateDict
 from retexo_fl.secure.boundary_noise import release_rows
 from retexo_fl.secure.policy import PartyPolicy
-from retexo_fl.seeding import derive_seed
+from retexo_fl.seeding import derive_seed, dropout_generator
 
 log = logging.getLogger(__name__)
 
@@ -462,14 +462,11 @@ class LazyClient(Client):
             return super().step_gradients(model, rows, labels, step)
         assert plan is not None  # chunked
         x, n, count = self.stage_input(), self.graph.num_owned, rows.numel()
-        cuda = self.device.type == "cuda"
-        start = torch.cuda.get_rng_state(self.device) if cuda else torch.random.get_rng_state()
+        generator = dropout_generator(self.device)
+        start = generator.get_state()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for piece, piece_labels, (ei, w) in plan.chunks:
-            if cuda:
-                torch.cuda.set_rng_state(start, self.device)
-            else:
-                torch.random.set_rng_state(start)
+            generator.set_state(start)
             _, logits = model(x, ei, w, num_targets=n, rows=piece, restricted=True)
             part = torch.nn.functional.cross_entropy(logits, piece_labels, reduction="sum")
             part = part / count

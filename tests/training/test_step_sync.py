@@ -25,7 +25,7 @@ from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.party.client import Client
 from retexo_fl.party.eager_client import EagerClient
 from retexo_fl.party.lazy_client import LazyClient
-from retexo_fl.seeding import derive_seed, seed_dropout
+from retexo_fl.seeding import derive_seed
 
 #: ATen operators whose result the host must wait for (their value or their output's size).
 READS = {"_local_scalar_dense", "nonzero", "argwhere", "masked_select", "is_nonzero", "equal"}
@@ -215,7 +215,8 @@ def _reference(client: Client, state, round_: int) -> tuple[dict, float]:
     model = client.make_model()
     model.load_state_dict(state)
     opt = client.optimizer(model)
-    seed_dropout(derive_seed(client.cfg.seed, *client.seed_tags(round_)), client.device)
+    # torch's global generator, seeded alike: the round's own dropout stream draws the same masks.
+    torch.random.default_generator.manual_seed(derive_seed(client.cfg.seed, *client.seed_tags(round_)))
     model.train()
     mask = client.masks["train"]
     losses = []

@@ -162,6 +162,11 @@ class TrainingSettings:
         32, "rounds per stage (at most: early stopping ends a stage sooner)", per_stage=True
     )
     local_epochs: int | list[int] = setting(5, "local epochs (steps) per round", per_stage=True)
+    mlp_local_epochs: int = setting(
+        0,
+        "local epochs per round of a layer-0 stage built as the MLP (0: that stage's local-epochs); "
+        "a lazy run over partitions defaults to 1 (LAZY_PARTITION_DEFAULTS)",
+    )
     optimizer: Literal["sgd", "adam"] = setting("sgd", "the clients' optimizer")
     momentum: float = setting(0.0, "the clients' SGD momentum")
     lr: float | list[float] = setting(1.0, "the clients' learning rate", per_stage=True)
@@ -310,6 +315,8 @@ class TrainingSettings:
                 "patience, min-rounds and warm-min-rounds must be >= 0, got "
                 f"{self.patience}, {self.min_rounds} and {self.warm_min_rounds}"
             )
+        if self.mlp_local_epochs < 0:
+            raise ValueError(f"mlp-local-epochs must be >= 0, got {self.mlp_local_epochs}")
         for s in range(stages):
             rounds = int(stage_value("rounds", self.rounds, s))
             epochs = int(stage_value("local_epochs", self.local_epochs, s))

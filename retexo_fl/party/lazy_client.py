@@ -177,6 +177,13 @@ class LazyClient(Client):
         passes messages over the client's own edges (see :meth:`stage_input`)."""
         return self.layer == 0 and self.first_stage_kind() == "mlp"
 
+    def step_budget(self) -> tuple[int, float | None]:
+        """A round's local steps: ``mlp-local-epochs`` for a layer-0 MLP stage when set, else the
+        stage's ``local-epochs``."""
+        if self.row_wise and self.cfg.mlp_local_epochs > 0:
+            return self.cfg.mlp_local_epochs, None
+        return super().step_budget()
+
     def first_stage_kind(self) -> str:
         """What this client's layer-0 stages are: ``mlp`` or ``local``.
 

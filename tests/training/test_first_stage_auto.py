@@ -223,3 +223,22 @@ def test_both_engines_keep_the_same_variant_with_the_same_results(tmp_path):
     ):
         assert sim[key] == ref[key], key
     assert sim["stage_results"] == ref["stage_results"]
+
+
+def test_mlp_local_epochs_sets_the_steps_of_an_mlp_stage_0_alone():
+    part = _parts(0.9, 0.1)[0]
+    cfg = TrainConfig.resolve(**BASE, local_epochs=5, mlp_local_epochs=2, first_stage="mlp")
+    mlp = LazyClient(part, cfg)
+    state = mlp.make_model().state_dict()
+    assert mlp.step_budget() == (2, None)
+    mlp.train(state, 1)
+    assert mlp.last_steps == 2
+    # The local layer over the client's own edges, and a conv stage, keep local-epochs.
+    local = LazyClient(part, TrainConfig.resolve(**{**cfg.to_dict(), "first_stage": "local"}))
+    assert local.step_budget() == (5, None)
+    mlp.advance(mlp.embeddings(state))
+    assert mlp.layer == 1 and mlp.step_budget() == (5, None)
+    unset = LazyClient(part, TrainConfig.resolve(**{**cfg.to_dict(), "mlp_local_epochs": 0}))
+    assert unset.step_budget() == (5, None)  # 0: the stage's local-epochs
+    with pytest.raises(ValueError, match="mlp-local-epochs"):
+        TrainConfig.resolve(**BASE, mlp_local_epochs=-1).validate()

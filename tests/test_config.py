@@ -29,9 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 USER_KEYS = {
     "mode", "dataset", "data-root", "split", "split-index", "clients", "method", "partitions",
     "seed", "model", "stages", "central-layers", "eager-model", "hidden", "pass-embedding", "self-training",
-    "pseudo-threshold", "pseudo-per-class", "pass-init", "rounds", "local-epochs", "mlp-local-epochs", "optimizer", "momentum",
-    "lr", "server-optimizer", "server-lr", "weight-decay", "dropout", "input-dropout", "norm",
-    "heads", "root-weight", "first-stage", "first-stage-first", "first-stage-race",
+    "pseudo-threshold", "pseudo-per-class", "pass-init", "rounds", "local-epochs", "mlp-local-epochs",
+    "optimizer", "momentum", "lr", "server-optimizer", "server-lr", "weight-decay", "dropout",
+    "input-dropout", "norm", "heads", "root-weight", "first-stage", "first-stage-first", "first-stage-race",
     "first-stage-race-margin", "patience", "min-rounds", "warm-min-rounds", "stop-metric",
     "drift-correction", "halo-gradients", "fraction-train", "clients-per-round", "validate-every",
     "precompute",

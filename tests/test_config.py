@@ -281,12 +281,15 @@ def test_a_lazy_run_over_partitions_trains_stage_0_both_ways_where_it_can():
         {"mode": "centralized"},
     ):
         cfg = TrainConfig.resolve(**elsewhere)
-        assert cfg.first_stage == "mlp", elsewhere
+        assert cfg.first_stage == "mlp" and cfg.mlp_local_epochs == 0, elsewhere
         cfg.validate()
+    assert lazy.mlp_local_epochs == 1 and TrainConfig().mlp_local_epochs == 0
+    assert TrainConfig.resolve(mlp_local_epochs=3).mlp_local_epochs == 3  # given wins
     assert TrainConfig.resolve(first_stage="mlp").first_stage == "mlp"  # given wins
     # Through Flower's run config: pyproject's "mlp" is the section default, so not given ...
     app = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     assert TrainConfig.from_run_config(app).first_stage == "auto"
+    assert TrainConfig.from_run_config(app).mlp_local_epochs == 1
     assert TrainConfig.from_run_config(app, []).first_stage == "auto"
     # ... unless the submitter set it.
     assert TrainConfig.from_run_config(app, ["first-stage"]).first_stage == "mlp"

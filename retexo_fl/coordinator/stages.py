@@ -63,6 +63,7 @@ class LazyStageMachine:
         self.exchange_stats: dict[int, ExchangeStats] = {}
         self.model_bytes_done = 0  # model bytes of finished stages
         self.relabeled = 0  # training nodes after the last relabelling (self-training)
+        self.teacher: int | None = None  # the stage the clients label from (self-training)
 
     def run(self, resume: bool = False) -> RunSummary:
         """Run every stage (or, with ``resume``, go on from the store's checkpoint); returns the summary."""
@@ -112,14 +113,17 @@ class LazyStageMachine:
                 tested = set(rows[0].get("members", fed.pids)) if rows else set()
                 late = {pid: f for pid, f in undelivered.items() if pid not in tested}
                 teacher = self._names_teacher(ck, stage, figures)
+                if teacher:
+                    self.teacher = stage
                 deliveries, tests = self._embed(state, stage, late, test=test_with_embed, teacher=teacher)
                 if test_with_embed:
                     ck.passes.append(self._result_row(stage, figures, tests))
                 if cfg.ends_pass(stage):
                     deliveries = None
-                    self.rec.event("relabel", stage=stage, train_nodes=self.relabeled)
+                    self.rec.event("relabel", stage=stage, train_nodes=self.relabeled, teacher=self.teacher)
                     pass_ = stage // cfg.stages + 1
-                    self.rec.progress(f"self-training pass {pass_}: {self.relabeled} training nodes")
+                    source = "" if self.teacher is None else f", labels from {cfg.stage_name(self.teacher)}"
+                    self.rec.progress(f"self-training pass {pass_}: {self.relabeled} training nodes{source}")
                 if stage == 0 and deliveries is not None:  # degrees go with the first conv stage's rows
                     for pid, frames in (ck.degrees or {}).items():
                         if pid in deliveries:  # else lost since setup

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partitioners import partition_graph
+from retexo_fl.metrics import RunRecorder
 from retexo_fl.party.lazy_client import LazyClient
 from retexo_fl.party.pseudo import pseudo_labels
 from retexo_fl.training.centralized import run_centralized, whole_graph_partition
@@ -262,9 +265,21 @@ def _pseudo_label_quality(sbm, monkeypatch, teacher: bool) -> tuple[dict, dict[i
     if not teacher:  # a server that names no teacher: the pass's last stage labels
         monkeypatch.setattr(LazyStageMachine, "_names_teacher", lambda *a: False)
     cfg = TrainConfig.resolve(
-        stages=3, hidden=16, rounds=10, seed=0, self_training=1, lr=[1.0, 1.0, 0.0], first_stage="mlp"
+        stages=3,
+        hidden=16,
+        rounds=10,
+        seed=0,
+        self_training=1,
+        lr=[1.0, 1.0, 0.0],
+        first_stage="mlp",
+        mlp_local_epochs=0,  # the figures below were measured with the stage's five steps
     )
-    summary = run_lazy(partition_graph(sbm, 3, "metis", seed=0), cfg)
+    lines = io.StringIO()
+    summary = run_lazy(partition_graph(sbm, 3, "metis", seed=0), cfg, rec=RunRecorder(None, stream=lines))
+    # The progress line at the pass's end says which stage labelled (when the server named one).
+    ended = [line for line in lines.getvalue().splitlines() if "self-training pass 1:" in line]
+    source = f", labels from {cfg.stage_name(max(max(v) for v in named.values()))}" if teacher else ""
+    assert len(ended) == 1 and ended[0].endswith(f"training nodes{source}"), ended
     return summary, named, right_total
 
 

@@ -486,13 +486,14 @@ NODE_LEVEL_DEFAULTS: dict[str, Any] = {
 #: not account): :meth:`TrainConfig.resolve` leaves those at mlp.
 #:
 #: And one local step a round when stage 0 is the MLP (``mlp-local-epochs 1``; the local layer keeps
-#: ``local-epochs``): on the 183-node WebKB graphs, ~9 training nodes a client with 10 clients, five
-#: steps at lr 1 fitted each client's few nodes and the averaged MLP validated 4-5 points below the
-#: centralized MLP. Over the same sweep, with self-training labels from the best stage so far, side
-#: by side with five steps: the worst cell's validation gap -6.8 -> -6.2, the mean +0.16 -> +0.23,
-#: mean test gap +0.47 -> +0.61, 116 -> 113 rounds; Cora with 10 random clients unchanged (0.822 in
-#: 99 rounds: the local layer wins its stage 0 there). One step for every layer-0 stage, the local
-#: layer's too, tested +0.80 but took Cora to 111 rounds
+#: ``local-epochs``): on the 183-node WebKB graphs (~9 training nodes a client with 10 clients) the
+#: federated MLP with five steps validated 5.0 points below the centralized MLP on average over the
+#: 9 cells, 4.2 with one. Over the same sweep, with self-training labels from the best stage so far,
+#: side by side with five steps: the worst cell's validation gap -6.8 -> -6.2, the mean +0.16 ->
+#: +0.23, mean test gap +0.47 -> +0.61, 116 -> 113 rounds; Cora with 10 random clients unchanged
+#: (0.822 in 99 rounds: the local layer wins its stage 0 there). Against it: Twitch ES 1.4-1.9
+#: points lower on validation in every partitioning, Twitch TW random-10 3.0 lower on test. One
+#: step for every layer-0 stage, the local layer's too, tested +0.80 but took Cora to 111 rounds
 #: (``bench/results/robustness-2026-11-29-s24-*.jsonl``).
 LAZY_PARTITION_DEFAULTS: dict[str, Any] = {"first_stage": "auto", "mlp_local_epochs": 1}
 

@@ -148,8 +148,8 @@ class TrainingSettings:
     r"""How a run trains: the mode, the per-stage schedule, optimizers, self-training, resources.
 
     The ``training`` section of :class:`TrainConfig`. ``rounds``, ``local_epochs``, ``lr``,
-    ``server_optimizer`` and ``server_lr`` take one value for every stage or a list with one
-    value per stage.
+    ``weight_decay``, ``server_optimizer`` and ``server_lr`` take one value for every stage or a
+    list with one value per stage.
     """
 
     mode: Mode = setting(
@@ -198,7 +198,11 @@ class TrainingSettings:
         "validate are sent those rounds alone, with the broadcast deltas they missed. Patience and "
         "min-rounds still count rounds",
     )
-    weight_decay: float = setting(5e-4, "L2 weight decay")
+    weight_decay: float | list[float] = setting(
+        5e-4,
+        "L2 weight decay of the clients' optimizer (centralized and datacenter runs: of theirs)",
+        per_stage=True,
+    )
     patience: int = setting(
         5, "early stopping: rounds without a validation gain before a stage stops (0: never)"
     )

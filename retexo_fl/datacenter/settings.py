@@ -84,7 +84,7 @@ class DatacenterConfig(Protocol):
     hidden: int
     central_layers: int
     server_optimizer: str | list[str]
-    weight_decay: float
+    weight_decay: float | list[float]
 
     @property
     def datacenter(self) -> DatacenterSettings:

@@ -64,7 +64,7 @@ def train_process(
     y = graph.y[out_rows].to(device)
     masks = {k: m[out_rows].to(device) for k, m in graph.masks.items()}
     n_train = max(1, int(graph.masks["train"].sum()))
-    opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
+    opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=float(cfg.per_stage("weight_decay", 1)))
     setup_seconds = time.perf_counter() - t_setup
     counts_rows = float(algo.counts_rows)
 

@@ -196,7 +196,7 @@ class Client(HaloExchange, ModelExchange, Evaluation, Persistence, ABC):
 
     @abstractmethod
     def layer_index(self) -> int:
-        """Which layer's per-stage settings (``lr``, ``local-epochs``) a round uses."""
+        """Which layer's per-stage settings (``lr``, ``weight-decay``, ``local-epochs``) a round uses."""
 
     @abstractmethod
     def seed_tags(self, round_: int) -> tuple[int, ...]:
@@ -281,14 +281,13 @@ class Client(HaloExchange, ModelExchange, Evaluation, Persistence, ABC):
         return model
 
     def optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
-        """The local optimizer the run config names, at this layer's learning rate."""
+        """The local optimizer the run config names, at this layer's learning rate and weight decay."""
         cfg = self.cfg
         lr = float(cfg.per_stage("lr", self.layer_index()))
+        decay = float(cfg.per_stage("weight_decay", self.layer_index()))
         if cfg.optimizer == "adam":
-            return torch.optim.Adam(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
-        return torch.optim.SGD(
-            model.parameters(), lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
-        )
+            return torch.optim.Adam(model.parameters(), lr=lr, weight_decay=decay)
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=cfg.momentum, weight_decay=decay)
 
     def train(
         self, state: StateDict, round_: int, control: StateDict | None = None

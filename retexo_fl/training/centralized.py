@@ -34,7 +34,7 @@ def run_centralized(part: Partition, cfg: TrainConfig, rec: RunRecorder | None =
     """Standard full-batch training of a ``cfg.central_layers``-layer GNN (default 2) on one graph.
 
     Uses the same GCN normalization as lazy mode and the settings of stage 1: epochs =
-    ``rounds * local_epochs``, and the learning rate ``server_lr`` when ``server-optimizer`` is
+    ``rounds * local_epochs``, its weight decay, and the learning rate ``server_lr`` when ``server-optimizer`` is
     ``adam`` (the rate that drives federated training then), else ``lr``; the best-validation
     epoch's weights are tested. With ``self_training`` passes, each pass trains a fresh model on
     the given labels plus the previous pass's predictions of at least ``pseudo_threshold``
@@ -72,6 +72,7 @@ def run_centralized(part: Partition, cfg: TrainConfig, rec: RunRecorder | None =
     # The server's Adam is what drives federated training when it is on; mirror its rate.
     lr = float(cfg.per_stage("server_lr" if cfg.per_stage("server_optimizer", 1) == "adam" else "lr", 1))
     epochs = int(cfg.per_stage("rounds", 1)) * int(cfg.per_stage("local_epochs", 1))
+    decay = float(cfg.per_stage("weight_decay", 1))
 
     def predict(model: torch.nn.Module) -> torch.Tensor:
         model.eval()
@@ -109,7 +110,7 @@ def run_centralized(part: Partition, cfg: TrainConfig, rec: RunRecorder | None =
             dropout=float(cfg.per_stage("dropout", 1)),
             heads=cfg.heads,
         ).to(device)
-        opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
+        opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=decay)
 
         best_val, best_loss, best_state, best_epoch = -1.0, float("nan"), None, 0
         for epoch in range(1, epochs + 1):

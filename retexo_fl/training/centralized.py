@@ -34,11 +34,12 @@ def run_centralized(part: Partition, cfg: TrainConfig, rec: RunRecorder | None =
     """Standard full-batch training of a ``cfg.central_layers``-layer GNN (default 2) on one graph.
 
     Uses the same GCN normalization as lazy mode and the settings of stage 1: epochs =
-    ``rounds * local_epochs``, its weight decay, and the learning rate ``server_lr`` when ``server-optimizer`` is
-    ``adam`` (the rate that drives federated training then), else ``lr``; the best-validation
-    epoch's weights are tested. With ``self_training`` passes, each pass trains a fresh model on
-    the given labels plus the previous pass's predictions of at least ``pseudo_threshold``
-    confidence, at most ``pseudo_per_class`` per class when set (as lazy mode does, per client).
+    ``rounds * local_epochs``, its ``weight_decay``, and the learning rate ``server_lr`` when
+    ``server-optimizer`` is ``adam`` (the rate that drives federated training then), else ``lr``;
+    the best-validation epoch's weights are tested. With ``self_training`` passes, each pass
+    trains a fresh model on the given labels plus the previous pass's predictions of at least
+    ``pseudo_threshold`` confidence, at most ``pseudo_per_class`` per class when set (as lazy
+    mode does, per client).
 
     Args:
         part (Partition): the graph as one partition (see :func:`whole_graph_partition`).

@@ -167,6 +167,11 @@ class TrainingSettings:
         "local epochs per round of a layer-0 stage built as the MLP (0: that stage's local-epochs); "
         "a lazy run over partitions defaults to 1 (LAZY_PARTITION_DEFAULTS)",
     )
+    mlp_weight_decay: float = setting(
+        0.0,
+        "weight decay of a layer-0 stage built as the MLP (0: that layer's weight-decay); a lazy "
+        "run over partitions defaults to 5e-3 (LAZY_PARTITION_DEFAULTS)",
+    )
     optimizer: Literal["sgd", "adam"] = setting("sgd", "the clients' optimizer")
     momentum: float = setting(0.0, "the clients' SGD momentum")
     lr: float | list[float] = setting(1.0, "the clients' learning rate", per_stage=True)
@@ -499,7 +504,11 @@ NODE_LEVEL_DEFAULTS: dict[str, Any] = {
 #: points lower on validation in every partitioning, Twitch TW random-10 3.0 lower on test. One
 #: step for every layer-0 stage, the local layer's too, tested +0.80 but took Cora to 111 rounds
 #: (``bench/results/robustness-2026-11-29-s24-*.jsonl``).
-LAZY_PARTITION_DEFAULTS: dict[str, Any] = {"first_stage": "auto", "mlp_local_epochs": 1}
+LAZY_PARTITION_DEFAULTS: dict[str, Any] = {
+    "first_stage": "auto",
+    "mlp_local_epochs": 1,
+    "mlp_weight_decay": 5e-3,
+}
 
 
 def _flat_fields(cls: type) -> type:

@@ -193,7 +193,8 @@ def test_every_setting_is_declared_once_with_a_type_default_and_doc():
     assert choices["mode"] == ("lazy", "eager", "local", "centralized", "datacenter")
     assert choices["norm"] == ("layer", "none") and choices["range-dtype"] == ("fp16", "bf16")
     assert set(PER_STAGE) == {
-        "rounds", "local_epochs", "lr", "server_optimizer", "server_lr", "dropout", "input_dropout"
+        "rounds", "local_epochs", "lr", "weight_decay", "server_optimizer", "server_lr", "dropout",
+        "input_dropout",
     }  # fmt: skip
     with pytest.raises(ValueError, match="norm must be one of layer, none; got 'batch'"):
         TrainConfig(norm="batch").validate()
@@ -202,6 +203,9 @@ def test_every_setting_is_declared_once_with_a_type_default_and_doc():
     per_stage = TrainConfig.from_mapping({"server-optimizer": "adam,avg", "lr": "0.5,1e-2"})
     assert per_stage.server_optimizer == ["adam", "avg"] and per_stage.lr == [0.5, 0.01]
     assert per_stage.per_stage("server_optimizer", 2) == "avg"
+    decay = TrainConfig.from_mapping({"weight-decay": "5e-3,5e-4"})
+    assert decay.weight_decay == [0.005, 0.0005] and decay.per_stage("weight_decay", 3) == 0.0005
+    assert TrainConfig.from_mapping({"weight-decay": "0"}).per_stage("weight_decay", 0) == 0.0
     with pytest.raises(ValueError, match="server-optimizer must be one of avg, adam; got 'sgd'"):
         TrainConfig.from_mapping({"server-optimizer": "adam,sgd"})
     with pytest.raises(ValueError, match=r"lr takes a number or one per stage \(a comma list\); got 'x'"):

@@ -236,6 +236,10 @@ class Client(HaloExchange, ModelExchange, Evaluation, Persistence, ABC):
         """``(steps, deadline)`` of one round's local training (a deadline: time-based rounds)."""
         return int(self.cfg.per_stage("local_epochs", self.layer_index())), None
 
+    def weight_decay(self) -> float:
+        """The L2 weight decay of this round's local steps: this layer's ``weight-decay``."""
+        return float(self.cfg.per_stage("weight_decay", self.layer_index()))
+
     def conv_edges(self) -> tuple[Tensor, Tensor | None]:
         """The local graph's edges and, for GCN, their global-degree weights, cached on the device."""
         if self._edges is None:
@@ -284,7 +288,7 @@ class Client(HaloExchange, ModelExchange, Evaluation, Persistence, ABC):
         """The local optimizer the run config names, at this layer's learning rate and weight decay."""
         cfg = self.cfg
         lr = float(cfg.per_stage("lr", self.layer_index()))
-        decay = float(cfg.per_stage("weight_decay", self.layer_index()))
+        decay = self.weight_decay()
         if cfg.optimizer == "adam":
             return torch.optim.Adam(model.parameters(), lr=lr, weight_decay=decay)
         return torch.optim.SGD(model.parameters(), lr=lr, momentum=cfg.momentum, weight_decay=decay)

@@ -255,7 +255,7 @@ def _stage_steps(
     slots = torch.cat([torch.arange(m.num_train) + i * width for i, m in enumerate(members)])
     params = [state[k].detach().float().unsqueeze(0).repeat(n, *([1] * state[k].dim())) for k in keys]
     w1, b1, w2, b2 = (p.requires_grad_() for p in params)
-    decay = float(cfg.per_stage("weight_decay", members[0].layer_index()))
+    decay = members[0].weight_decay()
     counts = [m.num_train for m in members]
     first: Tensor | None = None
     for s in range(steps):

@@ -184,6 +184,13 @@ class LazyClient(Client):
             return self.cfg.mlp_local_epochs, None
         return super().step_budget()
 
+    def weight_decay(self) -> float:
+        """A round's weight decay: ``mlp-weight-decay`` for a layer-0 MLP stage when set, else the
+        layer's ``weight-decay``."""
+        if self.row_wise and self.cfg.mlp_weight_decay > 0:
+            return self.cfg.mlp_weight_decay
+        return super().weight_decay()
+
     def first_stage_kind(self) -> str:
         """What this client's layer-0 stages are: ``mlp`` or ``local``.
 

@@ -111,3 +111,36 @@ def test_members_with_wide_inputs_train_bit_for_bit_as_alone(clients, method):
         assert all(torch.equal(new[k], alone[pid][0][k]) for k in new), pid
     assert len(cohort.results) == len(clients)
     assert max(client.num_train for client in clients.values()) > (1 if method == "random" else 0)
+
+
+def test_each_layer_takes_its_own_weight_decay_alone_and_in_a_cohort():
+    """``weight-decay`` per layer, like ``lr``: a layer-0 round decays by the first value, alone
+    (the client's optimizer) and in a cohort (its batched step), and the two stay bit for bit."""
+
+    def round_one(decay):
+        parts, cfg = _node_level(24, "random", first_stage="mlp", weight_decay=decay)
+        clients = {p.partition_id: LazyClient(p, cfg) for p in parts if int(p.train_mask.sum())}
+        first = next(iter(clients.values()))
+        state = first.make_model().state_dict()
+        alone = {pid: client.train(state, 1)[0] for pid, client in clients.items()}
+        cohort = TrainCohort.gather(clients, {pid: {P.CONFIG: {}} for pid in clients})
+        assert cohort is not None
+        together = {}
+        for pid, client in clients.items():
+            client.cohort = cohort
+            together[pid] = client.train(state, 1)[0]
+        assert len(cohort.results) == len(clients)
+        return first, alone, together
+
+    first, alone, together = round_one([0.3, 0.0])
+    for pid, new in alone.items():
+        assert all(torch.equal(new[k], together[pid][k]) for k in new), pid
+    model = first.make_model()
+    assert first.optimizer(model).param_groups[0]["weight_decay"] == 0.3
+    first.stage = 1  # a GCN layer's rounds take the second value
+    assert first.optimizer(first.make_model()).param_groups[0]["weight_decay"] == 0.0
+    # The layer-0 value is the one applied: with the values swapped, every client's round differs.
+    _, swapped, swapped_together = round_one([0.0, 0.3])
+    for pid, new in swapped.items():
+        assert any(not torch.equal(new[k], alone[pid][k]) for k in new), pid
+        assert any(not torch.equal(swapped_together[pid][k], together[pid][k]) for k in new), pid

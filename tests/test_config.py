@@ -30,9 +30,9 @@ USER_KEYS = {
     "mode", "dataset", "data-root", "split", "split-index", "clients", "method", "partitions",
     "seed", "model", "stages", "central-layers", "eager-model", "hidden", "pass-embedding", "self-training",
     "pseudo-threshold", "pseudo-per-class", "pass-init", "rounds", "local-epochs", "mlp-local-epochs",
-    "optimizer", "momentum", "lr", "server-optimizer", "server-lr", "weight-decay", "dropout",
-    "input-dropout", "norm", "heads", "root-weight", "first-stage", "first-stage-first", "first-stage-race",
-    "first-stage-race-margin", "patience", "min-rounds", "warm-min-rounds", "stop-metric",
+    "mlp-weight-decay", "optimizer", "momentum", "lr", "server-optimizer", "server-lr", "weight-decay",
+    "dropout", "input-dropout", "norm", "heads", "root-weight", "first-stage", "first-stage-first",
+    "first-stage-race", "first-stage-race-margin", "patience", "min-rounds", "warm-min-rounds", "stop-metric",
     "drift-correction", "halo-gradients", "fraction-train", "clients-per-round", "validate-every",
     "precompute",
     "device", "round-seconds", "step-delay",
@@ -203,6 +203,10 @@ def test_every_setting_is_declared_once_with_a_type_default_and_doc():
     per_stage = TrainConfig.from_mapping({"server-optimizer": "adam,avg", "lr": "0.5,1e-2"})
     assert per_stage.server_optimizer == ["adam", "avg"] and per_stage.lr == [0.5, 0.01]
     assert per_stage.per_stage("server_optimizer", 2) == "avg"
+    with pytest.raises(ValueError, match=r"weight-decay must be >= 0, got -0\.1 for stage 1"):
+        TrainConfig.from_mapping({"weight-decay": "5e-3,-0.1"}).validate()
+    with pytest.raises(ValueError, match="mlp-weight-decay must be >= 0"):
+        TrainConfig.resolve(mlp_weight_decay=-1.0).validate()
     decay = TrainConfig.from_mapping({"weight-decay": "5e-3,5e-4"})
     assert decay.weight_decay == [0.005, 0.0005] and decay.per_stage("weight_decay", 3) == 0.0005
     assert TrainConfig.from_mapping({"weight-decay": "0"}).per_stage("weight_decay", 0) == 0.0
@@ -286,14 +290,18 @@ def test_a_lazy_run_over_partitions_trains_stage_0_both_ways_where_it_can():
     ):
         cfg = TrainConfig.resolve(**elsewhere)
         assert cfg.first_stage == "mlp" and cfg.mlp_local_epochs == 0, elsewhere
+        assert cfg.mlp_weight_decay == 0, elsewhere
         cfg.validate()
     assert lazy.mlp_local_epochs == 1 and TrainConfig().mlp_local_epochs == 0
     assert TrainConfig.resolve(mlp_local_epochs=3).mlp_local_epochs == 3  # given wins
+    assert lazy.mlp_weight_decay == 5e-3 and TrainConfig().mlp_weight_decay == 0
+    assert TrainConfig.resolve(mlp_weight_decay=0).mlp_weight_decay == 0  # given wins
     assert TrainConfig.resolve(first_stage="mlp").first_stage == "mlp"  # given wins
     # Through Flower's run config: pyproject's "mlp" is the section default, so not given ...
     app = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     assert TrainConfig.from_run_config(app).first_stage == "auto"
     assert TrainConfig.from_run_config(app).mlp_local_epochs == 1
+    assert TrainConfig.from_run_config(app).mlp_weight_decay == 5e-3
     assert TrainConfig.from_run_config(app, []).first_stage == "auto"
     # ... unless the submitter set it.
     assert TrainConfig.from_run_config(app, ["first-stage"]).first_stage == "mlp"

@@ -114,11 +114,12 @@ def test_members_with_wide_inputs_train_bit_for_bit_as_alone(clients, method):
 
 
 def test_each_layer_takes_its_own_weight_decay_alone_and_in_a_cohort():
-    """``weight-decay`` per layer, like ``lr``: a layer-0 round decays by the first value, alone
-    (the client's optimizer) and in a cohort (its batched step), and the two stay bit for bit."""
+    """``weight-decay`` per layer, like ``lr``, and ``mlp-weight-decay`` for a layer-0 MLP: a
+    round decays by its own value, alone (the client's optimizer) and in a cohort (its batched
+    step), and the two stay bit for bit."""
 
-    def round_one(decay):
-        parts, cfg = _node_level(24, "random", first_stage="mlp", weight_decay=decay)
+    def round_one(**decay):
+        parts, cfg = _node_level(24, "random", first_stage="mlp", **decay)
         clients = {p.partition_id: LazyClient(p, cfg) for p in parts if int(p.train_mask.sum())}
         first = next(iter(clients.values()))
         state = first.make_model().state_dict()
@@ -130,17 +131,24 @@ def test_each_layer_takes_its_own_weight_decay_alone_and_in_a_cohort():
             client.cohort = cohort
             together[pid] = client.train(state, 1)[0]
         assert len(cohort.results) == len(clients)
-        return first, alone, together
+        for pid, new in alone.items():
+            assert all(torch.equal(new[k], together[pid][k]) for k in new), pid
+        return first, alone
 
-    first, alone, together = round_one([0.3, 0.0])
-    for pid, new in alone.items():
-        assert all(torch.equal(new[k], together[pid][k]) for k in new), pid
-    model = first.make_model()
-    assert first.optimizer(model).param_groups[0]["weight_decay"] == 0.3
-    first.stage = 1  # a GCN layer's rounds take the second value
-    assert first.optimizer(first.make_model()).param_groups[0]["weight_decay"] == 0.0
-    # The layer-0 value is the one applied: with the values swapped, every client's round differs.
-    _, swapped, swapped_together = round_one([0.0, 0.3])
+    def decay_of(client, stage):
+        client.stage = stage
+        return client.optimizer(client.make_model()).param_groups[0]["weight_decay"]
+
+    # Per layer: the MLP's rounds take the first value, a GCN layer's the second.
+    first, by_layer = round_one(weight_decay=[0.3, 0.0], mlp_weight_decay=0.0)
+    assert decay_of(first, 0) == 0.3 and decay_of(first, 1) == 0.0
+    # mlp-weight-decay takes the MLP's rounds alone: not a GCN layer's, nor a local stage 0's.
+    first, by_mlp = round_one(weight_decay=0.0, mlp_weight_decay=0.3)
+    assert decay_of(first, 0) == 0.3 and decay_of(first, 1) == 0.0
+    assert all(torch.equal(new[k], by_layer[pid][k]) for pid, new in by_mlp.items() for k in new)
+    first.first_stage = "local"
+    assert decay_of(first, 0) == 0.0
+    # The value applied is the MLP's: with the values swapped, every client's round differs.
+    _, swapped = round_one(weight_decay=[0.0, 0.3], mlp_weight_decay=0.0)
     for pid, new in swapped.items():
-        assert any(not torch.equal(new[k], alone[pid][k]) for k in new), pid
-        assert any(not torch.equal(swapped_together[pid][k], together[pid][k]) for k in new), pid
+        assert any(not torch.equal(new[k], by_layer[pid][k]) for k in new), pid

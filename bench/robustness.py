@@ -5,8 +5,9 @@ plain files, the filtered Chameleon and Squirrel npz files) and partitioning (4 
 10 label-skew clients), the lazy default's test accuracy (mean ± std over seeds), the centralized
 GCN's and MLP's, the eager default's, and the gap from lazy to the better centralized reference
 (the one with the higher mean validation accuracy on that graph: the choice reads validation
-only). Lazy's rounds, bytes and wall seconds go beside it. A lazy run whose delivered model
-validates below its stage 0 is flagged (``below-stage-0``). The centralized references do not
+only), with its standard error from the gaps seed by seed (a seed's runs share a split). Lazy's
+rounds, bytes and wall seconds go beside it. A lazy run whose delivered model validates below its
+stage 0 is flagged (``below-stage-0``). The centralized references do not
 depend on the partitioning: one run per graph and seed serves every row of that graph.
 
 Candidate settings for lazy are given with ``--set key=value`` (repeatable; the defaults
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -224,6 +226,21 @@ def _stats(values: list[float]) -> tuple[float, float]:
     return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
+def paired_gap_se(lazy: list[dict], reference: list[dict]) -> float | None:
+    """The standard error of a cell's test gap, from the gaps seed by seed.
+
+    A seed fixes the split on the graphs that ship several, and the random split otherwise, so a
+    seed's lazy run and reference share their test nodes: the gap's spread over seeds is then
+    the spread of the difference, not the two spreads added. ``None`` with fewer than two seeds
+    both ran.
+    """
+    ref_by_seed = {r["seed"]: r["test_accuracy"] for r in reference}
+    gaps = [r["test_accuracy"] - ref_by_seed[r["seed"]] for r in lazy if r["seed"] in ref_by_seed]
+    if len(gaps) < 2:
+        return None
+    return statistics.stdev(gaps) / math.sqrt(len(gaps))
+
+
 def summarize(rows: list[dict]) -> list[dict]:
     """One cell per (graph, partitioning, lazy tag): means, the reference and the gap.
 
@@ -256,6 +273,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                 cell["reference"] = ref
                 cell["gap"] = cell["lazy_test"] - cell[f"{ref}_test"]
                 cell["val_gap"] = cell["lazy_val"] - cell[f"{ref}_val"]
+                cell["gap_se"] = paired_gap_se(mine, refs[ref])
             cell["rounds"] = _stats([r["rounds"] for r in mine])[0]
             cell["bytes_total"] = _stats([r["bytes_total"] for r in mine])[0]
             cell["wall_seconds"] = _stats([r["wall_seconds"] for r in mine])[0]
@@ -275,17 +293,18 @@ def print_table(cells: list[dict]) -> None:
 
     head = (
         f"{'graph':<14}{'clients':<14}{'tag':<8}{'lazy':>13}{'central GCN':>13}{'central MLP':>13}"
-        f"{'eager':>13}{'gap':>8}{'rounds':>8}{'MB':>8}{'s':>7}  kept stages"
+        f"{'eager':>13}{'gap':>8}{'± se':>6}{'rounds':>8}{'MB':>8}{'s':>7}  kept stages"
     )
     print(head)
     print("-" * len(head))
     for c in cells:
         lazy = f"{c['lazy_test']:.3f}±{c['lazy_std']:.3f}"
         gap = f"{100 * c['gap']:+.1f}" if "gap" in c else "-"
+        se = f"{100 * c['gap_se']:.1f}" if c.get("gap_se") is not None else "-"
         flag = f"  below-stage-0 x{c['below_stage_0']}" if c["below_stage_0"] else ""
         print(
             f"{c['graph']:<14}{c['partitioning']:<14}{c['tag']:<8}{lazy:>13}{pm(c, 'central-gcn'):>13}"
-            f"{pm(c, 'central-mlp'):>13}{pm(c, 'eager'):>13}{gap:>8}{c['rounds']:>8.0f}"
+            f"{pm(c, 'central-mlp'):>13}{pm(c, 'eager'):>13}{gap:>8}{se:>6}{c['rounds']:>8.0f}"
             f"{c['bytes_total'] / 1e6:>8.1f}{c['wall_seconds']:>7.1f}  {c['kept_stages']}{flag}"
         )
 

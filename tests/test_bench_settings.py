@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 from retexo_fl.cli import _config_from_args, build_parser
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
@@ -55,3 +57,17 @@ def test_rounds_previous_flags_give_the_previous_defaults():
     config = _config_from_args(args)
     got = {name: getattr(config, name) for name in DEFAULTS_2026_11_23 | ADDED_SINCE_OFF}
     assert got == DEFAULTS_2026_11_23 | ADDED_SINCE_OFF
+
+
+def test_robustness_gap_standard_error_pairs_runs_by_seed():
+    """The gap's standard error is that of the seed-by-seed differences: a lazy run that trails
+    its seed's reference by the same amount on every split has none, however far the splits'
+    accuracies spread; unpaired seeds are left out."""
+    robustness = _load("robustness")
+    ref = [{"seed": s, "test_accuracy": a} for s, a in ((0, 0.60), (1, 0.70), (2, 0.80), (7, 0.5))]
+    steady = [{"seed": s, "test_accuracy": a} for s, a in ((0, 0.58), (1, 0.68), (2, 0.78))]
+    assert robustness.paired_gap_se(steady, ref) == pytest.approx(0.0, abs=1e-12)
+    # gaps -0.02, +0.02, -0.06: stdev 0.04, over sqrt(3)
+    noisy = [{"seed": s, "test_accuracy": a} for s, a in ((0, 0.58), (1, 0.72), (2, 0.74), (5, 0.1))]
+    assert robustness.paired_gap_se(noisy, ref) == pytest.approx(0.04 / 3**0.5)
+    assert robustness.paired_gap_se(noisy[:1], ref) is None

@@ -5,7 +5,7 @@ plain files, the filtered Chameleon and Squirrel npz files) and partitioning (4 
 10 label-skew clients), the lazy default's test accuracy (mean ± std over seeds), the centralized
 GCN's and MLP's, the eager default's, and the gap from lazy to the better centralized reference
 (the one with the higher mean validation accuracy on that graph: the choice reads validation
-only), with its standard error from the gaps seed by seed (a seed's runs share a split). Lazy's
+only), with its standard error from the gaps split by split (runs of one seed share a split). Lazy's
 rounds, bytes and wall seconds go beside it. A lazy run whose delivered model validates below its
 stage 0 is flagged (``below-stage-0``). The centralized references do not
 depend on the partitioning: one run per graph and seed serves every row of that graph.
@@ -229,13 +229,14 @@ def _stats(values: list[float]) -> tuple[float, float]:
 def paired_gap_se(lazy: list[dict], reference: list[dict]) -> float | None:
     """The standard error of a cell's test gap, from the gaps seed by seed.
 
-    A seed fixes the split on the graphs that ship several, and the random split otherwise, so a
-    seed's lazy run and reference share their test nodes: the gap's spread over seeds is then
-    the spread of the difference, not the two spreads added. ``None`` with fewer than two seeds
-    both ran.
+    Runs are paired by seed and split (``split_index``, on the graphs that ship several splits;
+    a random split is drawn from the seed), so a pair shares its test nodes: the gap's spread is
+    then the spread of the difference, not the two spreads added. ``None`` with fewer than two
+    pairs.
     """
-    ref_by_seed = {r["seed"]: r["test_accuracy"] for r in reference}
-    gaps = [r["test_accuracy"] - ref_by_seed[r["seed"]] for r in lazy if r["seed"] in ref_by_seed]
+    ref_by_split = {(r["seed"], r.get("split_index")): r["test_accuracy"] for r in reference}
+    pairs = [(r["test_accuracy"], (r["seed"], r.get("split_index"))) for r in lazy]
+    gaps = [accuracy - ref_by_split[key] for accuracy, key in pairs if key in ref_by_split]
     if len(gaps) < 2:
         return None
     return statistics.stdev(gaps) / math.sqrt(len(gaps))

@@ -60,9 +60,9 @@ def test_rounds_previous_flags_give_the_previous_defaults():
 
 
 def test_robustness_gap_standard_error_pairs_runs_by_seed():
-    """The gap's standard error is that of the seed-by-seed differences: a lazy run that trails
-    its seed's reference by the same amount on every split has none, however far the splits'
-    accuracies spread; unpaired seeds are left out."""
+    """The gap's standard error is that of the differences split by split: a lazy run that
+    trails its split's reference by the same amount on every split has none, however far the
+    splits' accuracies spread; runs without a pair (another seed or split) are left out."""
     robustness = _load("robustness")
     ref = [{"seed": s, "test_accuracy": a} for s, a in ((0, 0.60), (1, 0.70), (2, 0.80), (7, 0.5))]
     steady = [{"seed": s, "test_accuracy": a} for s, a in ((0, 0.58), (1, 0.68), (2, 0.78))]
@@ -71,3 +71,6 @@ def test_robustness_gap_standard_error_pairs_runs_by_seed():
     noisy = [{"seed": s, "test_accuracy": a} for s, a in ((0, 0.58), (1, 0.72), (2, 0.74), (5, 0.1))]
     assert robustness.paired_gap_se(noisy, ref) == pytest.approx(0.04 / 3**0.5)
     assert robustness.paired_gap_se(noisy[:1], ref) is None
+    # a seed's run on another split is not its pair
+    other_split = [dict(r, split_index=1) for r in steady]
+    assert robustness.paired_gap_se(other_split, ref) is None

@@ -94,6 +94,15 @@ class ModelSettings:
         "gcn and gat stages add a linear map of each node's own input to what they aggregate, as "
         "SAGE's root weight does (a GCN layer alone weighs a node's own row by 1 / (degree + 1))",
     )
+    gnn_input_rms_floor: float = setting(
+        0.0,
+        "a GNN stage's input (the previous stage's frozen embeddings, own and halo rows) is scaled "
+        "up on each client, by one factor, so that the root mean square of the client's own rows "
+        "is at least this (0: never). Embeddings that come out small make SGD's steps on them as "
+        "small, and the stage then sits at the majority class. A client scales by its own rows "
+        "alone, so nothing crosses for it, but the stage then depends on the partitioning. A lazy "
+        "run over partitions defaults to 0.25 (LAZY_PARTITION_DEFAULTS)",
+    )
     first_stage: FirstStage = setting(
         "mlp",
         "stage 0: mlp (an MLP on each node's own features), local (one model layer over the "
@@ -124,6 +133,8 @@ class ModelSettings:
         check_choices(self)
         if self.stages < 1:
             raise ValueError(f"stages must be >= 1, got {self.stages}")
+        if self.gnn_input_rms_floor < 0:
+            raise ValueError(f"gnn-input-rms-floor must be >= 0, got {self.gnn_input_rms_floor}")
         if self.first_stage_race < 0 or not 0 <= self.first_stage_race_margin <= 1:
             raise ValueError(
                 "first-stage-race must be >= 0 and first-stage-race-margin in [0, 1], got "
@@ -523,6 +534,7 @@ LAZY_PARTITION_DEFAULTS: dict[str, Any] = {
     "first_stage": "auto",
     "mlp_local_epochs": 1,
     "mlp_weight_decay": 5e-3,
+    "gnn_input_rms_floor": 0.25,
 }
 
 

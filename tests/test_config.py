@@ -31,8 +31,9 @@ USER_KEYS = {
     "seed", "model", "stages", "central-layers", "eager-model", "hidden", "pass-embedding", "self-training",
     "pseudo-threshold", "pseudo-per-class", "pass-init", "rounds", "local-epochs", "mlp-local-epochs",
     "mlp-weight-decay", "optimizer", "momentum", "lr", "server-optimizer", "server-lr", "weight-decay",
-    "dropout", "input-dropout", "norm", "heads", "root-weight", "first-stage", "first-stage-first",
-    "first-stage-race", "first-stage-race-margin", "patience", "min-rounds", "warm-min-rounds", "stop-metric",
+    "dropout", "input-dropout", "norm", "heads", "root-weight", "gnn-input-rms-floor", "first-stage",
+    "first-stage-first", "first-stage-race", "first-stage-race-margin", "patience", "min-rounds",
+    "warm-min-rounds", "stop-metric",
     "drift-correction", "halo-gradients", "fraction-train", "clients-per-round", "validate-every",
     "precompute",
     "device", "round-seconds", "step-delay",
@@ -290,18 +291,23 @@ def test_a_lazy_run_over_partitions_trains_stage_0_both_ways_where_it_can():
     ):
         cfg = TrainConfig.resolve(**elsewhere)
         assert cfg.first_stage == "mlp" and cfg.mlp_local_epochs == 0, elsewhere
-        assert cfg.mlp_weight_decay == 0, elsewhere
+        assert cfg.mlp_weight_decay == 0 and cfg.gnn_input_rms_floor == 0, elsewhere
         cfg.validate()
     assert lazy.mlp_local_epochs == 1 and TrainConfig().mlp_local_epochs == 0
     assert TrainConfig.resolve(mlp_local_epochs=3).mlp_local_epochs == 3  # given wins
     assert lazy.mlp_weight_decay == 5e-3 and TrainConfig().mlp_weight_decay == 0
     assert TrainConfig.resolve(mlp_weight_decay=0).mlp_weight_decay == 0  # given wins
+    assert lazy.gnn_input_rms_floor == 0.25 and TrainConfig().gnn_input_rms_floor == 0
+    assert TrainConfig.resolve(gnn_input_rms_floor=0).gnn_input_rms_floor == 0  # given wins
+    with pytest.raises(ValueError, match="gnn-input-rms-floor must be >= 0"):
+        TrainConfig.resolve(gnn_input_rms_floor=-0.1).validate()
     assert TrainConfig.resolve(first_stage="mlp").first_stage == "mlp"  # given wins
     # Through Flower's run config: pyproject's "mlp" is the section default, so not given ...
     app = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     assert TrainConfig.from_run_config(app).first_stage == "auto"
     assert TrainConfig.from_run_config(app).mlp_local_epochs == 1
     assert TrainConfig.from_run_config(app).mlp_weight_decay == 5e-3
+    assert TrainConfig.from_run_config(app).gnn_input_rms_floor == 0.25
     assert TrainConfig.from_run_config(app, []).first_stage == "auto"
     # ... unless the submitter set it.
     assert TrainConfig.from_run_config(app, ["first-stage"]).first_stage == "mlp"

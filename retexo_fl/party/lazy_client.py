@@ -253,7 +253,8 @@ class LazyClient(Client):
 
     # -- stage inputs -----------------------------------------------------------------------
     def stage_input(self) -> Tensor:
-        """What this stage's model reads: owned rows, and halo rows after them for a conv stage."""
+        """What this stage's model reads: owned rows, and halo rows after them for a conv stage,
+        the two scaled by :meth:`input_scale`."""
         if self.layer == 0:  # the MLP, or a local stage 0 over owned rows (see edges())
             return self.owned
         if self.halo is None:

@@ -530,6 +530,16 @@ NODE_LEVEL_DEFAULTS: dict[str, Any] = {
 #: and 1.1 points lower (validation 0.3 and 0.1 lower), Texas with 10 random clients 3.6 lower (validation
 #: 1.7 lower). 5e-3 for every layer-0 stage, the local layer's too, took Cora with 10 random clients to 104
 #: rounds (``bench/results/robustness-2026-11-30-s25-*.jsonl``).
+#:
+#: And a GNN stage's input scaled up on each client to a root mean square of 0.25 where its own rows'
+#: is below it (``gnn-input-rms-floor``): Twitch TW's stage-0 embeddings come out at 0.12 (Cora's at
+#: 0.90), and its GCN stages stayed at the majority class. Over every shared graph x partitioning x
+#: 3 seeds, side by side with 0: the worst cells unchanged (validation -5.1, test -6.3, WebKB), the
+#: mean validation gap +0.44 -> +0.46, mean test gap +0.85 -> +0.90, cells more than 3 points below
+#: 5 -> 3 (Twitch TW random-10 -4.3 -> -1.7, squirrel 4 METIS -4.2 -> -1.2), 114.5 -> 113.3 rounds;
+#: Cora and CiteSeer the same runs. Against it: Twitch ENGB random-10 1.1 points lower, USA random-10
+#: 0.7 lower, Tolokers 13-20 more rounds. A floor of 0.5 took Cora with 10 random clients to 102.7
+#: rounds (``bench/results/robustness-2026-11-30-s27-*.jsonl``).
 LAZY_PARTITION_DEFAULTS: dict[str, Any] = {
     "first_stage": "auto",
     "mlp_local_epochs": 1,

@@ -9,41 +9,22 @@ import torch
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.metrics import RunRecorder
-from retexo_fl.party.lazy_client import LazyClient
 from retexo_fl.runner import train
 from retexo_fl.training.lazy import run_lazy
 
 
-def _stage_one_client(sbm, model: str, precompute: bool) -> LazyClient:
-    """Client 0 of 3 random partitions at stage 1, its owned and halo rows set by hand-free
-    means: the rows are random but fixed, the edges (and GCN weights) the client's own."""
-    cfg = TrainConfig.resolve(
+def _config(model: str, precompute: bool) -> TrainConfig:
+    return TrainConfig.resolve(
         profile="exact", clients=3, stages=2, hidden=8, model=model, input_dropout=0.0, precompute=precompute
     )
-    part = partition_graph(sbm, 3, "random", seed=0)[0]
-    client = LazyClient(part, cfg)
-    client.stage = 1
-    gen = torch.Generator().manual_seed(0)
-    client.owned = torch.randn(client.graph.num_owned, 8, generator=gen)
-    client.halo = torch.randn(client.graph.num_halo, 8, generator=gen)
-    client.halo_degree = torch.randint(1, 9, (client.graph.num_halo,), generator=gen).float()
-    return client
 
 
 @pytest.mark.parametrize("model", ["gcn", "sage"])
-def test_aggregated_forward_and_gradients_equal_message_passing(sbm, model):
-    plain, fast = _stage_one_client(sbm, model, False), _stage_one_client(sbm, model, True)
+def test_aggregated_forward_and_gradients_equal_message_passing(stage_one_client, stage_outputs, model):
+    plain, fast = stage_one_client(_config(model, False)), stage_one_client(_config(model, True))
     assert plain.graph.num_halo > 0  # the halo rows must take part, or this proves less
     state = plain.make_model().state_dict()
-    outputs = []
-    for client in (plain, fast):
-        m = client.loaded_model(state)
-        m.eval()
-        m.zero_grad()
-        hidden, logits = client.outputs(m)
-        logits.square().sum().backward()
-        outputs.append((hidden, logits, {n: p.grad.clone() for n, p in m.named_parameters()}))
-    (h1, l1, g1), (h2, l2, g2) = outputs
+    (h1, l1, g1), (h2, l2, g2) = (stage_outputs(client, state) for client in (plain, fast))
     assert torch.allclose(h1, h2, atol=1e-5) and torch.allclose(l1, l2, atol=1e-5)
     assert g1.keys() == g2.keys() and all(torch.allclose(g1[k], g2[k], atol=1e-4) for k in g1)
     # A changed halo row changes the aggregated input: the cache follows the stage input.
@@ -52,8 +33,8 @@ def test_aggregated_forward_and_gradients_equal_message_passing(sbm, model):
     assert not torch.allclose(fast.aggregated_input(), before)
 
 
-def test_gat_and_sage_max_keep_message_passing(sbm):
-    client = _stage_one_client(sbm, "gat", True)
+def test_gat_and_sage_max_keep_message_passing(stage_one_client):
+    client = stage_one_client(_config("gat", True))
     model = client.make_model()
     assert not model.aggregates_linearly
     with pytest.raises(ValueError, match="gat stage cannot run on aggregated inputs"):

@@ -10,12 +10,19 @@ rounds, bytes and wall seconds go beside it. A lazy run whose delivered model va
 stage 0 is flagged (``below-stage-0``). The centralized references do not
 depend on the partitioning: one run per graph and seed serves every row of that graph.
 
+``--attribute`` splits each cell's gap in two: the lazy candidate also runs with one client that
+holds the whole graph (no cut edge, nothing averaged), once per graph and seed. Its gap to the
+reference is what lazy training itself costs on that graph (stage by stage, over frozen
+embeddings, with the lazy recipe); the rest of the cell's gap is what the partitioning and
+federation cost. The causes of the cells more than 1 point below are printed under the table.
+
 Candidate settings for lazy are given with ``--set key=value`` (repeatable; the defaults
 otherwise); ``--tag`` names the candidate in the JSON. Examples::
 
     python bench/robustness.py --quick                                 # 3 social graphs, 1 seed
     python bench/robustness.py --seeds 0,1,2 --out bench/results/robustness.json
     python bench/robustness.py --graphs twitch-ES,squirrel --set root-weight=true --tag root
+    python bench/robustness.py --graphs twitch-TW --attribute --lazy-only --partitionings metis:4
 
 Every run is appended at once to ``<out stem>.jsonl``, so a cut-off run keeps what it measured.
 """
@@ -74,6 +81,13 @@ MULTI_SPLIT = ("actor", "cornell", "texas", "wisconsin", "tolokers", "chameleon"
 
 #: The partitionings of every row: (method, clients).
 PARTITIONINGS = (("metis", 4), ("random", 10), ("label-skew", 10))
+
+#: ``--attribute``: the run's ``_method`` and ``_part`` for lazy training with one client holding
+#: the whole graph.
+WHOLE_METHOD = "lazy-whole"
+WHOLE_PART = "random-1"
+#: A cell this far below its reference (or further) gets its cause printed under the table.
+ATTRIBUTED_GAP = -0.01
 
 #: ``--tune-references``: each centralized reference (GCN and MLP) runs at every one of these
 #: settings, and the cell compares with the one that validates best (mean over seeds). Four
@@ -188,6 +202,11 @@ def grid(args: argparse.Namespace, table: dict[str, tuple[str, str]]) -> list[di
                 jobs.append({**base, **part, **lazy_set, "_method": "lazy", "_tag": args.tag, "mode": "lazy"})
                 if args.eager:
                     jobs.append({**base, **part, "_method": "eager", "mode": "eager"})
+            if args.attribute:
+                whole = {"method": "random", "clients": 1, "seed": seed, "_part": WHOLE_PART}
+                jobs.append(
+                    {**base, **whole, **lazy_set, "_method": WHOLE_METHOD, "_tag": args.tag, "mode": "lazy"}
+                )
     return jobs
 
 
@@ -245,7 +264,10 @@ def paired_gap_se(lazy: list[dict], reference: list[dict]) -> float | None:
 def summarize(rows: list[dict]) -> list[dict]:
     """One cell per (graph, partitioning, lazy tag): means, the reference and the gap.
 
-    Runs that failed (an ``error`` row) are left out; :func:`main` prints them.
+    Where the tag also ran with one client holding the whole graph (``--attribute``), the gap is
+    split: ``whole_gap``, that run's gap to the same reference (lazy training's own cost), and
+    ``partition_gap``, the rest (the partitioning's and federation's). Runs that failed (an
+    ``error`` row) are left out; :func:`main` prints them.
     """
     rows = [r for r in rows if "error" not in r]
     cells = []
@@ -275,6 +297,16 @@ def summarize(rows: list[dict]) -> list[dict]:
                 cell["gap"] = cell["lazy_test"] - cell[f"{ref}_test"]
                 cell["val_gap"] = cell["lazy_val"] - cell[f"{ref}_val"]
                 cell["gap_se"] = paired_gap_se(mine, refs[ref])
+                whole = [
+                    r
+                    for r in rows
+                    if r["_graph"] == g and r["_method"] == WHOLE_METHOD and r.get("_tag", "") == tag
+                ]
+                if whole:
+                    cell["whole_test"] = _stats([r["test_accuracy"] for r in whole])[0]
+                    cell["whole_gap"] = cell["whole_test"] - cell[f"{ref}_test"]
+                    cell["whole_gap_se"] = paired_gap_se(whole, refs[ref])
+                    cell["partition_gap"] = cell["gap"] - cell["whole_gap"]
             cell["rounds"] = _stats([r["rounds"] for r in mine])[0]
             cell["bytes_total"] = _stats([r["bytes_total"] for r in mine])[0]
             cell["wall_seconds"] = _stats([r["wall_seconds"] for r in mine])[0]
@@ -308,6 +340,33 @@ def print_table(cells: list[dict]) -> None:
             f"{pm(c, 'central-mlp'):>13}{pm(c, 'eager'):>13}{gap:>8}{se:>6}{c['rounds']:>8.0f}"
             f"{c['bytes_total'] / 1e6:>8.1f}{c['wall_seconds']:>7.1f}  {c['kept_stages']}{flag}"
         )
+
+
+def cause(cell: dict) -> str | None:
+    """What a cell more than 1 point below its reference owes its gap to, from ``--attribute``'s
+    split; ``None`` for a cell within 1 point or without the split.
+
+    The larger share names the cause: lazy training itself (one client holding the whole graph
+    trails about as far) or the partitioning and federation (that client does not).
+    """
+    if "whole_gap" not in cell or cell["gap"] > ATTRIBUTED_GAP:
+        return None
+    whole, split = 100 * cell["whole_gap"], 100 * cell["partition_gap"]
+    shares = f"one client holding the whole graph {whole:+.1f}, the partitioning {split:+.1f}"
+    if whole <= split:
+        return f"lazy training itself ({shares})"
+    return f"the partitioning and federation ({shares})"
+
+
+def print_causes(cells: list[dict]) -> None:
+    """Under the table, each attributed cell more than 1 point below, with its cause."""
+    lines = [(c, cause(c)) for c in cells]
+    lines = [(c, why) for c, why in lines if why is not None]
+    if not lines:
+        return
+    print(f"\nCells more than {-100 * ATTRIBUTED_GAP:.0f} point below, and why:")
+    for c, why in lines:
+        print(f"  {c['graph']} {c['partitioning']} {c['tag']}: {100 * c['gap']:+.1f}: {why}")
 
 
 def candidate_table(cells: list[dict]) -> list[dict]:
@@ -371,6 +430,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--set", action="append", default=[], help="a lazy setting, key=value (repeatable)")
     ap.add_argument("--tag", default="default", help="names the lazy candidate in the JSON")
     ap.add_argument("--eager", action="store_true", help="also run the eager default")
+    ap.add_argument(
+        "--attribute",
+        action="store_true",
+        help="also run the lazy candidate with one client holding the whole graph, to split each gap",
+    )
     ap.add_argument("--lazy-only", action="store_true", help="skip the centralized references")
     ap.add_argument("--references-only", action="store_true", help="only the centralized references")
     ap.add_argument(
@@ -394,6 +458,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = [json.loads(line) for p in args.from_jsonl for line in p.read_text().splitlines() if line]
         cells = summarize(rows)
         print_table(cells)
+        print_causes(cells)
         print_candidates(candidate_table(cells))
         return
     table = graphs(args.root)
@@ -405,7 +470,8 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [g for g in args.graphs if g not in table]
     if unknown:
         ap.error(f"unknown graph(s) {', '.join(unknown)}; known: {', '.join(table)}")
-    args.partitionings = [(p.split(":")[0], int(p.split(":")[1])) for p in args.partitionings.split(",")]
+    # An empty list runs no partitioning: with --attribute, the one-client runs alone.
+    args.partitionings = [(p.split(":")[0], int(p.split(":")[1])) for p in args.partitionings.split(",") if p]
     args.seeds = [0] if args.quick else [int(s) for s in args.seeds.split(",")]
     root = private_root(args.root)
     jobs = grid(args, graphs(root))
@@ -432,6 +498,7 @@ def main(argv: list[str] | None = None) -> None:
     for r in rows:
         if "error" in r:
             print(f"FAILED {r['_graph']} {r.get('_part', '')} {r['_method']} seed {r['seed']}: {r['error']}")
+    print_causes(cells)
     candidates = candidate_table(cells)
     print_candidates(candidates)
     args.out.write_text(json.dumps({"cells": cells, "candidates": candidates, "runs": rows}, indent=1))

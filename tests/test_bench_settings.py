@@ -74,3 +74,52 @@ def test_robustness_gap_standard_error_pairs_runs_by_seed():
     # a seed's run on another split is not its pair
     other_split = [dict(r, split_index=1) for r in steady]
     assert robustness.paired_gap_se(other_split, ref) is None
+
+
+def _row(method: str, seed: int, val: float, test: float, **extra: object) -> dict:
+    return {
+        "_graph": "g",
+        "_method": method,
+        "seed": seed,
+        "val_accuracy": val,
+        "test_accuracy": test,
+        **extra,
+    }
+
+
+def test_robustness_attribution_splits_a_gap_into_lazy_training_and_the_partitioning():
+    """--attribute: the one-client run's gap to the reference is lazy training's share, the rest
+    the partitioning's, and the larger share names the cause of a cell more than 1 point below."""
+    robustness = _load("robustness")
+    lazy = {"rounds": 10, "bytes_total": 1, "wall_seconds": 1.0, "kept_stage": 0, "stage0_val": 0.5}
+    whole, part = robustness.WHOLE_METHOD, robustness.WHOLE_PART
+    rows = [
+        # the GCN validates best, and tests 0.70 on both seeds
+        *(_row("central-gcn", s, 0.70, 0.70) for s in (0, 1)),
+        *(_row("central-mlp", s, 0.60, 0.80) for s in (0, 1)),
+        # METIS trails by 5 points; the whole graph on one client (0.68, 0.70) by 1: the partitioning's 4
+        *(_row("lazy", s, 0.6, 0.65, _part="metis-4", _tag="t", **lazy) for s in (0, 1)),
+        # random-10 trails by 3 points: lazy training's 1 of them, the partitioning's 2
+        *(_row("lazy", s, 0.6, 0.67, _part="random-10", _tag="t", **lazy) for s in (0, 1)),
+        *(_row(whole, s, 0.6, a, _part=part, _tag="t") for s, a in ((0, 0.68), (1, 0.70))),
+        # another tag's cell has no one-client runs: no split
+        _row("lazy", 0, 0.6, 0.60, _part="metis-4", _tag="u", **lazy),
+    ]  # fmt: skip
+    cells = {(c["partitioning"], c["tag"]): c for c in robustness.summarize(rows)}
+    assert set(cells) == {("metis-4", "t"), ("random-10", "t"), ("metis-4", "u")}
+    metis, random10 = cells["metis-4", "t"], cells["random-10", "t"]
+    assert metis["gap"] == pytest.approx(-0.05)
+    assert metis["whole_gap"] == pytest.approx(-0.01)
+    assert metis["partition_gap"] == pytest.approx(-0.04)
+    assert random10["partition_gap"] == pytest.approx(-0.02)
+    assert "whole_gap" not in cells["metis-4", "u"]
+    assert robustness.cause(metis).startswith("the partitioning and federation")
+    assert robustness.cause(random10).startswith("the partitioning and federation")
+    assert robustness.cause(cells["metis-4", "u"]) is None
+    # a cell whose one-client run trails further than the partitioning costs: lazy training's
+    lazy_own = dict(metis, gap=-0.05, whole_gap=-0.04, partition_gap=-0.01)
+    assert robustness.cause(lazy_own) == (
+        "lazy training itself (one client holding the whole graph -4.0, the partitioning -1.0)"
+    )
+    # within 1 point: no cause to give
+    assert robustness.cause(dict(metis, gap=-0.009)) is None

@@ -117,9 +117,11 @@ def test_robustness_attribution_splits_a_gap_into_lazy_training_and_the_partitio
     assert robustness.cause(random10).startswith("the partitioning and federation")
     assert robustness.cause(cells["metis-4", "u"]) is None
     # a cell whose one-client run trails further than the partitioning costs: lazy training's
-    lazy_own = dict(metis, gap=-0.05, whole_gap=-0.04, partition_gap=-0.01)
+    lazy_own = dict(metis, gap=-0.05, whole_gap=-0.04, partition_gap=-0.01, whole_gap_se=None)
     assert robustness.cause(lazy_own) == (
         "lazy training itself (one client holding the whole graph -4.0, the partitioning -1.0)"
     )
+    # the one-client gaps -2 and 0 points: a standard error of 1 point, given with the share
+    assert "the whole graph -1.0 ± 1.0, the partitioning -4.0" in robustness.cause(metis)
     # within 1 point: no cause to give
     assert robustness.cause(dict(metis, gap=-0.009)) is None

@@ -6,8 +6,9 @@ plain files, the filtered Chameleon and Squirrel npz files) and partitioning (4 
 GCN's and MLP's, the eager default's, and the gap from lazy to the better centralized reference
 (the one with the higher mean validation accuracy on that graph: the choice reads validation
 only), with its standard error from the gaps split by split (runs of one seed share a split). Lazy's
-rounds, bytes and wall seconds go beside it. A lazy run whose delivered model validates below its
-stage 0 is flagged (``below-stage-0``). The centralized references do not
+rounds, bytes and wall seconds go beside it, and the centralized GCN's wall seconds (compare them
+only from a run with one worker and nothing else on the machine). A lazy run whose delivered model
+validates below its stage 0 is flagged (``below-stage-0``). The centralized references do not
 depend on the partitioning: one run per graph and seed serves every row of that graph.
 
 ``--attribute`` splits each cell's gap in two: the lazy candidate also runs with one client that
@@ -290,6 +291,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                 cell[f"{m}_test"], cell[f"{m}_std"] = _stats([r["test_accuracy"] for r in rs])
                 cell[f"{m}_val"] = _stats([r["val_accuracy"] for r in rs])[0]
                 cell[f"{m}_setting"] = rs[0].get("_ref_config", "")
+                cell[f"{m}_wall_seconds"] = _stats([r["wall_seconds"] for r in rs])[0]
             if eager:
                 cell["eager_test"], cell["eager_std"] = _stats([r["test_accuracy"] for r in eager])
             if ref is not None:
@@ -326,7 +328,7 @@ def print_table(cells: list[dict]) -> None:
 
     head = (
         f"{'graph':<14}{'clients':<14}{'tag':<8}{'lazy':>13}{'central GCN':>13}{'central MLP':>13}"
-        f"{'eager':>13}{'gap':>8}{'± se':>6}{'rounds':>8}{'MB':>8}{'s':>7}  kept stages"
+        f"{'eager':>13}{'gap':>8}{'± se':>6}{'rounds':>8}{'MB':>8}{'s':>7}{'GCN s':>7}  kept stages"
     )
     print(head)
     print("-" * len(head))
@@ -335,10 +337,11 @@ def print_table(cells: list[dict]) -> None:
         gap = f"{100 * c['gap']:+.1f}" if "gap" in c else "-"
         se = f"{100 * c['gap_se']:.1f}" if c.get("gap_se") is not None else "-"
         flag = f"  below-stage-0 x{c['below_stage_0']}" if c["below_stage_0"] else ""
+        gcn_s = f"{c['central-gcn_wall_seconds']:.1f}" if "central-gcn_wall_seconds" in c else "-"
         print(
             f"{c['graph']:<14}{c['partitioning']:<14}{c['tag']:<8}{lazy:>13}{pm(c, 'central-gcn'):>13}"
             f"{pm(c, 'central-mlp'):>13}{pm(c, 'eager'):>13}{gap:>8}{se:>6}{c['rounds']:>8.0f}"
-            f"{c['bytes_total'] / 1e6:>8.1f}{c['wall_seconds']:>7.1f}  {c['kept_stages']}{flag}"
+            f"{c['bytes_total'] / 1e6:>8.1f}{c['wall_seconds']:>7.1f}{gcn_s:>7}  {c['kept_stages']}{flag}"
         )
 
 

@@ -291,7 +291,8 @@ def summarize(rows: list[dict]) -> list[dict]:
                 cell[f"{m}_test"], cell[f"{m}_std"] = _stats([r["test_accuracy"] for r in rs])
                 cell[f"{m}_val"] = _stats([r["val_accuracy"] for r in rs])[0]
                 cell[f"{m}_setting"] = rs[0].get("_ref_config", "")
-                cell[f"{m}_wall_seconds"] = _stats([r["wall_seconds"] for r in rs])[0]
+                if all("wall_seconds" in r for r in rs):  # rows saved by hand may lack it
+                    cell[f"{m}_wall_seconds"] = _stats([r["wall_seconds"] for r in rs])[0]
             if eager:
                 cell["eager_test"], cell["eager_std"] = _stats([r["test_accuracy"] for r in eager])
             if ref is not None:

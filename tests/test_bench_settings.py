@@ -93,6 +93,14 @@ def test_robustness_attribution_splits_a_gap_into_lazy_training_and_the_partitio
     robustness = _load("robustness")
     lazy = {"rounds": 10, "bytes_total": 1, "wall_seconds": 1.0, "kept_stage": 0, "stage0_val": 0.5}
     whole, part = robustness.WHOLE_METHOD, robustness.WHOLE_PART
+    timed = [
+        _row("central-gcn", 0, 0.7, 0.7, wall_seconds=3.0),
+        _row("central-gcn", 1, 0.7, 0.7, wall_seconds=5.0),
+    ]
+    timed_cell = robustness.summarize(
+        [*timed, _row("lazy", 0, 0.6, 0.65, _part="metis-4", _tag="t", **lazy)]
+    )[0]
+    assert timed_cell["central-gcn_wall_seconds"] == pytest.approx(4.0)
     rows = [
         # the GCN validates best, and tests 0.70 on both seeds
         *(_row("central-gcn", s, 0.70, 0.70) for s in (0, 1)),
@@ -116,6 +124,8 @@ def test_robustness_attribution_splits_a_gap_into_lazy_training_and_the_partitio
     assert robustness.cause(metis).startswith("the partitioning and federation")
     assert robustness.cause(random10).startswith("the partitioning and federation")
     assert robustness.cause(cells["metis-4", "u"]) is None
+    # the references' rows carry no wall seconds here: the cell leaves the figure out
+    assert "central-gcn_wall_seconds" not in metis
     # a cell whose one-client run trails further than the partitioning costs: lazy training's
     lazy_own = dict(metis, gap=-0.05, whole_gap=-0.04, partition_gap=-0.01, whole_gap_se=None)
     assert robustness.cause(lazy_own) == (

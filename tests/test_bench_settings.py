@@ -87,31 +87,37 @@ def _row(method: str, seed: int, val: float, test: float, **extra: object) -> di
     }
 
 
+#: What a lazy row carries besides its accuracies, for :func:`summarize`.
+_LAZY = {"rounds": 10, "bytes_total": 1, "wall_seconds": 1.0, "kept_stage": 0, "stage0_val": 0.5}
+
+
+def test_robustness_table_gives_the_gcns_wall_seconds_where_its_runs_have_them():
+    """A cell carries the centralized GCN's mean wall seconds beside lazy's; rows saved without
+    them (by hand) leave the figure out rather than fail."""
+    robustness = _load("robustness")
+    lazy = _row("lazy", 0, 0.6, 0.65, _part="metis-4", _tag="t", **_LAZY)
+    timed = [_row("central-gcn", s, 0.7, 0.7, wall_seconds=w) for s, w in ((0, 3.0), (1, 5.0))]
+    assert robustness.summarize([*timed, lazy])[0]["central-gcn_wall_seconds"] == pytest.approx(4.0)
+    untimed = [timed[0], _row("central-gcn", 1, 0.7, 0.7)]
+    assert "central-gcn_wall_seconds" not in robustness.summarize([*untimed, lazy])[0]
+
+
 def test_robustness_attribution_splits_a_gap_into_lazy_training_and_the_partitioning():
     """--attribute: the one-client run's gap to the reference is lazy training's share, the rest
     the partitioning's, and the larger share names the cause of a cell more than 1 point below."""
     robustness = _load("robustness")
-    lazy = {"rounds": 10, "bytes_total": 1, "wall_seconds": 1.0, "kept_stage": 0, "stage0_val": 0.5}
     whole, part = robustness.WHOLE_METHOD, robustness.WHOLE_PART
-    timed = [
-        _row("central-gcn", 0, 0.7, 0.7, wall_seconds=3.0),
-        _row("central-gcn", 1, 0.7, 0.7, wall_seconds=5.0),
-    ]
-    timed_cell = robustness.summarize(
-        [*timed, _row("lazy", 0, 0.6, 0.65, _part="metis-4", _tag="t", **lazy)]
-    )[0]
-    assert timed_cell["central-gcn_wall_seconds"] == pytest.approx(4.0)
     rows = [
         # the GCN validates best, and tests 0.70 on both seeds
         *(_row("central-gcn", s, 0.70, 0.70) for s in (0, 1)),
         *(_row("central-mlp", s, 0.60, 0.80) for s in (0, 1)),
         # METIS trails by 5 points; the whole graph on one client (0.68, 0.70) by 1: the partitioning's 4
-        *(_row("lazy", s, 0.6, 0.65, _part="metis-4", _tag="t", **lazy) for s in (0, 1)),
+        *(_row("lazy", s, 0.6, 0.65, _part="metis-4", _tag="t", **_LAZY) for s in (0, 1)),
         # random-10 trails by 3 points: lazy training's 1 of them, the partitioning's 2
-        *(_row("lazy", s, 0.6, 0.67, _part="random-10", _tag="t", **lazy) for s in (0, 1)),
+        *(_row("lazy", s, 0.6, 0.67, _part="random-10", _tag="t", **_LAZY) for s in (0, 1)),
         *(_row(whole, s, 0.6, a, _part=part, _tag="t") for s, a in ((0, 0.68), (1, 0.70))),
         # another tag's cell has no one-client runs: no split
-        _row("lazy", 0, 0.6, 0.60, _part="metis-4", _tag="u", **lazy),
+        _row("lazy", 0, 0.6, 0.60, _part="metis-4", _tag="u", **_LAZY),
     ]  # fmt: skip
     cells = {(c["partitioning"], c["tag"]): c for c in robustness.summarize(rows)}
     assert set(cells) == {("metis-4", "t"), ("random-10", "t"), ("metis-4", "u")}
@@ -124,8 +130,6 @@ def test_robustness_attribution_splits_a_gap_into_lazy_training_and_the_partitio
     assert robustness.cause(metis).startswith("the partitioning and federation")
     assert robustness.cause(random10).startswith("the partitioning and federation")
     assert robustness.cause(cells["metis-4", "u"]) is None
-    # the references' rows carry no wall seconds here: the cell leaves the figure out
-    assert "central-gcn_wall_seconds" not in metis
     # a cell whose one-client run trails further than the partitioning costs: lazy training's
     lazy_own = dict(metis, gap=-0.05, whole_gap=-0.04, partition_gap=-0.01, whole_gap_se=None)
     assert robustness.cause(lazy_own) == (

@@ -60,6 +60,8 @@ _PARALLEL_VALUES = 1 << 16
 
 SOURCE = r"""
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 /* lo[i], hi[i]: the extremes of row i of a [k, d] float32 block; bad[i] = 1 when the row holds
    NaN or Inf (read from the exponent bits, so the finite-math hint below cannot hide them). */
@@ -80,6 +82,156 @@ void row_extremes(const float *x, int64_t k, int64_t d, float *lo, float *hi, ui
         hi[i] = mx;
         bad[i] = (uint8_t)nonfinite;
     }
+}
+
+/* Half-precision bits of a finite float, rounded to nearest even (an overflow gives inf), as
+   torch's casts round: fp16 after F. Giesen's float_to_half_fast3_rtne, bf16 by the carry trick.
+   The subnormal fp16 path rounds with one float addition, which needs denormals kept (usable()). */
+static uint16_t to_half(float f, int bf16) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if (bf16) return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+    const uint32_t sign = x & 0x80000000u;
+    x ^= sign;
+    uint16_t o;
+    if (x >= (127u + 16u) << 23) {
+        o = 0x7c00u;
+    } else if (x < 113u << 23) {
+        const uint32_t magic_u = ((127u - 15u) + (23u - 10u) + 1u) << 23;
+        float magic, v;
+        memcpy(&magic, &magic_u, 4);
+        memcpy(&v, &x, 4);
+        v += magic;
+        uint32_t r;
+        memcpy(&r, &v, 4);
+        o = (uint16_t)(r - magic_u);
+    } else {
+        const uint32_t odd = (x >> 13) & 1u;
+        x += ((uint32_t)(15 - 127) << 23) + 0xfffu + odd;
+        o = (uint16_t)(x >> 13);
+    }
+    return (uint16_t)(o | (sign >> 16));
+}
+
+/* The float a half's bits stand for (exact). */
+static float from_half(uint16_t h, int bf16) {
+    uint32_t o;
+    float f;
+    if (bf16) {
+        o = (uint32_t)h << 16;
+    } else {
+        const uint32_t exp_mask = 0x7c00u << 13;
+        o = (uint32_t)(h & 0x7fffu) << 13;
+        const uint32_t e = o & exp_mask;
+        o += (127u - 15u) << 23;
+        if (e == exp_mask) {
+            o += (128u - 16u) << 23;
+        } else if (e == 0) {
+            const uint32_t magic_u = 113u << 23;
+            float magic;
+            memcpy(&magic, &magic_u, 4);
+            o += 1u << 23;
+            memcpy(&f, &o, 4);
+            f -= magic;
+            memcpy(&o, &f, 4);
+        }
+        o |= (uint32_t)(h & 0x8000u) << 16;
+    }
+    memcpy(&f, &o, 4);
+    return f;
+}
+
+/* The next half toward -inf (down) or +inf, on the sign-magnitude bits, as torch.nextafter. */
+static uint16_t half_step(uint16_t h, int down) {
+    if (down) return h == 0x0000u ? 0x8001u : (h & 0x8000u) ? (uint16_t)(h + 1u) : (uint16_t)(h - 1u);
+    return h == 0x8000u ? 0x0001u : (h & 0x8000u) ? (uint16_t)(h - 1u) : (uint16_t)(h + 1u);
+}
+
+static int half_finite(uint16_t h, int bf16) {
+    return bf16 ? (h & 0x7f80u) != 0x7f80u : (h & 0x7c00u) != 0x7c00u;
+}
+
+/* Each row's range in fp16 / bf16 bits, rounded outward (lo toward -inf, hi toward +inf) from
+   its extremes, -0.0 taken as 0.0: what quantize.py's torch ops give. status[i] is 0 for a row
+   that can be coded, 1 for NaN / Inf in it, 2 for a range the half dtype cannot hold, 3 for a
+   span float32 cannot step across; the caller leaves any row not 0 to the torch checks, which
+   name its fault. */
+void row_ranges(const float *x, int64_t k, int64_t d, int bf16, uint16_t *lo, uint16_t *hi,
+                uint8_t *status) {
+    for (int64_t i = 0; i < k; ++i) {
+        float mn, mx;
+        uint8_t bad;
+        row_extremes(x + i * d, 1, d, &mn, &mx, &bad);
+        lo[i] = hi[i] = 0;
+        if (bad) {
+            status[i] = 1;
+            continue;
+        }
+        if (mn == 0.0f) mn = 0.0f;
+        if (mx == 0.0f) mx = 0.0f;
+        uint16_t l = to_half(mn, bf16), h = to_half(mx, bf16);
+        if (from_half(l, bf16) > mn) l = half_step(l, 1);
+        if (from_half(h, bf16) < mx) h = half_step(h, 0);
+        lo[i] = l;
+        hi[i] = h;
+        if (!half_finite(l, bf16) || !half_finite(h, bf16)) {
+            status[i] = 2;
+            continue;
+        }
+        const float span = from_half(h, bf16) - from_half(l, bf16);
+        status[i] = (uint8_t)(span - span != 0.0f ? 3 : 0);
+    }
+}
+
+/* inv[i] = 1 / step (0 where step is 0) and offset[i] = lo * inv[i] of rows ranged [lo, hi] (half
+   bits) at levels + 1 codes, step = (hi - lo) / levels: quantize.py's _scales, one rounding an
+   operation. */
+void row_scales(const uint16_t *lo, const uint16_t *hi, int64_t k, int bf16, float levels, float *inv,
+                float *offset) {
+    const float tiny = 1.17549435e-38f;
+    for (int64_t i = 0; i < k; ++i) {
+        const float l = from_half(lo[i], bf16), h = from_half(hi[i], bf16);
+        const float step = (h - l) / levels;
+        const float r = 1.0f / (step < tiny ? tiny : step);
+        inv[i] = step > 0.0f ? r : 0.0f;
+        offset[i] = l * inv[i];
+    }
+}
+
+/* Rows [r0, r1) of a [k, d] block coded at one width of bits (1, 2, 4 or 8), packed densely
+   (pack()'s layout), decoded: out[i, j] = lo + code * step, step = (hi - lo) / levels, from the
+   rows' half ranges; unpack(), the ranges' float casts and dequantize() in one pass, one rounding
+   an operation. */
+#define UNPACK_SPAN(BITS)                                                          \
+    for (int64_t b = b0; b < b1; ++b) {                                            \
+        const uint32_t v = packed[b];                                              \
+        for (int t = 0; t < 8 / BITS; ++t)                                         \
+            buf[(b - b0) * (8 / BITS) + t] = (uint8_t)((v >> (t * BITS)) & ((1u << BITS) - 1u)); \
+    }
+int dequantize_packed(const uint8_t *packed, int bits, int64_t r0, int64_t r1, int64_t d,
+                      const uint16_t *lo, const uint16_t *hi, int bf16, float levels, float *out) {
+    const int64_t per = 8 / bits, e0 = r0 * d, e1 = r1 * d;
+    const uint8_t *codes = packed + e0;
+    uint8_t *buf = NULL;
+    if (bits != 8) { /* the span's whole bytes unpacked first: two loops that vectorize */
+        const int64_t b0 = e0 / per, b1 = (e1 + per - 1) / per;
+        buf = (uint8_t *)malloc((size_t)((b1 - b0) * per + 1));
+        if (buf == NULL) return -1;
+        if (bits == 4) { UNPACK_SPAN(4) } else if (bits == 2) { UNPACK_SPAN(2) } else { UNPACK_SPAN(1) }
+        codes = buf + (e0 - b0 * per);
+    }
+    for (int64_t i = r0; i < r1; ++i) {
+        const float l = from_half(lo[i], bf16), h = from_half(hi[i], bf16);
+        const float s = (h - l) / levels;
+        const uint8_t *c = codes + (i - r0) * d;
+        float *o = out + i * d;
+        for (int64_t j = 0; j < d; ++j) {
+            float v = (float)c[j] * s;
+            o[j] = l + v;
+        }
+    }
+    free(buf);
+    return 0;
 }
 
 /* codes[i, j] = (uint8) clamp(frac(table[(row0 + i) % block, j] + shift[i]) + x[i, j] * inv[i]
@@ -368,6 +520,10 @@ def _load() -> ctypes.CDLL | None:
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.row_extremes.argtypes = [p, i64, i64, p, p, p]
+    lib.row_ranges.argtypes = [p, i64, i64, ctypes.c_int, p, p, p]
+    lib.row_scales.argtypes = [p, p, i64, ctypes.c_int, ctypes.c_float, p, p]
+    lib.dequantize_packed.argtypes = [p, ctypes.c_int, i64, i64, i64, p, p, ctypes.c_int, ctypes.c_float, p]
+    lib.dequantize_packed.restype = ctypes.c_int
     lib.quantize.argtypes = [p, i64, i64, i64, p, i64, p, p, p, ctypes.c_float, p]
     lib.dequantize.argtypes = [p, i64, i64, p, p, p]
     lib.pack.argtypes = [p, i64, i64, i64, ctypes.c_int, p]
@@ -380,6 +536,8 @@ def _load() -> ctypes.CDLL | None:
     lib.keep_denormals.restype = None
     for fn in (
         lib.row_extremes,
+        lib.row_ranges,
+        lib.row_scales,
         lib.quantize,
         lib.dequantize,
         lib.pack,
@@ -405,8 +563,11 @@ def library() -> ctypes.CDLL | None:
 
 def _flushing_denormals() -> bool:
     # torch.set_flush_denormal(True) flushes in torch's threads, not in the pool's: results
-    # would then differ in rows with denormal values, so the torch ops serve.
-    return bool(_DENORMAL.mul(1.0).item() == 0.0)
+    # would then differ in rows with denormal values, so the torch ops serve. The control
+    # register is read where it can be (a tenth of a tensor operation and its read-back).
+    lib = _lib if _tried else None
+    flag = lib.denormals_flushed() if lib is not None else -1
+    return bool(flag) if flag >= 0 else bool(_DENORMAL.mul(1.0).item() == 0.0)
 
 
 _DENORMAL = torch.tensor(1e-40)
@@ -450,7 +611,10 @@ def _over_rows(k: int, d: int, run: Callable[[int, int], None]) -> None:
 
 
 def _required() -> ctypes.CDLL:
-    lib = library()
+    # The loaded library as it is, without reading the switch again: a caller reaches the loops
+    # only after usable() or library() said yes, and a codec call makes dozens of these (the
+    # environment lookup was 6% of a small client's round).
+    lib = _lib if _tried else library()
     if lib is None:
         raise RuntimeError("the compiled loops are not available here; check library() first")
     return lib
@@ -499,6 +663,66 @@ def row_extremes(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
     _over_rows(k, d, run)
     return lo, hi, bad.bool()
+
+
+def row_ranges(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor] | None:
+    """Each row's ``[lo, hi]`` in ``dtype`` (``float16`` or ``bfloat16``), rounded outward from its
+    extremes, in one pass: the ranges ``quantize.py``'s torch ops give, or ``None`` when a row
+    holds NaN / Inf or a range ``dtype`` (or a float32 step) cannot hold. The torch ops then take
+    the block, to name the fault or widen it to bf16.
+
+    Args:
+        x (Tensor): a float32 CPU block.
+        dtype (torch.dtype): ``torch.float16`` or ``torch.bfloat16``.
+
+    Shapes:
+        - **input:** ``[k, d]``, ``d >= 1``
+        - **output:** ``[k]`` ``dtype``, ``[k]`` ``dtype``
+    """
+    lib = _required()
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"row ranges: dtype must be float16 or bfloat16, got {dtype}")
+    x = _cpu_block(x, torch.float32, "rows")
+    k, d = x.shape
+    if d == 0:
+        raise ValueError(f"row ranges need rows of one value or more, got shape {tuple(x.shape)}")
+    lo, hi = torch.empty(k, dtype=torch.int16), torch.empty(k, dtype=torch.int16)
+    status = torch.empty(k, dtype=torch.uint8)
+    bf16 = int(dtype == torch.bfloat16)
+
+    def run(s: int, e: int) -> None:
+        lib.row_ranges(_ptr(x, s * d), e - s, d, bf16, _ptr(lo, s), _ptr(hi, s), _ptr(status, s))
+
+    _over_rows(k, d, run)
+    if bool(status.any()):
+        return None
+    return lo.view(dtype), hi.view(dtype)
+
+
+def row_scales(lo: Tensor, hi: Tensor, levels: float) -> tuple[Tensor, Tensor]:
+    """``(inv, offset)`` of rows ranged ``[lo, hi]`` at ``levels + 1`` codes: ``1 / step`` (0 where
+    the step is 0) and ``lo / step``, with ``step = (hi - lo) / levels``, as
+    ``quantize.py``'s torch ops compute them.
+
+    Args:
+        lo (Tensor): each row's lower end, float16 or bfloat16 on the CPU.
+        hi (Tensor): each row's upper end, of ``lo``'s dtype.
+        levels (float): the largest code, ``2^bits - 1``.
+
+    Shapes:
+        - **input:** ``lo``, ``hi`` ``[k]``
+        - **output:** ``[k]`` float32, ``[k]`` float32
+    """
+    lib = _required()
+    if lo.dtype not in (torch.float16, torch.bfloat16) or hi.dtype != lo.dtype or lo.shape != hi.shape:
+        raise ValueError(f"row scales: expected [k] float16 or bfloat16 ranges, got {lo.dtype}, {hi.dtype}")
+    if lo.device.type != "cpu" or hi.device.type != "cpu":
+        raise ValueError("row scales: the ranges must be on the CPU")
+    lo, hi = lo.contiguous().view(-1), hi.contiguous().view(-1)
+    k = lo.numel()
+    inv, offset = torch.empty(k), torch.empty(k)
+    lib.row_scales(_ptr(lo), _ptr(hi), k, int(lo.dtype == torch.bfloat16), levels, _ptr(inv), _ptr(offset))
+    return inv, offset
 
 
 def quantize(x: Tensor, table: Tensor, shift: Tensor, inv: Tensor, offset: Tensor, levels: float) -> Tensor:
@@ -555,6 +779,45 @@ def dequantize(codes: Tensor, lo: Tensor, step: Tensor) -> Tensor:
 
     def run(s: int, e: int) -> None:
         lib.dequantize(_ptr(codes, s * d), e - s, d, _ptr(lo, s), _ptr(step, s), _ptr(out, s * d))
+
+    _over_rows(k, d, run)
+    return out
+
+
+def dequantize_packed(packed: Tensor, bits: int, k: int, d: int, lo: Tensor, hi: Tensor) -> Tensor:
+    """A ``[k, d]`` block coded at one width, packed densely (:func:`pack`), decoded from its
+    rows' half ranges: :func:`unpack` and :func:`dequantize` with ``step = (hi - lo) / levels``,
+    the values ``quantize.py``'s torch ops give, in one pass.
+
+    Args:
+        packed (Tensor): uint8 CPU bytes, at least ``ceil(k * d * bits / 8)`` of them.
+        bits (int): 1, 2, 4 or 8.
+        k (int): rows.
+        d (int): columns.
+        lo (Tensor): each row's lower end, float16 or bfloat16 on the CPU.
+        hi (Tensor): each row's upper end, of ``lo``'s dtype.
+
+    Shapes:
+        - **input:** ``packed`` ``[m]``; ``lo``, ``hi`` ``[k]``
+        - **output:** ``[k, d]`` float32
+    """
+    lib = _required()
+    if packed.device.type != "cpu" or packed.dtype != torch.uint8 or bits not in (1, 2, 4, 8):
+        raise ValueError(f"dequantize: expected uint8 CPU bytes of 1-8 bits, got {packed.dtype}, {bits} bits")
+    if lo.dtype not in (torch.float16, torch.bfloat16) or hi.dtype != lo.dtype:
+        raise ValueError(f"dequantize: expected float16 or bfloat16 ranges, got {lo.dtype}, {hi.dtype}")
+    if lo.numel() != k or hi.numel() != k or lo.device.type != "cpu" or hi.device.type != "cpu":
+        raise ValueError(f"dequantize: {lo.numel()} and {hi.numel()} ranges for {k} rows (on the CPU)")
+    if packed.numel() < (k * d * bits + 7) // 8:
+        raise ValueError(f"{packed.numel()} bytes hold fewer than {k * d} codes of {bits} bits")
+    packed = packed.contiguous().view(-1)
+    lo, hi = lo.contiguous().view(-1), hi.contiguous().view(-1)
+    out = torch.empty(k, d)
+    bf16, levels = int(lo.dtype == torch.bfloat16), float((1 << bits) - 1)
+
+    def run(s: int, e: int) -> None:
+        if lib.dequantize_packed(_ptr(packed), bits, s, e, d, _ptr(lo), _ptr(hi), bf16, levels, _ptr(out)):
+            raise MemoryError(f"dequantize: no memory to unpack rows {s} to {e} of {k}")
 
     _over_rows(k, d, run)
     return out

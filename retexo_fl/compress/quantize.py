@@ -239,7 +239,11 @@ def _quantize_group(
             return fused.quantize(x, table, shift, lo, hi, float((1 << bits) - 1)).view(-1)
         except fused.KernelUnavailable:
             pass  # the torch ops below, on the same dither: the same codes
-    inv, offset, levels = _scales(lo, hi, bits)
+    if compiled:
+        levels = float((1 << bits) - 1)
+        inv, offset = native.row_scales(lo, hi, levels)
+    else:
+        inv, offset, levels = _scales(lo, hi, bits)
     return _group_codes(x, table, shift, inv, offset, levels, compiled)
 
 
@@ -302,6 +306,9 @@ def _row_ranges(x: Tensor, half: str, where: str, compiled: bool) -> tuple[Tenso
     """Each row's ``[lo, hi]`` in the ``half`` dtype, rounded outward; raises :class:`CodecError`
     on a row that cannot be coded."""
     if compiled:
+        ranges = native.row_ranges(x.contiguous(), RANGE_DTYPES[half])
+        if ranges is not None:  # one pass, the same ranges as the checks below give
+            return ranges
         mn, mx, bad_rows = native.row_extremes(x.contiguous())
     else:
         mn, mx = torch.aminmax(x, dim=1)  # NaN and Inf propagate into the row extremes
@@ -566,6 +573,8 @@ def dequantize_rows(q: QuantizedRows) -> Tensor:
         dtype = torch.float32 if width == 32 else RANGE_DTYPES[q.half]
         return q.data.view(dtype).float().view(k, d)
     compiled = native.usable(q.data)  # decided once for the whole block
+    if compiled and width in QUANT_BITS and q.lo.dtype == q.hi.dtype == RANGE_DTYPES[q.half]:
+        return native.dequantize_packed(q.data, width, k, d, q.lo, q.hi)  # one pass, the same values
     fused = not compiled and _fused(q.data)
     groups = _width_groups(q.bits, width if width in QUANT_BITS else None)
     # The loops return a whole group's rows: with one group they are the output itself.

@@ -89,6 +89,77 @@ def test_bf16_ranges_over_every_scale_equal_the_torch_ops(bits, monkeypatch):
     assert _bits_equal(yn, yt)
 
 
+def _every_half(dtype: torch.dtype) -> torch.Tensor:
+    """Every finite value of a 16-bit float dtype, as float32."""
+    values = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype).float()
+    return values[torch.isfinite(values)]
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+@pytest.mark.parametrize("half", ["fp16", "bf16"])
+def test_one_pass_ranges_and_scales_equal_the_torch_ops_at_every_half_value(half, monkeypatch):
+    # Each row's ends are the compiled loop's own float -> half rounding and its step outward
+    # (quantize.py's torch ops cast and call nextafter): checked at every finite half value,
+    # the float32 values either side of it, and the midpoints between neighbours (where rounding
+    # to nearest even decides), denormal halves and signed zeros included.
+    from retexo_fl.compress.quantize import RANGE_DTYPES, _row_ranges, _scales
+
+    dtype = RANGE_DTYPES[half]
+    h = _every_half(dtype)
+    mids = ((h[:-1].double() + h[1:].double()) / 2).float()
+    up, down = torch.nextafter(h, torch.tensor(float("inf"))), torch.nextafter(h, torch.tensor(float("-inf")))
+    x = torch.cat([h, mids, up, down, torch.tensor([0.0, -0.0, 1e-45, -1e-45])])
+    x = x[x.abs() <= torch.finfo(dtype).max]  # past the dtype's largest value: the next test
+    rows = torch.stack([x, x.roll(1)], dim=1)  # and each value paired with another, both ends
+    rows = rows[torch.isfinite(rows[:, 0] - rows[:, 1])]  # a span float32 steps across
+    for block in (x[:, None], rows):
+        got = native.row_ranges(block.contiguous(), dtype)
+        assert got is not None
+        want = _row_ranges(block, half, "rows", compiled=False)
+        assert _bits_equal(got[0], want[0]) and _bits_equal(got[1], want[1])
+        for bits in (1, 4, 8):
+            inv, offset, levels = _scales(*want, bits)
+            got_inv, got_offset = native.row_scales(*got, levels)
+            assert _bits_equal(got_inv, inv) and _bits_equal(got_offset, offset)
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+def test_a_block_the_one_pass_ranges_refuse_is_left_to_the_torch_checks(monkeypatch):
+    x = torch.randn(300, 5)
+    assert native.row_ranges(x, torch.float16) is not None
+    x[7, 2] = 7e4  # past fp16: the block goes in bf16, with the ranges a bf16 call gives
+    assert native.row_ranges(x, torch.float16) is None and native.row_ranges(x, torch.bfloat16) is not None
+    (qn, yn), (qt, yt) = _encode_both(x, 4, monkeypatch)
+    assert qn.half == qt.half == "bf16"
+    assert _bits_equal(qn.data, qt.data) and _bits_equal(qn.lo, qt.lo) and _bits_equal(yn, yt)
+    x[9, 0] = float("nan")
+    assert native.row_ranges(x, torch.bfloat16) is None
+    with pytest.raises(CodecError, match=r"1 row\(s\) hold NaN or Inf \(first row 9\)"):
+        quantize_rows(x, 4, where="client 2")
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_packed_codes_decode_in_one_pass_as_unpacking_and_dequantizing_do(bits, monkeypatch):
+    # 3 columns: most rows start inside a byte; 50,001 rows: split across threads at odd rows.
+    x = torch.randn(50_001, 3) * torch.rand(50_001, 1) * 9
+    q = quantize_rows(x, bits, generator=torch.Generator().manual_seed(bits))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        three = dequantize_rows(q)
+        torch.set_num_threads(1)
+        one = dequantize_rows(q)
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setenv(native.NATIVE_ENV, "0")
+    assert _bits_equal(one, three) and _bits_equal(one, dequantize_rows(q))
+    monkeypatch.delenv(native.NATIVE_ENV)
+    codes = native.unpack(q.data, bits, x.numel()) if bits < 8 else q.data
+    step = (q.hi.float() - q.lo.float()) / float((1 << bits) - 1)
+    assert _bits_equal(one, native.dequantize(codes.view(-1, 3), q.lo.float(), step))
+
+
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
 def test_flushing_denormals_hands_the_work_to_the_torch_ops():
     x = torch.randn(10, 4)

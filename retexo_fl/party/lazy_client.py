@@ -159,6 +159,9 @@ class LazyClient(Client):
         # A conv stage's steps: per row set (the training rows, or each chunk of them), the graph
         # restricted to its in-edges, with the labels of the rows; built by prepare_steps().
         self._step_plan: StepPlan | None = None
+        # Another row set's restricted graph (the validation rows, read every round), with the
+        # graph, weights, row count and rows it was built from: (ei, w, num_nodes, rows, graph).
+        self._rows_graph: tuple[Tensor, Tensor | None, int, Tensor, tuple] | None = None
         # (stage, frames, stats, test) of the last boundary rows sent, with the test of the state
         # they were computed with when the embed asked for it: a resumed server may ask again.
         self.sent: tuple[int, dict[int, bytes], dict, EvalResult | None] | None = None
@@ -423,6 +426,10 @@ class LazyClient(Client):
         chunk = self.cfg.chunk_rows if not torch.is_grad_enabled() else 0
         if rows is None and not 0 < chunk < n:
             return model(x, ei, w, num_targets=n)
+        if rows is not None and not 0 < chunk < rows.numel():
+            return model(
+                x, *self.rows_graph(ei, w, rows, x.shape[0]), num_targets=n, rows=rows, restricted=True
+            )
         index = torch.arange(n, device=self.device) if rows is None else rows
         step = chunk if chunk > 0 else max(1, index.numel())
         pieces = [
@@ -432,6 +439,19 @@ class LazyClient(Client):
         if len(pieces) == 1:
             return pieces[0]
         return torch.cat([h for h, _ in pieces]), torch.cat([z for _, z in pieces])
+
+    def rows_graph(
+        self, ei: Tensor, w: Tensor | None, rows: Tensor, num_nodes: int
+    ) -> tuple[Tensor, Tensor | None]:
+        """The in-edges of ``rows`` (:func:`~retexo_fl.models.stage.select_in_edges`), kept while
+        the graph, its weights, the input's row count and the rows tensor stay: a round's
+        validation restricted the same graph to the same rows again, 7% of a small client's time."""
+        kept = self._rows_graph
+        if kept is not None and kept[0] is ei and kept[1] is w and kept[2] == num_nodes and kept[3] is rows:
+            return kept[4]
+        graph = select_in_edges(ei, w, rows, num_nodes)
+        self._rows_graph = (ei, w, num_nodes, rows, graph)
+        return graph
 
     def prepare_steps(self, model: torch.nn.Module, rows: Tensor, labels: Tensor) -> None:
         """A conv stage passing messages: restrict its graph to the in-edges of the training rows

@@ -289,3 +289,41 @@ def test_steps_train_what_boolean_mask_steps_trained(sbm, name):
         got, loss = client.train(state, 3)
         assert client.num_train == int(client.masks["train"].sum())
         assert loss == want_loss and all(torch.equal(got[k], want[k]) for k in want), name
+
+
+@pytest.mark.parametrize("model", ["gcn", "sage", "gat"])
+def test_evaluation_restricts_the_graph_to_its_rows_once_per_stage_input(sbm, monkeypatch, model):
+    # A round's validation reads the same rows of the same graph: restricted once, it gives
+    # what restricting in the forward pass gives, and other rows are restricted anew.
+    from retexo_fl.models import stage as stage_module
+    from retexo_fl.party import lazy_client as lazy_module
+
+    client = _lazy(sbm, model=model)
+    state = client.make_model().state_dict()
+    rows = client.split_rows("val")
+    calls = Counter()
+    for module in (lazy_module, stage_module):
+        original = module.select_in_edges
+
+        def counted(*args, _original=original, **kwargs):
+            calls["restrict"] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, "select_in_edges", counted)
+    first = client.evaluate(state, "val")
+    assert calls["restrict"] == 1
+    second = client.evaluate(state, "val")
+    assert calls["restrict"] == 1 and second == first
+    with torch.no_grad():
+        model_ = client.loaded_model(state).eval()
+        ei, w = client.edges()
+        x, n = client.stage_input(), client.graph.num_owned
+        _, cached = client.outputs(model_, rows)
+        _, again = model_(x, ei, w, num_targets=n, rows=rows)  # restricted in the forward pass
+    assert torch.equal(cached, again)
+    assert calls["restrict"] == 2  # the forward pass's own
+    client.halo = client.halo * 2.0  # a new stage input over the same graph and rows
+    moved = client.evaluate(state, "val")
+    assert calls["restrict"] == 2 and moved != first  # the graph kept, the values read anew
+    client.evaluate(state, "test")  # other rows: restricted anew
+    assert calls["restrict"] == 3

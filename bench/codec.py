@@ -7,6 +7,12 @@ what a machine without a C compiler runs). Writes JSON. Example::
 
     python bench/codec.py --out bench/results/codec.json
     python bench/codec.py --rows 100000 --device cuda
+
+``--updates`` times a small client's model update instead: encode (with its error-feedback
+residual) and decode of whole states the size a lazy stage sends on a small graph, per update,
+where a block's fixed cost, not its bandwidth, is what a round pays::
+
+    python bench/codec.py --updates --out bench/results/codec-updates.json
 """
 
 from __future__ import annotations
@@ -24,6 +30,20 @@ import torch
 from retexo_fl.compress import native
 from retexo_fl.compress.payload import frame_size
 from retexo_fl.compress.quantize import ALL_BITS, dequantize_rows, quantize_rows
+from retexo_fl.compress.updates import UpdateCodec
+
+#: ``--updates``: the states a lazy stage sends on Chameleon (2,325 features, 5 classes, hidden
+#: 64): stage 0's MLP and a GCN stage, as (name, {tensor: shape}).
+UPDATE_STATES = (
+    (
+        "stage 0 MLP, 2325 -> 64 -> 5",
+        {"body.weight": (64, 2325), "body.bias": (64,), "head.weight": (5, 64), "head.bias": (5,)},
+    ),
+    (
+        "GCN stage, 64 -> 64 -> 5",
+        {"body.lin.weight": (64, 64), "body.bias": (64,), "head.weight": (5, 64), "head.bias": (5,)},
+    ),
+)
 
 
 def _time(fn, repeats: int, device: torch.device) -> float:
@@ -41,6 +61,73 @@ def _time(fn, repeats: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
+def _per_call(fn, calls: int, repeats: int) -> float:
+    """Median over ``repeats`` of the mean seconds of one of ``calls`` calls of ``fn``."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls)
+    return statistics.median(times)
+
+
+def updates(args: argparse.Namespace) -> int:
+    """``--updates``: per-update encode and decode time of :data:`UPDATE_STATES`, with the
+    compiled loops and with torch ops alone, side by side."""
+    compiled = native.usable(torch.zeros(1))
+    user_setting = os.environ.get(native.NATIVE_ENV)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for name, shapes in UPDATE_STATES:
+        base = {k: torch.randn(*shape, generator=gen) * 0.1 for k, shape in shapes.items()}
+        new = {k: v + torch.randn(v.shape, generator=gen) * 1e-3 for k, v in base.items()}
+        for bits in (4, 8):
+            codec = UpdateCodec(bits)
+            row = {
+                "state": name,
+                "bits": bits,
+                "tensors": len(shapes),
+                "values": sum(v.numel() for v in base.values()),
+            }
+            for path in ("native", "torch") if compiled else ("torch",):
+                os.environ[native.NATIVE_ENV] = "1" if path == "native" else "0"
+                frames, residual = codec.encode(new, base, None, gen)
+                enc = _per_call(
+                    lambda c=codec, r=residual, n=new, b=base: c.encode(n, b, r, gen),
+                    args.calls,
+                    args.repeats,
+                )
+                dec = _per_call(
+                    lambda c=codec, f=frames, b=base: c.decode(f, b, "client"), args.calls, args.repeats
+                )
+                prefix = "" if path == ("native" if compiled else "torch") else "torch_ops_"
+                row.update({f"{prefix}encode_ms": enc * 1e3, f"{prefix}decode_ms": dec * 1e3})
+            rows.append(row)
+    if user_setting is None:
+        os.environ.pop(native.NATIVE_ENV, None)
+    else:
+        os.environ[native.NATIVE_ENV] = user_setting
+    head = f"{'state':<30} {'bits':>4} {'encode ms':>10} {'decode ms':>10} {'torch ops: enc':>15} {'dec':>7}"
+    loops = "compiled loops" if compiled else "torch ops (no compiled loops here)"
+    print(
+        f"one update, encode (residual kept) and decode, on the CPU "
+        f"({torch.get_num_threads()} threads, {loops})"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        alone = f"{r['torch_ops_encode_ms']:>15.3f} {r['torch_ops_decode_ms']:>7.3f}" if compiled else ""
+        print(f"{r['state']:<30} {r['bits']:>4} {r['encode_ms']:>10.3f} {r['decode_ms']:>10.3f} {alone}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    record = {"threads": torch.get_num_threads(), "compiled_loops": compiled, "updates": rows}
+    out.write_text(json.dumps(record, indent=2))
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
@@ -48,7 +135,11 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default="bench/results/codec.json")
+    parser.add_argument("--updates", action="store_true", help="a small client's model updates instead")
+    parser.add_argument("--calls", type=int, default=200, help="--updates: calls a timing")
     args = parser.parse_args()
+    if args.updates:
+        return updates(args)
     device = torch.device(args.device)
     x = torch.randn(args.rows, args.cols, device=device)
     gen = torch.Generator(device=device).manual_seed(0)

@@ -139,3 +139,28 @@ def test_robustness_attribution_splits_a_gap_into_lazy_training_and_the_partitio
     assert "the whole graph -1.0 ± 1.0, the partitioning -4.0" in robustness.cause(metis)
     # within 1 point: no cause to give
     assert robustness.cause(dict(metis, gap=-0.009)) is None
+
+
+def test_codec_updates_are_the_states_a_lazy_stage_sends_timed_both_ways(tmp_path):
+    import argparse
+    import json
+
+    import torch
+
+    from retexo_fl.models.stage import StageModel
+
+    codec = _load("codec")
+    # The timed states are those of the stages they are named after (lazy runs use no norm).
+    for (_, shapes), (kind, in_dim) in zip(codec.UPDATE_STATES, (("mlp", 2325), ("gcn", 64)), strict=True):
+        model = StageModel(kind, in_dim, 64, 5, norm="none")
+        assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == shapes
+    out = tmp_path / "updates.json"
+    args = argparse.Namespace(calls=2, repeats=1, out=str(out))
+    assert codec.updates(args) == 0
+    record = json.loads(out.read_text())
+    rows = record["updates"]
+    assert [(r["state"], r["bits"]) for r in rows] == [(s, b) for s, _ in codec.UPDATE_STATES for b in (4, 8)]
+    paths = ("", "torch_ops_") if record["compiled_loops"] else ("",)
+    assert all(r[f"{p}{t}_ms"] > 0 for r in rows for p in paths for t in ("encode", "decode"))
+    assert rows[0]["values"] == 64 * 2325 + 64 + 5 * 64 + 5
+    assert torch.get_num_threads() == record["threads"]

@@ -152,3 +152,55 @@ def test_each_layer_takes_its_own_weight_decay_alone_and_in_a_cohort():
     _, swapped = round_one(weight_decay=[0.0, 0.3], mlp_weight_decay=0.0)
     for pid, new in swapped.items():
         assert any(not torch.equal(new[k], by_layer[pid][k]) for k in new), pid
+
+
+def test_members_of_many_rows_join_while_the_input_they_cover_is_small(monkeypatch):
+    """A partition of a small graph trains more rows than a one-node client, yet a round of its
+    steps is mostly fixed costs: it joins a cohort while its rows times the input width (an MLP
+    stage's training rows, a GCN stage's owned and halo rows) stay under the bound, and trains bit
+    for bit as alone, at stage 0's MLP and at a GCN stage."""
+    import retexo_fl.party.cohort as cohort_module
+
+    cfg = TrainConfig.resolve(
+        dataset="sbm:540,4,8,0.8",
+        clients=9,  # one past the bound below leaves a cohort's least
+        method="random",
+        seed=3,
+        split="random:0.5,0.2,0.3",
+        first_stage="mlp",
+        hidden=8,
+    )
+    parts = make_partitions(cfg)
+    clients = {p.partition_id: LazyClient(p, cfg) for p in parts}
+    assert min(c.num_train for c in clients.values()) > cohort_module.MAX_MEMBER_ROWS
+    requests = {pid: {P.CONFIG: {}} for pid in clients}
+    gen = torch.Generator().manual_seed(0)
+    for stage in (0, 1):
+        for client in clients.values():
+            if stage:  # a GCN stage over random but fixed embeddings, own and halo rows
+                client.stage = stage
+                client.owned = torch.randn(client.graph.num_owned, 8, generator=gen)
+                client.halo = torch.randn(client.graph.num_halo, 8, generator=gen)
+                client.halo_degree = torch.randint(1, 9, (client.graph.num_halo,), generator=gen).float()
+            client.cohort = None
+        first = next(iter(clients.values()))
+        state = first.make_model().state_dict()
+        alone = {pid: client.train(state, 1) for pid, client in clients.items()}
+        cohort = TrainCohort.gather(clients, requests)
+        assert cohort is not None and set(cohort.members) == set(clients), stage
+        for pid, client in clients.items():
+            client.cohort = cohort
+            new, loss = client.train(state, 1)
+            assert loss == alone[pid][1]
+            assert all(torch.equal(new[k], alone[pid][0][k]) for k in new), (stage, pid)
+        assert len(cohort.results) == len(clients)
+        # Past the bound a member trains alone: the largest input's, the rest still batch.
+        covered = {
+            pid: (c.graph.num_owned + c.graph.num_halo if stage else c.num_train) * c.owned.shape[1]
+            for pid, c in clients.items()
+        }
+        widest = max(covered, key=covered.__getitem__)
+        monkeypatch.setattr(cohort_module, "MAX_MEMBER_VALUES", covered[widest] - 1)
+        smaller = TrainCohort.gather(clients, requests)
+        assert smaller is not None and set(smaller.members) == set(clients) - {widest}, stage
+        monkeypatch.undo()

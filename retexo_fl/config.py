@@ -282,9 +282,9 @@ class TrainingSettings:
     threads: int = setting(0, "torch threads per client (0: torch's default)")
     cohorts: bool = setting(
         True,
-        "in process: the clients of a round whose local steps batch exactly (few training rows, "
-        "stage 0's MLP or a GCN stage, SGD) train and encode their updates as one computation, "
-        "with each one's own result; false: each client alone",
+        "in process: the clients of a round whose local steps batch exactly (few training rows "
+        "or a small stage input, stage 0's MLP or a GCN stage, SGD) train and encode their "
+        "updates as one computation, with each one's own result; false: each client alone",
     )
     chunk_rows: int = setting(0, "compute embeddings for this many target rows at a time (0: all at once)")
     round_seconds: float = setting(

@@ -45,8 +45,8 @@ if TYPE_CHECKING:
 MAX_MEMBER_ROWS = 16
 #: ... or more rows, while the input its dropout covers (an MLP stage's training rows, a conv
 #: stage's owned and halo rows, times their width) holds at most this many values. With 10 random
-#: clients, the cohort made whole runs 8-23% faster where these ranged from 43,000 to 105,000
-#: values (Chameleon, squirrel, Twitch PTBR), and 50% slower at 626,000 (Tolokers' GCN stages,
+#: clients, the cohort made whole runs 4-23% faster where these ranged from 43,000 to 105,000
+#: values (Chameleon, squirrel, Twitch PTBR), and 53% slower at 626,000 (Tolokers' GCN stages,
 #: whose masks it draws whole) and 37% slower at 1.45 million (Twitch ENGB's stage 0).
 MAX_MEMBER_VALUES = 1 << 17
 #: A cohort needs at least this many members; fewer train alone.

@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,16 +33,16 @@ from retexo_fl.compress.payload import frame_size
 from retexo_fl.compress.quantize import ALL_BITS, dequantize_rows, quantize_rows
 from retexo_fl.compress.updates import UpdateCodec
 
-#: ``--updates``: the states a lazy stage sends on Chameleon (2,325 features, 5 classes, hidden
-#: 64): stage 0's MLP and a GCN stage, as (name, {tensor: shape}).
+#: ``--updates``: the states a lazy stage sends on Chameleon (2,325 features, 5 classes) at the
+#: default hidden width of 32: stage 0's MLP and a GCN stage, as (name, {tensor: shape}).
 UPDATE_STATES = (
     (
-        "stage 0 MLP, 2325 -> 64 -> 5",
-        {"body.weight": (64, 2325), "body.bias": (64,), "head.weight": (5, 64), "head.bias": (5,)},
+        "stage 0 MLP, 2325 -> 32 -> 5",
+        {"body.weight": (32, 2325), "body.bias": (32,), "head.weight": (5, 32), "head.bias": (5,)},
     ),
     (
-        "GCN stage, 64 -> 64 -> 5",
-        {"body.lin.weight": (64, 64), "body.bias": (64,), "head.weight": (5, 64), "head.bias": (5,)},
+        "GCN stage, 32 -> 32 -> 5",
+        {"body.lin.weight": (32, 32), "body.bias": (32,), "head.weight": (5, 32), "head.bias": (5,)},
     ),
 )
 
@@ -61,7 +62,7 @@ def _time(fn, repeats: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
-def _per_call(fn, calls: int, repeats: int) -> float:
+def _per_call(fn: Callable[[], object], calls: int, repeats: int) -> float:
     """Median over ``repeats`` of the mean seconds of one of ``calls`` calls of ``fn``."""
     fn()
     times = []
@@ -73,11 +74,9 @@ def _per_call(fn, calls: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def updates(args: argparse.Namespace) -> int:
-    """``--updates``: per-update encode and decode time of :data:`UPDATE_STATES`, with the
-    compiled loops and with torch ops alone, side by side."""
-    compiled = native.usable(torch.zeros(1))
-    user_setting = os.environ.get(native.NATIVE_ENV)
+def _time_updates(args: argparse.Namespace, compiled: bool) -> list[dict]:
+    """One row per state of :data:`UPDATE_STATES` and width: its encode and decode ms, with the
+    compiled loops and (where they are built) with torch ops alone. Sets the switch as it goes."""
     gen = torch.Generator().manual_seed(0)
     rows = []
     for name, shapes in UPDATE_STATES:
@@ -105,10 +104,21 @@ def updates(args: argparse.Namespace) -> int:
                 prefix = "" if path == ("native" if compiled else "torch") else "torch_ops_"
                 row.update({f"{prefix}encode_ms": enc * 1e3, f"{prefix}decode_ms": dec * 1e3})
             rows.append(row)
-    if user_setting is None:
-        os.environ.pop(native.NATIVE_ENV, None)
-    else:
-        os.environ[native.NATIVE_ENV] = user_setting
+    return rows
+
+
+def updates(args: argparse.Namespace) -> int:
+    """``--updates``: per-update encode and decode time of :data:`UPDATE_STATES`, with the
+    compiled loops and with torch ops alone, side by side."""
+    compiled = native.usable(torch.zeros(1))
+    user_setting = os.environ.get(native.NATIVE_ENV)
+    try:
+        rows = _time_updates(args, compiled)
+    finally:  # the switch as the user had it, whatever happened
+        if user_setting is None:
+            os.environ.pop(native.NATIVE_ENV, None)
+        else:
+            os.environ[native.NATIVE_ENV] = user_setting
     head = f"{'state':<30} {'bits':>4} {'encode ms':>10} {'decode ms':>10} {'torch ops: enc':>15} {'dec':>7}"
     loops = "compiled loops" if compiled else "torch ops (no compiled loops here)"
     print(

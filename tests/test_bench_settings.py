@@ -151,8 +151,8 @@ def test_codec_updates_are_the_states_a_lazy_stage_sends_timed_both_ways(tmp_pat
 
     codec = _load("codec")
     # The timed states are those of the stages they are named after (lazy runs use no norm).
-    for (_, shapes), (kind, in_dim) in zip(codec.UPDATE_STATES, (("mlp", 2325), ("gcn", 64)), strict=True):
-        model = StageModel(kind, in_dim, 64, 5, norm="none")
+    for (_, shapes), (kind, in_dim) in zip(codec.UPDATE_STATES, (("mlp", 2325), ("gcn", 32)), strict=True):
+        model = StageModel(kind, in_dim, 32, 5, norm="none")
         assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == shapes
     out = tmp_path / "updates.json"
     args = argparse.Namespace(calls=2, repeats=1, out=str(out))
@@ -162,5 +162,5 @@ def test_codec_updates_are_the_states_a_lazy_stage_sends_timed_both_ways(tmp_pat
     assert [(r["state"], r["bits"]) for r in rows] == [(s, b) for s, _ in codec.UPDATE_STATES for b in (4, 8)]
     paths = ("", "torch_ops_") if record["compiled_loops"] else ("",)
     assert all(r[f"{p}{t}_ms"] > 0 for r in rows for p in paths for t in ("encode", "decode"))
-    assert rows[0]["values"] == 64 * 2325 + 64 + 5 * 64 + 5
+    assert rows[0]["values"] == 32 * 2325 + 32 + 5 * 32 + 5
     assert torch.get_num_threads() == record["threads"]

@@ -179,7 +179,9 @@ void row_ranges(const float *x, int64_t k, int64_t d, int bf16, uint16_t *lo, ui
             continue;
         }
         const float span = from_half(h, bf16) - from_half(l, bf16);
-        status[i] = (uint8_t)(span - span != 0.0f ? 3 : 0);
+        uint32_t span_bits;
+        memcpy(&span_bits, &span, 4);  /* from the exponent bits: no compiler flag can hide Inf */
+        status[i] = (uint8_t)((span_bits & 0x7f800000u) == 0x7f800000u ? 3 : 0);
     }
 }
 
@@ -215,7 +217,7 @@ int dequantize_packed(const uint8_t *packed, int bits, int64_t r0, int64_t r1, i
     uint8_t *buf = NULL;
     if (bits != 8) { /* the span's whole bytes unpacked first: two loops that vectorize */
         const int64_t b0 = e0 / per, b1 = (e1 + per - 1) / per;
-        buf = (uint8_t *)malloc((size_t)((b1 - b0) * per + 1));
+        buf = (uint8_t *)malloc((size_t)((b1 - b0) * per + 1));  /* + 1: never malloc(0) */
         if (buf == NULL) return -1;
         if (bits == 4) { UNPACK_SPAN(4) } else if (bits == 2) { UNPACK_SPAN(2) } else { UNPACK_SPAN(1) }
         codes = buf + (e0 - b0 * per);
@@ -556,8 +558,8 @@ def library() -> ctypes.CDLL | None:
         return None
     with _lock:
         if not _tried:
-            _tried = True
             _lib = _load()
+            _tried = True  # after _lib: _required() reads _lib without the lock once this is set
     return _lib
 
 
@@ -586,7 +588,7 @@ def usable(*tensors: Tensor) -> bool:
 def _pool_thread_start() -> None:
     # The loops are used only while the caller does not flush denormals (usable(),
     # denormals_flushed()); a thread started while it did would have taken the mode on.
-    lib = library()
+    lib = _lib if _tried else library()  # started by a loop call: the switch was read then
     if lib is not None:
         lib.keep_denormals()
 

@@ -41,13 +41,16 @@ from retexo_fl.seeding import derive_seed, dropout_stream
 if TYPE_CHECKING:
     from retexo_fl.party.lazy_client import LazyClient
 
-#: A member trains at most this many rows: the cohort pads every member to the largest.
+#: A member joins when it trains at most this many rows (the cohort pads every member to the
+#: largest) ...
 MAX_MEMBER_ROWS = 16
-#: ... or more rows, while the input its dropout covers (an MLP stage's training rows, a conv
-#: stage's owned and halo rows, times their width) holds at most this many values. With 10 random
-#: clients, the cohort made whole runs 4-23% faster where these ranged from 43,000 to 105,000
-#: values (Chameleon, squirrel, Twitch PTBR), and 53% slower at 626,000 (Tolokers' GCN stages,
-#: whose masks it draws whole) and 37% slower at 1.45 million (Twitch ENGB's stage 0).
+#: ... or when the input its dropout covers (:func:`covered_values`) holds at most this many
+#: values. With 10 random clients at the default width of 32, the cohort made whole runs 4-23%
+#: faster where a member's GCN-stage input held up to 21,500 to 52,600 values (Chameleon,
+#: squirrel, Twitch PTBR; Chameleon's stage-0 MLP, up to 114,000, joined too), no faster or
+#: slower beyond noise at 120,500 (Twitch ENGB's GCN stages), and 53% slower at 313,000
+#: (Tolokers' GCN stages: their input masks are drawn whole) and 37% slower at 1.45 million
+#: (Twitch ENGB's stage 0).
 MAX_MEMBER_VALUES = 1 << 17
 #: A cohort needs at least this many members; fewer train alone.
 MIN_MEMBERS = 8
@@ -56,6 +59,10 @@ MIN_MEMBERS = 8
 #: chunk of all 1,625 trainers of a Cora round (75 million weights) made every step a pass over
 #: memory, 2.1 ms a member's steps against 1.1 ms in chunks of 11 (cProfile, 5 rounds).
 _CHUNK_VALUES = 1 << 19
+#: ... and of at most this many input values (:func:`covered_values`) together: a chunk draws
+#: every step's input masks before its first step, 16 MB a step at this size, where 400 members
+#: at :data:`MAX_MEMBER_VALUES` each would have drawn 210 MB a step.
+_CHUNK_INPUT_VALUES = 1 << 22
 
 
 class TrainCohort:
@@ -96,8 +103,7 @@ class TrainCohort:
         rows = client.num_train
         if rows < 1:
             return False
-        covered = rows if client.row_wise else client.graph.num_owned + client.graph.num_halo
-        return rows <= MAX_MEMBER_ROWS or covered * client.owned.shape[1] <= MAX_MEMBER_VALUES
+        return rows <= MAX_MEMBER_ROWS or covered_values(client) <= MAX_MEMBER_VALUES
 
     @classmethod
     def gather(
@@ -158,9 +164,7 @@ class TrainCohort:
         # A conv stage's first round brings the halo rows: the members whose message has not
         # been handled yet have none, and train alone when their turn comes.
         ids = [pid for pid, member in self.members.items() if _ready(member)]
-        size = _chunk(state)
-        for start in range(0, len(ids), size):
-            chunk = [self.members[pid] for pid in ids[start : start + size]]
+        for chunk in _input_chunks([self.members[pid] for pid in ids], _chunk(state)):
             news, losses = _stage_steps(chunk, state, round_, steps, lr, model)
             for client, new, loss in zip(chunk, news, losses, strict=True):
                 self.results[client.id] = (new, loss, steps)
@@ -276,7 +280,9 @@ def _stage_steps(
             x = torch.sparse.mm(block, x)  # each member's training rows, as its own product
         rows_in = torch.zeros(n * width, features)
         rows_in[slots] = x
-        h = torch.relu(_linear_each(rows_in.view(n, width, features), w1, b1, counts))
+        # A GCN stage alone adds its bias after the map (run_conv: conv.lin(A x) + bias); a
+        # Linear with the bias folded in rounds otherwise once the rows are 256 wide or more.
+        h = torch.relu(_linear_each(rows_in.view(n, width, features), w1, b1, counts, bias_after=conv))
         if masks_hidden is not None:
             h = h * masks_hidden[s]
         logits = _linear_each(h, w2, b2, counts)
@@ -296,24 +302,57 @@ def _stage_steps(
     return news, first.tolist()
 
 
-def _linear_each(x: Tensor, weight: Tensor, bias: Tensor, counts: list[int]) -> Tensor:
+def _linear_each(
+    x: Tensor, weight: Tensor, bias: Tensor, counts: list[int], bias_after: bool = False
+) -> Tensor:
     """Member ``i``'s ``Linear`` on its own ``counts[i]`` rows of ``x[i]``, padded back to
     ``x``'s rows with zeros.
 
     One call per member, not one batched product: a batched product sums each dot product in
     another order than the member's own ``Linear`` over its rows (on Cora's 1,433 features, 45
     of 64 members' weights differed by up to 1.3e-6 after one round), and 8-bit updates turn
-    such differences into another run.
+    such differences into another run. With ``bias_after`` the bias is added after the product,
+    as a GCN layer adds it; else it is folded into it, as ``nn.Linear`` does. The two round
+    differently once the rows are 256 wide or more.
 
     Shapes:
         - **input:** ``x`` ``[n, width, in]``, ``weight`` ``[n, out, in]``, ``bias`` ``[n, out]``
         - **output:** ``[n, width, out]``
     """
     width = x.shape[1]
-    rows = [torch.nn.functional.linear(x[i, :r], weight[i], bias[i]) for i, r in enumerate(counts)]
+    if bias_after:  # the map, then the bias added: as a GCN layer computes it (run_conv)
+        rows = [torch.nn.functional.linear(x[i, :r], weight[i]) + bias[i] for i, r in enumerate(counts)]
+    else:
+        rows = [torch.nn.functional.linear(x[i, :r], weight[i], bias[i]) for i, r in enumerate(counts)]
     if all(r == width for r in counts):
         return torch.stack(rows)
     return torch.stack([torch.nn.functional.pad(t, (0, 0, 0, width - t.shape[0])) for t in rows])
+
+
+def covered_values(client: LazyClient) -> int:
+    """The values of the input a member's dropout covers in a step: its training rows for an
+    MLP stage, its owned and halo rows for a conv stage, times their width."""
+    rows = client.num_train if client.row_wise else client.graph.num_owned + client.graph.num_halo
+    return rows * client.owned.shape[1]
+
+
+def _input_chunks(members: list[LazyClient], size: int) -> list[list[LazyClient]]:
+    """``members`` in order, in chunks of at most ``size`` (:func:`_chunk`) whose covered inputs
+    sum to at most :data:`_CHUNK_INPUT_VALUES` (a member over it alone): a chunk draws every
+    step's input masks up front."""
+    chunks: list[list[LazyClient]] = []
+    current: list[LazyClient] = []
+    total = 0
+    for member in members:
+        values = covered_values(member)
+        if current and (len(current) >= size or total + values > _CHUNK_INPUT_VALUES):
+            chunks.append(current)
+            current, total = [], 0
+        current.append(member)
+        total += values
+    if current:
+        chunks.append(current)
+    return chunks
 
 
 def _chunk(state: StateDict) -> int:

@@ -161,7 +161,9 @@ class LazyClient(Client):
         self._step_plan: StepPlan | None = None
         # Another row set's restricted graph (the validation rows, read every round), with the
         # graph, weights, row count and rows it was built from: (ei, w, num_nodes, rows, graph).
-        self._rows_graph: tuple[Tensor, Tensor | None, int, Tensor, tuple] | None = None
+        self._rows_graph: tuple[Tensor, Tensor | None, int, Tensor, tuple[Tensor, Tensor | None]] | None = (
+            None
+        )
         # (stage, frames, stats, test) of the last boundary rows sent, with the test of the state
         # they were computed with when the embed asked for it: a resumed server may ask again.
         self.sent: tuple[int, dict[int, bytes], dict, EvalResult | None] | None = None

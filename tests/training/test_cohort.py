@@ -154,11 +154,13 @@ def test_each_layer_takes_its_own_weight_decay_alone_and_in_a_cohort():
         assert any(not torch.equal(new[k], by_layer[pid][k]) for k in new), pid
 
 
-def test_members_of_many_rows_join_while_the_input_they_cover_is_small(monkeypatch):
+@pytest.mark.parametrize("width", [8, 256])
+def test_members_of_many_rows_join_while_the_input_they_cover_is_small(monkeypatch, width):
     """A partition of a small graph trains more rows than a one-node client, yet a round of its
     steps is mostly fixed costs: it joins a cohort while its rows times the input width (an MLP
     stage's training rows, a GCN stage's owned and halo rows) stay under the bound, and trains bit
-    for bit as alone, at stage 0's MLP and at a GCN stage."""
+    for bit as alone, at stage 0's MLP and at a GCN stage. 256 wide, a GCN stage's bias must be
+    added after its map, as alone: a Linear with the bias folded in rounds otherwise."""
     import retexo_fl.party.cohort as cohort_module
 
     cfg = TrainConfig.resolve(
@@ -168,7 +170,7 @@ def test_members_of_many_rows_join_while_the_input_they_cover_is_small(monkeypat
         seed=3,
         split="random:0.5,0.2,0.3",
         first_stage="mlp",
-        hidden=8,
+        hidden=width,
     )
     parts = make_partitions(cfg)
     clients = {p.partition_id: LazyClient(p, cfg) for p in parts}
@@ -179,8 +181,8 @@ def test_members_of_many_rows_join_while_the_input_they_cover_is_small(monkeypat
         for client in clients.values():
             if stage:  # a GCN stage over random but fixed embeddings, own and halo rows
                 client.stage = stage
-                client.owned = torch.randn(client.graph.num_owned, 8, generator=gen)
-                client.halo = torch.randn(client.graph.num_halo, 8, generator=gen)
+                client.owned = torch.randn(client.graph.num_owned, width, generator=gen)
+                client.halo = torch.randn(client.graph.num_halo, width, generator=gen)
                 client.halo_degree = torch.randint(1, 9, (client.graph.num_halo,), generator=gen).float()
             client.cohort = None
         first = next(iter(clients.values()))

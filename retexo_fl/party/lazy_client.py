@@ -61,13 +61,14 @@ class StepPlan:
 
     It is built for the graph ``(ei, w)``, the ``rows`` and ``labels`` tensors, the chunk size
     and the stage input's row count, and :meth:`matches` them by identity: a new stage input,
-    graph or row set (self-training replaces masks and labels) builds a new plan.
+    graph or row set (self-training replaces masks and labels) builds a new plan. An evaluation's
+    rows (:meth:`LazyClient.rows_graph`) get one too, without labels.
     """
 
     ei: Tensor
     w: Tensor | None
     rows: Tensor
-    labels: Tensor
+    labels: Tensor | None
     chunk: int
     num_nodes: int
     #: ``(rows, restricted graph)``: the training rows in one piece.
@@ -76,7 +77,7 @@ class StepPlan:
     chunks: list[tuple[Tensor, Tensor, tuple[Tensor, Tensor | None]]] = field(default_factory=list)
 
     def matches(
-        self, ei: Tensor, w: Tensor | None, rows: Tensor, labels: Tensor, chunk: int, num_nodes: int
+        self, ei: Tensor, w: Tensor | None, rows: Tensor, labels: Tensor | None, chunk: int, num_nodes: int
     ) -> bool:
         """Whether this plan was built for these (the tensors compared by identity)."""
         return (
@@ -159,11 +160,9 @@ class LazyClient(Client):
         # A conv stage's steps: per row set (the training rows, or each chunk of them), the graph
         # restricted to its in-edges, with the labels of the rows; built by prepare_steps().
         self._step_plan: StepPlan | None = None
-        # Another row set's restricted graph (the validation rows, read every round), with the
-        # graph, weights, row count and rows it was built from: (ei, w, num_nodes, rows, graph).
-        self._rows_graph: tuple[Tensor, Tensor | None, int, Tensor, tuple[Tensor, Tensor | None]] | None = (
-            None
-        )
+        # The same for another row set, read without gradients (the validation rows, every
+        # round): its restricted graph, built by rows_graph().
+        self._rows_plan: StepPlan | None = None
         # (stage, frames, stats, test) of the last boundary rows sent, with the test of the state
         # they were computed with when the embed asked for it: a resumed server may ask again.
         self.sent: tuple[int, dict[int, bytes], dict, EvalResult | None] | None = None
@@ -432,14 +431,12 @@ class LazyClient(Client):
             return model(
                 x, *self.rows_graph(ei, w, rows, x.shape[0]), num_targets=n, rows=rows, restricted=True
             )
+        # Here 0 < chunk < the rows' count: two pieces or more.
         index = torch.arange(n, device=self.device) if rows is None else rows
-        step = chunk if chunk > 0 else max(1, index.numel())
         pieces = [
-            model(x, ei, w, num_targets=n, rows=index[start : start + step])
-            for start in range(0, max(1, index.numel()), step)  # no rows: one empty piece
+            model(x, ei, w, num_targets=n, rows=index[start : start + chunk])
+            for start in range(0, index.numel(), chunk)
         ]
-        if len(pieces) == 1:
-            return pieces[0]
         return torch.cat([h for h, _ in pieces]), torch.cat([z for _, z in pieces])
 
     def rows_graph(
@@ -448,12 +445,12 @@ class LazyClient(Client):
         """The in-edges of ``rows`` (:func:`~retexo_fl.models.stage.select_in_edges`), kept while
         the graph, its weights, the input's row count and the rows tensor stay: a round's
         validation restricted the same graph to the same rows again (2% of a Twitch PTBR run)."""
-        kept = self._rows_graph
-        if kept is not None and kept[0] is ei and kept[1] is w and kept[2] == num_nodes and kept[3] is rows:
-            return kept[4]
-        graph = select_in_edges(ei, w, rows, num_nodes)
-        self._rows_graph = (ei, w, num_nodes, rows, graph)
-        return graph
+        plan = self._rows_plan
+        if plan is None or plan.whole is None or not plan.matches(ei, w, rows, None, 0, num_nodes):
+            plan = StepPlan(ei, w, rows, None, 0, num_nodes)
+            plan.whole = (rows, select_in_edges(ei, w, rows, num_nodes))
+            self._rows_plan = plan
+        return plan.whole[1]
 
     def prepare_steps(self, model: torch.nn.Module, rows: Tensor, labels: Tensor) -> None:
         """A conv stage passing messages: restrict its graph to the in-edges of the training rows

@@ -331,8 +331,14 @@ def _linear_each(
 
 def covered_values(client: LazyClient) -> int:
     """The values of the input a member's dropout covers in a step: its training rows for an
-    MLP stage, its owned and halo rows for a conv stage, times their width."""
-    rows = client.num_train if client.row_wise else client.graph.num_owned + client.graph.num_halo
+    MLP stage, its owned rows for a local stage 0 (its own edges' messages), its owned and halo
+    rows for a later conv stage; times their width."""
+    if client.row_wise:
+        rows = client.num_train
+    elif client.layer == 0:  # a local stage 0 reads its owned rows alone
+        rows = client.graph.num_owned
+    else:
+        rows = client.graph.num_owned + client.graph.num_halo
     return rows * client.owned.shape[1]
 
 

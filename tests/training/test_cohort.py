@@ -206,3 +206,38 @@ def test_members_of_many_rows_join_while_the_input_they_cover_is_small(monkeypat
         smaller = TrainCohort.gather(clients, requests)
         assert smaller is not None and set(smaller.members) == set(clients) - {widest}, stage
         monkeypatch.undo()
+
+
+def test_a_local_stage_0_member_counts_the_rows_it_reads(monkeypatch):
+    """A local stage 0 passes messages over the client's own edges and reads its owned rows
+    alone: the input its dropout covers is those rows times the feature width, not the halo's
+    too. Under a bound between the two the clients still join, and train bit for bit as alone."""
+    import retexo_fl.party.cohort as cohort_module
+
+    cfg = TrainConfig.resolve(
+        dataset="sbm:540,4,8,0.8",
+        clients=9,
+        method="random",
+        seed=3,
+        split="random:0.5,0.2,0.3",
+        first_stage="local",
+    )
+    parts = make_partitions(cfg)
+    clients = {p.partition_id: LazyClient(p, cfg) for p in parts}
+    width = next(iter(clients.values())).owned.shape[1]
+    owned = {pid: c.graph.num_owned * width for pid, c in clients.items()}
+    with_halo = {pid: (c.graph.num_owned + c.graph.num_halo) * width for pid, c in clients.items()}
+    assert {pid: cohort_module.covered_values(c) for pid, c in clients.items()} == owned
+    assert max(owned.values()) < min(with_halo.values())  # a bound between the two exists
+    monkeypatch.setattr(cohort_module, "MAX_MEMBER_ROWS", 0)
+    monkeypatch.setattr(cohort_module, "MAX_MEMBER_VALUES", max(owned.values()))
+    requests = {pid: {P.CONFIG: {}} for pid in clients}
+    state = next(iter(clients.values())).make_model().state_dict()
+    alone = {pid: client.train(state, 1) for pid, client in clients.items()}
+    cohort = TrainCohort.gather(clients, requests)
+    assert cohort is not None and set(cohort.members) == set(clients)
+    for pid, client in clients.items():
+        client.cohort = cohort
+        new, loss = client.train(state, 1)
+        assert loss == alone[pid][1]
+        assert all(torch.equal(new[k], alone[pid][0][k]) for k in new), pid

@@ -164,3 +164,30 @@ def test_codec_updates_are_the_states_a_lazy_stage_sends_timed_both_ways(tmp_pat
     assert all(r[f"{p}{t}_ms"] > 0 for r in rows for p in paths for t in ("encode", "decode"))
     assert rows[0]["values"] == 32 * 2325 + 32 + 5 * 32 + 5
     assert torch.get_num_threads() == record["threads"]
+
+
+def test_codec_generated_compiles_the_ops_the_loops_stand_for():
+    """``codec.py --generated`` compiles torch ops and compares them with the compiled loops:
+    uncompiled, those ops must give the loops' ranges, codes and rows bit for bit (on rows with
+    ties, rows of one value and rows that round inward), or a mismatch it reports would be the
+    bench's own."""
+    import pytest
+    import torch
+
+    from retexo_fl.compress import native
+
+    if not native.usable(torch.zeros(1)):
+        pytest.skip("no compiled loops here")
+    codec = _load("codec")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 48, generator=gen) * 3
+    x[0] = 1.0  # one value: a zero span
+    x[1, :] = torch.tensor(65504.0).nextafter(torch.tensor(0.0))  # rounds up to fp16's largest
+    x[2, ::2] = -1.8987  # rounds inward to fp16: stepped outward
+    table, shift = torch.rand(7, 48, generator=gen), torch.rand(300, generator=gen)
+    lo, hi = native.row_ranges(x, torch.float16)
+    assert all(torch.equal(a, b) for a, b in zip(codec._ranges_ops(x), (lo, hi), strict=True))
+    codes = codec._loop_codes(x, table, shift, lo, hi).view(300, 48)
+    assert torch.equal(codec._codes_ops(x, table, shift, lo, hi), codes)
+    step = (hi.float() - lo.float()) / 255.0
+    assert torch.equal(codec._decode_ops(codes, lo.float(), step), native.dequantize(codes, lo.float(), step))

@@ -55,8 +55,13 @@ log = logging.getLogger(__name__)
 
 NATIVE_ENV = "RETEXO_FL_NATIVE"
 CACHE_ENV = "RETEXO_FL_KERNEL_CACHE"
-# Blocks smaller than this run on one thread: handing chunks to the pool costs more.
-_PARALLEL_VALUES = 1 << 16
+# A loop's work, in its values times their cost (:func:`_over_rows`), from which its rows are
+# split across the pool. Handing chunks to the pool and waiting on them costs about 90 us on
+# 2 cores (Python futures, a wake-up per thread); the split pays once one thread would take about
+# twice that. Measured single thread against the pool (2 threads, 2026-11-30): a dropout mask at
+# 2^19 values 98 against 132 us, 2^20 189 against 173; 8-bit codes 2^20 186 / 202, 2^21 370 /
+# 309; fp16 ranges 2^18 113 / 128, 2^19 213 / 201; decoding 2^20 93 / 119, 2^21 206 / 212.
+_PARALLEL_WORK = 1 << 20
 
 SOURCE = r"""
 #include <stdint.h>
@@ -593,11 +598,20 @@ def _pool_thread_start() -> None:
         lib.keep_denormals()
 
 
-def _over_rows(k: int, d: int, run: Callable[[int, int], None]) -> None:
-    """Call ``run(start, stop)`` on row chunks, on up to ``torch.get_num_threads()`` threads."""
+def _over_rows(k: int, d: int, run: Callable[[int, int], None], cost: float = 1.0) -> None:
+    """Call ``run(start, stop)`` on row chunks, on up to ``torch.get_num_threads()`` threads.
+
+    Args:
+        k (int): rows.
+        d (int): values a row.
+        run (Callable[[int, int], None]): the loop over rows ``[start, stop)``.
+        cost (float, optional): a value's time in the loop against a dropout mask's (about
+            0.18 ns on these machines): the rows are split once ``k * d * cost`` reaches
+            :data:`_PARALLEL_WORK`. (default: :obj:`1.0`)
+    """
     global _pool, _pool_threads
     threads = max(1, torch.get_num_threads())
-    if threads == 1 or k * d < _PARALLEL_VALUES or k < 2:
+    if threads == 1 or k * d * cost < _PARALLEL_WORK or k < 2:
         run(0, k)
         return
     with _lock:
@@ -663,7 +677,7 @@ def row_extremes(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     def run(s: int, e: int) -> None:
         lib.row_extremes(_ptr(x, s * d), e - s, d, _ptr(lo, s), _ptr(hi, s), _ptr(bad, s))
 
-    _over_rows(k, d, run)
+    _over_rows(k, d, run, cost=0.5)
     return lo, hi, bad.bool()
 
 
@@ -695,7 +709,7 @@ def row_ranges(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor] | None:
     def run(s: int, e: int) -> None:
         lib.row_ranges(_ptr(x, s * d), e - s, d, bf16, _ptr(lo, s), _ptr(hi, s), _ptr(status, s))
 
-    _over_rows(k, d, run)
+    _over_rows(k, d, run, cost=2.0)
     if bool(status.any()):
         return None
     return lo.view(dtype), hi.view(dtype)
@@ -757,7 +771,7 @@ def quantize(x: Tensor, table: Tensor, shift: Tensor, inv: Tensor, offset: Tenso
             _ptr(shift, s), _ptr(inv, s), _ptr(offset, s), levels, _ptr(codes, s * d),
         )  # fmt: skip
 
-    _over_rows(k, d, run)
+    _over_rows(k, d, run, cost=1.0)
     return codes
 
 
@@ -782,7 +796,7 @@ def dequantize(codes: Tensor, lo: Tensor, step: Tensor) -> Tensor:
     def run(s: int, e: int) -> None:
         lib.dequantize(_ptr(codes, s * d), e - s, d, _ptr(lo, s), _ptr(step, s), _ptr(out, s * d))
 
-    _over_rows(k, d, run)
+    _over_rows(k, d, run, cost=0.5)
     return out
 
 
@@ -821,7 +835,7 @@ def dequantize_packed(packed: Tensor, bits: int, k: int, d: int, lo: Tensor, hi:
         if lib.dequantize_packed(_ptr(packed), bits, s, e, d, _ptr(lo), _ptr(hi), bf16, levels, _ptr(out)):
             raise MemoryError(f"dequantize: no memory to unpack rows {s} to {e} of {k}")
 
-    _over_rows(k, d, run)
+    _over_rows(k, d, run, cost=0.5)
     return out
 
 
@@ -842,7 +856,7 @@ def pack(codes: Tensor, bits: int) -> Tensor:
     codes = codes.contiguous().view(-1)
     n = codes.numel()
     out = torch.empty((n * bits + 7) // 8, dtype=torch.uint8)
-    _over_rows(out.numel(), 8 // bits, lambda s, e: lib.pack(_ptr(codes), n, s, e, bits, _ptr(out)))
+    _over_rows(out.numel(), 8 // bits, lambda s, e: lib.pack(_ptr(codes), n, s, e, bits, _ptr(out)), cost=4.0)
     return out
 
 
@@ -867,7 +881,7 @@ def unpack(packed: Tensor, bits: int, count: int) -> Tensor:
         raise ValueError(f"{packed.numel()} bytes hold fewer than {count} codes of {bits} bits")
     packed = packed.view(-1)[:size].contiguous()
     codes = torch.empty(size * per, dtype=torch.uint8)  # whole bytes; the padding is cut off
-    _over_rows(size, per, lambda s, e: lib.unpack(_ptr(packed), s, e, bits, _ptr(codes)))
+    _over_rows(size, per, lambda s, e: lib.unpack(_ptr(packed), s, e, bits, _ptr(codes)), cost=0.125)
     codes = codes[:count]
     return codes
 

@@ -78,7 +78,8 @@ def test_codes_ranges_and_decoded_values_equal_the_torch_ops(bits, shape, monkey
 @pytest.mark.parametrize("bits", [1, 8, "mixed"])
 def test_bf16_ranges_over_every_scale_equal_the_torch_ops(bits, monkeypatch):
     # Rows from denormal to 1e37 in magnitude, with bf16 ranges (8 bits of mantissa: most ends
-    # are rounded outward), split across the threads.
+    # are rounded outward), split across the threads (a block this small is split only here).
+    monkeypatch.setattr(native, "_PARALLEL_WORK", 1 << 12)
     gen = torch.Generator().manual_seed(7)
     k, d = 20_000, 12
     scale = 10.0 ** torch.empty(k, 1).uniform_(-40, 37, generator=gen)
@@ -141,7 +142,9 @@ def test_a_block_the_one_pass_ranges_refuse_is_left_to_the_torch_checks(monkeypa
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 def test_packed_codes_decode_in_one_pass_as_unpacking_and_dequantizing_do(bits, monkeypatch):
-    # 3 columns: most rows start inside a byte; 50,001 rows: split across threads at odd rows.
+    # 3 columns: most rows start inside a byte; 50,001 rows: split across threads at odd rows
+    # (a block this small is split only here).
+    monkeypatch.setattr(native, "_PARALLEL_WORK", 1 << 12)
     x = torch.randn(50_001, 3) * torch.rand(50_001, 1) * 9
     q = quantize_rows(x, bits, generator=torch.Generator().manual_seed(bits))
     threads = torch.get_num_threads()
@@ -171,6 +174,31 @@ def test_flushing_denormals_hands_the_work_to_the_torch_ops():
         torch.set_flush_denormal(False)
     assert flushing is not can_flush
     assert native.usable(x)
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
+def test_a_loop_is_split_across_threads_once_its_work_outweighs_the_pool(monkeypatch):
+    """Handing rows to the pool costs about 90 us; a stage-0 weight of 74,400 values is coded in
+    about 16 us on one thread, so it stays on the caller's thread; a 4-million-value block is
+    split. The threshold weighs values by their loop's cost: fp16 ranges split sooner than a
+    decode."""
+    spans = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for k, d, cost in ((32, 2325, 1.0), (65_536, 64, 1.0), (8_192, 64, 2.0), (8_192, 64, 0.5)):
+            spans.clear()
+            native._over_rows(k, d, lambda s, e: spans.append((s, e)), cost=cost)
+            split = len(spans) > 1
+            assert sorted(spans)[0][0] == 0 and sorted(spans)[-1][1] == k
+            assert split == (k * d * cost >= native._PARALLEL_WORK), (k, d, cost, spans)
+        assert native._PARALLEL_WORK > 32 * 2325 * 2.0  # a stage-0 weight's ranges stay whole
+        torch.set_num_threads(1)
+        spans.clear()
+        native._over_rows(1 << 16, 64, lambda s, e: spans.append((s, e)))
+        assert spans == [(0, 1 << 16)]  # one thread: never split
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")

@@ -102,7 +102,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the torch ops serve")
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("n", [1, 3, 4, 5, 8, 37, 65_537, 200_003])
-def test_the_compiled_mask_equals_the_torch_ops_bit_for_bit(n, threads):
+def test_the_compiled_mask_equals_the_torch_ops_bit_for_bit(n, threads, monkeypatch):
+    monkeypatch.setattr(native, "_PARALLEL_WORK", 1 << 16)  # the pool splits from 65,536 here
     before = torch.get_num_threads()
     torch.set_num_threads(threads)  # with 2, the pool splits a mask of 65,536 or more by words
     try:
@@ -234,7 +235,8 @@ def test_pool_threads_started_while_torch_flushed_do_not_flush_later(monkeypatch
     import retexo_fl.models.dropout as module
 
     before = torch.get_num_threads()
-    torch.set_num_threads(2)  # the pool serves 65,536 elements or more on 2 threads
+    torch.set_num_threads(2)  # the pool serves 65,536 elements or more on 2 threads (set below)
+    monkeypatch.setattr(native, "_PARALLEL_WORK", 1 << 16)
     monkeypatch.setattr(native, "_pool", None)  # started afresh below
     x = torch.full((300_000,), 1e-40)  # denormal, made before flushing (which would zero it)
     if not torch.set_flush_denormal(True):

@@ -163,10 +163,18 @@ static int half_finite(uint16_t h, int bf16) {
    name its fault. */
 void row_ranges(const float *x, int64_t k, int64_t d, int bf16, uint16_t *lo, uint16_t *hi,
                 uint8_t *status) {
+    /* The extremes of a chunk of rows in one call (not inlined: it is compiled with other
+       flags), then their ranges: a call a row cost more than the row's values on short rows. */
+    enum { CHUNK = 256 };
+    float mns[CHUNK], mxs[CHUNK];
+    uint8_t bads[CHUNK];
     for (int64_t i = 0; i < k; ++i) {
-        float mn, mx;
-        uint8_t bad;
-        row_extremes(x + i * d, 1, d, &mn, &mx, &bad);
+        if (i % CHUNK == 0) {
+            const int64_t n = k - i < CHUNK ? k - i : CHUNK;
+            row_extremes(x + i * d, n, d, mns, mxs, bads);
+        }
+        float mn = mns[i % CHUNK], mx = mxs[i % CHUNK];
+        const uint8_t bad = bads[i % CHUNK];
         lo[i] = hi[i] = 0;
         if (bad) {
             status[i] = 1;

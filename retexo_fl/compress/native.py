@@ -59,8 +59,10 @@ CACHE_ENV = "RETEXO_FL_KERNEL_CACHE"
 # split across the pool. Handing chunks to the pool and waiting on them costs about 90 us on
 # 2 cores (Python futures, a wake-up per thread); the split pays once one thread would take about
 # twice that. Measured single thread against the pool (2 threads, 2026-11-30): a dropout mask at
-# 2^19 values 98 against 132 us, 2^20 189 against 173; 8-bit codes 2^20 186 / 202, 2^21 370 /
-# 309; fp16 ranges 2^18 113 / 128, 2^19 213 / 201; decoding 2^20 93 / 119, 2^21 206 / 212.
+# 2^19 values 98 against 132 us, 2^20 189 against 173; fp16 ranges 2^18 113 / 128, 2^19 213 /
+# 201; 8-bit codes 2^20 186 / 202, 2^21 370 / 309; decoding 2^21 206 / 212, 2^22 767 / 466. Each
+# loop's cost puts its split between the last size where one thread won and the first where the
+# pool did.
 _PARALLEL_WORK = 1 << 20
 
 SOURCE = r"""
@@ -779,7 +781,7 @@ def quantize(x: Tensor, table: Tensor, shift: Tensor, inv: Tensor, offset: Tenso
             _ptr(shift, s), _ptr(inv, s), _ptr(offset, s), levels, _ptr(codes, s * d),
         )  # fmt: skip
 
-    _over_rows(k, d, run, cost=1.0)
+    _over_rows(k, d, run, cost=0.7)
     return codes
 
 
@@ -804,7 +806,7 @@ def dequantize(codes: Tensor, lo: Tensor, step: Tensor) -> Tensor:
     def run(s: int, e: int) -> None:
         lib.dequantize(_ptr(codes, s * d), e - s, d, _ptr(lo, s), _ptr(step, s), _ptr(out, s * d))
 
-    _over_rows(k, d, run, cost=0.5)
+    _over_rows(k, d, run, cost=0.35)
     return out
 
 

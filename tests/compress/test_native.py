@@ -15,6 +15,15 @@ from retexo_fl.compress import native
 from retexo_fl.compress.quantize import CodecError, dequantize_rows, quantize_rows
 
 HAVE_CC = native._compiler() is not None
+#: The loops' real threshold for splitting rows across threads, read before any test lowers it.
+PARALLEL_WORK = native._PARALLEL_WORK
+
+
+@pytest.fixture(autouse=True)
+def _pool_splits_small_blocks(monkeypatch):
+    """The blocks here are small; the threads still split them, so that every test also checks
+    the loops on rows handed to the pool (at odd row counts too)."""
+    monkeypatch.setattr(native, "_PARALLEL_WORK", 1 << 12)
 
 
 @pytest.fixture
@@ -78,8 +87,7 @@ def test_codes_ranges_and_decoded_values_equal_the_torch_ops(bits, shape, monkey
 @pytest.mark.parametrize("bits", [1, 8, "mixed"])
 def test_bf16_ranges_over_every_scale_equal_the_torch_ops(bits, monkeypatch):
     # Rows from denormal to 1e37 in magnitude, with bf16 ranges (8 bits of mantissa: most ends
-    # are rounded outward), split across the threads (a block this small is split only here).
-    monkeypatch.setattr(native, "_PARALLEL_WORK", 1 << 12)
+    # are rounded outward), split across the threads.
     gen = torch.Generator().manual_seed(7)
     k, d = 20_000, 12
     scale = 10.0 ** torch.empty(k, 1).uniform_(-40, 37, generator=gen)
@@ -142,9 +150,7 @@ def test_a_block_the_one_pass_ranges_refuse_is_left_to_the_torch_checks(monkeypa
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 def test_packed_codes_decode_in_one_pass_as_unpacking_and_dequantizing_do(bits, monkeypatch):
-    # 3 columns: most rows start inside a byte; 50,001 rows: split across threads at odd rows
-    # (a block this small is split only here).
-    monkeypatch.setattr(native, "_PARALLEL_WORK", 1 << 12)
+    # 3 columns: most rows start inside a byte; 50,001 rows: split across threads at odd rows.
     x = torch.randn(50_001, 3) * torch.rand(50_001, 1) * 9
     q = quantize_rows(x, bits, generator=torch.Generator().manual_seed(bits))
     threads = torch.get_num_threads()
@@ -179,24 +185,52 @@ def test_flushing_denormals_hands_the_work_to_the_torch_ops():
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
 def test_a_loop_is_split_across_threads_once_its_work_outweighs_the_pool(monkeypatch):
     """Handing rows to the pool costs about 90 us; a stage-0 weight of 74,400 values is coded in
-    about 16 us on one thread, so it stays on the caller's thread; a 4-million-value block is
-    split. The threshold weighs values by their loop's cost: fp16 ranges split sooner than a
-    decode."""
-    spans = []
+    about 16 us on one thread, so every loop keeps it on the caller's thread; a block of 2^23
+    values is split by every loop. On one thread nothing is split."""
+    monkeypatch.setattr(native, "_PARALLEL_WORK", PARALLEL_WORK)
+    calls: list[tuple[str, int]] = []
+    over_rows = native._over_rows
+
+    def counting(k, d, run, cost=1.0):
+        name = run.__qualname__.split(".")[0]
+        count = [0]
+
+        def counted(s, e):
+            count[0] += 1
+            run(s, e)
+
+        over_rows(k, d, counted, cost)
+        calls.append((name, count[0]))
+
+    monkeypatch.setattr(native, "_over_rows", counting)
+    key = torch.tensor([5], dtype=torch.int64)
+
+    def every_loop(k: int, d: int) -> dict[str, int]:
+        calls.clear()
+        x = torch.randn(k, d)
+        lo, hi = native.row_ranges(x, torch.float16)
+        native.row_extremes(x)
+        inv, offset = native.row_scales(lo, hi, 15.0)
+        codes = native.quantize(x, torch.rand(min(k, 64), d), torch.rand(k), inv, offset, 15.0)
+        native.dequantize(codes.view(k, d), lo.float(), (hi.float() - lo.float()) / 15)
+        packed = native.pack(codes.view(-1), 4)
+        native.unpack(packed, 4, k * d)
+        native.dequantize_packed(packed, 4, k, d, lo, hi)
+        native.dropout_mask(key, k * d, 0, 2.0)
+        native.dropout_apply(x, key, 0, 2.0)
+        return dict(calls)
+
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        for k, d, cost in ((32, 2325, 1.0), (65_536, 64, 1.0), (8_192, 64, 2.0), (8_192, 64, 0.5)):
-            spans.clear()
-            native._over_rows(k, d, lambda s, e: spans.append((s, e)), cost=cost)
-            split = len(spans) > 1
-            assert sorted(spans)[0][0] == 0 and sorted(spans)[-1][1] == k
-            assert split == (k * d * cost >= native._PARALLEL_WORK), (k, d, cost, spans)
-        assert native._PARALLEL_WORK > 32 * 2325 * 2.0  # a stage-0 weight's ranges stay whole
+        small = every_loop(32, 2325)
+        loops = {"row_ranges", "row_extremes", "quantize", "dequantize", "pack", "unpack"}
+        loops |= {"dequantize_packed", "dropout_mask", "dropout_apply"}
+        assert set(small) == loops and set(small.values()) == {1}, small
+        large = every_loop(1 << 17, 64)
+        assert set(large.values()) == {2}, large
         torch.set_num_threads(1)
-        spans.clear()
-        native._over_rows(1 << 16, 64, lambda s, e: spans.append((s, e)))
-        assert spans == [(0, 1 << 16)]  # one thread: never split
+        assert set(every_loop(1 << 17, 64).values()) == {1}
     finally:
         torch.set_num_threads(threads)
 

@@ -15,6 +15,13 @@ from retexo_fl.models.dropout import Dropout, dropout, hashed_lanes, keep_mask
 HAVE_CC = native.library() is not None
 
 
+@pytest.fixture(autouse=True)
+def _pool_splits_from_65536(monkeypatch):
+    """The masks here are small; the threads still split those of 65,536 elements or more, so
+    that the compiled loops are also checked on words handed to the pool (at odd lengths too)."""
+    monkeypatch.setattr(native, "_PARALLEL_WORK", 1 << 16)
+
+
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.8])
 def test_elements_are_kept_with_probability_one_minus_p_and_scaled(p):
     torch.manual_seed(0)
@@ -102,8 +109,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the torch ops serve")
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("n", [1, 3, 4, 5, 8, 37, 65_537, 200_003])
-def test_the_compiled_mask_equals_the_torch_ops_bit_for_bit(n, threads, monkeypatch):
-    monkeypatch.setattr(native, "_PARALLEL_WORK", 1 << 16)  # the pool splits from 65,536 here
+def test_the_compiled_mask_equals_the_torch_ops_bit_for_bit(n, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)  # with 2, the pool splits a mask of 65,536 or more by words
     try:
@@ -235,8 +241,7 @@ def test_pool_threads_started_while_torch_flushed_do_not_flush_later(monkeypatch
     import retexo_fl.models.dropout as module
 
     before = torch.get_num_threads()
-    torch.set_num_threads(2)  # the pool serves 65,536 elements or more on 2 threads (set below)
-    monkeypatch.setattr(native, "_PARALLEL_WORK", 1 << 16)
+    torch.set_num_threads(2)  # the pool serves 65,536 elements or more on 2 threads here
     monkeypatch.setattr(native, "_pool", None)  # started afresh below
     x = torch.full((300_000,), 1e-40)  # denormal, made before flushing (which would zero it)
     if not torch.set_flush_denormal(True):

@@ -221,6 +221,7 @@ def test_a_local_stage_0_member_counts_the_rows_it_reads(monkeypatch):
         seed=3,
         split="random:0.5,0.2,0.3",
         first_stage="local",
+        hidden=64,  # no narrower than the features: the cohort batches a GCN layer as (A x) W
     )
     parts = make_partitions(cfg)
     clients = {p.partition_id: LazyClient(p, cfg) for p in parts}
@@ -241,3 +242,4 @@ def test_a_local_stage_0_member_counts_the_rows_it_reads(monkeypatch):
         new, loss = client.train(state, 1)
         assert loss == alone[pid][1]
         assert all(torch.equal(new[k], alone[pid][0][k]) for k in new), pid
+    assert len(cohort.results) == len(clients)  # trained together, not each alone

@@ -26,6 +26,8 @@ otherwise); ``--tag`` names the candidate in the JSON. Examples::
     python bench/robustness.py --graphs twitch-TW --attribute --lazy-only --partitionings metis:4
 
 Every run is appended at once to ``<out stem>.jsonl``, so a cut-off run keeps what it measured.
+A lazy row keeps each stage's wall seconds, and each stage-0 training's under ``first-stage auto``
+(:func:`run_row`).
 """
 
 from __future__ import annotations
@@ -145,6 +147,21 @@ def _job(args: tuple[dict, str]) -> dict:
             **{k: v for k, v in settings.items() if k != "dataset"},
             "error": f"{type(exc).__name__}: {exc}",
         }
+    return run_row(settings, summary)
+
+
+def run_row(settings: dict, summary: dict) -> dict:
+    """A run's JSON row: its settings (without the dataset spec) and what the table reads.
+
+    Besides the accuracies, rounds and bytes, a lazy row carries each stage's wall seconds
+    (``stage_seconds``, the self-training pass's stages after the first pass's) and, under
+    ``first-stage auto``, each stage-0 training's seconds and rounds (``stage0_trial_seconds``,
+    ``stage0_trial_rounds``), so that a run's wall can be split without running it again.
+
+    Args:
+        settings (dict): the job's settings (``_``-prefixed keys are the table's labels).
+        summary (dict): the run's summary (:meth:`~retexo_fl.summary.RunSummary.to_dict`).
+    """
     stages = summary.get("stages", [])
     results = summary.get("stage_results") or []
     stage0 = results[0]["val_accuracy"] if results else None
@@ -153,6 +170,11 @@ def _job(args: tuple[dict, str]) -> dict:
     for row in stages[0].get("history", []) if stages else []:
         if "first_stage" in row:
             trials.setdefault(row["first_stage"], []).append(row["val_accuracy"])
+    each = (stages[0].get("first_stage_trials") or []) if stages else []
+    timed = {
+        "stage0_trial_seconds": {t["variant"]: t["seconds"] for t in each},
+        "stage0_trial_rounds": {t["variant"]: t["rounds_sent"] for t in each},
+    }
     return {
         **{k: v for k, v in settings.items() if k != "dataset"},
         "test_accuracy": summary["test_accuracy"],
@@ -166,6 +188,8 @@ def _job(args: tuple[dict, str]) -> dict:
         "rounds": sum(s.get("rounds_sent", 0) for s in stages),
         "bytes_total": summary.get("bytes_total", 0),
         "wall_seconds": summary["wall_seconds"],
+        **({"stage_seconds": [s.get("seconds") for s in stages]} if stages else {}),
+        **(timed if each else {}),
     }
 
 

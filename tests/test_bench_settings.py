@@ -191,3 +191,36 @@ def test_codec_generated_compiles_the_ops_the_loops_stand_for():
     assert torch.equal(codec._codes_ops(x, table, shift, lo, hi), codes)
     step = (hi.float() - lo.float()) / 255.0
     assert torch.equal(codec._decode_ops(codes, lo.float(), step), native.dequantize(codes, lo.float(), step))
+
+
+def test_robustness_rows_carry_each_stage_and_each_stage_0_trainings_seconds():
+    """A lazy row splits its wall by stage, and under first-stage auto stage 0's by training, from
+    the run's own summary: no second run is needed to see where a run's time went."""
+    from retexo_fl.config import TrainConfig
+    from retexo_fl.metrics import RunRecorder
+    from retexo_fl.runner import train
+
+    robustness = _load("robustness")
+    common = {
+        "dataset": "sbm:300,3,8,0.9", "clients": 3, "method": "metis", "stages": 2, "hidden": 16,
+        "seed": 0, "self_training": 0, "rounds": 3, "min_rounds": 0, "patience": 0,
+    }  # fmt: skip
+    labels = {"_graph": "g", "_method": "lazy", "_part": "metis-3"}
+    auto = {**common, "first_stage": "auto", "first_stage_race": 0}
+    summary = train(TrainConfig.resolve(**auto), RunRecorder(None, stream=None))
+    row = robustness.run_row({**labels, **auto}, summary)
+    assert "dataset" not in row and row["_graph"] == "g"
+    stages = summary["stages"]
+    assert row["stage_seconds"] == [s["seconds"] for s in stages] and len(stages) == 2
+    assert all(s > 0 for s in row["stage_seconds"])
+    assert sum(row["stage_seconds"]) <= row["wall_seconds"]
+    trials = {t["variant"]: t for t in stages[0]["first_stage_trials"]}
+    assert row["stage0_trial_seconds"] == {v: t["seconds"] for v, t in trials.items()}
+    assert set(row["stage0_trial_seconds"]) == {"mlp", "local"}
+    assert sum(row["stage0_trial_seconds"].values()) <= row["stage_seconds"][0]
+    assert sum(row["stage0_trial_rounds"].values()) == stages[0]["rounds_sent"]
+    # one stage-0 training: nothing to split
+    fixed = {**common, "first_stage": "mlp"}
+    alone = train(TrainConfig.resolve(**fixed), RunRecorder(None, stream=None))
+    plain = robustness.run_row({**labels, **fixed}, alone)
+    assert "stage0_trial_seconds" not in plain and len(plain["stage_seconds"]) == 2

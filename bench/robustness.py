@@ -26,7 +26,7 @@ otherwise); ``--tag`` names the candidate in the JSON. Examples::
     python bench/robustness.py --graphs twitch-TW --attribute --lazy-only --partitionings metis:4
 
 Every run is appended at once to ``<out stem>.jsonl``, so a cut-off run keeps what it measured.
-A lazy row keeps each stage's wall seconds, and each stage-0 training's under ``first-stage auto``
+A row keeps each stage's wall seconds, and each stage-0 training's under ``first-stage auto``
 (:func:`run_row`).
 """
 
@@ -153,8 +153,8 @@ def _job(args: tuple[dict, str]) -> dict:
 def run_row(settings: dict, summary: dict) -> dict:
     """A run's JSON row: its settings (without the dataset spec) and what the table reads.
 
-    Besides the accuracies, rounds and bytes, a lazy row carries each stage's wall seconds
-    (``stage_seconds``, the self-training pass's stages after the first pass's) and, under
+    Besides the accuracies, rounds and bytes, a row carries each stage's wall seconds
+    (``stage_seconds``; a lazy run's self-training pass's stages after the first pass's) and, under
     ``first-stage auto``, each stage-0 training's seconds and rounds (``stage0_trial_seconds``,
     ``stage0_trial_rounds``), so that a run's wall can be split without running it again.
 

@@ -41,7 +41,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_ROOT, run_jobs
@@ -150,7 +152,7 @@ def _job(args: tuple[dict, str]) -> dict:
     return run_row(settings, summary)
 
 
-def run_row(settings: dict, summary: dict) -> dict:
+def run_row(settings: dict, summary: Mapping[str, Any]) -> dict:
     """A run's JSON row: its settings (without the dataset spec) and what the table reads.
 
     Besides the accuracies, rounds and bytes, a row carries each stage's wall seconds
@@ -160,7 +162,8 @@ def run_row(settings: dict, summary: dict) -> dict:
 
     Args:
         settings (dict): the job's settings (``_``-prefixed keys are the table's labels).
-        summary (dict): the run's summary (:meth:`~retexo_fl.summary.RunSummary.to_dict`).
+        summary (Mapping[str, Any]): the run's summary (a :class:`~retexo_fl.summary.RunSummary`
+            or its :meth:`~retexo_fl.summary.RunSummary.to_dict`).
     """
     stages = summary.get("stages", [])
     results = summary.get("stage_results") or []

@@ -14,9 +14,16 @@ the code that reads the party's graph. ``retexo-fl supernode`` launches each Cli
   digests; the server gets the refusal as the message's error reply.
 
 The **app digest** is SHA-256 over the sorted lines ``<path>\\0<sha256 of the file>`` of every
-``.py`` file (test files excluded, as Flower's FAB builder excludes them) under the app's
-packages (:data:`APP_PACKAGES`) and, in a FAB, anywhere else: a FAB with one extra module is
-another app.
+``.py`` file under the app's packages (:data:`APP_PACKAGES`) and, in a FAB, anywhere else, test
+files included: a FAB with one extra module, whatever its name, is another app. (Flower's FAB
+builder leaves test files out, so a FAB built from a release holds none.)
+
+A signed release that is not the installed app is held to more than its digest before Flower
+loads it (:func:`check_release`): its ``pyproject.toml`` must name :data:`CLIENT_APP` as its
+ClientApp (Flower loads whatever the FAB's own ``pyproject.toml`` names, which the digest does
+not cover), and it may hold no file Python could import or run that the digest does not cover
+(compiled modules, extension libraries, path files): only ``.py`` files and the data files
+Flower's builder packs (:data:`RELEASE_DATA_SUFFIXES`).
 
 A **release signature** is Flower's own (the message of
 :func:`flwr.supercore.primitives.asymmetric_ed25519.create_message_to_sign`: the signing time,
@@ -53,6 +60,13 @@ APP_PACKAGES = ("clients", "retexo_fl", "server")
 SIGNATURES_FILE = "release-signatures.json"
 #: Where ``retexo-fl supernode`` tells its ClientApp launches the party's trusted-entities file.
 TRUSTED_ENTITIES_ENV = "RETEXO_FL_TRUSTED_ENTITIES"
+#: The ClientApp a signed release must name in its ``pyproject.toml`` (the one the digest covers).
+CLIENT_APP = "clients.app:app"
+#: Besides ``.py`` files, what a signed release may hold: the data files Flower's FAB builder
+#: packs (its ``FAB_INCLUDE_PATTERNS``), its content manifest and ``LICENSE``. None of them is
+#: imported; a ``.pyc``, ``.so`` or ``.pth`` file would be, ahead of or beside the signed source.
+RELEASE_DATA_SUFFIXES = (".toml", ".md", ".yaml", ".yml", ".json", ".jsonl")
+RELEASE_DATA_FILES = (".info/CONTENT", "LICENSE")
 #: A FAB is at most 10 MiB (Flower's ``FAB_MAX_SIZE``); what it unpacks to is bounded too, so a
 #: crafted archive cannot exhaust the node's memory before it is refused.
 MAX_UNPACKED = 64 << 20
@@ -85,9 +99,9 @@ class Approval:
 
 
 def is_code(path: str) -> bool:
-    """Whether ``path`` (POSIX, relative) counts as app code: a ``.py`` file that is not a test."""
-    name = PurePosixPath(path).name
-    return name.endswith(".py") and not name.startswith("test_") and not name.endswith("_test.py")
+    """Whether ``path`` (POSIX, relative) counts as app code: a ``.py`` file, tests included (a
+    FAB's ``test_*.py`` is as importable as any module, and Flower's builder packs none)."""
+    return PurePosixPath(path).name.endswith(".py")
 
 
 def app_digest(files: Mapping[str, bytes]) -> str:
@@ -255,6 +269,7 @@ def approve(fab: bytes, trusted_entities: str | Path | None = None) -> Approval:
             records = []
     signer = signer_of(fab_digest, records, trusted) if trusted else ""
     if signer:
+        check_release(files, signer)
         return Approval(fab_digest, mine, signer)
     why = (
         "and no entity in the trusted-entities file signed it"
@@ -265,6 +280,42 @@ def approve(fab: bytes, trusted_entities: str | Path | None = None) -> Approval:
         f"refusing the run's app: its code has app digest {fab_digest}, this node's installed app "
         f"has {mine}, {why}; nothing of the FAB was run"
     )
+
+
+def check_release(files: Mapping[str, bytes], signer: str) -> None:
+    """Refuse a signed release whose signature does not cover what Flower would run of it.
+
+    Args:
+        files (Mapping[str, bytes]): the FAB's files (:func:`fab_files`).
+        signer (str): the trusted entity that signed its app digest (named in the error).
+
+    Raises:
+        AppNotApproved: the FAB's ``pyproject.toml`` is missing, unreadable or names another
+            ClientApp than :data:`CLIENT_APP`, or the FAB holds a file that is neither code nor
+            one of the data files a release may hold; names the file or the entry.
+    """
+    import tomllib
+
+    where = f"refusing the release signed by {signer!r}"
+    for path in sorted(files):
+        name = PurePosixPath(path).name
+        if is_code(path) or path in (SIGNATURES_FILE, *RELEASE_DATA_FILES):
+            continue
+        if not name.endswith(RELEASE_DATA_SUFFIXES) or "__pycache__" in PurePosixPath(path).parts:
+            raise AppNotApproved(
+                f"{where}: its FAB holds {path!r}, which the signature does not cover and Python "
+                "could load; a release holds .py files and data files only"
+            )
+    try:
+        config = tomllib.loads(files["pyproject.toml"].decode())
+        entry = config["tool"]["flwr"]["app"]["components"]["clientapp"]
+    except (KeyError, TypeError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise AppNotApproved(f"{where}: its pyproject.toml names no ClientApp ({exc!r})") from None
+    if entry != CLIENT_APP:
+        raise AppNotApproved(
+            f"{where}: its pyproject.toml names the ClientApp {str(entry)[:80]!r}; a release runs "
+            f"{CLIENT_APP!r}, the module its signature covers"
+        )
 
 
 def load_app(approval: Approval, flower_load: Any, *fab_ref: str) -> Any:

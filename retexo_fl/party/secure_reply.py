@@ -160,7 +160,17 @@ def prepare(client: Client, config: dict[str, Any], state: StateDict) -> Prepare
     digest = masked_state_digest(state)
     if sent is not None and sent["stage"] == stage:
         _check_stage_terms(sent, members, bound, digest, round_, where)
-    terms = round_terms(stage, round_, members, threshold, bound, grid_blob)
+    terms = round_terms(
+        stage,
+        round_,
+        members,
+        threshold,
+        bound,
+        grid_blob,
+        state_digest=digest,
+        validate=bool(config.get(P.VALIDATE, True)),
+        variant=str(getattr(client, "first_stage", "") or ""),
+    )
     self_seed, shares = share_seed(client.id, members, threshold)
     others = {q: s for q, s in shares.items() if q != client.id}
     sealed = client.channel.seal(others, SHARE_KIND, stage, round_)

@@ -74,12 +74,29 @@ def finite_or(value: float, otherwise: float) -> float:
 
 
 def round_terms(
-    stage: int, round_: int, members: list[int], threshold: int, bound: float, grid: bytes = b""
+    stage: int,
+    round_: int,
+    members: list[int],
+    threshold: int,
+    bound: float,
+    grid: bytes = b"",
+    *,
+    state_digest: str = "",
+    validate: bool = True,
+    variant: str = "",
 ) -> bytes:
     """The digest of a masked round's terms, bound into every pair mask of the round
-    (:func:`~retexo_fl.secure.masking.pairwise_mask_seed`): clients sent different terms (members,
-    threshold, weight bound, the update grid) derive masks that do not cancel. The clip, update
-    bits and fixed-point scale are the run config's, bound by its digest since key setup."""
+    (:func:`~retexo_fl.secure.masking.pairwise_mask_seed`): clients sent different terms derive
+    masks that do not cancel, so the server decodes nothing from such a round.
+
+    Every term a message can set per client and that shapes the masked contribution is bound:
+    the members, threshold, weight bound and update grid; the broadcast state the client trains
+    from (``state_digest``, :func:`masked_state_digest`): sent a useless state to every member
+    but one, the others' updates would be known and the sum that member's alone; whether the
+    round validates (``validate``): sent to one member only, the summed validation counts would
+    be that member's; and stage 0's variant under ``first-stage auto`` (``variant``). The clip,
+    update bits and fixed-point scale are the run config's, bound by its digest since key setup.
+    """
     text = json.dumps(
         [
             int(stage),
@@ -88,9 +105,12 @@ def round_terms(
             int(threshold),
             float(bound),
             hashlib.sha256(grid).hexdigest(),
+            str(state_digest),
+            bool(validate),
+            str(variant),
         ]
     )
-    return hashlib.sha256(b"retexo-fl secagg terms v2\0" + text.encode()).digest()
+    return hashlib.sha256(b"retexo-fl secagg terms v3\0" + text.encode()).digest()
 
 
 def grid_bits(cfg: Any) -> int:

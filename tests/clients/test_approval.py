@@ -7,12 +7,15 @@ Flower's ClientApp runtime module patched as in a launched ClientApp process.
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import textwrap
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -124,6 +127,61 @@ def test_signatures_by_untrusted_keys_or_over_other_code_are_refused(tmp_path):
     (evil / SIGNATURES_FILE).write_text('[{"public_key_id": "consortium", "signed_at": "x", "signature": 5}]')
     with pytest.raises(AppNotApproved, match="no entity"):  # malformed records are skipped, not trusted
         approve(build_fab_from_disk(evil), trusted)
+
+
+def _repacked(fab: bytes, add: dict[str, bytes]) -> bytes:
+    """``fab`` with the files of ``add`` added or replaced: a coordinator's edit of a release."""
+    files = {**fab_files(fab), **add}
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as archive:
+        for path, data in files.items():
+            archive.writestr(path, data)
+    return buf.getvalue()
+
+
+def test_a_signed_release_with_a_test_module_added_is_another_app(tmp_path):
+    """Every ``.py`` file counts, tests too: a module named ``test_*.py`` added to a signed
+    release changes its digest, so the signature no longer admits it."""
+    key, trusted = _signer(tmp_path)
+    release = _project(tmp_path, evil=True)
+    _sign(release, key)
+    fab = build_fab_from_disk(release)
+    assert approve(fab, trusted).signer == "consortium"
+    for name in ("clients/test_leak.py", "clients/leak_test.py"):
+        with pytest.raises(AppNotApproved, match="no entity in the trusted-entities file signed it"):
+            approve(_repacked(fab, {name: EVIL.encode()}), trusted)
+
+
+def test_a_signed_release_that_names_another_clientapp_is_refused(tmp_path):
+    """Flower loads the ClientApp a FAB's own ``pyproject.toml`` names, which the digest does not
+    cover: a release must name ``clients.app:app``."""
+    key, trusted = _signer(tmp_path)
+    release = _project(tmp_path, evil=True)
+    _sign(release, key)
+    fab = build_fab_from_disk(release)
+    pyproject = fab_files(fab)["pyproject.toml"].decode()
+    assert 'clientapp = "clients.app:app"' in pyproject
+    other = pyproject.replace('clientapp = "clients.app:app"', 'clientapp = "server.app:app"')
+    named = r"names the ClientApp 'server\.app:app'; a release runs 'clients\.app:app'"
+    with pytest.raises(AppNotApproved, match=named):
+        approve(_repacked(fab, {"pyproject.toml": other.encode()}), trusted)
+    with pytest.raises(AppNotApproved, match=r"its pyproject\.toml names no ClientApp"):
+        approve(_repacked(fab, {"pyproject.toml": b"[project]\nname = 'x'\n"}), trusted)
+
+
+LOADABLE = ["clients/__pycache__/app.cpython-311.pyc", "clients/app.cpython-311-x86_64-linux-gnu.so", "x.pth"]
+
+
+@pytest.mark.parametrize("path", LOADABLE)
+def test_a_signed_release_holding_a_file_python_could_load_beside_its_source_is_refused(tmp_path, path):
+    key, trusted = _signer(tmp_path)
+    release = _project(tmp_path, evil=True)
+    _sign(release, key)
+    fab = _repacked(build_fab_from_disk(release), {path: b"\0" * 16})
+    with pytest.raises(
+        AppNotApproved, match=re.escape(f"its FAB holds {path!r}, which the signature does not cover")
+    ):
+        approve(fab, trusted)
 
 
 def test_a_malformed_trusted_entities_file_names_itself(tmp_path):

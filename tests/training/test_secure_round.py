@@ -13,7 +13,7 @@ from retexo_fl import protocol as P
 from retexo_fl.config import TrainConfig
 from retexo_fl.coordinator.secure_aggregation import SecureAggregator
 from retexo_fl.coordinator.stages import LazyStageMachine
-from retexo_fl.coordinator.transport import Batch
+from retexo_fl.coordinator.transport import Batch, ClientFailure
 from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.metrics import RunRecorder
 from retexo_fl.party import secure_reply
@@ -264,7 +264,10 @@ def test_a_server_cannot_reuse_shares_or_pair_seeds_across_rounds(sbm):
     parts = partition_graph(sbm, 4, "metis", seed=0)
     cfg = dataclasses.replace(BASE, secure_aggregation=True, clients=4, stages=1, rounds=3)
     transport = DetourTransport([LazyClient(p, cfg) for p in parts])
-    LazyStageMachine(transport, cfg, RunRecorder(None, stream=None)).run()
+    # The detour had client 0 mask round 2 from round 1's state; the real round 2 gets that reply
+    # back (a round is masked once), whose masks bind the other state: that round decodes nothing.
+    with pytest.raises(ClientFailure, match="does not decode"):
+        LazyStageMachine(transport, cfg, RunRecorder(None, stream=None)).run()
     assert "sealed in round 2, not in the round being unmasked (1)" in transport.refusals["newer share"]
     assert "a train message for stage 99; this client is at stage 0" in transport.refusals["other stage"]
     assert transport.same
@@ -389,3 +392,89 @@ def test_a_train_rounds_validation_and_an_evaluation_of_its_state_share_one_memb
     # Another state passes: the near-equal-state route stays open (docs/security.md says so).
     fresh = {k: v + 1e-3 for k, v in state.items()}
     assert P.MASKED in secure_reply.masked_evaluation(client, config, fresh, client.evaluate(fresh, "val"))
+
+
+class _PerMemberServer(InProcessTransport):
+    """A malicious server that sends each member of a secure round its own version of one
+    train message: ``change(pid, request)`` returns what ``pid`` is sent in round 1 of stage 0."""
+
+    def __init__(self, clients, change) -> None:
+        super().__init__(clients)
+        self.change = change
+        self.decoded = 0
+
+    def send(self, kind, requests, phase, stage):
+        if kind == P.TRAIN and stage == 0:
+            requests = {
+                pid: self.change(pid, req) if int(req[P.CONFIG][P.ROUND]) == 1 else req
+                for pid, req in requests.items()
+            }
+        return super().send(kind, requests, phase, stage)
+
+
+def _dead(state: dict) -> dict:
+    """A state that trains to a known update: zero weights and a body bias that keeps every
+    ReLU shut, so only the head's bias (and weight decay) moves, by amounts the server knows."""
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    out["body.bias"] = -torch.ones_like(state["body.bias"])
+    return out
+
+
+def _hostile_run(sbm, change, monkeypatch) -> tuple[_PerMemberServer, ClientFailure | None]:
+    parts = partition_graph(sbm, 4, "metis", seed=0)
+    cfg = dataclasses.replace(
+        BASE, stages=1, rounds=2, self_training=0, patience=0, min_rounds=0, secure_aggregation=True
+    )
+    server = _PerMemberServer([LazyClient(p, cfg) for p in parts], change)
+    from retexo_fl.coordinator import secure_aggregation as sa
+
+    unmask = sa.unmask_round
+
+    def counted(*args, **kwargs):  # the server's decode: counts every sum it learns
+        out = unmask(*args, **kwargs)
+        server.decoded += 1
+        return out
+
+    monkeypatch.setattr(sa, "unmask_round", counted)
+    try:
+        LazyStageMachine(server, cfg, RunRecorder(None, stream=None)).run()
+    except ClientFailure as exc:  # a round's sum that does not decode ends the run
+        return server, exc
+    return server, None
+
+
+def test_members_sent_different_states_mask_a_sum_that_does_not_decode(sbm, monkeypatch):
+    """A server that sends one member the real state and the others a state whose update it
+    knows would, decoding the sum, hold that one member's exact update. The state each member
+    trains from is bound into the round's pair masks, so the masks do not cancel and no sum of
+    that round decodes."""
+    victim = 2
+
+    def change(pid, req):
+        if pid == victim:
+            return req
+        base = req[P.ARRAYS]
+        req = {k: v for k, v in req.items() if k not in (P.MODEL, P.MODEL_BEFORE)}
+        return {**req, P.ARRAYS: _dead(base)}
+
+    server, error = _hostile_run(sbm, change, monkeypatch)
+    assert error is not None and "does not decode" in str(error)
+    assert server.decoded == 0
+
+
+def test_a_validation_asked_of_one_member_alone_is_a_sum_that_does_not_decode(sbm, monkeypatch):
+    """The round's ``validate`` flag is bound too: sent to one member alone, the summed
+    validation counts would be that member's own."""
+
+    def change(pid, req):
+        return {**req, P.CONFIG: {**req[P.CONFIG], P.VALIDATE: pid == 1}}
+
+    server, error = _hostile_run(sbm, change, monkeypatch)
+    assert error is not None and "does not decode" in str(error)
+    assert server.decoded == 0
+
+
+def test_an_honest_server_decodes_every_round_of_the_same_run(sbm, monkeypatch):
+    """The control: the same run with every member sent the same message decodes every round."""
+    server, error = _hostile_run(sbm, lambda pid, req: req, monkeypatch)
+    assert error is None and server.decoded == 2

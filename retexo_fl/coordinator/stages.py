@@ -62,7 +62,8 @@ class LazyStageMachine:
         self.loop = RoundLoop(self.fed)
         self.exchange_stats: dict[int, ExchangeStats] = {}
         self.model_bytes_done = 0  # model bytes of finished stages
-        self.relabeled = 0  # training nodes after the last relabelling (self-training)
+        # training nodes after the last relabelling (self-training); None: not reported (secure aggregation)
+        self.relabeled: int | None = 0
         self.teacher: int | None = None  # the stage the clients label from (self-training)
 
     def run(self, resume: bool = False) -> RunSummary:
@@ -123,7 +124,9 @@ class LazyStageMachine:
                     self.rec.event("relabel", stage=stage, train_nodes=self.relabeled, teacher=self.teacher)
                     pass_ = stage // cfg.stages + 1
                     source = "" if self.teacher is None else f", labels from {cfg.stage_name(self.teacher)}"
-                    self.rec.progress(f"self-training pass {pass_}: {self.relabeled} training nodes{source}")
+                    counted = self.relabeled
+                    nodes = "training nodes not reported" if counted is None else f"{counted} training nodes"
+                    self.rec.progress(f"self-training pass {pass_}: {nodes}{source}")
                 if stage == 0 and deliveries is not None:  # degrees go with the first conv stage's rows
                     for pid, frames in (ck.degrees or {}).items():
                         if pid in deliveries:  # else lost since setup
@@ -383,7 +386,8 @@ class LazyStageMachine:
             if P.NUM_EXAMPLES in r.get(P.METRICS, {})
         }
         fed.training_nodes.update(relabeled)  # the next pass's rounds go to who trains now
-        self.relabeled = sum(relabeled.values())
+        # Under secure aggregation no client reports its count (see the party's embed handler).
+        self.relabeled = sum(relabeled.values()) if relabeled else None
         before = fed.bytes_boundary
         incoming = fed.route({pid: r.get(P.PAYLOADS, {}) for pid, r in replies.items()}, P.HALO, stage)
         self.rec.event("exchange", stage=stage, bytes=fed.bytes_boundary - before, **exchange_figures(stats))

@@ -349,7 +349,12 @@ def embed(client: Client, request: Records) -> Reply:
         P.STATS: {P.STATS_JSON: json.dumps(stats.to_dict())},
     }
     metrics: dict[str, int | float] = {}
-    if ends_pass:  # relabelled: the next pass's training nodes (a count, as every round reports)
+    # Relabelled: the next pass's training nodes, so that the server sends its rounds to who
+    # trains. Not under secure aggregation: the count depends on the teacher state the server
+    # names, so a crafted teacher would make it a per-client answer about the raw features
+    # (how many nodes have x_k above a threshold). There every client that validates trains in
+    # the masked rounds on what it holds, and its count travels summed, inside its weight.
+    if ends_pass and not client.cfg.secure_aggregation:
         metrics[P.NUM_EXAMPLES] = client.num_train
     if split and tested is not None:
         metrics.update({P.CORRECT: tested.correct, P.COUNT: tested.count, P.LOSS: tested.loss_sum})

@@ -478,3 +478,39 @@ def test_an_honest_server_decodes_every_round_of_the_same_run(sbm, monkeypatch):
     """The control: the same run with every member sent the same message decodes every round."""
     server, error = _hostile_run(sbm, lambda pid, req: req, monkeypatch)
     assert error is None and server.decoded == 2
+
+
+class _EmbedReplies(InProcessTransport):
+    """Records every embed reply's metrics, by stage and client."""
+
+    def __init__(self, clients) -> None:
+        super().__init__(clients)
+        self.embed_metrics: dict[int, dict[int, dict]] = {}
+
+    def send(self, kind, requests, phase, stage):
+        batch = super().send(kind, requests, phase, stage)
+        if kind == P.EMBED:
+            for pid, reply in batch.replies.items():
+                self.embed_metrics.setdefault(stage, {})[pid] = dict(reply.get(P.METRICS, {}))
+        return batch
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_the_relabelled_count_is_reported_in_clear_only_without_secure_aggregation(sbm, secure):
+    """At a pass's end each client relabels its nodes from a teacher state the server names, so
+    its new count of training nodes answers a question the server chose about its features (a
+    teacher that is confident exactly where a feature passes a threshold counts those nodes).
+    Under secure aggregation no client reports it: its count travels summed, in its masked
+    weight. Without, it is reported, as every round's count is."""
+    parts = partition_graph(sbm, 4, "metis", seed=0)
+    cfg = dataclasses.replace(BASE, stages=1, rounds=6, self_training=1, secure_aggregation=secure)
+    server = _EmbedReplies([LazyClient(p, cfg) for p in parts])
+    out = LazyStageMachine(server, cfg, RunRecorder(None, stream=None)).run()
+    end = server.embed_metrics[0]  # stage 0 ends the first pass (one stage a pass)
+    reported = {pid: m.get(P.NUM_EXAMPLES) for pid, m in end.items()}
+    if secure:
+        assert all(v is None for v in reported.values()), reported
+    else:
+        trained = {c.id: c.num_train for c in server.clients}
+        assert reported == trained and sum(trained.values()) > sum(int(p.train_mask.sum()) for p in parts)
+    assert out.test_accuracy > 0.5  # both passes trained (3 classes)

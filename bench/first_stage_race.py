@@ -23,6 +23,8 @@ from pathlib import Path
 
 from robustness import candidate_table, print_candidates, print_table, summarize
 
+from retexo_fl.coordinator.selection import PACE_TOLERANCE
+
 
 def _key(row: dict) -> tuple:
     return (row["_graph"], row["_part"], row["seed"])
@@ -31,7 +33,7 @@ def _key(row: dict) -> tuple:
 def _cut_at(local: list[float], mlp: list[float], after: int, margin: float) -> int | None:
     """The round at which the race stops the local training (``None``: it runs to its end)."""
     for n in range(max(after, 1), len(local) + 1):
-        if max(local[:n]) < max(mlp[:n]) - margin:
+        if max(mlp[:n]) - max(local[:n]) > margin + PACE_TOLERANCE:  # the tracker's rule
             return n
     return None
 

@@ -11,6 +11,9 @@ from retexo_fl.records import StateDict
 STOP_METRICS = ("accuracy", "accuracy-or-loss")
 #: The relative fall of the validation loss that counts as progress with ``accuracy-or-loss``.
 LOSS_GAIN = 0.002
+#: How far past ``first-stage-race-margin`` a raced training must trail to be stopped: float
+#: rounding only (the accuracies compared are ratios of node counts).
+PACE_TOLERANCE = 1e-9
 
 
 class StageTracker:
@@ -113,7 +116,9 @@ class StageTracker:
         n = self.last_round
         if not self.pace or not self.pace_after or n < self.pace_after:
             return False
-        return self.best_val < max(self.pace[:n]) - self.pace_margin
+        # Accuracies are ratios of counts: a gap of exactly the margin, as floats compute it,
+        # can come out a hair above it (0.20 - 0.18 > 0.02), and is not "more than" the margin.
+        return max(self.pace[:n]) - self.best_val > self.pace_margin + PACE_TOLERANCE
 
     @property
     def should_stop(self) -> bool:

@@ -197,7 +197,18 @@ class TrainCohort:
         assert codec is not None and self.state is not None
         ids = [pid for pid in self.members if pid in self.results]
         stage = first.seed_stage
-        residuals = [None if self.round == 1 else self.members[pid].residual for pid in ids]
+        # Each member's residual as its own round will find it (begin_round): none in round 1,
+        # and none where it last encoded in another stage or training (a member sampled out of
+        # this stage's first rounds still holds the last stage's, of another model's shapes).
+        trial = [int(stage), int(first.round_trial)]
+
+        def residual(member: LazyClient) -> StateDict | None:
+            journal = member.journal
+            if self.round == 1 or journal is None or journal[0][:2] != trial:
+                return None
+            return member.residual
+
+        residuals = [residual(self.members[pid]) for pid in ids]
         generators = [
             torch.Generator().manual_seed(derive_seed(first.cfg.seed, stage, self.round, UPDATE_TAG, pid))
             for pid in ids
@@ -211,7 +222,7 @@ class TrainCohort:
                 coded = codec.encode_many(
                     news[part], self.state, residuals[part], generators[part], wheres[part]
                 )
-            except ValueError:
+            except (ValueError, RuntimeError):
                 continue  # each member encodes alone and names its own fault
             for pid, residual, (frames, kept) in zip(ids[part], residuals[part], coded, strict=True):
                 self.frames[pid] = (frames, kept, residual)

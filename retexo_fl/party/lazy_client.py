@@ -413,8 +413,10 @@ class LazyClient(Client):
             hidden, logits = model(self.owned if rows is None else self.owned.index_select(0, rows))
             return hidden, logits
         if self.precomputes(model):
-            # All owned rows, then sliced, like message passing: the same dropout masks.
-            hidden, logits = model.forward_aggregated(self.aggregated_input(), self.owned)
+            # All owned rows, then sliced, like message passing: the same dropout masks. The root
+            # term reads the owned rows as scaled as the aggregated ones (input_scale).
+            root = self.stage_input()[: self.graph.num_owned]
+            hidden, logits = model.forward_aggregated(self.aggregated_input(), root)
             if rows is None:
                 return hidden, logits
             return hidden.index_select(0, rows), logits.index_select(0, rows)

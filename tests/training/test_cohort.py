@@ -243,3 +243,24 @@ def test_a_local_stage_0_member_counts_the_rows_it_reads(monkeypatch):
         assert loss == alone[pid][1]
         assert all(torch.equal(new[k], alone[pid][0][k]) for k in new), pid
     assert len(cohort.results) == len(clients)  # trained together, not each alone
+
+
+def test_a_member_sampled_out_of_a_stages_first_rounds_encodes_without_the_last_stages_residual():
+    """With half the trainers sampled a round, a member's first round of a stage can come after
+    the stage's first: it still holds the residual of the last stage it encoded in, of another
+    model's shapes (here a local stage 0 of the self-training pass, 8 features wide, after a
+    16-wide GCN stage). It must encode as alone, where its round begins without it."""
+    from retexo_fl.data.datasets import apply_split, synthetic_sbm
+    from retexo_fl.data.partitioners import partition_graph
+
+    data = synthetic_sbm(200, 3, avg_degree=8, homophily=0.8, num_features=8, feature_signal=0.5, seed=2)
+    apply_split(data, "random:0.3,0.2,0.5", seed=2)
+    parts = partition_graph(data, 16, "random", seed=0)
+    common = dict(
+        stages=2, hidden=16, seed=1, rounds=3, patience=0, min_rounds=0, self_training=1,
+        warm_min_rounds=0, fraction_train=0.5,
+    )  # fmt: skip
+    alone, batched = (run_lazy(parts, TrainConfig.resolve(cohorts=c, **common)) for c in (False, True))
+    assert batched.stages[0]["first_stage"] == "local"  # the stage whose weights are 8 wide
+    assert batched.test_accuracy == alone.test_accuracy and batched.bytes_total == alone.bytes_total
+    assert [s["val_accuracy"] for s in batched.stages] == [s["val_accuracy"] for s in alone.stages]

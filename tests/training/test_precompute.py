@@ -33,6 +33,30 @@ def test_aggregated_forward_and_gradients_equal_message_passing(stage_one_client
     assert not torch.allclose(fast.aggregated_input(), before)
 
 
+@pytest.mark.parametrize(("model", "root_weight"), [("sage", False), ("gcn", True)])
+def test_scaled_small_inputs_aggregate_as_message_passing_does_root_term_included(
+    stage_one_client, stage_outputs, model, root_weight
+):
+    """Rows under the input floor are scaled up before a stage reads them; the aggregated path's
+    root term (SAGE's, or GCN's with a root weight) must read them scaled too."""
+
+    def config(precompute: bool) -> TrainConfig:
+        return TrainConfig.resolve(
+            clients=3, stages=2, hidden=8, model=model, root_weight=root_weight, precompute=precompute,
+            input_dropout=0.0, dropout=0.0, gnn_input_rms_floor=0.25, first_stage="mlp",
+        )  # fmt: skip
+
+    plain, fast = (
+        stage_one_client(config(False), row_scale=0.01),
+        stage_one_client(config(True), row_scale=0.01),
+    )
+    assert plain.input_scale() > 10  # the floor is what this is about
+    state = plain.make_model().state_dict()
+    (h1, l1, g1), (h2, l2, g2) = (stage_outputs(client, state) for client in (plain, fast))
+    assert torch.allclose(h1, h2, atol=1e-5) and torch.allclose(l1, l2, atol=1e-5)
+    assert all(torch.allclose(g1[k], g2[k], atol=1e-4) for k in g1)
+
+
 def test_gat_and_sage_max_keep_message_passing(stage_one_client):
     client = stage_one_client(_config("gat", True))
     model = client.make_model()

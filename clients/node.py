@@ -14,7 +14,7 @@ import os
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 #: Environment variable naming the default base of node work folders (else the temp folder):
 #: lets a test or a shared host keep one run's node state apart from every other's.
 WORK_DIR_ENV = "RETEXO_FL_WORK_DIR"
+#: The file under a node's work base that counts its boundary releases over every run
+#: (:class:`~retexo_fl.secure.boundary_noise.ReleaseLedger`).
+RELEASE_LEDGER = "boundary-releases.json"
 
 
 def default_work_base() -> Path:
@@ -189,4 +192,11 @@ class NodeView:
         # Imported here: the policy's noise accounting imports torch, which a shim never loads.
         from retexo_fl.secure.policy import PartyPolicy
 
-        return PartyPolicy.from_node_config(self.node_config, self.who)
+        policy = PartyPolicy.from_node_config(self.node_config, self.who)
+        if P.NODE_PARTITION_DIR not in self.node_config:
+            return policy  # a simulation's virtual node: the budget is the run's
+        # A deployed party's release budget is the node's over every run: the run key that
+        # names a run's work folder is the server's to choose, so a count kept there would start
+        # again with a new one.
+        ledger = Path(self.work).parent.parent / RELEASE_LEDGER
+        return replace(policy, release_ledger=str(ledger), release_key=str(Path(self.partition).resolve()))

@@ -28,7 +28,7 @@ from retexo_fl.protocol import (
     NODE_PINNED_KEYS,
     NODE_SECURE_AGGREGATION,
 )
-from retexo_fl.secure.boundary_noise import gaussian_epsilon
+from retexo_fl.secure.boundary_noise import ReleaseLedger, gaussian_epsilon, load_epsilon, release_load
 from retexo_fl.secure.keys import load_pins, pin_digest
 
 #: Environment variable a simulation sets for its virtual nodes (they share one machine and
@@ -107,6 +107,12 @@ class PartyPolicy:
         secure_aggregation (bool, optional): require masked round replies
             (``secure-aggregation``), so that the server only ever learns sums of updates.
             (default: :obj:`False`)
+        release_ledger (str, optional): a node's file of what its releases spent, across runs
+            (:class:`ReleaseLedger`): with it, ``max_boundary_epsilon`` is a budget over every
+            run on the node, not one run's, since the run key that names a run is the server's
+            choice. Set by the node, never by a message. (default: ``""``: this run's count)
+        release_key (str, optional): whose rows the ledger counts (the partition's folder).
+            (default: ``""``)
     """
 
     encrypt: bool = True
@@ -118,6 +124,8 @@ class PartyPolicy:
     min_boundary_noise: float = 0.0
     max_boundary_epsilon: float = math.inf
     secure_aggregation: bool = False
+    release_ledger: str = ""
+    release_key: str = ""
 
     @classmethod
     def from_node_config(cls, node_config: Mapping[str, Any], where: str) -> PartyPolicy:
@@ -281,15 +289,31 @@ class PartyPolicy:
         """
         if math.isinf(self.max_boundary_epsilon):
             return
-        after = gaussian_epsilon(noise, released + 1, BUDGET_DELTA)
-        if after > self.max_boundary_epsilon:
-            raise PolicyError(
-                where,
-                NODE_MAX_BOUNDARY_EPSILON,
-                f"release {released + 1} of its boundary rows would spend epsilon {after:.3g} "
-                f"(delta {BUDGET_DELTA:g}) on each row's value, above this party's budget "
-                f"{self.max_boundary_epsilon:g}",
-            )
+        if not self.release_ledger:
+            after = gaussian_epsilon(noise, released + 1, BUDGET_DELTA)
+            if after > self.max_boundary_epsilon:
+                raise PolicyError(
+                    where,
+                    NODE_MAX_BOUNDARY_EPSILON,
+                    f"release {released + 1} of its boundary rows would spend epsilon {after:.3g} "
+                    f"(delta {BUDGET_DELTA:g}) on each row's value, above this party's budget "
+                    f"{self.max_boundary_epsilon:g}",
+                )
+            return
+        ledger = ReleaseLedger(Path(self.release_ledger), self.release_key)
+        with ledger.spending() as spent:
+            after = load_epsilon(spent + release_load(noise), BUDGET_DELTA)
+            if after > self.max_boundary_epsilon:
+                before = load_epsilon(spent, BUDGET_DELTA)
+                raise PolicyError(
+                    where,
+                    NODE_MAX_BOUNDARY_EPSILON,
+                    f"release {released + 1} of its boundary rows in this run would spend epsilon "
+                    f"{after:.3g} (delta {BUDGET_DELTA:g}) on each row's value, counting the "
+                    f"{before:.3g} its earlier releases on this node spent in every run "
+                    f"({ledger.path}), above this party's budget {self.max_boundary_epsilon:g}",
+                )
+            ledger.add(release_load(noise))
 
     def check_pins(self, announced: str | None, where: str) -> None:
         """Refuse a setup that pins no keys, or other keys, when this party pins keys.

@@ -11,7 +11,13 @@ import torch
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.party.lazy_client import LazyClient
-from retexo_fl.secure.boundary_noise import gaussian_epsilon, release_rows
+from retexo_fl.secure.boundary_noise import (
+    ReleaseLedger,
+    gaussian_epsilon,
+    load_epsilon,
+    release_load,
+    release_rows,
+)
 from retexo_fl.training.eager import run_eager
 from retexo_fl.training.lazy import run_lazy
 
@@ -77,3 +83,31 @@ def test_a_run_reports_what_its_rows_keep(sbm):
         parts, dataclasses.replace(cfg, mode="eager", rounds=5, boundary_clip=1.0, boundary_noise=1.0)
     )
     assert eager["boundary_privacy"]["releases"] == 5 * 2  # every round, every conv layer's rows
+
+
+def test_a_ledger_adds_releases_at_any_noise_and_keeps_each_partitions_apart(tmp_path):
+    """Rényi DP of Gaussian releases adds up as the sum of 1 / sigma^2: k releases at one noise
+    spend what gaussian_epsilon says, and releases at two noises what their summed load does."""
+    path = tmp_path / "node" / "ledger.json"
+    for k in range(1, 5):
+        ledger = ReleaseLedger(path, "part-0")
+        with ledger.spending() as spent:
+            ledger.add(release_load(2.0))
+        assert load_epsilon(spent + release_load(2.0), 1e-5) == pytest.approx(gaussian_epsilon(2.0, k, 1e-5))
+    other = ReleaseLedger(path, "part-1")
+    with other.spending() as spent:
+        assert spent == 0.0  # another partition's rows: its own count
+        other.add(release_load(1.0))
+    with ReleaseLedger(path, "part-0").spending() as spent:
+        assert spent == pytest.approx(4 / 2.0**2)
+    mixed = load_epsilon(release_load(1.0) + release_load(2.0), 1e-5)
+    assert gaussian_epsilon(2.0, 2, 1e-5) < mixed < gaussian_epsilon(1.0, 2, 1e-5)
+    assert math.isinf(load_epsilon(release_load(0.0), 1e-5)) and load_epsilon(0.0, 1e-5) == 0.0
+
+
+def test_an_unreadable_ledger_is_an_error_naming_it_not_an_unspent_budget(tmp_path):
+    path = tmp_path / "ledger.json"
+    path.write_text("[1, 2")
+    unreadable = pytest.raises(ValueError, match=r"ledger\.json: boundary release ledger unreadable")
+    with unreadable, ReleaseLedger(path, "part-0").spending():
+        pass

@@ -290,6 +290,27 @@ def test_a_server_that_sends_an_earlier_round_again_is_refused(nodes, tmp_path):
         BaselineRun(transport, cfg, RunRecorder(None, stream=None)).run()
 
 
+def test_a_partys_release_budget_is_not_reset_by_a_new_run(nodes, tmp_path):
+    """The run key that names a run's node state is the server's choice: starting the same
+    federation again under a new one must not give a party a new budget. Two runs of 2 releases
+    each (noise 2): the third release spends epsilon 9.81, the fourth 11.6, past the budget of 10,
+    in the second run's second release."""
+    cfg = TrainConfig.resolve(
+        **{**CFG, "mode": "eager", "stages": 3, "rounds": 1, "boundary_clip": 1.0, "boundary_noise": 2.0}
+    )
+    cfg = dataclasses.replace(cfg, pinned_keys=str(nodes[1] / "pins.json"))
+    budget = {P.NODE_MAX_BOUNDARY_EPSILON: "10"}
+    BaselineRun(
+        ClientAppTransport(_node_configs(nodes, tmp_path, **budget)), cfg, RunRecorder(None, stream=None)
+    ).run()
+    with pytest.raises(
+        ClientFailure, match=r"release 2 of its boundary rows in this run would spend epsilon 11.6"
+    ):
+        transport = ClientAppTransport(_node_configs(nodes, tmp_path, **budget))
+        BaselineRun(transport, cfg, RunRecorder(None, stream=None)).run()
+    assert len(list(tmp_path.glob("run-*"))) == 2  # two run keys, one node budget
+
+
 def test_a_server_that_asks_for_more_releases_than_a_partys_budget_is_refused(nodes, tmp_path):
     """Eager mode releases each conv layer's rows every round: the server decides how many
     releases there are, and each party counts its own against its budget. Noise 2 costs
@@ -304,8 +325,9 @@ def test_a_server_that_asks_for_more_releases_than_a_partys_budget_is_refused(no
     transport = ClientAppTransport(_node_configs(nodes, tmp_path, **budget))
     with pytest.raises(
         ClientFailure,
-        match=r"max-boundary-epsilon: release 4 of its boundary rows would spend epsilon 11.6 "
-        r"\(delta 1e-05\) on each row's value, above this party's budget 10",
+        match=r"max-boundary-epsilon: release 4 of its boundary rows in this run would spend epsilon "
+        r"11.6 \(delta 1e-05\) on each row's value, counting the 9.81 its earlier releases on this "
+        r"node spent in every run \(.*boundary-releases.json\), above this party's budget 10",
     ):
         BaselineRun(transport, cfg, RunRecorder(None, stream=None)).run()
     # The count outlived each message's process: it is in the node-local state.

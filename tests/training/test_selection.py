@@ -61,8 +61,9 @@ def test_a_pace_is_read_by_round_whatever_rounds_were_validated():
 
 @pytest.mark.parametrize(("first", "second"), [(20, 18), (74, 72), (50, 48), (14, 12)])
 def test_a_race_keeps_a_training_exactly_the_margin_behind(first, second):
-    """"More than the margin": a gap of exactly 0.02 (2 of 100 validation nodes) is not, whatever
-    float rounding makes of it (0.20 - 0.18 comes out above 0.02); 3 of 100 is."""
+    """A race stops a training "more than the margin" behind: a gap of exactly 0.02 (2 of 100
+    validation nodes) is not, whatever float rounding makes of it (0.20 - 0.18 comes out above
+    0.02); 3 of 100 is."""
     for behind, stops in ((second, False), (second - 1, True)):
         t = StageTracker(0)
         t.race([first / 100] * 8, after=8, margin=0.02)

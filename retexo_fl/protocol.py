@@ -260,8 +260,10 @@ def chain_frames(entries: Mapping[str, Any], where: str) -> list[dict[str, bytes
 
 #: The largest JSON text a message field may hold (a key directory of 10,000 clients is ~1 MB).
 MAX_JSON_FIELD = 4 << 20
-#: The largest round or stage number a message may name.
+#: The largest round or evaluation number a message may name.
 MAX_COUNT = 2**31 - 1
+#: The largest stage number a message may name: a sealed payload's header holds it in 16 bits.
+MAX_STAGE = 2**16 - 1
 
 
 def json_field(text: object, field: str, where: str, kind: type) -> Any:
@@ -285,7 +287,8 @@ def json_field(text: object, field: str, where: str, kind: type) -> Any:
 
 
 def count_entries(config: Mapping[str, Any], where: str) -> None:
-    """Refuse a config whose round, stage or evaluation counter is not a count in [0, MAX_COUNT].
+    """Refuse a config whose round or evaluation counter is not a count in [0, MAX_COUNT], or
+    whose stage is not one in [0, MAX_STAGE].
 
     Raises:
         ValueError: naming the entry and its value.
@@ -293,10 +296,10 @@ def count_entries(config: Mapping[str, Any], where: str) -> None:
     for field in (ROUND, STAGE, SECAGG_EVAL):
         if field not in config:
             continue
-        value = config[field]
+        value, top = config[field], MAX_STAGE if field == STAGE else MAX_COUNT
         try:
-            ok = not isinstance(value, bool) and int(value) == value and 0 <= int(value) <= MAX_COUNT
+            ok = not isinstance(value, bool) and int(value) == value and 0 <= int(value) <= top
         except (TypeError, ValueError, OverflowError):
             ok = False
         if not ok:
-            raise ValueError(f"{where}: {field} {str(value)[:40]!r} is not a count in [0, {MAX_COUNT}]")
+            raise ValueError(f"{where}: {field} {str(value)[:40]!r} is not a count in [0, {top}]")

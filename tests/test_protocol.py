@@ -67,3 +67,16 @@ def test_a_run_config_text_is_parsed_once_and_each_caller_gets_its_own_copy(monk
     assert P.config_from_json(text).hidden == 24
     other = P.config_to_json(TrainConfig.resolve(clients=7, hidden=16))
     assert P.config_from_json(other).hidden == 16 and len(parsed) == 2
+
+
+def test_a_stage_a_sealed_header_cannot_hold_is_refused_naming_it():
+    """A sealed payload's header holds the stage in 16 bits: a message naming a larger stage is
+    refused as a bad count before any payload is sealed, not by the header's packing."""
+    from retexo_fl.secure.envelope import Route
+
+    P.count_entries({P.STAGE: P.MAX_STAGE, P.ROUND: P.MAX_COUNT}, "client 1")
+    Route("halo", P.MAX_STAGE, 1, 0, 1).header(1)  # the largest stage fits its header
+    with pytest.raises(ValueError, match=r"client 1: stage 65536 is not a count in \[0, 65535\]"):
+        P.count_entries({P.STAGE: P.MAX_STAGE + 1}, "client 1")
+    with pytest.raises(ValueError, match=r"client 1: round -1 is not a count in \[0, 2147483647\]"):
+        P.count_entries({P.ROUND: -1}, "client 1")

@@ -76,7 +76,7 @@ def test_a_stage_a_sealed_header_cannot_hold_is_refused_naming_it():
 
     P.count_entries({P.STAGE: P.MAX_STAGE, P.ROUND: P.MAX_COUNT}, "client 1")
     Route("halo", P.MAX_STAGE, 1, 0, 1).header(1)  # the largest stage fits its header
-    with pytest.raises(ValueError, match=r"client 1: stage 65536 is not a count in \[0, 65535\]"):
+    with pytest.raises(ValueError, match=r"client 1: stage '65536' is not a count in \[0, 65535\]"):
         P.count_entries({P.STAGE: P.MAX_STAGE + 1}, "client 1")
-    with pytest.raises(ValueError, match=r"client 1: round -1 is not a count in \[0, 2147483647\]"):
+    with pytest.raises(ValueError, match=r"client 1: round '-1' is not a count in \[0, 2147483647\]"):
         P.count_entries({P.ROUND: -1}, "client 1")

@@ -193,10 +193,18 @@ class NodeView:
         from retexo_fl.secure.policy import PartyPolicy
 
         policy = PartyPolicy.from_node_config(self.node_config, self.who)
-        if P.NODE_PARTITION_DIR not in self.node_config:
-            return policy  # a simulation's virtual node: the budget is the run's
-        # A deployed party's release budget is the node's over every run: the run key that
-        # names a run's work folder is the server's to choose, so a count kept there would start
-        # again with a new one.
+        # A deployed party's release budget is the node's over every run: the run key that names
+        # a run's work folder is the server's to choose, so a count kept there would start again
+        # with a new one. A party is deployed when its node config names its partition folder or
+        # its own budget; a simulation's virtual nodes (a partition id, the command line's
+        # policy) count per run.
+        if P.NODE_PARTITION_DIR in self.node_config:
+            key = str(Path(self.partition).resolve())
+        elif P.NODE_MAX_BOUNDARY_EPSILON in self.node_config:
+            # Named by id, the partition's folder may come from the run config (the server's):
+            # the id is the node's own.
+            key = f"partition-id {self.node_config.get(P.NODE_PARTITION_ID, '?')}"
+        else:
+            return policy
         ledger = Path(self.work).parent.parent / RELEASE_LEDGER
-        return replace(policy, release_ledger=str(ledger), release_key=str(Path(self.partition).resolve()))
+        return replace(policy, release_ledger=str(ledger), release_key=key)

@@ -341,6 +341,8 @@ def embed(client: Client, request: Records) -> Reply:
         tested = client.evaluate(state, "test") if split else None
         if config.get(P.TEACHER):  # before it moves on: its predictions need the stage's inputs
             client.keep_teacher(state)
+        if client.cfg.secure_aggregation:  # later masked rounds bind where their inputs came from
+            secure_reply.note_stage_inputs(client, stage, state)
         frames, stats = client.encode_boundary(client.next_stage(state))
         client.sent = (stage, frames, stats.to_dict(), tested)
         changed = True

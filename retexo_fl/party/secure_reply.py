@@ -77,6 +77,21 @@ def _state(client: Client) -> dict[str, Any]:
     return client.secagg
 
 
+def note_stage_inputs(client: Client, stage: int, state: StateDict) -> None:
+    """Fold the state a client embeds stage ``stage`` with into its running digest of where its
+    stage inputs came from, which every later masked round binds (:func:`round_terms`).
+
+    A GNN stage trains on inputs the client computed from an embed message's state, which the
+    server sends each client on its own: sent every member but one a state that embeds to zero
+    rows, the others' updates would be known to the server (zero where their inputs are), and the
+    round's sum that one member's update, though every member trained from the same state.
+    Bound, members embedded from different states derive masks that do not cancel."""
+    secagg = _state(client)
+    before = str(secagg.get("inputs", ""))
+    text = json.dumps([before, int(stage), masked_state_digest(state)])
+    secagg["inputs"] = hashlib.sha256(b"retexo-fl stage inputs v1\0" + text.encode()).hexdigest()
+
+
 def _pair_seeds(
     client: Client, members: list[int], stage: int, round_: int, terms: bytes
 ) -> dict[int, bytes]:
@@ -170,6 +185,7 @@ def prepare(client: Client, config: dict[str, Any], state: StateDict) -> Prepare
         state_digest=digest,
         validate=bool(config.get(P.VALIDATE, True)),
         variant=str(getattr(client, "first_stage", "") or ""),
+        inputs=str(_state(client).get("inputs", "")),
     )
     self_seed, shares = share_seed(client.id, members, threshold)
     others = {q: s for q, s in shares.items() if q != client.id}

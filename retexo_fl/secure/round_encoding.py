@@ -84,6 +84,7 @@ def round_terms(
     state_digest: str = "",
     validate: bool = True,
     variant: str = "",
+    inputs: str = "",
 ) -> bytes:
     """The digest of a masked round's terms, bound into every pair mask of the round
     (:func:`~retexo_fl.secure.masking.pairwise_mask_seed`): clients sent different terms derive
@@ -94,7 +95,9 @@ def round_terms(
     from (``state_digest``, :func:`masked_state_digest`): sent a useless state to every member
     but one, the others' updates would be known and the sum that member's alone; whether the
     round validates (``validate``): sent to one member only, the summed validation counts would
-    be that member's; and stage 0's variant under ``first-stage auto`` (``variant``). The clip,
+    be that member's; stage 0's variant under ``first-stage auto`` (``variant``); and where the
+    client's stage inputs came from (``inputs``: a running digest of the states it embedded the
+    earlier stages with, which the server also sends each client on its own). The clip,
     update bits and fixed-point scale are the run config's, bound by its digest since key setup.
     """
     text = json.dumps(
@@ -108,9 +111,10 @@ def round_terms(
             str(state_digest),
             bool(validate),
             str(variant),
+            str(inputs),
         ]
     )
-    return hashlib.sha256(b"retexo-fl secagg terms v3\0" + text.encode()).digest()
+    return hashlib.sha256(b"retexo-fl secagg terms v4\0" + text.encode()).digest()
 
 
 def grid_bits(cfg: Any) -> int:

@@ -290,23 +290,33 @@ def test_a_server_that_sends_an_earlier_round_again_is_refused(nodes, tmp_path):
         BaselineRun(transport, cfg, RunRecorder(None, stream=None)).run()
 
 
-def test_a_partys_release_budget_is_not_reset_by_a_new_run(nodes, tmp_path):
+@pytest.mark.parametrize("named_by", ["partition-dir", "partition-id"])
+def test_a_partys_release_budget_is_not_reset_by_a_new_run(nodes, tmp_path, named_by):
     """The run key that names a run's node state is the server's choice: starting the same
     federation again under a new one must not give a party a new budget. Two runs of 2 releases
     each (noise 2): the third release spends epsilon 9.81, the fourth 11.6, past the budget of 10,
-    in the second run's second release."""
+    in the second run's second release. Whether the node config names the partition's folder or
+    only its id (the folder then comes from the run config)."""
+    by_id = named_by == "partition-id"
     cfg = TrainConfig.resolve(
-        **{**CFG, "mode": "eager", "stages": 3, "rounds": 1, "boundary_clip": 1.0, "boundary_noise": 2.0}
+        **{**CFG, "mode": "eager", "stages": 3, "rounds": 1, "boundary_clip": 1.0, "boundary_noise": 2.0},
+        partitions=str(nodes[0][0].parent) if by_id else "",
     )
     cfg = dataclasses.replace(cfg, pinned_keys=str(nodes[1] / "pins.json"))
     budget = {P.NODE_MAX_BOUNDARY_EPSILON: "10"}
-    BaselineRun(
-        ClientAppTransport(_node_configs(nodes, tmp_path, **budget)), cfg, RunRecorder(None, stream=None)
-    ).run()
+
+    def configs() -> list[dict[str, Any]]:
+        out = _node_configs(nodes, tmp_path, **budget)
+        for i, config in enumerate(out if by_id else []):
+            del config[P.NODE_PARTITION_DIR]
+            config[P.NODE_PARTITION_ID] = i
+        return out
+
+    BaselineRun(ClientAppTransport(configs()), cfg, RunRecorder(None, stream=None)).run()
     with pytest.raises(
         ClientFailure, match=r"release 2 of its boundary rows in this run would spend epsilon 11.6"
     ):
-        transport = ClientAppTransport(_node_configs(nodes, tmp_path, **budget))
+        transport = ClientAppTransport(configs())
         BaselineRun(transport, cfg, RunRecorder(None, stream=None)).run()
     assert len(list(tmp_path.glob("run-*"))) == 2  # two run keys, one node budget
 

@@ -514,3 +514,59 @@ def test_the_relabelled_count_is_reported_in_clear_only_without_secure_aggregati
         trained = {c.id: c.num_train for c in server.clients}
         assert reported == trained and sum(trained.values()) > sum(int(p.train_mask.sum()) for p in parts)
     assert out.test_accuracy > 0.5  # both passes trained (3 classes)
+
+
+class _PerMemberEmbed(InProcessTransport):
+    """A malicious server that sends every member but ``victim`` another state at stage 0's
+    embed (one that embeds to zero rows), so that their stage-1 inputs are known to it."""
+
+    def __init__(self, clients, victim: int) -> None:
+        super().__init__(clients)
+        self.victim, self.decoded = victim, []
+
+    def send(self, kind, requests, phase, stage):
+        if kind == P.EMBED and stage == 0:
+            changed = {}
+            for pid, req in requests.items():
+                if pid != self.victim:
+                    config = req[P.CONFIG]
+                    like = (
+                        self.clients[pid].held_state(str(config[P.HELD]))
+                        if P.HELD in config
+                        else req[P.ARRAYS]
+                    )
+                    config = {k: v for k, v in config.items() if k != P.HELD}
+                    req = {
+                        **{k: v for k, v in req.items() if k != P.CONFIG},
+                        P.CONFIG: config,
+                        P.ARRAYS: _dead(like),
+                    }
+                changed[pid] = req
+            requests = changed
+        return super().send(kind, requests, phase, stage)
+
+
+def test_members_whose_stage_inputs_came_from_different_embed_states_mask_nothing_decodable(sbm, monkeypatch):
+    """Every member trains stage 1 from the same state, but the server embedded stage 0 with a
+    dead state on all members but one: their inputs are zero rows, their conv updates zero, and
+    the sum would be that member's update. The states a member embedded with are bound into its
+    masks, so stage 1's first round decodes nothing (stage 0's rounds decode as before)."""
+    from retexo_fl.coordinator import secure_aggregation as sa
+
+    parts = partition_graph(sbm, 4, "metis", seed=0)
+    cfg = dataclasses.replace(
+        BASE, stages=2, rounds=2, self_training=0, patience=0, min_rounds=0, secure_aggregation=True,
+        first_stage="mlp", weight_decay=0.0, on_missing_halo="zero",
+    )  # fmt: skip
+    server = _PerMemberEmbed([LazyClient(p, cfg) for p in parts], victim=2)
+    unmask = sa.unmask_round
+
+    def counted(*args, **kwargs):
+        out = unmask(*args, **kwargs)
+        server.decoded.append(out[1])
+        return out
+
+    monkeypatch.setattr(sa, "unmask_round", counted)
+    with pytest.raises(ClientFailure, match="does not decode"):
+        LazyStageMachine(server, cfg, RunRecorder(None, stream=None)).run()
+    assert server.decoded == [4, 4]  # stage 0's two rounds; none of stage 1's

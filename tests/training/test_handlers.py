@@ -3,6 +3,8 @@ node must save."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -87,3 +89,26 @@ def test_bad_messages_are_refused_by_name(sbm):
     request = {P.CONFIG: {P.ROUND: 2, P.SPLIT: "val"}, P.MODEL: {"w": b"x"}, P.MODEL_BEFORE: {"w": b"x"}}
     with pytest.raises(ValueError, match=r"client 0: model-before key 'w'"):
         handle(clients[0], P.EVALUATE, request)
+
+
+@pytest.mark.parametrize(
+    ("kind", "value", "shown"),
+    [(P.TRAIN, 1e37, "1e+37"), (P.EVALUATE, float("nan"), "nan"), (P.EMBED, -2e6, "2e+06")],
+)
+def test_a_state_whose_values_could_overflow_on_a_clients_data_is_refused_before_use(sbm, kind, value, shown):
+    """Weights of 1e37 make a loss or a row overflow exactly where a raw feature passes a
+    threshold, and a client that then refuses to go on answers that question: a received
+    state is refused whole, naming the entry, whatever the client's data."""
+    _, clients, fed = _lazy(sbm)
+    fed.setup()
+    state = clients[0].make_model().state_dict()
+    state["body.weight"] = state["body.weight"].clone()
+    state["body.weight"][0, 0] = value
+    extra = {P.SPLIT: "val"} if kind == P.EVALUATE else {}
+    with pytest.raises(
+        ValueError,
+        match=re.escape(f"client 0: the received state's body.weight holds a value of magnitude {shown}"),
+    ):
+        handle(clients[0], kind, fed.content(state, **{P.ROUND: 1, P.STAGE: 0, **extra}))
+    fine = clients[0].make_model().state_dict()  # trained stages hold values of about 1
+    assert handle(clients[0], P.TRAIN, fed.content(fine, **{P.ROUND: 1, P.STAGE: 0})).records

@@ -197,6 +197,8 @@ def train(client: Client, request: Records) -> Reply:
     # before the rows (with the next round): the channel accepts numbers in order only.
     prep = secure_reply.prepare(client, config, state) if secure else None
     control = client.receive_control(request, state, round_)  # drift-correction scaffold: c
+    if control is not None:  # added to every step's gradient: as able to overflow as a state
+        check_received_state(control, f"client {client.id}")
     new_state, loss = client.train(state, round_, control)
     # Eager: this round's embeddings (of the received state) go to the peers' next round, with
     # the halo gradients this round's training found (so they are sealed after training).

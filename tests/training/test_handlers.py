@@ -112,3 +112,17 @@ def test_a_state_whose_values_could_overflow_on_a_clients_data_is_refused_before
         handle(clients[0], kind, fed.content(state, **{P.ROUND: 1, P.STAGE: 0, **extra}))
     fine = clients[0].make_model().state_dict()  # trained stages hold values of about 1
     assert handle(clients[0], P.TRAIN, fed.content(fine, **{P.ROUND: 1, P.STAGE: 0})).records
+
+
+def test_a_control_variate_whose_values_could_overflow_is_refused_as_a_state_is(sbm):
+    """SCAFFOLD's control variate is added to every local step's gradient: held to the same bound."""
+    _, clients, fed = _lazy(sbm, drift_correction="scaffold")
+    fed.setup()
+    state = clients[0].make_model().state_dict()
+    control = {k: torch.zeros_like(v) for k, v in state.items()}
+    control["head.weight"][0, 0] = 1e37
+    request = {**fed.content(state, **{P.ROUND: 2, P.STAGE: 0}), P.CONTROL: control}
+    with pytest.raises(
+        ValueError, match=re.escape("client 0: the received state's head.weight holds a value")
+    ):
+        handle(clients[0], P.TRAIN, request)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from retexo_fl import protocol as P
 from retexo_fl.compress.boundary import ExchangeStats
 from retexo_fl.party import secure_reply
-from retexo_fl.party.client import Client
+from retexo_fl.party.client import Client, TrainingDiverged
 from retexo_fl.party.lazy_client import LazyClient
 from retexo_fl.protocol import Records
 from retexo_fl.records import EvalResult, StateDict
@@ -198,7 +198,7 @@ def train(client: Client, request: Records) -> Reply:
     prep = secure_reply.prepare(client, config, state) if secure else None
     control = client.receive_control(request, state, round_)  # drift-correction scaffold: c
     if control is not None:  # added to every step's gradient: as able to overflow as a state
-        check_received_state(control, f"client {client.id}")
+        check_received_state(control, client, request)
     new_state, loss = client.train(state, round_, control)
     # Eager: this round's embeddings (of the received state) go to the peers' next round, with
     # the halo gradients this round's training found (so they are sealed after training).
@@ -238,27 +238,39 @@ def train(client: Client, request: Records) -> Reply:
 
 
 #: The largest magnitude a received model value may have. Trained stages hold values of about 1
-#: (at most 0.8 to 1.2 over whole default runs on Cora, Chameleon and Twitch TW); a server that
-#: sends weights of 1e37 can make a client's loss or rows overflow exactly where a raw feature
-#: passes a threshold, and the client's refusal to go on (a diverged round, rows it will not
-#: send) would answer that question per client. Refused before the state is used.
-MAX_RECEIVED_VALUE = 1e6
+#: (at most 0.8 to 1.2 over whole default runs on Cora, Chameleon and Twitch TW), and 1.1e6 on
+#: features left at 300 times their scale (tests/training/test_lazy.py); a server that sends
+#: weights of 1e37 can make a client's loss or rows overflow exactly where a raw feature passes
+#: a threshold, and the client's refusal to go on (a diverged round, rows it will not send)
+#: would answer that question per client. Refused before the state is used.
+MAX_RECEIVED_VALUE = 1e9
 
 
-def check_received_state(state: StateDict, where: str) -> StateDict:
+class StateRefused(TrainingDiverged, ValueError):
+    """A received state (or control variate) with a value beyond :data:`MAX_RECEIVED_VALUE`:
+    from an honest server, federated training that diverged; else a crafted state."""
+
+
+def check_received_state(state: StateDict, client: Client, request: Records) -> StateDict:
     """``state``, if every value is finite and within :data:`MAX_RECEIVED_VALUE` in magnitude.
 
     Raises:
-        ValueError: naming the entry and its largest magnitude.
+        StateRefused: naming the client, stage and round, the entry and its largest magnitude,
+            and what to change when training diverged.
     """
     for key, value in state.items():
         if not value.is_floating_point() or not value.numel():
             continue
         peak = float(value.detach().abs().max())
         if not peak <= MAX_RECEIVED_VALUE:  # NaN compares false
-            raise ValueError(
-                f"{where}: the received state's {key} holds a value of magnitude {peak:.3g}, beyond "
-                f"{MAX_RECEIVED_VALUE:g}; refusing to use it"
+            config = request.get(P.CONFIG, {})
+            stage = config.get(P.STAGE, client.message_stage)
+            when = f", round {config[P.ROUND]}" if P.ROUND in config else ""
+            raise StateRefused(
+                f"client {client.id}, stage {stage}{when}: the received state's {key} holds a value "
+                f"of magnitude {peak:.3g}, beyond {MAX_RECEIVED_VALUE:g}; refusing to use it. Either "
+                "local training diverged (inputs of large magnitude do this: scale the node features "
+                "to about unit size, or lower --lr), or the server sent a state no training gives"
             )
     return state
 
@@ -272,17 +284,17 @@ def _received_model(client: Client, request: Records) -> StateDict:
         # A client that missed rounds is sent the deltas it missed first (oldest first).
         missed = P.chain_frames(request.get(P.MODEL_BEFORE, {}), where)
         frames = {k: bytes(v) for k, v in request[P.MODEL].items()}
-        return check_received_state(client.receive_model(None, frames, keep, missed), where)
+        return check_received_state(client.receive_model(None, frames, keep, missed), client, request)
     if P.MODEL_BEFORE in request:
         raise ValueError(f"{where}: missed broadcast deltas without the round's own")
-    return client.receive_model(check_received_state(request[P.ARRAYS], where), None, keep)
+    return client.receive_model(check_received_state(request[P.ARRAYS], client, request), None, keep)
 
 
 def _named_state(client: Client, request: Records) -> StateDict | None:
     """The state an evaluate or embed message sends whole (:func:`check_received_state`), or
     names by digest (``None``: this client does not hold it, and says so)."""
     if P.ARRAYS in request:
-        return check_received_state(request[P.ARRAYS], f"client {client.id}")
+        return check_received_state(request[P.ARRAYS], client, request)
     return client.held_state(str(request[P.CONFIG][P.HELD]))
 
 

@@ -93,7 +93,7 @@ def test_bad_messages_are_refused_by_name(sbm):
 
 @pytest.mark.parametrize(
     ("kind", "value", "shown"),
-    [(P.TRAIN, 1e37, "1e+37"), (P.EVALUATE, float("nan"), "nan"), (P.EMBED, -2e6, "2e+06")],
+    [(P.TRAIN, 1e37, "1e+37"), (P.EVALUATE, float("nan"), "nan"), (P.EMBED, -2e9, "2e+09")],
 )
 def test_a_state_whose_values_could_overflow_on_a_clients_data_is_refused_before_use(sbm, kind, value, shown):
     """Weights of 1e37 make a loss or a row overflow exactly where a raw feature passes a
@@ -107,7 +107,9 @@ def test_a_state_whose_values_could_overflow_on_a_clients_data_is_refused_before
     extra = {P.SPLIT: "val"} if kind == P.EVALUATE else {}
     with pytest.raises(
         ValueError,
-        match=re.escape(f"client 0: the received state's body.weight holds a value of magnitude {shown}"),
+        match=re.escape(
+            f"client 0, stage 0, round 1: the received state's body.weight holds a value of magnitude {shown}"
+        ),
     ):
         handle(clients[0], kind, fed.content(state, **{P.ROUND: 1, P.STAGE: 0, **extra}))
     fine = clients[0].make_model().state_dict()  # trained stages hold values of about 1
@@ -123,6 +125,7 @@ def test_a_control_variate_whose_values_could_overflow_is_refused_as_a_state_is(
     control["head.weight"][0, 0] = 1e37
     request = {**fed.content(state, **{P.ROUND: 2, P.STAGE: 0}), P.CONTROL: control}
     with pytest.raises(
-        ValueError, match=re.escape("client 0: the received state's head.weight holds a value")
+        ValueError,
+        match=re.escape("client 0, stage 0, round 2: the received state's head.weight holds a value"),
     ):
         handle(clients[0], P.TRAIN, request)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import math
 import os
 import tempfile
 from collections.abc import Iterator
@@ -206,5 +207,20 @@ class NodeView:
             key = f"partition-id {self.node_config.get(P.NODE_PARTITION_ID, '?')}"
         else:
             return policy
+        if math.isfinite(policy.max_boundary_epsilon) and not self._kept_work_base:
+            from retexo_fl.secure.policy import PolicyError
+
+            raise PolicyError(
+                self.who,
+                P.NODE_MAX_BOUNDARY_EPSILON,
+                "the budget is counted in a ledger under the node's work folder, which is under the "
+                f"temp folder unless the node config names one ({P.NODE_WORK_DIR}) or "
+                f"${WORK_DIR_ENV} does; name one that outlives a reboot, or the budget would start again",
+            )
         ledger = Path(self.work).parent.parent / RELEASE_LEDGER
         return replace(policy, release_ledger=str(ledger), release_key=key)
+
+    @property
+    def _kept_work_base(self) -> bool:
+        """Whether this node's work base was named (node config or environment), not the temp default."""
+        return P.NODE_WORK_DIR in self.node_config or bool(os.environ.get(WORK_DIR_ENV))

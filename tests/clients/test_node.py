@@ -131,3 +131,29 @@ def test_simulated_nodes_load_their_parts_of_one_cut(tmp_path, monkeypatch):
     own = {pid: renumbering_cut(graph, 3, cfg.method, cfg.seed)[pid] for pid in range(3)}
     with pytest.raises(PlanMismatchError):
         check_plans({pid: BoundaryPlan.from_partition(p).digests() for pid, p in own.items()})
+
+
+def test_a_release_budget_is_counted_where_the_node_keeps_it_or_refused(tmp_path, monkeypatch):
+    """A deployed party's release budget lives in a ledger under its work base, keyed by its
+    partition; under the temp default it would start again after a reboot, so it is refused."""
+    from clients.node import RELEASE_LEDGER, NodeView
+    from retexo_fl.secure.policy import PolicyError
+
+    monkeypatch.delenv(WORK_DIR_ENV, raising=False)
+    cfg = TrainConfig.resolve(boundary_clip=1.0, boundary_noise=2.0)
+    part = tmp_path / "part-0"
+    budget = {P.NODE_PARTITION_DIR: str(part), P.NODE_MAX_BOUNDARY_EPSILON: "10"}
+    kept = _Context({**budget, P.NODE_WORK_DIR: str(tmp_path / "work")})
+    policy = NodeView.for_run(kept, cfg, (7, "0")).policy
+    assert policy.release_ledger == str(tmp_path / "work" / RELEASE_LEDGER)
+    assert policy.release_key == str(part.resolve())
+    with pytest.raises(
+        PolicyError, match=r"max-boundary-epsilon: the budget is counted in a ledger .* temp folder"
+    ):
+        _ = NodeView.for_run(_Context(budget), cfg, (7, "0")).policy
+    monkeypatch.setenv(WORK_DIR_ENV, str(tmp_path / "env"))  # named by the environment: kept
+    assert NodeView.for_run(_Context(budget), cfg, (7, "0")).policy.release_ledger.startswith(
+        str(tmp_path / "env")
+    )
+    # A simulation's virtual node (an id, the command line's policy): counted per run, no ledger.
+    assert NodeView.for_run(_Context({P.NODE_PARTITION_ID: 0}), cfg, (7, "0")).policy.release_ledger == ""

@@ -380,12 +380,24 @@ def unmask(client: Client, request: Records) -> tuple[Records, bool]:
     return {P.UNMASKED: encode_answer(shares, seeds)}, True
 
 
-def evaluation_terms(split: str, digest: str, members: list[int], bound: float, counter: int) -> bytes:
+def evaluation_terms(
+    split: str,
+    digest: str,
+    members: list[int],
+    bound: float,
+    counter: int,
+    inputs: str = "",
+    variant: str = "",
+) -> bytes:
     """The digest of a masked evaluation's terms, bound into its pair masks: members sent
-    different terms (split, state, member set, count bound, evaluation counter) derive masks that
-    do not cancel."""
-    text = json.dumps([str(split), str(digest), sorted(members), float(bound), int(counter)])
-    return hashlib.sha256(b"retexo-fl secagg evaluation v1\0" + text.encode()).digest()
+    different terms (split, state, member set, count bound, evaluation counter, where their stage
+    inputs came from as :func:`note_stage_inputs` folds it, stage 0's variant) derive masks that do
+    not cancel. Without ``inputs``, a server that embedded an earlier stage with a dead state on
+    every member but one could difference two evaluations' sums into that member's own figures."""
+    text = json.dumps(
+        [str(split), str(digest), sorted(members), float(bound), int(counter), str(inputs), str(variant)]
+    )
+    return hashlib.sha256(b"retexo-fl secagg evaluation v2\0" + text.encode()).digest()
 
 
 def _check_bound(bound: float, where: str) -> None:
@@ -450,7 +462,15 @@ def masked_evaluation(
         )
     done = _evaluated(state_)
     digest = masked_state_digest(state)
-    terms = evaluation_terms(split, digest, members, bound, counter)
+    terms = evaluation_terms(
+        split,
+        digest,
+        members,
+        bound,
+        counter,
+        inputs=str(_state(client).get("inputs", "")),
+        variant=str(getattr(client, "first_stage", "") or ""),
+    )
     last = done.get("last")
     if last is not None and last["counter"] == counter and last["terms"] == terms.hex():
         return {P.MASKED: {P.VECTOR: bytes.fromhex(last["vector"])}}  # asked again (a resumed server)

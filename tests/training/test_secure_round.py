@@ -570,3 +570,45 @@ def test_members_whose_stage_inputs_came_from_different_embed_states_mask_nothin
     with pytest.raises(ClientFailure, match="does not decode"):
         LazyStageMachine(server, cfg, RunRecorder(None, stream=None)).run()
     assert server.decoded == [4, 4]  # stage 0's two rounds; none of stage 1's
+
+
+class _StopAtStage1(_PerMemberEmbed):
+    """:class:`_PerMemberEmbed` that keeps stage 1's first train requests and stops there."""
+
+    def send(self, kind, requests, phase, stage):
+        if kind == P.TRAIN and stage == 1:
+            self.stage1 = requests
+            raise KeyboardInterrupt  # out of the stage machine, whatever it catches
+        return super().send(kind, requests, phase, stage)
+
+
+def test_a_masked_evaluation_binds_where_each_members_stage_inputs_came_from(sbm):
+    """The same state evaluated on every member, after the server embedded stage 0 with a dead
+    state on all members but one: two such evaluations' sums would differ by that member's own
+    figures alone. Bound like a train round's, the evaluation's masks do not cancel."""
+    from retexo_fl.coordinator.secure_aggregation import SecureAggregator
+    from retexo_fl.secure.secagg import members_json
+
+    parts = partition_graph(sbm, 4, "metis", seed=0)
+    cfg = dataclasses.replace(
+        BASE, stages=2, rounds=2, self_training=0, patience=0, min_rounds=0, secure_aggregation=True,
+        first_stage="mlp", weight_decay=0.0, on_missing_halo="zero",
+    )  # fmt: skip
+    server = _StopAtStage1([LazyClient(p, cfg) for p in parts], victim=2)
+    with pytest.raises(KeyboardInterrupt):
+        LazyStageMachine(server, cfg, RunRecorder(None, stream=None)).run()
+    members = [0, 1, 2, 3]
+    state = {k: torch.randn_like(v) for k, v in server.clients[2].make_model().state_dict().items()}
+    settings = {P.SECAGG_MEMBERS: members_json(members), P.SECAGG_BOUND: 600.0}
+    replies = {}
+    for pid in members:
+        sent = server.stage1[pid]
+        config = {P.STAGE: 1, P.ROUND: 1, P.SPLIT: "val", P.SECAGG_EVAL: 100, **settings}
+        request = {
+            P.CONFIG: config,
+            P.ARRAYS: state,
+            **({P.PAYLOADS: sent[P.PAYLOADS]} if P.PAYLOADS in sent else {}),
+        }
+        replies[pid] = handle(server.clients[pid], P.EVALUATE, request).records
+    with pytest.raises(ClientFailure, match="the evaluation sum does not decode"):
+        SecureAggregator.sum_evaluation(None, settings, replies, "eval")

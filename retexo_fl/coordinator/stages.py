@@ -387,7 +387,7 @@ class LazyStageMachine:
         }
         fed.training_nodes.update(relabeled)  # the next pass's rounds go to who trains now
         # Under secure aggregation no client reports its count (see the party's embed handler).
-        self.relabeled = sum(relabeled.values()) if relabeled else None
+        self.relabeled = None if self.cfg.secure_aggregation else sum(relabeled.values())
         before = fed.bytes_boundary
         incoming = fed.route({pid: r.get(P.PAYLOADS, {}) for pid, r in replies.items()}, P.HALO, stage)
         self.rec.event("exchange", stage=stage, bytes=fed.bytes_boundary - before, **exchange_figures(stats))

@@ -92,6 +92,15 @@ def note_stage_inputs(client: Client, stage: int, state: StateDict) -> None:
     secagg["inputs"] = hashlib.sha256(b"retexo-fl stage inputs v1\0" + text.encode()).hexdigest()
 
 
+def _history_terms(client: Client) -> dict[str, str]:
+    """What a masked round or evaluation binds of the client's past besides the message: where
+    its stage inputs came from (:func:`note_stage_inputs`) and stage 0's variant."""
+    return {
+        "inputs": str(_state(client).get("inputs", "")),
+        "variant": str(getattr(client, "first_stage", "") or ""),
+    }
+
+
 def _pair_seeds(
     client: Client, members: list[int], stage: int, round_: int, terms: bytes
 ) -> dict[int, bytes]:
@@ -184,8 +193,7 @@ def prepare(client: Client, config: dict[str, Any], state: StateDict) -> Prepare
         grid_blob,
         state_digest=digest,
         validate=bool(config.get(P.VALIDATE, True)),
-        variant=str(getattr(client, "first_stage", "") or ""),
-        inputs=str(_state(client).get("inputs", "")),
+        **_history_terms(client),
     )
     self_seed, shares = share_seed(client.id, members, threshold)
     others = {q: s for q, s in shares.items() if q != client.id}
@@ -462,15 +470,7 @@ def masked_evaluation(
         )
     done = _evaluated(state_)
     digest = masked_state_digest(state)
-    terms = evaluation_terms(
-        split,
-        digest,
-        members,
-        bound,
-        counter,
-        inputs=str(_state(client).get("inputs", "")),
-        variant=str(getattr(client, "first_stage", "") or ""),
-    )
+    terms = evaluation_terms(split, digest, members, bound, counter, **_history_terms(client))
     last = done.get("last")
     if last is not None and last["counter"] == counter and last["terms"] == terms.hex():
         return {P.MASKED: {P.VECTOR: bytes.fromhex(last["vector"])}}  # asked again (a resumed server)

@@ -516,6 +516,13 @@ def test_the_relabelled_count_is_reported_in_clear_only_without_secure_aggregati
     assert out.test_accuracy > 0.5  # both passes trained (3 classes)
 
 
+#: Two stages, no pass, an MLP stage 0 and zero-filled missing rows: the runs the embed attacks use.
+_EMBED_ATTACK = dataclasses.replace(
+    BASE, stages=2, rounds=2, self_training=0, patience=0, min_rounds=0, secure_aggregation=True,
+    first_stage="mlp", weight_decay=0.0, on_missing_halo="zero",
+)  # fmt: skip
+
+
 class _PerMemberEmbed(InProcessTransport):
     """A malicious server that sends every member but ``victim`` another state at stage 0's
     embed (one that embeds to zero rows), so that their stage-1 inputs are known to it."""
@@ -554,10 +561,7 @@ def test_members_whose_stage_inputs_came_from_different_embed_states_mask_nothin
     from retexo_fl.coordinator import secure_aggregation as sa
 
     parts = partition_graph(sbm, 4, "metis", seed=0)
-    cfg = dataclasses.replace(
-        BASE, stages=2, rounds=2, self_training=0, patience=0, min_rounds=0, secure_aggregation=True,
-        first_stage="mlp", weight_decay=0.0, on_missing_halo="zero",
-    )  # fmt: skip
+    cfg = _EMBED_ATTACK
     server = _PerMemberEmbed([LazyClient(p, cfg) for p in parts], victim=2)
     unmask = sa.unmask_round
 
@@ -572,13 +576,17 @@ def test_members_whose_stage_inputs_came_from_different_embed_states_mask_nothin
     assert server.decoded == [4, 4]  # stage 0's two rounds; none of stage 1's
 
 
+class _Stopped(BaseException):
+    """Out of the stage machine, past whatever it catches of :class:`Exception`."""
+
+
 class _StopAtStage1(_PerMemberEmbed):
     """:class:`_PerMemberEmbed` that keeps stage 1's first train requests and stops there."""
 
     def send(self, kind, requests, phase, stage):
         if kind == P.TRAIN and stage == 1:
             self.stage1 = requests
-            raise KeyboardInterrupt  # out of the stage machine, whatever it catches
+            raise _Stopped
         return super().send(kind, requests, phase, stage)
 
 
@@ -590,12 +598,9 @@ def test_a_masked_evaluation_binds_where_each_members_stage_inputs_came_from(sbm
     from retexo_fl.secure.secagg import members_json
 
     parts = partition_graph(sbm, 4, "metis", seed=0)
-    cfg = dataclasses.replace(
-        BASE, stages=2, rounds=2, self_training=0, patience=0, min_rounds=0, secure_aggregation=True,
-        first_stage="mlp", weight_decay=0.0, on_missing_halo="zero",
-    )  # fmt: skip
+    cfg = _EMBED_ATTACK
     server = _StopAtStage1([LazyClient(p, cfg) for p in parts], victim=2)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(_Stopped):
         LazyStageMachine(server, cfg, RunRecorder(None, stream=None)).run()
     members = [0, 1, 2, 3]
     state = {k: torch.randn_like(v) for k, v in server.clients[2].make_model().state_dict().items()}

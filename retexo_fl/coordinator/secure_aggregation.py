@@ -253,6 +253,13 @@ class SecureAggregator:
         except SecAggError as exc:
             raise ClientFailure(str(exc)) from None
         total, metrics = sums.update, sums.metrics
+        if metrics.get("diverged", 0.0) > 0:
+            raise ClientFailure(
+                f"secure aggregation: {pending.label}: local training diverged (NaN or Inf) on "
+                f"{int(metrics['diverged'])} of the {n} members summed (which ones is masked); "
+                "inputs of large magnitude do this: scale the node features to about unit size, "
+                "or lower --lr"
+            )
         self.rounds += 1
         if codec.row_sizes:
             self.grids = {pending.stage: self.next_grid(sums.peaks, n).tobytes()}

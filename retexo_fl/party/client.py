@@ -232,6 +232,10 @@ class Client(HaloExchange, ModelExchange, Evaluation, Persistence, ABC):
         """Frames for peers computed in a round (eager), with their exchange figures; lazy: ``None``."""
         return None
 
+    def drop_round_gradients(self) -> None:
+        """Forget what this round's training found for peers (eager's halo gradients): a round
+        that diverged sends none. Lazy: nothing to forget."""
+
     def step_budget(self) -> tuple[int, float | None]:
         """``(steps, deadline)`` of one round's local training (a deadline: time-based rounds)."""
         return int(self.cfg.per_stage("local_epochs", self.layer_index())), None

@@ -247,6 +247,11 @@ class EagerClient(Client):
             stats.bits[bits] += block.shape[0]
         return out
 
+    def drop_round_gradients(self) -> None:
+        """Forget this round's halo gradients: a round that diverged sends none (they may hold
+        NaN, and a codec refusing them would say so per client)."""
+        self.grads_out = {}
+
     def round_payloads(self, state: StateDict, round_: int) -> tuple[dict[int, bytes], dict] | None:
         """This round's rows for the peers' next round and, with halo gradients, what this
         round's training found about the peers' rows (call it after :meth:`train`), and figures."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -22,6 +24,8 @@ from retexo_fl.protocol import Records
 from retexo_fl.records import EvalResult, StateDict
 from retexo_fl.secure.channel import frozen_directory
 from retexo_fl.secure.keys import KeyMaterialError, parse_public
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -181,6 +185,7 @@ def train(client: Client, request: Records) -> Reply:
     round_ = int(config[P.ROUND])
     records: Records = {}
     secure = client.cfg.secure_aggregation
+    diverged = False
     if config.get(P.VALIDATE_ONLY) and not secure and client.cfg.mode == "lazy":
         # No training nodes: the round only validates; the view the broadcast advanced and the
         # journal still change.
@@ -199,7 +204,18 @@ def train(client: Client, request: Records) -> Reply:
     control = client.receive_control(request, state, round_)  # drift-correction scaffold: c
     if control is not None:  # added to every step's gradient: as able to overflow as a state
         check_received_state(control, client, request)
-    new_state, loss = client.train(state, round_, control)
+    try:
+        new_state, loss = client.train(state, round_, control)
+    except TrainingDiverged as exc:
+        if prep is None:
+            raise
+        # Whether a client's steps diverge depends on its data, so a crafted state or learning
+        # rate could turn the refusal into a per-client answer about it. Under secure
+        # aggregation the round goes on with no update from this client, and the count of
+        # members that diverged travels in the masked sum: the server learns how many, not who.
+        log.warning("%s (under secure aggregation: counted in the round's masked sum)", exc)
+        new_state, loss, diverged = state, math.inf, True
+        client.drop_round_gradients()
     # Eager: this round's embeddings (of the received state) go to the peers' next round, with
     # the halo gradients this round's training found (so they are sealed after training).
     sent = client.round_payloads(state, round_)
@@ -211,7 +227,9 @@ def train(client: Client, request: Records) -> Reply:
         seen = new_state if update is None else client.decode_own_update(update, state)
         client.update_control(state, seen, control)
     if prep is not None:  # the update, weight, loss and validation travel masked, summed only
-        records.update(secure_reply.masked_records(client, prep, config, state, new_state, loss, val))
+        records.update(
+            secure_reply.masked_records(client, prep, config, state, new_state, loss, val, diverged)
+        )
         records[P.METRICS] = {P.LOCAL_STEPS: client.last_steps}
     else:
         records[P.UPDATE if update is not None else P.ARRAYS] = update if update is not None else new_state

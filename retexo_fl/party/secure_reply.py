@@ -240,10 +240,14 @@ def masked_records(
     new: StateDict,
     loss: float,
     val: EvalResult,
+    diverged: bool = False,
 ) -> Records:
     """The train reply's :data:`~retexo_fl.protocol.MASKED` record: the masked vector of the
     weighted update ``new - base`` and the round's metrics, with the sealed shares; kept so that
     the same round sent again gets the same reply.
+
+    A client whose local training ``diverged`` sends ``new = base`` (no update) and counts 1 in
+    the sum's ``diverged`` metric: the server learns how many members diverged, never which.
 
     On the round's grid (:data:`~retexo_fl.protocol.SECAGG_GRID`) the update travels as codes of
     ``update-bits`` and what the grid drops is added to the next round's update (error feedback,
@@ -283,6 +287,7 @@ def masked_records(
         "val_count": val.count,
         "val_loss": val.loss_sum,
         "dp_clipped": dp_clipped,
+        "diverged": float(diverged),
     }
     rng = np.random.default_rng(derive_seed(cfg.seed, ROUNDING_TAG, stage, round_, client.id))
     pair = _pair_seeds(client, members, stage, round_, prep.terms)

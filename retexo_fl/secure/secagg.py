@@ -77,8 +77,18 @@ HEADROOM = 4
 LOSS_CAP = 100.0
 #: The metrics, in order: training weight, weighted training loss and summed validation loss
 #: (fractions, in the float segment), then validation correct and count, update coordinates
-#: clipped and updates L2-clipped (integers, in the count segment, summed exactly).
-METRIC_NAMES = ("weight", "weighted_loss", "val_loss", "val_correct", "val_count", "clipped", "dp_clipped")
+#: clipped, updates L2-clipped and members whose local training diverged (integers, in the count
+#: segment, summed exactly).
+METRIC_NAMES = (
+    "weight",
+    "weighted_loss",
+    "val_loss",
+    "val_correct",
+    "val_count",
+    "clipped",
+    "dp_clipped",
+    "diverged",
+)
 _FRACTIONS = 3
 _HEADER = struct.Struct(">4sQQIB")
 _MAGIC = b"RXSA"
@@ -378,7 +388,9 @@ class VectorCodec:
         fractions = np.array([m["weight"], m["weighted_loss"] / cap, m["val_loss"] / (b * cap)])
         # A diverged loss (inf or NaN) counts at the cap: the metrics stay decodable.
         fractions = np.clip(np.nan_to_num(fractions, nan=1.0, posinf=1.0, neginf=0.0), 0.0, 1.0)
-        counts = np.array([m["val_correct"], m["val_count"], m["clipped"], m.get("dp_clipped", 0.0)])
+        counts = np.array(
+            [m["val_correct"], m["val_count"], m["clipped"], m.get("dp_clipped", 0.0), m.get("diverged", 0.0)]
+        )
         parts = [
             self.update_fp.encode(update, rng) if self.grid is None else self.grid.encode(update, rng),
             self.update_fp.encode(peaks, rng),
@@ -417,6 +429,7 @@ class VectorCodec:
             "val_count": float(counts[1]),
             "clipped": float(counts[2]),
             "dp_clipped": float(counts[3]),
+            "diverged": float(counts[4]),
         }
         return Decoded(update, metrics, peaks)
 

@@ -14,6 +14,7 @@ from retexo_fl.secure import secagg, shamir
 from retexo_fl.secure.keys import public_bytes
 from retexo_fl.secure.masking import pairwise_mask_seed
 from retexo_fl.secure.secagg import (
+    METRIC_NAMES,
     SecAggError,
     UnmaskLedger,
     UpdateGrid,
@@ -126,13 +127,13 @@ def test_a_masked_reply_is_uniform_and_uncorrelated_with_its_update():
     assert float(((low - expected) ** 2 / expected).sum()) < 330.5
     # Structure: every coordinate of the unmasked encoding sits in [0, 2K], a 32nd of the field;
     # the masked one lands there as often as uniform values do (binomial, within 5 deviations),
-    # and no coordinate equals the plain one beyond chance (expected 40,007 / 2**32).
+    # and no coordinate equals the plain one beyond chance (expected 40,008 / 2**32).
     assert np.count_nonzero(masked == plain) == 0
     p = (2 * codec.update_fp.offset + 1) / 2**32
     assert np.all(plain[: codec.size] <= 2 * codec.update_fp.offset)
     inside = np.count_nonzero(masked[: codec.size] <= 2 * codec.update_fp.offset)
     assert abs(inside - codec.size * p) < 5 * np.sqrt(codec.size * p * (1 - p)), inside
-    for reference in (plain.astype(np.float64), np.concatenate([update, np.zeros(7)])):
+    for reference in (plain.astype(np.float64), np.concatenate([update, np.zeros(len(METRIC_NAMES))])):
         r = np.corrcoef(masked.astype(np.float64), reference)[0, 1]
         assert abs(r) < 4 / np.sqrt(masked.size), r  # four standard errors of a zero correlation
     # The same client's vectors of two rounds are unrelated too (fresh self seed, new pair seeds).
@@ -357,7 +358,7 @@ def test_compressed_updates_unmask_from_their_narrow_lanes_to_the_exact_code_sum
     codec = VectorCodec(sum(rows), n, update_clip=1.0, weight_bound=100.0, grid=grid, row_sizes=rows)
     updates = np.random.default_rng(3).uniform(-1.2, 1.2, (n, sum(rows))) * grid.clips  # some clipped
     _, packed, vectors, answers, members, t, _ = _run_round(n, updates, dropped=(2,), codec=codec)
-    header, metrics = 25, 4 * (len(rows) + 7)
+    header, metrics = 25, 4 * (len(rows) + len(METRIC_NAMES))
     assert all(len(b) == header + (300 * 6 + 7) // 8 + metrics for b in packed.values())
     assert int(np.count_nonzero(vectors[0][:300] <= 2 * grid.levels)) < 120  # codes alone: all 300
     (total, metrics_sum, peaks), count = unmask_round(codec, vectors, members, t, answers)
@@ -370,7 +371,7 @@ def test_compressed_updates_unmask_from_their_narrow_lanes_to_the_exact_code_sum
     want = sum(np.abs(updates[i]).reshape(3, 100).max(axis=1) for i in survivors)
     np.testing.assert_allclose(peaks, want, atol=codec.update_fp.sum_error(3))
     assert metrics_sum["val_count"] == sum(30 + i for i in survivors)
-    with pytest.raises(SecAggError, match=r"6 bits declared\), expected 310 values, the update's in 32-bit"):
+    with pytest.raises(SecAggError, match=r"6 bits declared\), expected 311 values, the update's in 32-bit"):
         VectorCodec(300, n, 1.0, 100.0, row_sizes=rows).unpack(packed[0], 1, 3, "client 0")  # not its grid
 
 

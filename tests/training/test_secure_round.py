@@ -17,6 +17,7 @@ from retexo_fl.coordinator.transport import Batch, ClientFailure
 from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.metrics import RunRecorder
 from retexo_fl.party import secure_reply
+from retexo_fl.party.client import Client, TrainingDiverged
 from retexo_fl.party.handlers import handle
 from retexo_fl.party.lazy_client import LazyClient
 from retexo_fl.secure.envelope import ENVELOPE_BYTES
@@ -617,3 +618,29 @@ def test_a_masked_evaluation_binds_where_each_members_stage_inputs_came_from(sbm
         replies[pid] = handle(server.clients[pid], P.EVALUATE, request).records
     with pytest.raises(ClientFailure, match="the evaluation sum does not decode"):
         SecureAggregator.sum_evaluation(None, settings, replies, "eval")
+
+
+@pytest.mark.parametrize("mode", ["lazy", "eager"])
+def test_whether_a_members_training_diverged_is_summed_not_told(sbm, caplog, monkeypatch, mode):
+    """Whether a client's local steps diverge depends on its data: a crafted state or learning
+    rate could make that a per-client answer (an attack review read raw feature values off it).
+    Under secure aggregation the diverged client replies as any member does, with no update, and
+    the server learns how many members diverged, not which; without it the client is named."""
+    checked = Client.checked_round
+
+    def client_2_diverges(self, new, loss, taken, round_):  # its loss overflows in round 1
+        return checked(self, new, float("nan") if self.id == 2 and round_ == 1 else loss, taken, round_)
+
+    monkeypatch.setattr(Client, "checked_round", client_2_diverges)
+    parts = partition_graph(sbm, 4, "metis", seed=0)
+    cfg = dataclasses.replace(BASE, stages=1, rounds=3, mode=mode)
+    run = run_lazy if mode == "lazy" else run_eager  # eager: its halo gradients are dropped too
+    with pytest.raises(TrainingDiverged, match=r"client 2, stage 0, round 1: local training diverged"):
+        run(parts, cfg)
+    with caplog.at_level("WARNING"), pytest.raises(ClientFailure) as failure:
+        run(parts, dataclasses.replace(cfg, secure_aggregation=True))
+    text = str(failure.value)
+    assert "round 1: local training diverged (NaN or Inf) on 1 of the 4 members summed" in text
+    assert "client" not in text.replace("clients", "")  # nobody named
+    # The client's own log says it was this one: that stays on its machine.
+    assert any("client 2, stage 0, round 1" in r.getMessage() for r in caplog.records)

@@ -40,6 +40,8 @@ FirstStage = Literal["mlp", "local", "auto"]
 FIRST_STAGES: tuple[str, ...] = get_args(FirstStage)
 #: What a layer-0 stage is built as; ``first-stage auto`` trains both and keeps one.
 FIRST_STAGE_VARIANTS: tuple[str, ...] = ("mlp", "local")
+#: The largest ``gnn-input-rms-floor``: trained embeddings have a root mean square of about 0.1-1.
+MAX_INPUT_RMS_FLOOR = 10.0
 DriftCorrection = Literal["none", "scaffold"]
 #: ``drift-correction``: none, or SCAFFOLD's control variates (:mod:`retexo_fl.scaffold`).
 DRIFT_CORRECTIONS: tuple[str, ...] = get_args(DriftCorrection)
@@ -133,8 +135,12 @@ class ModelSettings:
         check_choices(self)
         if self.stages < 1:
             raise ValueError(f"stages must be >= 1, got {self.stages}")
-        if self.gnn_input_rms_floor < 0:
-            raise ValueError(f"gnn-input-rms-floor must be >= 0, got {self.gnn_input_rms_floor}")
+        if not 0 <= self.gnn_input_rms_floor <= MAX_INPUT_RMS_FLOOR:
+            # Bounded: the factor multiplies a stage's input, and one without limit would let a
+            # run config push rows past float32 exactly where a client's data makes them nonzero.
+            raise ValueError(
+                f"gnn-input-rms-floor must be in [0, {MAX_INPUT_RMS_FLOOR:g}], got {self.gnn_input_rms_floor}"
+            )
         if self.first_stage_race < 0 or not 0 <= self.first_stage_race_margin <= 1:
             raise ValueError(
                 "first-stage-race must be >= 0 and first-stage-race-margin in [0, 1], got "
@@ -747,6 +753,12 @@ class TrainConfig:
                 raise ValueError(
                     "secure-aggregation runs federated modes (lazy, eager, local) with 3 or more "
                     "clients and no drift-correction (control variates need each client's update)"
+                )
+            if self.bit_policy != "fixed":
+                raise ValueError(
+                    f"secure-aggregation with bit-policy {self.bit_policy}: adaptive widths follow "
+                    "each row's values, and the widths and frame sizes the server sees would count "
+                    "a client's rows past a threshold of its choosing; use bit-policy fixed"
                 )
             if self.clients > MAX_SECAGG_CLIENTS:
                 raise ValueError(

@@ -179,16 +179,17 @@ class EagerClient(Client):
         leaves, self._halo_leaves = self._halo_leaves, None
         self.grads_out = {}
         if leaves is not None and self.plan.recv:
-            peers = sorted(self.plan.recv)
-            sizes = [int(self.plan.recv[q].size) for q in peers]
             scale = max(self.num_train, 1)  # the summed loss's gradient: owners divide by theirs
-            per_layer = []
-            for leaf in leaves:
-                grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-                blocks = torch.split(grad.detach().cpu() * scale, sizes)
-                per_layer.append(dict(zip(peers, blocks, strict=True)))
-            self.grads_out = {q: torch.cat([blocks[q] for blocks in per_layer]) for q in peers}
+            grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
+            self.grads_out = self._per_peer([self.bounded(g.detach().cpu() * scale) for g in grads])
         return new, loss
+
+    def _per_peer(self, per_layer: list[Tensor]) -> dict[int, Tensor]:
+        """Each peer's block of every layer's halo-row gradients ``[halo, width]``, stacked."""
+        peers = sorted(self.plan.recv)
+        sizes = [int(self.plan.recv[q].size) for q in peers]
+        split = [dict(zip(peers, torch.split(g, sizes), strict=True)) for g in per_layer]
+        return {q: torch.cat([blocks[q] for blocks in split]) for q in peers}
 
     @torch.no_grad()
     def boundary_rows(self, state: StateDict) -> dict[int, Tensor]:
@@ -200,7 +201,7 @@ class EagerClient(Client):
         model.eval()
         ei, w = self.message_graph()
         _, inputs = model(self.owned, ei, w, self.halo_layers)
-        per_layer = [self.plan.rows_for(self.released(h.float().cpu())) for h in inputs]
+        per_layer = [self.plan.rows_for(self.released(self.bounded(h.float().cpu()))) for h in inputs]
         return {q: torch.cat([rows[q] for rows in per_layer]) for q in self.plan.send}
 
     def encode_rows_for_round(
@@ -248,9 +249,12 @@ class EagerClient(Client):
         return out
 
     def drop_round_gradients(self) -> None:
-        """Forget this round's halo gradients: a round that diverged sends none (they may hold
-        NaN, and a codec refusing them would say so per client)."""
+        """Zero this round's halo gradients: a round that diverged sends zeros of the shapes an
+        honest round sends (NaN would be refused by the codec, and missing blocks would show in
+        the frames' sizes and the figures, either naming this client as the one that diverged)."""
         self.grads_out = {}
+        if self.exchanges_gradients and self.plan.recv:
+            self.grads_out = self._per_peer([torch.zeros(h.shape) for h in self.halo_layers])
 
     def round_payloads(self, state: StateDict, round_: int) -> tuple[dict[int, bytes], dict] | None:
         """This round's rows for the peers' next round and, with halo gradients, what this

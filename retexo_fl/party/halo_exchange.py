@@ -22,6 +22,22 @@ from retexo_fl.secure.policy import PartyPolicy
 
 log = logging.getLogger(__name__)
 
+#: Under secure aggregation, the largest magnitude a row this client computes for peers (or keeps
+#: as its next stage's input) may have; NaN becomes 0. Trained embeddings are about 1. A row past
+#: float32, or one the codec refuses, would otherwise end the reply with an error that says, per
+#: client, which of its rows a crafted state drove there: a question about its data.
+MAX_ROW_VALUE = 1e9
+
+
+def bounded_rows(rows: Tensor, limit: float = MAX_ROW_VALUE) -> Tensor:
+    """``rows`` with NaN as 0 and every value clamped to ``[-limit, limit]``.
+
+    Shapes:
+        - **input:** ``rows`` ``[n, d]``
+        - **output:** ``[n, d]``, the same dtype
+    """
+    return torch.nan_to_num(rows, nan=0.0, posinf=limit, neginf=-limit).clamp(-limit, limit)
+
 
 class HaloExchange:
     """The peer-exchange seam of :class:`~retexo_fl.party.client.Client` (a mixin: it reads the
@@ -42,6 +58,11 @@ class HaloExchange:
     # The client's own (:class:`~retexo_fl.party.client.Client`):
     id: int
     peers: set[int]
+
+    def bounded(self, rows: Tensor) -> Tensor:
+        """``rows`` as :func:`bounded_rows` gives them under secure aggregation; as they are
+        otherwise (a NaN row is then refused by the codec, naming this client: training diverged)."""
+        return bounded_rows(rows) if self.cfg.secure_aggregation else rows
 
     def released(self, rows: Tensor) -> Tensor:
         """``rows`` as they may leave this client: clipped and noised per row when the run says so

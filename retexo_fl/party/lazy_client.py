@@ -564,6 +564,7 @@ class LazyClient(Client):
 
     def advance(self, embeddings: Tensor) -> dict[int, Tensor]:
         """Make ``embeddings`` the owned input of the next stage; return the rows peers need."""
+        embeddings = self.bounded(embeddings)
         outgoing = self.plan.rows_for(self.released(embeddings))  # refused: nothing changed
         self.stage += 1
         self.halo = None

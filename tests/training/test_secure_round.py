@@ -644,3 +644,138 @@ def test_whether_a_members_training_diverged_is_summed_not_told(sbm, caplog, mon
     assert "client" not in text.replace("clients", "")  # nobody named
     # The client's own log says it was this one: that stays on its machine.
     assert any("client 2, stage 0, round 1" in r.getMessage() for r in caplog.records)
+
+
+class _CraftedEmbeds(InProcessTransport):
+    """A malicious server: stage 0's embed state thresholds raw feature 3 (every weight within
+    the clients' 1e9 bound), so a client's rows are about 1e20 where its data passes the
+    threshold and 0 elsewhere; stage 1's embed state (every weight 1e9) then overflows exactly
+    those rows. It stops before stage 1 trains and records each client's embed outcome."""
+
+    def __init__(self, clients) -> None:
+        super().__init__(clients)
+        self.outcomes: dict[int, str] = {}
+
+    def send(self, kind, requests, phase, stage):
+        if kind == P.EMBED and stage == 0:
+            requests = {pid: self._crafted(pid, req) for pid, req in requests.items()}
+        if kind == P.TRAIN and stage == 1:
+            for pid, req in requests.items():
+                crafted = {
+                    k: torch.full_like(v, 1e9) for k, v in self.clients[pid].make_model().state_dict().items()
+                }
+                msg = {
+                    P.CONFIG: {P.STAGE: 1},
+                    P.ARRAYS: crafted,
+                    **{k: v for k, v in req.items() if k == P.PAYLOADS},
+                }
+                try:
+                    handle(self.clients[pid], P.EMBED, msg)
+                    self.outcomes[pid] = "replied"
+                except Exception as exc:  # what a server would read off the error reply
+                    self.outcomes[pid] = f"{type(exc).__name__}: {exc}"
+            raise _Stopped
+        return super().send(kind, requests, phase, stage)
+
+    def _crafted(self, pid: int, req):
+        config = dict(req[P.CONFIG])
+        like = self.clients[pid].held_state(str(config.pop(P.HELD))) if P.HELD in config else req[P.ARRAYS]
+        state = {k: torch.zeros_like(v) for k, v in like.items()}
+        state["body.weight"][:, 3] = 1e8
+        state["body.bias"][:] = -1e8 * 1.0  # the threshold: feature 3 above 1.0
+        state["head.weight"][:] = 1e9
+        return {**{k: v for k, v in req.items() if k != P.CONFIG}, P.CONFIG: config, P.ARRAYS: state}
+
+
+class _Stopped(BaseException):
+    pass
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_rows_a_crafted_state_overflows_where_the_data_says_are_bounded_not_refused(sbm, secure):
+    """Each weight within the 1e9 bound, their product across two stages is not: an attack
+    review had clients' codecs refuse the overflowing rows in clear, counting per client its
+    boundary rows whose neighbourhoods pass a feature threshold. Under secure aggregation a
+    client bounds the rows it computes (NaN as 0, values within 1e9) and every client replies;
+    without it the codec refuses them, naming the client (the server sees each client's update
+    there anyway)."""
+    parts = partition_graph(sbm, 4, "metis", seed=0)
+    cfg = dataclasses.replace(
+        BASE,
+        stages=3,
+        rounds=1,
+        hidden=64,
+        clients=4,
+        first_stage="mlp",
+        norm="none",
+        pass_embedding="logits",
+        dropout=[0.0],
+        input_dropout=[0.0],
+        secure_aggregation=secure,
+    )
+    server = _CraftedEmbeds([LazyClient(p, cfg) for p in parts])
+    with pytest.raises(_Stopped):
+        LazyStageMachine(server, cfg, RunRecorder(None, stream=None)).run()
+    refused = {pid: o for pid, o in server.outcomes.items() if o != "replied"}
+    if secure:
+        assert len(server.outcomes) == 4 and not refused, refused
+    else:  # the oracle the bound closes: some clients refuse (measured: not all of them)
+        assert refused and len(refused) < 4, server.outcomes
+        assert all("hold NaN or Inf" in o for o in refused.values())
+
+
+def test_a_run_config_cannot_scale_stage_inputs_without_limit_or_adapt_widths_under_secure_aggregation():
+    """``gnn-input-rms-floor`` multiplies a stage's input (without a limit it overflowed rows
+    with every weight at most 1), and adaptive bit widths follow each row's values (the widths
+    and frame sizes the server sees counted a client's rows past a threshold): both refused."""
+    with pytest.raises(ValueError, match=r"gnn-input-rms-floor must be in \[0, 10\]"):
+        TrainConfig(gnn_input_rms_floor=1e36).validate()
+    TrainConfig(gnn_input_rms_floor=10.0).validate()
+    with pytest.raises(ValueError, match="secure-aggregation with bit-policy adaptive-budget"):
+        TrainConfig(
+            clients=4, secure_aggregation=True, bit_policy="adaptive-budget", byte_budget=10**6
+        ).validate()
+    TrainConfig(
+        clients=4, secure_aggregation=False, bit_policy="adaptive-budget", byte_budget=10**6
+    ).validate()
+
+
+def test_an_eager_member_that_diverged_sends_what_an_honest_one_sends_in_clear(sbm, monkeypatch):
+    """The count of diverged members is summed; the reply must not name the member either. An
+    attack review found a diverged eager client's halo-gradient frames empty (its clear figures
+    160 rows against 299, a frame of 1,685 bytes against 3,285): it now sends zero gradients of
+    the shapes an honest round sends."""
+    parts = partition_graph(sbm, 4, "metis", seed=0)
+    cfg = TrainConfig.resolve(
+        profile="exact", mode="eager", model="gcn", stages=2, hidden=16, rounds=1, seed=0, clients=4
+    )
+    assert cfg.halo_gradients  # eager's default: every member returns its peers' gradients
+    cfg = dataclasses.replace(cfg, secure_aggregation=True)
+    seen: list[dict] = []
+    send = InProcessTransport.send
+
+    def recording(self, kind, requests, phase, stage):
+        batch = send(self, kind, requests, phase, stage)
+        if kind == P.TRAIN:
+            seen.append(
+                {
+                    pid: (r.get(P.STATS), {q: len(f) for q, f in r.get(P.PAYLOADS, {}).items()})
+                    for pid, r in batch.replies.items()
+                }
+            )
+        return batch
+
+    monkeypatch.setattr(InProcessTransport, "send", recording)
+    run_eager(parts, cfg)
+    honest = seen[0]
+    seen.clear()
+    checked = Client.checked_round
+
+    def client_2_diverges(self, new, loss, taken, round_):
+        return checked(self, new, float("nan") if self.id == 2 else loss, taken, round_)
+
+    monkeypatch.setattr(Client, "checked_round", client_2_diverges)
+    with pytest.raises(ClientFailure, match=r"diverged .* on 1 of the 4 members"):
+        run_eager(parts, cfg)
+    assert honest[2][0] is not None and honest[2][1]  # it sends figures and frames
+    assert seen[0] == honest  # every member's clear figures and frame sizes, client 2's included

@@ -96,6 +96,11 @@ IDENTITY_MIN_ROWS = 8
 _identity_warned = False
 
 
+#: The largest factor ``gnn-input-rms-floor`` scales a stage's input by. Trained embeddings have a
+#: root mean square of 0.1-1 (Twitch TW's 0.12 takes a factor of about 2 at the default floor).
+MAX_INPUT_SCALE = 100.0
+
+
 def identity_like(x: Tensor) -> bool:
     """Whether ``x``'s rows are one-hot and no two share their column: node identities (a
     featureless graph's usual stand-in) or a category each node has alone.
@@ -287,7 +292,9 @@ class LazyClient(Client):
         if floor <= 0 or self.layer == 0 or not self.owned.numel():
             return 1.0
         rms = float(self.owned.float().pow(2).mean().sqrt())
-        return floor / rms if 1e-12 < rms < floor else 1.0
+        # At most MAX_INPUT_SCALE: a stage-0 state could make the own rows' rms tiny, and the
+        # factor, multiplying every row and gradient, would be the server's to set.
+        return min(floor / rms, MAX_INPUT_SCALE) if 1e-12 < rms < floor else 1.0
 
     def edges(self) -> tuple[Tensor | None, Tensor | None]:
         """What a conv stage's layer reads (:meth:`~Client.message_graph`: GCN and SAGE a CSR

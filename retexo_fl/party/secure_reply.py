@@ -53,6 +53,13 @@ from retexo_fl.seeding import derive_seed
 
 log = logging.getLogger(__name__)
 
+#: The error-feedback residual a client keeps on an update grid is bounded to this many times the
+#: run's ``secagg-clip`` per coordinate. More than a few rounds can ever send of it is of no use,
+#: and without a bound a large update (a learning rate of the server's, a state crafted so that
+#: one gradient follows a count over the client's data) piled up past float32, after which the
+#: next round's encoder refused it in clear: a per-client answer about that data.
+RESIDUAL_CLIPS = 4.0
+
 
 @dataclass
 class Prepared:
@@ -295,7 +302,11 @@ def masked_records(
         codec, update, metrics, client.id, prep.self_seed, pair, stage, round_, rng
     )
     # In weighted units; a field element's rounding (below 2**-scale_bits) is not worth keeping.
-    client.residual = unflatten(update - sent, base) if codec.grid is not None else None
+    if codec.grid is not None:
+        cap = RESIDUAL_CLIPS * codec.update_clip
+        client.residual = unflatten(np.clip(np.nan_to_num(update - sent, nan=0.0), -cap, cap), base)
+    else:
+        client.residual = None
     if clipped and codec.grid is None:  # on a grid, clipping is routine: the residual carries it
         log.warning(
             "client %s: %d update coordinates exceeded secagg-clip %s and were clipped",

@@ -56,3 +56,15 @@ def test_the_stage_trains_and_embeds_from_the_scaled_input(stage_one_client, sta
     scaled.owned = scaled.owned * 4
     assert abs(scaled.input_scale() - factor / 4) < 1e-4 * factor
     assert abs(_rms(scaled.stage_input()[: scaled.graph.num_owned]) - FLOOR) < 1e-6
+
+
+def test_the_factor_is_capped_whatever_the_rows_scale(stage_one_client):
+    """A stage-0 state can make a client's own rows as small as it likes (an attack review made
+    them 1.6e-11, a factor of 6e11 on every row and gradient): the factor stops at
+    ``MAX_INPUT_SCALE``, so the server does not set it."""
+    from retexo_fl.party.lazy_client import MAX_INPUT_SCALE
+
+    tiny = stage_one_client(_config(FLOOR), 1e-6)
+    assert FLOOR / _rms(tiny.owned) > 1000 * MAX_INPUT_SCALE  # what the floor alone would ask
+    assert tiny.input_scale() == MAX_INPUT_SCALE == 100.0
+    assert torch.allclose(tiny.stage_input()[: tiny.graph.num_owned], tiny.owned * MAX_INPUT_SCALE)

@@ -779,3 +779,57 @@ def test_an_eager_member_that_diverged_sends_what_an_honest_one_sends_in_clear(s
         run_eager(parts, cfg)
     assert honest[2][0] is not None and honest[2][1]  # it sends figures and frames
     assert seen[0] == honest  # every member's clear figures and frame sizes, client 2's included
+
+
+class _StopAtFirstTrain(InProcessTransport):
+    """An honest server up to stage 0's first train round, whose requests it keeps."""
+
+    def send(self, kind, requests, phase, stage):
+        if kind == P.TRAIN:
+            self.first = requests
+            raise _Stopped
+        return super().send(kind, requests, phase, stage)
+
+
+def test_a_grid_residual_stays_bounded_whatever_a_round_sends(sbm):
+    """An attack review's third finding: on an update grid, what the grid drops is kept for the
+    next round (error feedback). A crafted state (one hidden unit relu(x_3 - t) feeding a logit by
+    1e9, so one gradient is 1e9 times the count of the client's training nodes past t) and a
+    learning rate of 6e28 piled the residual past float32 on the clients holding such nodes, and
+    the next round's encoder refused the infinite update in clear. The residual is bounded now
+    (4 x secagg-clip a coordinate), and every client replies to every round."""
+    cfg = dataclasses.replace(
+        BASE,
+        stages=2,
+        rounds=3,
+        hidden=16,
+        clients=4,
+        secure_aggregation=True,
+        first_stage="mlp",
+        update_bits=4,
+        norm="none",
+        dropout=[0.0],
+        input_dropout=[0.0],
+        weight_decay=0.0,
+        lr=6e28,
+    )
+    server = _StopAtFirstTrain([LazyClient(p, cfg) for p in partition_graph(sbm, 4, "metis", seed=0)])
+    with pytest.raises(_Stopped):
+        LazyStageMachine(server, cfg, RunRecorder(None, stream=None)).run()
+    refused = {}
+    for round_ in range(1, 41):
+        for pid, client in enumerate(server.clients):
+            like = server.first[pid][P.ARRAYS]
+            state = {k: torch.zeros_like(v) for k, v in like.items()}
+            state["body.weight"][0, 3], state["body.bias"][0], state["head.weight"][0, 0] = 1.0, -0.5, 1e9
+            grid = np.full(len(row_sizes(like)), cfg.secagg_clip, "<f4").tobytes()
+            config = {**server.first[pid][P.CONFIG], P.ROUND: round_, P.SECAGG_BOUND: 1, P.SECAGG_GRID: grid}
+            if pid not in refused:
+                try:
+                    handle(client, P.TRAIN, {P.CONFIG: config, P.ARRAYS: state})
+                except SecAggError as exc:  # what the server would read, per client
+                    refused[pid] = (round_, str(exc))
+            if client.residual is not None:
+                peak = max(float(v.abs().max()) for v in client.residual.values())
+                assert peak <= 4 * cfg.secagg_clip, (pid, round_, peak)
+    assert not refused, refused

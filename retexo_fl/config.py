@@ -754,6 +754,12 @@ class TrainConfig:
                     "secure-aggregation runs federated modes (lazy, eager, local) with 3 or more "
                     "clients and no drift-correction (control variates need each client's update)"
                 )
+            if self.round_seconds:
+                raise ValueError(
+                    "secure-aggregation with round-seconds: a time-based round's step count "
+                    "travels in clear, and a crafted state can slow a client's arithmetic where its "
+                    "values are subnormal; use local-epochs"
+                )
             if self.bit_policy != "fixed":
                 raise ValueError(
                     f"secure-aggregation with bit-policy {self.bit_policy}: adaptive widths follow "

@@ -724,7 +724,7 @@ def test_rows_a_crafted_state_overflows_where_the_data_says_are_bounded_not_refu
         assert all("hold NaN or Inf" in o for o in refused.values())
 
 
-def test_a_run_config_cannot_scale_stage_inputs_without_limit_or_adapt_widths_under_secure_aggregation():
+def test_a_run_config_cannot_scale_stage_inputs_without_limit_or_adapt_widths_or_time_rounds_under_secagg():
     """``gnn-input-rms-floor`` multiplies a stage's input (without a limit it overflowed rows
     with every weight at most 1), and adaptive bit widths follow each row's values (the widths
     and frame sizes the server sees counted a client's rows past a threshold): both refused."""
@@ -738,6 +738,8 @@ def test_a_run_config_cannot_scale_stage_inputs_without_limit_or_adapt_widths_un
     TrainConfig(
         clients=4, secure_aggregation=False, bit_policy="adaptive-budget", byte_budget=10**6
     ).validate()
+    with pytest.raises(ValueError, match="secure-aggregation with round-seconds"):  # steps in clear
+        TrainConfig.resolve(clients=4, secure_aggregation=True, mode="local", round_seconds=1.0).validate()
 
 
 def test_an_eager_member_that_diverged_sends_what_an_honest_one_sends_in_clear(sbm, monkeypatch):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,8 +16,17 @@ class PlanMismatchError(ValueError):
     """Two clients derived different boundary plans for the rows that pass between them."""
 
 
+def ids_bytes(ids: np.ndarray) -> bytes:
+    """An ordered id list as the bytes its digest or tag reads: little-endian int64."""
+    return np.ascontiguousarray(ids, dtype="<i8").tobytes()
+
+
 def ids_digest(ids: np.ndarray) -> str:
     """A short digest of an ordered id list; equal on both sides iff both derived the same plan.
+
+    Unkeyed: anyone who can guess the list can test the guess (a list of one or two ids, out of
+    a known id space, is found by trying them all). What a client reports at setup is keyed when
+    it has a sealed channel to the peer (:meth:`BoundaryPlan.digests`).
 
     Args:
         ids (np.ndarray): the global ids, in the order they travel.
@@ -27,7 +37,12 @@ def ids_digest(ids: np.ndarray) -> str:
     Returns:
         The first 32 hex digits of the SHA-256 of the ids as little-endian int64.
     """
-    return hashlib.sha256(np.ascontiguousarray(ids, dtype="<i8").tobytes()).hexdigest()[:32]
+    return hashlib.sha256(ids_bytes(ids)).hexdigest()[:32]
+
+
+#: ``tag(src, dst, message)``: a tag both ends of the direction ``src`` to ``dst`` compute alike
+#: and no one else can (:meth:`~retexo_fl.secure.envelope.Envelopes.plan_tag`), or ``None``.
+PairTag = Callable[[int, int, bytes], "str | None"]
 
 
 @dataclass
@@ -89,15 +104,28 @@ class BoundaryPlan:
         """``H``: the number of halo rows this client receives per exchange."""
         return int(self.halo_ids.size)
 
-    def digests(self) -> dict[str, dict[int, str]]:
+    def digests(self, tag: PairTag | None = None) -> dict[str, dict[int, str]]:
         """Digests a client reports at setup: ``send`` and ``recv`` per peer.
 
+        Args:
+            tag (PairTag, optional): keys each digest to its pair (the send list to ``q`` under
+                the direction to ``q``, the receive list under the direction from it), so that
+                the server, who sees the digests, can compare two parties' but not test a guess
+                of the ids behind one. A peer without a tag (no channel to it) gets an empty
+                digest. (default: :obj:`None`: unkeyed :func:`ids_digest`)
+
         Returns:
-            ``{"send": {peer: digest}, "recv": {peer: digest}}`` (see :func:`ids_digest`).
+            ``{"send": {peer: digest}, "recv": {peer: digest}}``.
         """
+        if tag is None:
+            return {
+                "send": {q: ids_digest(v) for q, v in self.send_ids.items()},
+                "recv": {q: ids_digest(v) for q, v in self.recv.items()},
+            }
+        me = self.partition_id
         return {
-            "send": {q: ids_digest(v) for q, v in self.send_ids.items()},
-            "recv": {q: ids_digest(v) for q, v in self.recv.items()},
+            "send": {q: tag(me, q, ids_bytes(v)) or "" for q, v in self.send_ids.items()},
+            "recv": {q: tag(q, me, ids_bytes(v)) or "" for q, v in self.recv.items()},
         }
 
     def rows_for(self, embeddings: torch.Tensor) -> dict[int, torch.Tensor]:

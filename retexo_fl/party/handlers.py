@@ -160,7 +160,9 @@ def setup(client: Client, request: Records) -> Reply:
         P.PARTITION_ID: client.id,
         P.NUM_CLASSES: client.part.num_classes,
         P.NUM_FEATURES: client.part.num_features,
-        P.DIGESTS: json.dumps(client.plan.digests()),
+        # Keyed to each pair when encrypted: an unkeyed digest of a one- or two-id list gives its
+        # ids (and a private cross edge) to a server that hashes every guess.
+        P.DIGESTS: json.dumps(client.plan.digests(client.channel.plan_tag if client.cfg.encrypt else None)),
     }
     return Reply(
         {

@@ -249,6 +249,13 @@ class PeerChannel:
             raise RuntimeError(f"client {self.party}: encryption is on but no key directory arrived")
         return self.envelopes
 
+    def plan_tag(self, src: int, dst: int, message: bytes) -> str | None:
+        """A tag of ``message`` only the two ends of the direction ``src`` to ``dst`` can compute
+        (:meth:`~retexo_fl.secure.envelope.Envelopes.plan_tag`); ``None`` without a channel."""
+        if not self.enabled or self.envelopes is None:
+            return None
+        return self.envelopes.plan_tag(src, dst, message)
+
     def seal(self, frames: dict[int, bytes], kind: str, stage: int, round_: int = 0) -> dict[int, bytes]:
         """``frames`` (peer -> frame) sealed for their peers, or as they are when disabled."""
         if not self.enabled:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
 import struct
 from dataclasses import dataclass
@@ -84,14 +85,28 @@ def transcript_hash(
     return h.digest()
 
 
-def _key(shared: bytes, keys: tuple[bytes, bytes], transcript: bytes, src: int, dst: int, me: int) -> bytes:
+#: The HKDF label of a channel's payload keys.
+BOUNDARY_LABEL = b"retexo-fl boundary v2"
+#: The HKDF label of a pair's boundary-plan tag key (:meth:`Envelopes.plan_tag`).
+PLAN_LABEL = b"retexo-fl plan tag v1"
+
+
+def _key(
+    shared: bytes,
+    keys: tuple[bytes, bytes],
+    transcript: bytes,
+    src: int,
+    dst: int,
+    me: int,
+    label: bytes = BOUNDARY_LABEL,
+) -> bytes:
     """One direction's key (``src`` to ``dst``) of a channel, from its X25519 ``shared`` secret
-    and ``keys``, (this party's public key, the peer's)."""
+    and ``keys``, (this party's public key, the peer's); ``label`` names what the key is for."""
     mine, peer = keys
     src_pub, dst_pub = (mine, peer) if src == me else (peer, mine)
     # Like libsodium's crypto_kx and Noise: the key binds both public keys, the direction and the
     # whole transcript, not only the shared secret and a server-chosen salt.
-    info = b"retexo-fl boundary v2" + struct.pack(">II", src, dst) + src_pub + dst_pub
+    info = label + struct.pack(">II", src, dst) + src_pub + dst_pub
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=transcript, info=info).derive(shared)
 
 
@@ -155,6 +170,19 @@ class Envelopes:
             self._send[q] = AESGCM(_key(shared, keys, self.transcript, me, q, me))
             self._recv[q] = AESGCM(_key(shared, keys, self.transcript, q, me, me))
         return self._send[q], self._recv[q]
+
+    def plan_tag(self, src: int, dst: int, message: bytes) -> str | None:
+        """A keyed tag (HMAC-SHA256, 32 hex digits) of ``message`` for the direction ``src`` to
+        ``dst``, one of them this client: both ends of a pair compute the same tag, and nobody
+        else can, so the server can check that two parties agree without testing guesses of what
+        they agree on. ``None`` for a peer this client has no channel to (lost at key setup)."""
+        q = dst if src == self.own_id else src
+        if q not in self._keys:
+            return None
+        keys = (self._mine, self._keys[q])
+        shared = self._identity.exchange(X25519PublicKey.from_public_bytes(keys[1]))
+        key = _key(shared, keys, self.transcript, src, dst, self.own_id, PLAN_LABEL)
+        return hmac.new(key, message, hashlib.sha256).hexdigest()[:32]
 
     def counters(self) -> dict:
         """Each direction's last number sent and last accepted (with its payload's digest)."""

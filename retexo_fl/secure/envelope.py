@@ -165,11 +165,15 @@ class Envelopes:
     def _channel(self, q: int) -> tuple[AESGCM, AESGCM]:
         """The (send, receive) ciphers of peer ``q``'s channel: one X25519 exchange, two keys."""
         if q not in self._send:
-            me, keys = self.own_id, (self._mine, self._keys[q])
-            shared = self._identity.exchange(X25519PublicKey.from_public_bytes(keys[1]))
+            me, (shared, keys) = self.own_id, self._shared(q)
             self._send[q] = AESGCM(_key(shared, keys, self.transcript, me, q, me))
             self._recv[q] = AESGCM(_key(shared, keys, self.transcript, q, me, me))
         return self._send[q], self._recv[q]
+
+    def _shared(self, q: int) -> tuple[bytes, tuple[bytes, bytes]]:
+        """Peer ``q``'s X25519 shared secret and the pair's public keys (this party's, then q's)."""
+        keys = (self._mine, self._keys[q])
+        return self._identity.exchange(X25519PublicKey.from_public_bytes(keys[1])), keys
 
     def plan_tag(self, src: int, dst: int, message: bytes) -> str | None:
         """A keyed tag (HMAC-SHA256, 32 hex digits) of ``message`` for the direction ``src`` to
@@ -179,8 +183,7 @@ class Envelopes:
         q = dst if src == self.own_id else src
         if q not in self._keys:
             return None
-        keys = (self._mine, self._keys[q])
-        shared = self._identity.exchange(X25519PublicKey.from_public_bytes(keys[1]))
+        shared, keys = self._shared(q)
         key = _key(shared, keys, self.transcript, src, dst, self.own_id, PLAN_LABEL)
         return hmac.new(key, message, hashlib.sha256).hexdigest()[:32]
 

@@ -646,6 +646,11 @@ def test_whether_a_members_training_diverged_is_summed_not_told(sbm, caplog, mon
     assert any("client 2, stage 0, round 1" in r.getMessage() for r in caplog.records)
 
 
+#: What a crafted state assumes of the run: four clients, an MLP stage 0, nothing that rescales
+#: or drops its units.
+CRAFTED = {"clients": 4, "first_stage": "mlp", "norm": "none", "dropout": [0.0], "input_dropout": [0.0]}
+
+
 class _CraftedEmbeds(InProcessTransport):
     """A malicious server: stage 0's embed state thresholds raw feature 3 (every weight within
     the clients' 1e9 bound), so a client's rows are about 1e20 where its data passes the
@@ -701,17 +706,7 @@ def test_rows_a_crafted_state_overflows_where_the_data_says_are_bounded_not_refu
     there anyway)."""
     parts = partition_graph(sbm, 4, "metis", seed=0)
     cfg = dataclasses.replace(
-        BASE,
-        stages=3,
-        rounds=1,
-        hidden=64,
-        clients=4,
-        first_stage="mlp",
-        norm="none",
-        pass_embedding="logits",
-        dropout=[0.0],
-        input_dropout=[0.0],
-        secure_aggregation=secure,
+        BASE, **CRAFTED, stages=3, rounds=1, hidden=64, pass_embedding="logits", secure_aggregation=secure
     )
     server = _CraftedEmbeds([LazyClient(p, cfg) for p in parts])
     with pytest.raises(_Stopped):
@@ -801,20 +796,9 @@ def test_a_grid_residual_stays_bounded_whatever_a_round_sends(sbm):
     the next round's encoder refused the infinite update in clear. The residual is bounded now
     (4 x secagg-clip a coordinate), and every client replies to every round."""
     cfg = dataclasses.replace(
-        BASE,
-        stages=2,
-        rounds=3,
-        hidden=16,
-        clients=4,
-        secure_aggregation=True,
-        first_stage="mlp",
-        update_bits=4,
-        norm="none",
-        dropout=[0.0],
-        input_dropout=[0.0],
-        weight_decay=0.0,
-        lr=6e28,
-    )
+        BASE, **CRAFTED, stages=2, rounds=3, hidden=16, secure_aggregation=True, update_bits=4,
+        weight_decay=0.0, lr=6e28,
+    )  # fmt: skip
     server = _StopAtFirstTrain([LazyClient(p, cfg) for p in partition_graph(sbm, 4, "metis", seed=0)])
     with pytest.raises(_Stopped):
         LazyStageMachine(server, cfg, RunRecorder(None, stream=None)).run()

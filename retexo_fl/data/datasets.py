@@ -12,7 +12,7 @@ from torch_geometric.data import Data
 
 from retexo_fl.data.edges import undirected_coalesced
 from retexo_fl.data.errors import DatasetError
-from retexo_fl.data.files import FileGraphError, load_files_graph, load_heterophilous_npz
+from retexo_fl.data.files import MAX_CLASSES, FileGraphError, load_files_graph, load_heterophilous_npz
 
 _FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     # class name -> names it serves (lower case)
@@ -80,16 +80,20 @@ def load_dataset(
         boolean ``train_mask``, ``val_mask``, ``test_mask`` (labeled nodes only) and ``name``.
 
     Raises:
-        DatasetError: on an unknown name, an unreadable file, a bad split, or ``public`` for a
-            graph without split masks.
+        DatasetError: on an unknown name, an unreadable file, a bad split, ``public`` for a
+            graph without split masks, a graph without a labelled node, or a split that leaves
+            its training set (or a set it gives a share) empty.
     """
     data = _load_raw(name, Path(root), seed)
     data.x = data.x.float()
     data.y = data.y.view(-1).long()
-    if Path(name).suffix in (".pt", ".pth"):
+    suffix = Path(name).suffix.lower()
+    if suffix in (".pt", ".pth"):
         data.name = Path(name).stem
-    elif not name.startswith("files:") and Path(name).suffix != ".npz":
+    elif not name.startswith("files:") and suffix != ".npz":
         data.name = name
+    if not bool((data.y >= 0).any()):
+        raise DatasetError(f"{name}: no node is labelled (every label is -1 or empty)")
     if split == "public":
         if getattr(data, "train_mask", None) is None:
             raise DatasetError(
@@ -104,7 +108,12 @@ def load_dataset(
                 mask = mask[:, split_index]
             data[key] = mask.bool() & (data.y >= 0)
     else:
-        apply_split(data, split, seed)
+        try:
+            apply_split(data, split, seed)
+        except DatasetError as exc:
+            raise DatasetError(f"{name}: {exc}") from None
+    if not bool(data.train_mask.any()):
+        raise DatasetError(f"{name}: split {split!r} leaves no labelled training node")
     return data
 
 
@@ -112,11 +121,11 @@ def _load_raw(name: str, root: Path, seed: int):
     if name.startswith("files:"):
         return load_files_graph(name[len("files:") :])
     path = Path(name)
-    if path.suffix == ".npz":
+    if path.suffix.lower() == ".npz":
         if not path.is_file():
             raise FileGraphError(path, "no such file")
         return load_heterophilous_npz(path)
-    if path.suffix in (".pt", ".pth") or path.is_file():
+    if path.suffix.lower() in (".pt", ".pth") or path.is_file():
         return _load_user_graph(path)
     key = name.lower()
     if key.startswith("sbm:"):
@@ -164,9 +173,33 @@ def _load_user_graph(path: Path):
             raise DatasetError(f"{path}: field '{key}' is missing")
     if obj.edge_index.dim() != 2 or obj.edge_index.size(0) != 2:
         raise DatasetError(f"{path}: field 'edge_index' must have shape [2, E]")
-    if obj.y.view(-1).size(0) != obj.x.size(0):
-        raise DatasetError(f"{path}: field 'y' has {obj.y.numel()} labels for {obj.x.size(0)} nodes")
+    x, y, ei = obj.x, obj.y, obj.edge_index
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise DatasetError(f"{path}: field 'x' must be a [N, F] tensor, got {_shape(x)}")
+    if not isinstance(y, torch.Tensor) or y.view(-1).size(0) != x.size(0):
+        raise DatasetError(f"{path}: field 'y' has {_shape(y)} labels for {x.size(0)} nodes")
+    if not isinstance(ei, torch.Tensor) or ei.dim() != 2 or ei.size(0) != 2:
+        raise DatasetError(f"{path}: field 'edge_index' must have shape [2, E]")
+    if ei.is_floating_point() or ei.dtype == torch.bool or ei.is_complex():
+        raise DatasetError(f"{path}: field 'edge_index' must hold integer node ids, got {ei.dtype}")
+    if ei.numel() and (int(ei.min()) < 0 or int(ei.max()) >= x.size(0)):
+        raise DatasetError(
+            f"{path}: field 'edge_index' names node {int(ei.min()) if int(ei.min()) < 0 else int(ei.max())}, "
+            f"outside 0..{x.size(0) - 1}"
+        )
+    if x.is_complex() or (x.is_floating_point() and not bool(torch.isfinite(x).all())):
+        raise DatasetError(f"{path}: field 'x' holds a value that is not a finite real number")
+    if y.is_floating_point() and not bool((y == y.round()).all()):
+        raise DatasetError(f"{path}: field 'y' must hold integer class indices, got a fraction")
+    if y.numel() and (float(y.min()) < -1 or float(y.max()) >= MAX_CLASSES):
+        raise DatasetError(
+            f"{path}: field 'y' must hold class indices in -1..{MAX_CLASSES - 1} (-1: unlabeled)"
+        )
     return obj
+
+
+def _shape(value: object) -> str:
+    return str(list(value.shape)) if isinstance(value, torch.Tensor) else type(value).__name__
 
 
 _SPLIT_RE = re.compile(r"^(random|per-class):([0-9.,]+)$")
@@ -188,13 +221,16 @@ def apply_split(data, spec: str, seed: int) -> None:
         - **output:** ``data.train_mask``, ``data.val_mask``, ``data.test_mask`` ``[N]`` bool
 
     Raises:
-        DatasetError: on another form, not three numbers, or fractions that are negative or sum to
-            more than 1.
+        DatasetError: on another form, not three numbers, fractions that are negative or sum to
+            more than 1, or a set given a share (or K) that gets no labelled node.
     """
     m = _SPLIT_RE.match(spec.replace(" ", ""))
     if not m:
         raise DatasetError(f"bad split {spec!r}: use public, random:TRAIN,VAL,TEST or per-class:K,VAL,TEST")
-    kind, nums = m.group(1), [float(v) for v in m.group(2).split(",")]
+    try:
+        kind, nums = m.group(1), [float(v) for v in m.group(2).split(",")]
+    except ValueError:
+        raise DatasetError(f"bad split {spec!r}: give three numbers") from None
     if len(nums) != 3:
         raise DatasetError(f"bad split {spec!r}: give three numbers")
     y = data.y.view(-1)
@@ -222,6 +258,11 @@ def apply_split(data, spec: str, seed: int) -> None:
         rest = labeled[~masks[0][labeled]]
         masks[1][rest[:nval]] = True
         masks[2][rest[nval : nval + ntest]] = True
+    for name, share, mask in zip(("training", "validation", "test"), nums, masks, strict=True):
+        if share > 0 and not bool(mask.any()):  # asked for, and rounded away: accuracy would read 0
+            raise DatasetError(
+                f"split {spec!r} over {labeled.numel()} labelled nodes leaves the {name} set empty"
+            )
     data.train_mask, data.val_mask, data.test_mask = masks
 
 

@@ -4,9 +4,9 @@ Two ``--dataset`` forms read files a user brings rather than a PyG class:
 
 ``files:edges=E.csv,features=F,labels=L.csv[,id-column=NAME][,label-column=NAME]``
     * ``edges``: one edge a line, its first two columns the endpoint ids; a header line is
-      optional (it is one when its first two fields are not both integers); further columns
-      (weights, timestamps) are ignored. Edges are taken as undirected, duplicates and self
-      loops dropped.
+      optional (line 1 is one when neither of its first two fields is a node id); further
+      columns (weights, timestamps) are ignored. Edges are taken as undirected, duplicates and
+      self loops dropped; a file without an edge is refused.
     * ``features``: a ``.csv`` (node id, then one number a column; header optional), a ``.json``
       bag of ids (``{"<node id>": [feature id, ...]}``, multi-hot, as the MUSAE social graphs
       ship) or an ``.npz`` (one array, or the first of ``x``, ``features``, ``node_features``:
@@ -15,11 +15,15 @@ Two ``--dataset`` forms read files a user brings rather than a PyG class:
       (default: the first) and the label in ``label-column`` (default: the second of two
       columns; name it when there are more). Integer labels are kept (``-1`` or an empty
       field: unlabeled); any other values (``True``/``False``, class names) are numbered in
-      sorted order.
+      sorted order. Integer labels are class indices, at most :data:`MAX_CLASSES` classes.
 
     Nodes are the ids the feature and label files name. Integer ids keep their numeric order
-    (so ids ``0..N-1`` stay node ``0..N-1``); other ids are numbered in sorted order. A node
-    without a feature row gets zeros; an edge endpoint that no file names is an error.
+    (so ids ``0..N-1`` stay node ``0..N-1``) and are one node whatever their spelling in each
+    file (``07`` in one, ``7`` in another); other ids are numbered in sorted order. A node
+    without a feature row gets zeros; an edge endpoint that no file names is an error, and so
+    is a node with two feature rows or one file naming a node twice in two spellings.
+
+Files are comma-separated UTF-8 (a byte-order mark is allowed).
 
 ``PATH.npz`` in the format of PyG's ``HeterophilousGraphDataset`` (``node_features``,
 ``node_labels``, ``edges [E, 2]`` and optional ``train_masks``/``val_masks``/``test_masks``
@@ -47,6 +51,12 @@ from retexo_fl.data.errors import DatasetError
 FILE_KEYS = ("edges", "features", "labels", "id-column", "label-column")
 #: The arrays of an npz in ``HeterophilousGraphDataset``'s format.
 HETEROPHILOUS_KEYS = ("node_features", "node_labels", "edges")
+#: Integer labels are class indices: a model's output is one column a class, so a label past this
+#: (a year, an account number) is refused rather than sized into a head of that many columns.
+MAX_CLASSES = 1 << 16
+#: A bag-of-ids feature matrix is dense, nodes x (largest feature id + 1): past this many values
+#: (8 GiB of float32) a stray feature id is far likelier than a graph that wide.
+MAX_FEATURE_VALUES = 1 << 31
 
 
 class FileGraphError(DatasetError):
@@ -108,9 +118,10 @@ def load_files_graph(spec: str) -> Data:
     for name, path in paths.items():
         if not path.is_file():
             raise FileGraphError(path, f"no such {name} file")
-    label_ids, label_values = _read_labels(paths["labels"], keys.get("id-column"), keys.get("label-column"))
+    labels = _read_labels(paths["labels"], keys.get("id-column"), keys.get("label-column"))
+    label_ids, label_values = labels.ids, labels.values
     feats = _read_features(paths["features"])
-    index = _node_index([*label_ids, *feats.ids], paths)
+    index = _node_index([labels, feats])
     n = len(index)
     y = torch.full((n,), -1, dtype=torch.long)
     y[torch.tensor([index[_canonical(i)] for i in label_ids], dtype=torch.long)] = torch.tensor(label_values)
@@ -141,7 +152,7 @@ def load_heterophilous_npz(path: Path) -> Data:
                 path,
                 f"missing array(s) {', '.join(missing)}; an npz graph needs {', '.join(HETEROPHILOUS_KEYS)}",
             )
-        x, y, edges = (arrays[k] for k in HETEROPHILOUS_KEYS)
+        x, y, edges = (_array(arrays, k, path) for k in HETEROPHILOUS_KEYS)
         n = x.shape[0] if x.ndim == 2 else -1
         if x.ndim != 2:
             raise FileGraphError(path, f"node_features must be [N, F], got shape {list(x.shape)}")
@@ -149,12 +160,19 @@ def load_heterophilous_npz(path: Path) -> Data:
             raise FileGraphError(path, f"node_labels must be [N] = [{n}], got shape {list(y.shape)}")
         if edges.ndim != 2 or edges.shape[1] != 2:
             raise FileGraphError(path, f"edges must be [E, 2], got shape {list(edges.shape)}")
+        x = _numbers(x, path, "node_features", integral=False)
+        y = _numbers(y, path, "node_labels", integral=True)
+        edges = _numbers(edges, path, "edges", integral=True)
+        if y.size and (y.min() < -1 or y.max() >= MAX_CLASSES):
+            raise FileGraphError(
+                path, f"node_labels must be class indices in -1..{MAX_CLASSES - 1} (-1: unlabeled)"
+            )
         if edges.size and (edges.min() < 0 or edges.max() >= n):
             raise FileGraphError(path, f"edges name a node outside 0..{n - 1}")
         data = Data(
-            x=torch.from_numpy(np.asarray(x, dtype=np.float32)),
-            y=torch.from_numpy(np.asarray(y, dtype=np.int64)),
-            edge_index=undirected_coalesced(torch.from_numpy(edges.astype(np.int64).T.copy()), n),
+            x=torch.from_numpy(x),
+            y=torch.from_numpy(y),
+            edge_index=undirected_coalesced(torch.from_numpy(edges.T.copy()), n),
         )
         for key, field in (
             ("train_masks", "train_mask"),
@@ -162,9 +180,11 @@ def load_heterophilous_npz(path: Path) -> Data:
             ("test_masks", "test_mask"),
         ):
             if key in arrays.files:
-                mask = arrays[key]
+                mask = _array(arrays, key, path)
                 if mask.ndim != 2 or mask.shape[1] != n:
                     raise FileGraphError(path, f"{key} must be [S, N] with N = {n}, got {list(mask.shape)}")
+                if mask.dtype.kind not in "biuf" or not np.isin(mask, (0, 1)).all():
+                    raise FileGraphError(path, f"{key} must hold booleans (or 0 / 1)")
                 data[field] = torch.from_numpy(mask.astype(bool).T.copy())
     data.name = path.stem
     return data
@@ -173,10 +193,31 @@ def load_heterophilous_npz(path: Path) -> Data:
 # -- readers ---------------------------------------------------------------------------------
 
 
+class _Ids:
+    """The node ids one file names, in its order, with the line of each (``None``: no lines)."""
+
+    def __init__(self, path: Path, ids: list[str], lines: list[int | None]) -> None:
+        self.path, self.ids, self.lines = path, ids, lines
+
+
+class _Labels(_Ids):
+    def __init__(self, path: Path, ids: list[str], lines: list[int | None], values: list[int]) -> None:
+        super().__init__(path, ids, lines)
+        self.values = values
+
+
+class _Features(_Ids):
+    def __init__(
+        self, path: Path, ids: list[str], lines: list[int | None], rows: torch.Tensor, width: int
+    ) -> None:
+        super().__init__(path, ids, lines)
+        self.rows, self.width = rows, width
+
+
 def _rows(path: Path) -> Iterator[tuple[int, list[str]]]:
-    """``(line number, fields)`` of each non-blank CSV line."""
+    """``(line number, fields)`` of each non-blank CSV line (a leading byte-order mark skipped)."""
     try:
-        with path.open(newline="", encoding="utf-8") as fh:
+        with path.open(newline="", encoding="utf-8-sig") as fh:
             for line, row in enumerate(csv.reader(fh), start=1):
                 if row and any(f.strip() for f in row):
                     yield line, [f.strip() for f in row]
@@ -184,6 +225,16 @@ def _rows(path: Path) -> Iterator[tuple[int, list[str]]]:
         raise FileGraphError(path, f"not UTF-8 text ({exc.reason})") from exc
     except csv.Error as exc:
         raise FileGraphError(path, f"malformed CSV ({exc})") from exc
+
+
+def _separator_hint(fields: list[str]) -> str:
+    """Advice for a line read as one field that another separator splits (a TSV named .csv)."""
+    if len(fields) != 1:
+        return ""
+    for sep, name in (("\t", "tabs"), (";", "semicolons"), ("|", "bars"), (" ", "spaces")):
+        if sep in fields[0].strip():
+            return f"; the file looks separated by {name}, and files are read comma-separated"
+    return ""
 
 
 def _is_int(text: str) -> bool:
@@ -194,7 +245,7 @@ def _is_int(text: str) -> bool:
     return True
 
 
-def _read_labels(path: Path, id_column: str | None, label_column: str | None) -> tuple[list[str], list[int]]:
+def _read_labels(path: Path, id_column: str | None, label_column: str | None) -> _Labels:
     rows = _rows(path)
     first = next(rows, None)
     if first is None:
@@ -209,18 +260,27 @@ def _read_labels(path: Path, id_column: str | None, label_column: str | None) ->
                 raise FileGraphError(
                     path,
                     f"{len(header)} columns ({', '.join(header)}): name the {what} with "
-                    f"{what}=NAME in the files: spec",
+                    f"{what}=NAME in the files: spec{_separator_hint(header)}",
                     1,
                 )
             return default
         if name not in header:
-            raise FileGraphError(path, f"no column {name!r} (columns: {', '.join(header)})", 1)
+            raise FileGraphError(
+                path, f"no column {name!r} (columns: {', '.join(header)}){_separator_hint(header)}", 1
+            )
         return header.index(name)
 
     id_col = column(id_column, 0, "id-column")
     label_col = column(label_column, 1 if len(header) == 2 else None, "label-column")
     if id_col == label_col:
         raise FileGraphError(path, f"id and label are the same column {header[id_col]!r}", 1)
+    if _is_int(header[id_col]):  # "0,dog": a first data line, not column names
+        raise FileGraphError(
+            path,
+            f"the labels file needs a header line naming its columns (line 1's id column reads "
+            f"{header[id_col]!r}, a node id)",
+            1,
+        )
     ids: list[str] = []
     raw: list[str] = []
     lines: dict[str, int] = {}
@@ -249,20 +309,27 @@ def _read_labels(path: Path, id_column: str | None, label_column: str | None) ->
     given = [v for v in raw if v != ""]
     if all(_is_int(v) for v in given):
         values = [int(v) if v != "" else -1 for v in raw]
-        bad = next((i for i, v in enumerate(values) if v < -1), None)
-        if bad is not None:
-            raise FileGraphError(
-                path, f"label {values[bad]} < -1 (use -1 or empty for unlabeled)", lines[ids[bad]]
-            )
+        for node, value in zip(ids, values, strict=True):
+            if value < -1:
+                raise FileGraphError(path, f"label {value} < -1 (use -1 or empty for unlabeled)", lines[node])
+            if value >= MAX_CLASSES:
+                raise FileGraphError(
+                    path,
+                    f"label {value}: integer labels are class indices 0..C-1, at most {MAX_CLASSES} "
+                    "classes (renumber the classes, or write them as names)",
+                    lines[node],
+                )
     else:  # categories: numbered in sorted order, so True/False -> 1/0
+        if header[label_col] in given:  # "alice,dog": line 1 was data, its label a class
+            raise FileGraphError(
+                path,
+                f"the labels file needs a header line naming its columns (line 1's label "
+                f"{header[label_col]!r} is also a label of later lines)",
+                1,
+            )
         classes = {c: i for i, c in enumerate(sorted(set(given)))}
         values = [classes[v] if v != "" else -1 for v in raw]
-    return ids, values
-
-
-class _Features:
-    def __init__(self, ids: list[str], rows: torch.Tensor, width: int) -> None:
-        self.ids, self.rows, self.width = ids, rows, width
+    return _Labels(path, ids, [lines[i] for i in ids], values)
 
 
 def _read_features(path: Path) -> _Features:
@@ -277,9 +344,17 @@ def _read_features(path: Path) -> _Features:
 
 
 def _read_bag_of_ids(path: Path) -> _Features:
+    def unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+        out: dict[str, object] = {}
+        for key, value in pairs:
+            if key in out:  # json.load would keep the last silently
+                raise FileGraphError(path, f"node {key!r} has two feature lists")
+            out[key] = value
+        return out
+
     try:
-        with path.open(encoding="utf-8") as fh:
-            obj = json.load(fh)
+        with path.open(encoding="utf-8-sig") as fh:
+            obj = json.load(fh, object_pairs_hook=unique_keys)
     except json.JSONDecodeError as exc:
         raise FileGraphError(path, f"invalid JSON: {exc.msg}", exc.lineno) from exc
     except (UnicodeDecodeError, RecursionError) as exc:
@@ -291,6 +366,7 @@ def _read_bag_of_ids(path: Path) -> _Features:
     ids = list(obj)
     nodes: list[int] = []
     cols: list[int] = []
+    widest = ""
     for row, key in enumerate(ids):
         feats = obj[key]
         if not isinstance(feats, list) or not all(
@@ -299,22 +375,37 @@ def _read_bag_of_ids(path: Path) -> _Features:
             raise FileGraphError(path, f"node {key!r}: expected a list of integer feature ids")
         if any(f < 0 for f in feats):
             raise FileGraphError(path, f"node {key!r}: negative feature id {min(feats)}")
+        if feats and (not cols or max(feats) > max(cols)):
+            widest = key
         nodes.extend([row] * len(feats))
         cols.extend(feats)
     width = max(cols) + 1 if cols else 0
-    rows = torch.zeros(len(ids), width, dtype=torch.float32)
+    if len(ids) * width > MAX_FEATURE_VALUES:
+        raise FileGraphError(
+            path,
+            f"node {widest!r}: feature id {width - 1} makes the multi-hot matrix {len(ids)} x {width}, "
+            f"past {MAX_FEATURE_VALUES:,} values; number the feature ids 0..F-1",
+        )
+    try:
+        rows = torch.zeros(len(ids), width, dtype=torch.float32)
+    except RuntimeError as exc:  # out of memory on this machine, below the bound
+        raise FileGraphError(path, f"the multi-hot matrix {len(ids)} x {width} does not fit ({exc})") from exc
     if cols:
         rows[torch.tensor(nodes), torch.tensor(cols)] = 1.0
-    return _Features(ids, rows, width)
+    return _Features(path, ids, [None] * len(ids), rows, width)
 
 
 def _read_feature_csv(path: Path) -> _Features:
     ids: list[str] = []
+    lines: list[int | None] = []
+    seen: dict[str, int] = {}
     values: list[list[float]] = []
     width = None
     for line, row in _rows(path):
         if len(row) < 2:
-            raise FileGraphError(path, "a feature line needs a node id and at least one value", line)
+            raise FileGraphError(
+                path, f"a feature line needs a node id and at least one value{_separator_hint(row)}", line
+            )
         try:
             nums = [float(v) for v in row[1:]]
         except ValueError:
@@ -327,11 +418,48 @@ def _read_feature_csv(path: Path) -> _Features:
             raise FileGraphError(path, f"{len(nums)} feature values, earlier lines have {width}", line)
         if not all(np.isfinite(nums)):
             raise FileGraphError(path, "a feature value is not finite", line)
+        if row[0] in seen:
+            raise FileGraphError(
+                path,
+                f"node {row[0]!r} has a feature row on line {seen[row[0]]} too (a feature CSV's first "
+                "column is the node id)",
+                line,
+            )
+        seen[row[0]] = line
         ids.append(row[0])
+        lines.append(line)
         values.append(nums)
     if width is None:
         raise FileGraphError(path, "no feature lines")
-    return _Features(ids, torch.tensor(values, dtype=torch.float32), width)
+    return _Features(path, ids, lines, torch.tensor(values, dtype=torch.float32), width)
+
+
+def _array(arrays: np.lib.npyio.NpzFile, key: str, path: Path) -> np.ndarray:
+    """One array of an npz; an object array (which needs pickle) or a corrupt member is refused."""
+    try:
+        return arrays[key]
+    except Exception as exc:  # object arrays (allow_pickle=False), truncated members, bad headers
+        raise FileGraphError(path, f"array {key!r} cannot be read ({exc})") from exc
+
+
+def _numbers(values: np.ndarray, path: Path, what: str, *, integral: bool) -> np.ndarray:
+    """``values`` as float32 features (finite) or int64 ids and labels (exactly integral)."""
+    if values.dtype.kind not in "biuf":
+        raise FileGraphError(path, f"{what} must be numbers, got dtype {values.dtype}")
+    if not integral:
+        out = np.asarray(values, dtype=np.float32)
+        if not np.isfinite(out).all():
+            raise FileGraphError(path, f"{what}: a value is not finite")
+        return out
+    if values.dtype.kind == "f":
+        fractional = values != np.round(values)  # NaN too
+        if fractional.any():
+            raise FileGraphError(path, f"{what} must be integers, got {values[fractional].flat[0]}")
+        if not np.isfinite(values).all():
+            raise FileGraphError(path, f"{what} must be integers, got an infinite value")
+        if values.size and np.abs(values).max() >= 2**53:
+            raise FileGraphError(path, f"{what}: a value past 2**53 cannot be an exact float")
+    return np.asarray(values, dtype=np.int64)
 
 
 def _read_feature_npz(path: Path) -> _Features:
@@ -345,35 +473,53 @@ def _read_feature_npz(path: Path) -> _Features:
             raise FileGraphError(
                 path, f"arrays {arrays.files}: name the features x, features or node_features"
             )
-        x = arrays[names[0] if names else arrays.files[0]]
+        x = _array(arrays, names[0] if names else arrays.files[0], path)
     if x.ndim != 2:
         raise FileGraphError(path, f"features must be [N, F], got shape {list(x.shape)}")
-    rows = torch.from_numpy(np.asarray(x, dtype=np.float32))
-    if not torch.isfinite(rows).all():
-        raise FileGraphError(path, "a feature value is not finite")
-    return _Features([str(i) for i in range(x.shape[0])], rows, x.shape[1])
+    rows = torch.from_numpy(_numbers(x, path, "features", integral=False))
+    n = x.shape[0]
+    return _Features(path, [str(i) for i in range(n)], [None] * n, rows, x.shape[1])
 
 
-def _node_index(ids: list[str], paths: dict[str, Path]) -> dict[str, int]:
-    """Node id -> row: integer ids in numeric order (keyed by their canonical spelling, so ``07``
-    and ``7`` are one node), other ids sorted; mixed ids are refused."""
-    unique = set(ids)
-    ints = [_is_int(i) for i in unique]
-    if all(ints):
-        by_value: dict[int, str] = {}
-        for i in unique:
-            v = int(i)
-            if v in by_value:  # "7" and "07"
-                raise FileGraphError(
-                    paths["labels"], f"node ids {by_value[v]!r} and {i!r} are the same number"
-                )
-            by_value[v] = i
-        return {str(v): row for row, v in enumerate(sorted(by_value))}
-    elif any(ints):
-        raise FileGraphError(paths["labels"], "node ids mix integers and names; use one kind")
-    else:
-        ordered = sorted(unique)
-    return {node: row for row, node in enumerate(ordered)}
+def _node_index(sources: list[_Ids]) -> dict[str, int]:
+    """Node id -> row over every file's ids: integer ids in numeric order, keyed by their
+    canonical spelling (``07`` in one file and ``7`` in another are one node), other ids sorted.
+
+    Raises:
+        FileGraphError: naming the file and line of an id of the other kind where ids mix
+            integers and names, or of an integer id one file spells twice (``7`` and ``07``).
+    """
+    kinds = {
+        (src.path, node, line): _is_int(node)
+        for src in sources
+        for node, line in zip(src.ids, src.lines, strict=True)
+    }
+    ints = sum(kinds.values())
+    if 0 < ints < len(kinds):
+        odd = ints * 2 < len(kinds)  # report an id of the minority kind: the likelier mistake
+        path, node, line = next(key for key, is_int in kinds.items() if is_int == odd)
+        kind, other = ("an integer", "names") if odd else ("a name", "integers")
+        raise FileGraphError(
+            path,
+            f"node id {node!r} is {kind}, while most node ids in the files are {other}: use one kind "
+            "of id in every file (a feature CSV's first column is the node id)",
+            line,
+        )
+    if not ints:
+        return {node: row for row, node in enumerate(sorted({n for src in sources for n in src.ids}))}
+    values: set[int] = set()
+    for src in sources:
+        spelled: dict[int, tuple[str, int | None]] = {}
+        for node, line in zip(src.ids, src.lines, strict=True):
+            value = int(node)
+            if value in spelled and spelled[value][0] != node:
+                first, first_line = spelled[value]
+                where = f" on line {first_line}" if first_line is not None else ""
+                reason = f"node ids {first!r}{where} and {node!r} are the same number"
+                raise FileGraphError(src.path, reason, line)
+            spelled[value] = (node, line)
+        values.update(spelled)
+    return {str(v): row for row, v in enumerate(sorted(values))}
 
 
 def _canonical(node: str) -> str:
@@ -389,15 +535,17 @@ def _read_edges(path: Path, index: dict[str, int]) -> tuple[np.ndarray, np.ndarr
     dst: list[int] = []
     for line, row in _rows(path):
         if len(row) < 2:
-            raise FileGraphError(path, "an edge line needs two node ids", line)
+            raise FileGraphError(path, f"an edge line needs two node ids{_separator_hint(row)}", line)
         a, b = _canonical(row[0]), _canonical(row[1])
         if a not in index or b not in index:
-            if line == 1 and not (_is_int(a) and _is_int(b)):
-                continue  # a header line
+            if line == 1 and a not in index and b not in index and not (_is_int(a) and _is_int(b)):
+                continue  # a header line: neither field names a node
             unknown = a if a not in index else b
             raise FileGraphError(
                 path, f"node {unknown!r} is in neither the features nor the labels file", line
             )
         src.append(index[a])
         dst.append(index[b])
+    if not src:
+        raise FileGraphError(path, "no edge lines: a graph needs at least one edge")
     return np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)

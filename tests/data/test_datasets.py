@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+from torch_geometric.data import Data
 
 from retexo_fl.data.datasets import DatasetError, apply_split, load_dataset, synthetic_sbm
 
@@ -70,3 +73,50 @@ def test_sbm_size_and_determinism():
     assert 0.75 < same < 0.9  # homophily 0.8 plus chance hits of the uniform draw
     spec = load_dataset("sbm:1000,4", "unused")
     assert spec.num_nodes == 1000 and int(spec.train_mask.sum()) == 600
+
+
+def _saved(folder, **fields):
+    data = Data(
+        x=torch.eye(4),
+        y=torch.tensor([0, 1, 0, 1]),
+        edge_index=torch.tensor([[0, 1, 2], [1, 2, 3]]),
+    )
+    for key, value in fields.items():
+        data[key] = value
+    path = folder / "mine.pt"
+    torch.save(data, path)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("fields", "fragment"),
+    [
+        ({"edge_index": torch.tensor([[0, 1], [1, 9]])}, "names node 9, outside 0..3"),
+        ({"edge_index": torch.tensor([[0, 1], [1, -1]])}, "names node -1"),
+        ({"edge_index": torch.tensor([[0.0, 1.0], [1.0, 2.0]])}, "integer node ids"),
+        ({"x": torch.ones(4)}, "'x' must be a [N, F] tensor, got [4]"),
+        ({"x": torch.tensor([[float("nan")]] * 4)}, "not a finite real number"),
+        ({"y": torch.tensor([0.0, 1.5, 0.0, 1.0])}, "integer class indices"),
+        ({"y": torch.tensor([0, 1, 0, 2**40])}, "class indices in -1.."),
+    ],
+    ids=["edge-past-n", "negative-edge", "float-edges", "x-1d", "nan-x", "fractional-y", "huge-y"],
+)
+def test_a_saved_data_file_is_checked_before_training_reads_it(tmp_path, fields, fragment):
+    # Each trained on silently (a -1 endpoint was written to a partition), or failed deep in
+    # partitioning with an IndexError, or as "training diverged" for NaN features.
+    path = _saved(tmp_path, **fields)
+    with pytest.raises(DatasetError, match=re.escape(fragment)) as err:
+        load_dataset(path, split="random:0.5,0.25,0.25")
+    assert str(err.value).startswith(path)
+
+
+def test_a_graph_without_a_labelled_node_or_a_rounded_away_set_is_refused(tmp_path):
+    path = _saved(tmp_path, y=torch.full((4,), -1))
+    with pytest.raises(DatasetError, match="no node is labelled"):
+        load_dataset(path, split="random:0.5,0.25,0.25")
+    # Two labelled nodes cannot fill three sets: a validation accuracy of an empty set read 0.0.
+    path = _saved(tmp_path, y=torch.tensor([0, 1, -1, -1]))
+    with pytest.raises(DatasetError, match="over 2 labelled nodes leaves the validation set empty"):
+        load_dataset(path, split="random:0.6,0.2,0.2")
+    loaded = load_dataset(path, split="random:0.5,0.5,0")  # a share of 0 asks for no test set
+    assert int(loaded.train_mask.sum()) == 1 and not loaded.test_mask.any()

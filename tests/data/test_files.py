@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -156,3 +157,147 @@ def test_a_heterophilous_npz_loads_with_its_ten_splits(tmp_path):
     )
     np.savez(tmp_path / "broken.npz", node_features=raw["node_features"], edges=raw["edges"])
     _expect(str(tmp_path / "broken.npz"), "broken.npz", "node_labels")
+
+
+def test_a_byte_order_mark_is_not_read_as_part_of_the_first_field(tmp_path):
+    # Spreadsheet exports start with one: read as text, line 1's "\ufeff0" was no node id, so a
+    # headerless edge list lost its first edge as a "header", and a named id column was missing.
+    spec = _write(tmp_path)
+    edges = tmp_path / "edges.csv"
+    edges.write_text("".join(f"{a},{b}\n" for a, b in EDGES), encoding="utf-8-sig")
+    labels = tmp_path / "target.csv"
+    labels.write_text(labels.read_text(), encoding="utf-8-sig")
+    feats = tmp_path / "features.json"
+    feats.write_text(feats.read_text(), encoding="utf-8-sig")
+    data = load_files_graph(spec[len("files:") :])
+    assert torch.equal(data.edge_index, undirected_coalesced(torch.tensor(EDGES).t(), 5))
+    assert torch.equal(data.y, Y) and torch.equal(data.x, X)
+
+
+def test_integer_ids_are_one_node_whatever_each_file_spells_them(tmp_path):
+    spec = _write(tmp_path, "csv")
+    feats = tmp_path / "features.csv"
+    lines = feats.read_text().splitlines()
+    feats.write_text("\n".join([lines[0], *(f"0{line}" for line in lines[1:])]) + "\n")  # 00, 01 ...
+    data = load_files_graph(spec[len("files:") :])
+    assert torch.equal(data.x, X) and torch.equal(data.y, Y)
+
+
+# Each case: (file to write, its text, fragments the error must hold). The files are those of
+# ``_write(tmp_path, "csv")``; every case was a silent wrong load, a traceback, or an error that
+# named another file before the loader checked it.
+MALFORMED_TEXT = {
+    "edges line 1 with a typo is not a header": (
+        "edges.csv",
+        "0,1a\n1,2\n",
+        ["edges.csv:1", "'1a'"],
+    ),
+    "edges that hold only a header": ("edges.csv", "from,to\n", ["edges.csv", "no edge lines"]),
+    "edges separated by tabs": ("edges.csv", "0\t1\n1\t2\n", ["edges.csv:1", "separated by tabs"]),
+    "labels without a header, class names": (
+        "target.csv",
+        "0,dog\n1,cat\n",
+        ["target.csv:1", "needs a header line"],
+    ),
+    "labels separated by semicolons": (
+        "target.csv",
+        "new_id;mature\n0;1\n",
+        ["target.csv:1", "separated by semicolons"],
+    ),
+    "a label past any class count": (
+        "target.csv",
+        "new_id,mature\n0,1\n1,100000000000000000000000\n",
+        ["target.csv:3", "class indices"],
+    ),
+    "one node twice in two spellings": (
+        "target.csv",
+        "new_id,mature\n7,1\n07,0\n0,1\n",
+        ["target.csv:3", "'7' on line 2 and '07' are the same number"],
+    ),
+    "a node with two feature rows": (
+        "features.csv",
+        "id,a,b,c,d\n0,1,0,0,1\n1,0,1,0,0\n1,7,7,7,7\n",
+        ["features.csv:4", "node '1' has a feature row on line 3 too"],
+    ),
+    "a feature matrix without its id column": (
+        "features.csv",
+        "a,b,c,d\n1.5,0,0,1\n0.5,1,0,0\n",
+        ["features.csv:2", "'1.5' is a name", "first column is the node id"],
+    ),
+    "a bag of ids naming one node twice": (
+        "features.json",
+        '{"0": [1], "1": [2], "0": [3]}',
+        ["features.json", "node '0' has two feature lists"],
+    ),
+    "a bag of ids with a stray feature id": (
+        "features.json",
+        '{"0": [1], "3": [1099511627776]}',
+        ["features.json", "node '3'", "feature id 1099511627776"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED_TEXT))
+def test_each_malformed_file_fails_naming_it_rather_than_loading_wrong(tmp_path, case):
+    name, text, fragments = MALFORMED_TEXT[case]
+    spec = _write(tmp_path, "json" if name.endswith(".json") else "csv")
+    if name.endswith(".json"):
+        spec = spec.replace(",id-column=new_id,label-column=mature", "")
+        (tmp_path / "target.csv").write_text(
+            "new_id,mature\n" + "".join(f"{i},{int(v)}\n" for i, v in enumerate(Y.tolist()))
+        )
+    elif name == "target.csv":
+        spec = spec.replace(",id-column=new_id,label-column=mature", "")
+    (tmp_path / name).write_text(text)
+    _expect(spec, *(str(tmp_path / f) if f.endswith(".csv") or f.endswith(".json") else f for f in fragments))
+
+
+def _npz(folder: Path, **arrays: np.ndarray) -> str:
+    base = {
+        "node_features": np.eye(4, dtype=np.float32),
+        "node_labels": np.array([0, 1, 0, 1]),
+        "edges": np.array([[0, 1], [1, 2], [2, 3]]),
+        "train_masks": np.ones((1, 4), dtype=bool),
+        "val_masks": np.ones((1, 4), dtype=bool),
+        "test_masks": np.ones((1, 4), dtype=bool),
+    }
+    path = folder / "graph.npz"
+    np.savez(path, **{**base, **arrays})
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("arrays", "fragment"),
+    [
+        (
+            {"node_features": np.array([[np.nan, 0.0]] * 4, dtype=np.float32)},
+            "node_features: a value is not finite",
+        ),
+        ({"node_labels": np.array(["a", "b", "a", "b"])}, "node_labels must be numbers"),
+        ({"node_labels": np.array([0, 1.7, 0, 1])}, "node_labels must be integers, got 1.7"),
+        ({"node_labels": np.array([0, 1, 0, 10**9])}, "class indices"),
+        ({"edges": np.array([[0, 1.6]])}, "edges must be integers"),
+        ({"train_masks": np.full((1, 4), 0.5)}, "train_masks must hold booleans (or 0 / 1)"),
+    ],
+    ids=["nan-features", "string-labels", "fractional-label", "huge-label", "fractional-edge", "float-mask"],
+)
+def test_an_npz_graphs_arrays_are_checked_before_they_are_cast(tmp_path, arrays, fragment):
+    # Each was cast silently (1.7 -> 1, NaN features then "training diverged") or raised numpy's own error.
+    path = _npz(tmp_path, **arrays)
+    with pytest.raises(FileGraphError, match=re.escape(fragment)) as err:
+        load_dataset(path, split="public")
+    assert str(err.value).startswith(path)
+
+
+def test_an_npz_object_array_is_refused_naming_the_array(tmp_path):
+    path = tmp_path / "graph.npz"
+    np.savez(
+        path,
+        node_features=np.eye(4, dtype=np.float32),
+        node_labels=np.array([0, "b", 0, 1], dtype=object),
+        edges=np.array([[0, 1]]),
+    )
+    _expect(str(path), str(path), "'node_labels' cannot be read")
+    upper = tmp_path / "GRAPH.NPZ"  # the suffix's case does not send it to torch.load
+    shutil.copy(_npz(tmp_path), upper)
+    assert load_dataset(str(upper), split="public").num_nodes == 4

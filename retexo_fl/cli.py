@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from collections.abc import Callable
 from importlib.metadata import entry_points
@@ -75,7 +76,7 @@ def _add_flag(parser: argparse._ArgumentGroup, info: SettingInfo) -> None:
             default=None,
             nargs="?",
             const=True,
-            type=lambda v: v.lower() in ("1", "true", "yes"),
+            type=_flag_value,
             help=f"{info.doc} (default {str(info.default).lower()})",
         )
     else:
@@ -86,6 +87,21 @@ def _add_flag(parser: argparse._ArgumentGroup, info: SettingInfo) -> None:
             choices=info.choices or None,
             help=f"{info.doc} (default {info.default})",
         )
+
+
+#: What a true / false flag takes after it (``--encrypt false``); anything else is refused, since
+#: a misspelt ``--secure-aggregation on`` read as false would run without what it asked for.
+FLAG_WORDS = {
+    **dict.fromkeys(("1", "true", "yes", "on"), True),
+    **dict.fromkeys(("0", "false", "no", "off"), False),
+}
+
+
+def _flag_value(text: str) -> bool:
+    try:
+        return FLAG_WORDS[text.strip().lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}") from None
 
 
 def _config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -103,6 +119,14 @@ def cmd_partition(args: argparse.Namespace) -> int:
     from retexo_fl.data.partition import save_partition
     from retexo_fl.data.partitioners import partition_graph
 
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        # A second cut into the folder would leave the first's extra part-<id>/ folders behind.
+        raise ValueError(f"--out {out}: exists and is not an empty folder; partitions go to a new one")
+    if args.method == "supernode" and args.clusters < 0:
+        raise ValueError(f"--clusters must be >= 0 (0: the partitioner's own), got {args.clusters}")
+    if args.method == "label-skew" and not (math.isfinite(args.alpha) and args.alpha > 0):
+        raise ValueError(f"--alpha must be a finite number > 0, got {args.alpha}")
     data = load_dataset(
         args.dataset, args.root, split=args.split, seed=args.seed, split_index=args.split_index
     )
@@ -112,7 +136,6 @@ def cmd_partition(args: argparse.Namespace) -> int:
     parts = partition_graph(data, args.clients, args.method, seed=args.seed, **options)
     if args.residency == "free":
         parts = [dataclasses.replace(p, residency_bound=False) for p in parts]
-    out = Path(args.out)
     for p in parts:
         save_partition(p, out / f"part-{p.partition_id}")
         c = p.counts()
@@ -266,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+    except (ValueError, OSError, RuntimeError) as exc:  # OSError: an --out that cannot be written
         print(f"retexo-fl: error: {exc}", file=sys.stderr)
         return 2
 

@@ -64,6 +64,20 @@ def stage_value(name: str, value: Any, stage: int) -> Any:
     return value
 
 
+def check_stage_lists(obj: Any, stages: int) -> None:
+    """Raise :class:`ValueError` naming a per-stage setting of section ``obj`` with more values
+    than stages (``rounds 2,2,2,2`` over 3), which the run would silently cut; a default list
+    (``server-optimizer adam,avg``) is as long as it is whatever the stages."""
+    for info in settings_of(type(obj)):
+        value = getattr(obj, info.name)
+        longest = max(stages, len(info.default) if isinstance(info.default, list) else 1)
+        if info.per_stage and isinstance(value, list | tuple) and len(value) > longest:
+            raise ValueError(
+                f"{info.key} has {len(value)} values for {stages} stage(s): give one value, or at "
+                "most one per stage"
+            )
+
+
 @section
 class ModelSettings:
     r"""The model stack: the GNN kind, its depth and widths, its regularization.
@@ -135,6 +149,15 @@ class ModelSettings:
         check_choices(self)
         if self.stages < 1:
             raise ValueError(f"stages must be >= 1, got {self.stages}")
+        check_stage_lists(self, self.stages)
+        widths = (("hidden", self.hidden), ("heads", self.heads), ("central-layers", self.central_layers))
+        for name, value in widths:
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        for name, value in (("dropout", self.dropout), ("input-dropout", self.input_dropout)):
+            for p in value if isinstance(value, list | tuple) else [value]:
+                if not 0 <= p < 1:
+                    raise ValueError(f"{name} must be in [0, 1) (the share of values dropped), got {p}")
         if not 0 <= self.gnn_input_rms_floor <= MAX_INPUT_RMS_FLOOR:
             # Bounded: the factor multiplies a stage's input, and one without limit would let a
             # run config push rows past float32 exactly where a client's data makes them nonzero.
@@ -307,6 +330,15 @@ class TrainingSettings:
                 checked. (default: :obj:`1`)
         """
         check_choices(self)
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+        if self.round_seconds < 0:
+            raise ValueError(f"round-seconds must be >= 0 (0: local-epochs), got {self.round_seconds}")
+        if self.round_seconds and self.mode not in ("local", "eager"):
+            raise ValueError(f"round-seconds applies to local and eager mode, not {self.mode}")
+        check_stage_lists(self, stages)
         if self.self_training < 0 or not 0 <= self.pseudo_threshold <= 1 or self.pseudo_per_class < 0:
             raise ValueError(
                 "self-training and pseudo-per-class must be >= 0 and pseudo-threshold in [0, 1], got "
@@ -349,6 +381,9 @@ class TrainingSettings:
             decay = float(stage_value("weight_decay", self.weight_decay, s))
             if decay < 0:
                 raise ValueError(f"weight-decay must be >= 0, got {decay} for stage {s}")
+            lr, server_lr = stage_value("lr", self.lr, s), stage_value("server_lr", self.server_lr, s)
+            if lr < 0 or server_lr <= 0:
+                raise ValueError(f"lr must be >= 0 and server-lr > 0, got {lr} and {server_lr} for stage {s}")
             rounds = int(stage_value("rounds", self.rounds, s))
             epochs = int(stage_value("local_epochs", self.local_epochs, s))
             if rounds < 0:
@@ -475,6 +510,10 @@ _LOCAL: dict[str, Any] = {
 #: candidates (phase H of ``bench/results/sweep-2026-11-24.jsonl``; docs/baselines.md). Without
 #: the gradients a client's loss trains the first layer through its own nodes only, and eager
 #: stayed 10-16 points below centralized.
+#: ``--profile edge`` (small clients: phones, gateways): the CPU, one torch thread, embeddings
+#: computed 4,096 target rows at a time and 8-bit boundary rows, each where the run does not set it.
+EDGE_PROFILE: dict[str, Any] = {"device": "cpu", "threads": 1, "chunk_rows": 4096, "bits": 8}
+
 MODE_DEFAULTS: dict[str, dict[str, Any]] = {
     "centralized": _END_TO_END,
     "datacenter": _END_TO_END,
@@ -605,10 +644,8 @@ class TrainConfig:
         each only where ``given`` has no value (``clients_per_round`` not with secure
         aggregation, DP noise or drift correction, which take every client every round);
         ``boundary-noise`` turns eager's halo gradients off unless they were given (noised rows
-        with raw gradients back would undo the noise); ``profile edge`` makes the device CPU,
-        threads 1, chunks of 4,096 rows and 32-bit payloads 8-bit. What ``given`` names is kept
-        as given, except that the edge profile's changes apply to the values they replace
-        (``auto``, 0 and 32) whether given or not.
+        with raw gradients back would undo the noise); ``profile edge`` sets
+        :data:`EDGE_PROFILE`. What ``given`` names is kept as given.
 
         Args:
             **given: settings by snake-case name (those a user, a run config or a caller set).
@@ -634,16 +671,10 @@ class TrainConfig:
             values.update(LAZY_PARTITION_DEFAULTS)
         if rows_noised:
             values["halo_gradients"] = False
-        values.update(given)
-        cfg = cls(**values)
         if profile == "edge":
-            cfg.device = "cpu" if cfg.device == "auto" else cfg.device
-            cfg.threads = cfg.threads or 1
-            cfg.chunk_rows = cfg.chunk_rows or 4096
-            cfg.bits = 8 if cfg.bits == 32 else cfg.bits
-            cfg.update_bits = 8 if cfg.update_bits == 32 else cfg.update_bits
-            cfg.broadcast_bits = 8 if cfg.broadcast_bits == 32 else cfg.broadcast_bits
-        return cfg
+            values.update(EDGE_PROFILE)
+        values.update(given)
+        return cls(**values)
 
     def _section(self, cls: type[_Section]) -> _Section:
         return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})

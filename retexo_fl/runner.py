@@ -6,9 +6,10 @@ import time
 from pathlib import Path
 
 from retexo_fl.config import TrainConfig
+from retexo_fl.data.datasets import check_split
 from retexo_fl.data.loading import load_graph
 from retexo_fl.data.partition import Partition, load_partitions
-from retexo_fl.data.partitioners import partition_graph
+from retexo_fl.data.partitioners import PARTITIONERS, partition_graph
 from retexo_fl.datacenter.launch import run_datacenter
 from retexo_fl.metrics import RunRecorder
 from retexo_fl.plots import write_plots
@@ -80,14 +81,45 @@ def device_line(setting: str, sizes: list[int]) -> str:
     return f"device {where} ({reason})"
 
 
-def train(cfg: TrainConfig, rec: RunRecorder | None = None) -> RunSummary:
-    """Train as ``cfg`` says and return the summary (also written to ``cfg.out_dir`` if set)."""
-    cfg.validate()
+def preflight(cfg: TrainConfig) -> None:
+    """Refuse, before anything is written, what an in-process run would only find out later: an
+    unknown partitioner, split form or device, a resume (the Flower engines resume), and a run
+    folder that holds a finished run (a failed rerun would truncate its events and overwrite its
+    config beside the old summary).
+
+    Raises:
+        ValueError: naming the setting (or folder) at fault.
+    """
     if cfg.audit:
         raise ValueError(
             "--audit records what each ClientApp sends, and the in-process engine runs none: "
             "use --engine simulation (or node config audit-dir in a deployment)"
         )
+    if cfg.resume:
+        raise ValueError("--resume continues a run of the Flower engines: use --engine simulation")
+    cuts = cfg.mode not in ("centralized", "datacenter") and not cfg.partitions
+    if cuts and cfg.method not in PARTITIONERS:
+        raise ValueError(f"method must be one of {', '.join(PARTITIONERS)}; got {cfg.method!r}")
+    if not cfg.partitions:
+        check_split(cfg.split)
+    device_choice(cfg.device)  # an unknown name, or cuda without a GPU
+    if cfg.out_dir and (Path(cfg.out_dir) / "summary.json").exists():
+        raise ValueError(
+            f"--out {cfg.out_dir} holds a finished run (summary.json): choose another folder or remove it"
+        )
+    if cfg.out_dir and Path(cfg.out_dir).exists() and not Path(cfg.out_dir).is_dir():
+        raise ValueError(f"--out {cfg.out_dir} is a file, not a folder")
+
+
+def train(cfg: TrainConfig, rec: RunRecorder | None = None) -> RunSummary:
+    """Train as ``cfg`` says and return the summary (also written to ``cfg.out_dir`` if set).
+
+    Raises:
+        ValueError: on a bad setting (:meth:`TrainConfig.validate`, :func:`preflight`), before
+            the run folder is written.
+    """
+    cfg.validate()
+    preflight(cfg)
     rec = rec or RunRecorder(cfg.out_dir or None)
     rec.write_json("config.json", cfg.to_dict())
     t0 = time.perf_counter()

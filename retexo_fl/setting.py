@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
 import sys
 import typing
 from collections.abc import Callable
@@ -63,6 +64,9 @@ class SettingInfo:
         doc (str): the one-line doc.
         per_stage (bool): one value or one per stage.
         choices (tuple, optional): the values a ``Literal`` type allows; empty for any.
+        kind (str, optional): ``bool``, ``int``, ``float`` or ``str`` where the type is one of them
+            (or a list of one, for a per-stage setting), which :func:`check_choices` holds each
+            value to; empty for any other type.
     """
 
     name: str
@@ -71,6 +75,7 @@ class SettingInfo:
     doc: str
     per_stage: bool
     choices: tuple[Any, ...] = ()
+    kind: str = ""
 
     @property
     def key(self) -> str:
@@ -92,6 +97,18 @@ def _choices(hint: Any) -> tuple[Any, ...]:
         if found:
             return found
     return ()
+
+
+#: The scalar types :func:`check_choices` holds a setting's values to.
+_KINDS = {bool: "bool", int: "int", float: "float", str: "str"}
+
+
+def _kind(hint: Any) -> str:
+    """``int`` for ``int`` or ``int | list[int]``, likewise ``bool``, ``float``, ``str``; else ``""``."""
+    if hint in _KINDS:
+        return _KINDS[hint]
+    kinds = {_kind(arg) for arg in get_args(hint) if get_origin(hint) is not Literal}
+    return kinds.pop() if len(kinds) == 1 else ""
 
 
 @functools.cache
@@ -119,14 +136,17 @@ def settings_of(cls: type) -> tuple[SettingInfo, ...]:
                 doc=f.metadata[_DOC],
                 per_stage=bool(f.metadata[_PER_STAGE]),
                 choices=_choices(hints[f.name]),
+                kind=_kind(hints[f.name]),
             )
         )
     return tuple(out)
 
 
 def check_choices(obj: Any) -> None:
-    """Raise :class:`ValueError` naming the first setting of ``obj`` outside its ``Literal``, or
-    the first per-stage number that is not one (``lr "0.5,x"``).
+    """Raise :class:`ValueError` naming the first setting of ``obj`` outside its ``Literal`` or
+    its type: a flag that is not ``True`` or ``False`` (a run config's string ``"false"`` is one
+    such), a whole number that is not one (``rounds 2.5``), a number that is not finite, or a
+    per-stage number that is not one (``lr "0.5,x"``).
 
     Args:
         obj (Any): a section instance.
@@ -134,6 +154,10 @@ def check_choices(obj: Any) -> None:
     for info in settings_of(type(obj)):
         value = getattr(obj, info.name)
         values = value if info.per_stage and isinstance(value, list | tuple) else [value]
+        if info.per_stage and isinstance(value, list | tuple) and not value:
+            raise ValueError(f"{info.key} takes one value or one per stage; got an empty list")
+        for v in values:
+            _check_kind(info, v)
         if not info.choices:
             default = info.default
             sample = default[0] if isinstance(default, list | tuple) and default else default
@@ -146,6 +170,22 @@ def check_choices(obj: Any) -> None:
             if v not in info.choices:
                 allowed = ", ".join(str(c) for c in info.choices)
                 raise ValueError(f"{info.key} must be one of {allowed}; got {v!r}")
+
+
+def _check_kind(info: SettingInfo, value: Any) -> None:
+    kind = info.kind
+    if kind == "bool" and not isinstance(value, bool):
+        raise ValueError(f"{info.key} takes true or false; got {value!r}")
+    if kind == "str" and not isinstance(value, str):
+        raise ValueError(f"{info.key} takes text; got {value!r}")
+    if kind in ("int", "float") and (isinstance(value, bool) or not isinstance(value, int | float)):
+        if info.per_stage:  # the per-stage message below names the comma form
+            return
+        raise ValueError(f"{info.key} takes {'a whole number' if kind == 'int' else 'a number'}; got {value!r}")
+    if kind == "int" and not isinstance(value, int):
+        raise ValueError(f"{info.key} takes a whole number; got {value!r}")
+    if kind == "float" and not math.isfinite(value):
+        raise ValueError(f"{info.key} takes a finite number; got {value!r}")
 
 
 def _args_block(cls: type) -> str:

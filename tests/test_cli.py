@@ -168,3 +168,64 @@ def test_engines_come_from_entry_points_not_imports():
     assert load_engine("simulation").__module__ == "server.simulation"
     with pytest.raises(ValueError, match=f"engine 'warp'.*{ENGINE_GROUP}"):
         load_engine("warp")
+
+
+def test_a_misspelt_flag_value_is_refused_not_read_as_false(tmp_path, capsys):
+    # `--secure-aggregation on` ran without secure aggregation: every unknown word read as false.
+    for words in (["--secure-aggregation", "ture"], ["--encrypt", "flase"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(["train", "--dataset", "sbm:100,2", *words])
+        assert exit_.value.code == 2
+        assert f"{words[0]}: expected true or false, got '{words[1]}'" in capsys.readouterr().err
+    out = tmp_path / "run"
+    assert (
+        main(
+            [
+                "train",
+                "--dataset",
+                "sbm:100,2",
+                "--mode",
+                "local",
+                "--clients",
+                "3",
+                "--rounds",
+                "1",
+                "--self-training",
+                "0",
+                "--secure-aggregation",
+                "on",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    assert json.loads((out / "config.json").read_text())["secure_aggregation"] is True
+
+
+def test_a_failed_rerun_leaves_the_earlier_run_folder_as_it_was(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["train", "--dataset", "sbm:100,2", "--mode", "centralized", "--rounds", "2", "--out", str(out)]
+    assert main(args) == 0
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    # A bad split or device was found after config.json was rewritten and events.jsonl truncated
+    # beside the old summary; a rerun into a finished folder is now refused as a whole.
+    for extra in (["--split", "random:a,b"], ["--device", "tpu"], []):
+        assert main([*args, *extra]) == 2
+        capsys.readouterr()
+    assert main(args) == 2
+    assert "holds a finished run (summary.json)" in capsys.readouterr().err
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+    # A partitioner that does not exist is refused before its folder is made.
+    new = tmp_path / "new"
+    assert main(["train", "--dataset", "sbm:100,2", "--method", "bogus", "--out", str(new)]) == 2
+    assert "method must be one of" in capsys.readouterr().err and not new.exists()
+
+
+def test_partitions_go_to_a_new_folder_so_no_stale_part_is_left(tmp_path, capsys):
+    parts = tmp_path / "parts"
+    cut = ["partition", "--dataset", "sbm:200,4", "--split", "random:0.6,0.2,0.2", "--method", "random"]
+    assert main([*cut, "--clients", "4", "--out", str(parts)]) == 0
+    assert main([*cut, "--clients", "2", "--out", str(parts)]) == 2
+    assert "not an empty folder" in capsys.readouterr().err
+    assert sorted(p.name for p in parts.iterdir()) == ["part-0", "part-1", "part-2", "part-3"]

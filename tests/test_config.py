@@ -119,6 +119,21 @@ def test_from_mapping_reads_kebab_keys_and_per_stage_lists():
         ({"secagg_clip": 0.0}, "security", "secagg-clip must be"),
         ({"on_missing_halo": "guess"}, "failures", "on-missing-halo"),
         ({"algorithm": "4d"}, "datacenter", "algorithm must be one of"),
+        # Each of these ran before: typed from a run config, or out of range, and read by torch.
+        ({"secure_aggregation": "false"}, "security", "secure-aggregation takes true or false; got 'false'"),
+        ({"hidden": "64"}, "architecture", "hidden takes a whole number; got '64'"),
+        ({"hidden": 0}, "architecture", "hidden must be >= 1"),
+        ({"dropout": 1.5}, "architecture", r"dropout must be in \[0, 1\)"),
+        ({"input_dropout": [0.5, 1.0]}, "architecture", r"input-dropout must be in \[0, 1\)"),
+        ({"rounds": 2.5}, "training", "rounds takes a whole number; got 2.5"),
+        ({"lr": float("nan")}, "training", "lr takes a finite number"),
+        ({"lr": -1.0}, "training", "lr must be >= 0 and server-lr > 0"),
+        ({"momentum": 1.0}, "training", r"momentum must be in \[0, 1\)"),
+        ({"seed": 2**70}, "training", "seed must be in"),
+        ({"rounds": [2, 2, 2, 2]}, "training", "rounds has 4 values for 3 stage"),
+        ({"round_seconds": -1.0, "mode": "local"}, "training", "round-seconds must be >= 0"),
+        ({"round_seconds": 0.5}, "training", "round-seconds applies to local and eager"),
+        ({"client_timeout": float("nan")}, "failures", "client-timeout takes a finite number"),
     ],
 )
 def test_each_section_validates_its_own_keys(values, section, message):
@@ -258,7 +273,7 @@ def test_one_node_per_client_takes_the_node_level_defaults_where_nothing_was_giv
         cfg.validate()
     assert TrainConfig.resolve(method="node", clients_per_round=0).clients_per_round == 0  # given wins
     for bad in (2.5, -1, True):
-        with pytest.raises(ValueError, match="clients-per-round must be a whole number"):
+        with pytest.raises(ValueError, match="clients-per-round (takes|must be) a whole number"):
             TrainConfig.resolve(method="node", clients_per_round=bad).validate()
     assert TrainConfig.resolve(method="node", server_lr=0.1).server_lr == 0.1  # given wins
     metis = TrainConfig.resolve(method="metis")

@@ -205,6 +205,21 @@ def _shape(value: object) -> str:
 _SPLIT_RE = re.compile(r"^(random|per-class):([0-9.,]+)$")
 
 
+def check_split(spec: str) -> None:
+    """Raise :class:`DatasetError` unless ``spec`` is ``public`` or a split form
+    :func:`apply_split` takes (checked before a run writes anything)."""
+    if spec == "public":
+        return
+    m = _SPLIT_RE.match(spec.replace(" ", ""))
+    parts = m.group(2).split(",") if m else []
+    try:
+        [float(v) for v in parts]
+    except ValueError:
+        parts = []
+    if len(parts) != 3:
+        raise DatasetError(f"bad split {spec!r}: use public, random:TRAIN,VAL,TEST or per-class:K,VAL,TEST")
+
+
 def apply_split(data, spec: str, seed: int) -> None:
     """Set ``train/val/test_mask`` on ``data`` from a split spec, seeded; unlabeled nodes stay out.
 

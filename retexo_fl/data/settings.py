@@ -6,7 +6,7 @@ imports it to build and validate its ``data`` section.
 
 from __future__ import annotations
 
-from retexo_fl.setting import section, setting
+from retexo_fl.setting import check_choices, section, setting
 
 
 @section
@@ -33,6 +33,9 @@ class DataSettings:
 
     def validate(self) -> DataSettings:
         """Raise :class:`ValueError` naming the first bad setting; return ``self`` otherwise."""
+        check_choices(self)
+        if self.split_index < 0:
+            raise ValueError(f"split-index must be >= 0, got {self.split_index}")
         if self.clients < 1:
             raise ValueError(f"clients must be >= 1, got {self.clients}")
         return self

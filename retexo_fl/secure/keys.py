@@ -204,8 +204,18 @@ def write_identities(clients: int, out: str | os.PathLike[str]) -> Path:
 
     Returns:
         The folder.
+
+    Raises:
+        KeyMaterialError: ``clients < 1``, or a key or ``pins.json`` already in the folder (an
+            identity key is never overwritten: its pins were handed to the other parties).
     """
+    if clients < 1:
+        raise KeyMaterialError(f"clients must be >= 1, got {clients}")
     root = private_folder(out)
+    taken = [root / f"client-{pid}.key" for pid in range(clients)] + [root / "pins.json"]
+    for path in taken:
+        if path.exists():
+            raise KeyMaterialError(f"{path}: already exists; identity keys are never overwritten")
     pins = {}
     for pid in range(clients):
         key = X25519PrivateKey.generate()
@@ -229,6 +239,8 @@ def write_own_identity(client: int, out: str | os.PathLike[str]) -> tuple[Path, 
     Raises:
         KeyMaterialError: a key for this client is already there (it is never overwritten).
     """
+    if client < 0:
+        raise KeyMaterialError(f"client must be >= 0, got {client}")
     root = private_folder(out)
     key_path, pub_path = root / f"client-{client}.key", root / f"client-{client}.pub"
     if key_path.exists():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from retexo_fl.setting import section, setting
+from retexo_fl.setting import check_choices, section, setting
 
 #: The most clients a secure-aggregation run may have. Every client shares its self seed with
 #: every other (a complete masking graph), so a round's extra bytes grow with the square of the
@@ -88,6 +88,7 @@ class SecuritySettings:
 
     def validate(self) -> SecuritySettings:
         """Raise :class:`ValueError` naming the first bad setting; return ``self`` otherwise."""
+        check_choices(self)
         values = (self.dp_noise, self.dp_clip, self.dp_delta, self.boundary_clip, self.boundary_noise)
         if not all(math.isfinite(v) for v in values):  # NaN passes every comparison below
             raise ValueError("dp-noise, dp-clip, dp-delta, boundary-clip and boundary-noise must be finite")

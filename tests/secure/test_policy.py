@@ -93,7 +93,7 @@ def test_pins_are_checked_against_the_announced_set(tmp_path):
     PartyPolicy().check_pins(None, "client 0")  # a party without pins takes any
 
 
-def test_private_keys_others_can_read_are_refused_and_rewritten_owner_only(tmp_path):
+def test_private_keys_others_can_read_are_refused_and_never_overwritten(tmp_path, capsys):
     key = tmp_path / "keys" / "client-0.key"
     save_private_key(X25519PrivateKey.generate(), key)
     assert stat.S_IMODE(key.parent.stat().st_mode) == 0o700
@@ -103,9 +103,15 @@ def test_private_keys_others_can_read_are_refused_and_rewritten_owner_only(tmp_p
         KeyMaterialError, match=r"client-0.key: a private key others can read or write \(mode 644\)"
     ):
         load_private_key(key)
-    # `retexo-fl keys` over an old 0644 key leaves it 0600.
-    assert main(["keys", "--clients", "1", "--out", str(tmp_path / "keys")]) == 0
-    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    # `retexo-fl keys` over an old key refuses: its public half was pinned by the other parties,
+    # and a new one would silently invalidate every pin (it rewrote keys and pins.json before).
+    old = key.read_bytes()
+    assert main(["keys", "--clients", "2", "--out", str(tmp_path / "keys")]) == 2
+    assert "client-0.key: already exists" in capsys.readouterr().err
+    assert key.read_bytes() == old and not (tmp_path / "keys" / "client-1.key").exists()
+    assert main(["keys", "--clients", "0", "--out", str(tmp_path / "fresh")]) == 2
+    assert "clients must be >= 1" in capsys.readouterr().err
+    key.chmod(0o600)
     load_private_key(key)
 
 

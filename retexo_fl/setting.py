@@ -181,7 +181,8 @@ def _check_kind(info: SettingInfo, value: Any) -> None:
     if kind in ("int", "float") and (isinstance(value, bool) or not isinstance(value, int | float)):
         if info.per_stage:  # the per-stage message below names the comma form
             return
-        raise ValueError(f"{info.key} takes {'a whole number' if kind == 'int' else 'a number'}; got {value!r}")
+        wanted = "a whole number" if kind == "int" else "a number"
+        raise ValueError(f"{info.key} takes {wanted}; got {value!r}")
     if kind == "int" and not isinstance(value, int):
         raise ValueError(f"{info.key} takes a whole number; got {value!r}")
     if kind == "float" and not math.isfinite(value):

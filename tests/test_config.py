@@ -273,7 +273,7 @@ def test_one_node_per_client_takes_the_node_level_defaults_where_nothing_was_giv
         cfg.validate()
     assert TrainConfig.resolve(method="node", clients_per_round=0).clients_per_round == 0  # given wins
     for bad in (2.5, -1, True):
-        with pytest.raises(ValueError, match="clients-per-round (takes|must be) a whole number"):
+        with pytest.raises(ValueError, match=r"clients-per-round (takes|must be) a whole number"):
             TrainConfig.resolve(method="node", clients_per_round=bad).validate()
     assert TrainConfig.resolve(method="node", server_lr=0.1).server_lr == 0.1  # given wins
     metis = TrainConfig.resolve(method="metis")

@@ -51,8 +51,9 @@ def test_edge_profile_defaults():
     assert (cfg.device, cfg.threads, cfg.chunk_rows) == ("cpu", 1, 4096)
     assert (cfg.bits, cfg.update_bits, cfg.broadcast_bits) == (8, 4, 4)  # model deltas are 4-bit by default
     assert TrainConfig.resolve(profile="edge", bits=4, chunk_rows=100).bits == 4  # what the user set stays
-    given = TrainConfig.resolve(profile="edge", bits=32, update_bits=32, threads=0, chunk_rows=0, device="auto")
-    assert (given.bits, given.update_bits, given.threads, given.chunk_rows, given.device) == (32, 32, 0, 0, "auto")
+    set_ = {"bits": 32, "update_bits": 32, "threads": 0, "chunk_rows": 0, "device": "auto"}
+    given = TrainConfig.resolve(profile="edge", **set_)
+    assert {k: getattr(given, k) for k in set_} == set_  # a profile never replaces a setting given
     assert TrainConfig.from_mapping(TrainConfig.resolve(profile="edge").to_dict()).chunk_rows == 4096
     with pytest.raises(ValueError, match="profile"):
         TrainConfig.resolve(profile="phone").validate()

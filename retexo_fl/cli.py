@@ -11,7 +11,16 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from retexo_fl.config import SECTIONS, TrainConfig, settings
+from retexo_fl.config import (
+    EDGE_PROFILE,
+    EXACT_PROFILE,
+    LAZY_PARTITION_DEFAULTS,
+    MODE_DEFAULTS,
+    NODE_LEVEL_DEFAULTS,
+    SECTIONS,
+    TrainConfig,
+    settings,
+)
 from retexo_fl.setting import SettingInfo, settings_of
 from retexo_fl.summary import RunSummary
 
@@ -64,10 +73,33 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", dest="out_dir", default=None, help="alias of --out-dir")
 
 
+def _shown(value: object) -> str:
+    """A default as the flag takes it: ``adam,avg``, not ``['adam', 'avg']``."""
+    if isinstance(value, list | tuple):
+        return ",".join(_shown(v) for v in value)
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _defaults_of(info: SettingInfo) -> str:
+    """``default X``, and the value each mode or level sets in its place (:meth:`TrainConfig.resolve`)."""
+    where = [
+        *((f"{mode} mode", table) for mode, table in MODE_DEFAULTS.items()),
+        ("a lazy run at one node per client (method node)", NODE_LEVEL_DEFAULTS),
+        (
+            "a lazy run over partitions (not the exact profile, secure aggregation, DP or boundary noise)",
+            LAZY_PARTITION_DEFAULTS,
+        ),
+        ("the exact profile", EXACT_PROFILE),
+        ("the edge profile", EDGE_PROFILE),
+    ]
+    others = [f"{label}: {_shown(table[info.name])}" for label, table in where if info.name in table]
+    return "; ".join([f"default {_shown(info.default)}", *others])
+
+
 def _add_flag(parser: argparse._ArgumentGroup, info: SettingInfo) -> None:
     flag = "--" + info.key
     if info.per_stage:
-        help_ = f"{info.doc}; one value or a comma list per stage (default {info.default})"
+        help_ = f"{info.doc}; one value or a comma list per stage ({_defaults_of(info)})"
         parser.add_argument(flag, default=None, help=help_)
     elif isinstance(info.default, bool):
         # ``--flag`` alone means true; ``--flag false`` also works (run-config style).
@@ -77,7 +109,7 @@ def _add_flag(parser: argparse._ArgumentGroup, info: SettingInfo) -> None:
             nargs="?",
             const=True,
             type=_flag_value,
-            help=f"{info.doc} (default {str(info.default).lower()})",
+            help=f"{info.doc} ({_defaults_of(info)})",
         )
     else:
         parser.add_argument(
@@ -85,7 +117,7 @@ def _add_flag(parser: argparse._ArgumentGroup, info: SettingInfo) -> None:
             default=None,
             type=type(info.default),
             choices=info.choices or None,
-            help=f"{info.doc} (default {info.default})",
+            help=f"{info.doc} ({_defaults_of(info)})",
         )
 
 

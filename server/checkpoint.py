@@ -89,9 +89,18 @@ class FileCheckpoints:
 def resumed_config(cfg: TrainConfig) -> TrainConfig:
     """The configuration of the run in ``cfg.resume``, set to resume it in that folder.
 
+    A resumed run trains with the settings it started with, whatever else ``cfg`` sets, and
+    writes on in its own folder.
+
     Raises:
-        ValueError: ``cfg.resume`` is not a lazy run's folder.
+        ValueError: ``cfg.resume`` is not a lazy run's folder, or ``cfg`` names another run
+            folder (``--out``), which the resumed run would never write.
     """
+    if cfg.out_dir and Path(cfg.out_dir).resolve() != Path(cfg.resume).resolve():
+        raise ValueError(
+            f"--out {cfg.out_dir} with --resume {cfg.resume}: a resumed run continues in its own "
+            "folder (leave --out out)"
+        )
     path = Path(cfg.resume) / "config.json"
     if not path.is_file():
         raise ValueError(f"{path}: not a run folder (no config.json); resume needs the --out of a lazy run")

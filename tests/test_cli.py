@@ -229,3 +229,15 @@ def test_partitions_go_to_a_new_folder_so_no_stale_part_is_left(tmp_path, capsys
     assert main([*cut, "--clients", "2", "--out", str(parts)]) == 2
     assert "not an empty folder" in capsys.readouterr().err
     assert sorted(p.name for p in parts.iterdir()) == ["part-0", "part-1", "part-2", "part-3"]
+
+
+def test_help_shows_each_default_as_the_flag_takes_it_and_what_modes_set_instead(capsys):
+    from retexo_fl.config import LAZY_PARTITION_DEFAULTS, MODE_DEFAULTS
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "default adam,avg" in text and "['adam', 'avg']" not in text  # the flag refused that form
+    # Read from the tables resolve() applies: a lazy run over partitions and centralized mode.
+    assert "0.005)" in text and LAZY_PARTITION_DEFAULTS["mlp_weight_decay"] == 0.005
+    assert f"centralized mode: {MODE_DEFAULTS['centralized']['hidden']}" in text

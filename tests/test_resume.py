@@ -256,6 +256,10 @@ def test_a_run_resumed_from_an_older_config_keeps_the_settings_it_started_with(t
     started["clients_per_round"] = 512  # written by this version: kept as written
     (tmp_path / "config.json").write_text(json.dumps(started))
     assert resumed_config(TrainConfig(resume=str(tmp_path))).clients_per_round == 512
+    # It writes on in its own folder: another --out was silently never written before.
+    assert resumed_config(TrainConfig(resume=str(tmp_path), out_dir=str(tmp_path))).out_dir == str(tmp_path)
+    with pytest.raises(ValueError, match="a resumed run continues in its own folder"):
+        resumed_config(TrainConfig(resume=str(tmp_path), out_dir=str(tmp_path / "elsewhere")))
 
 
 @pytest.mark.slow

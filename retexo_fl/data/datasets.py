@@ -118,6 +118,16 @@ def load_dataset(
 
 
 def _load_raw(name: str, root: Path, seed: int):
+    try:
+        return _load_any(name, root, seed)
+    except OSError as exc:  # PyG's download without a network, or a raw file it cannot read
+        raise DatasetError(
+            f"{name}: cannot be read or downloaded under --data-root {root} ({exc}); without "
+            "internet, copy its raw files there first"
+        ) from exc
+
+
+def _load_any(name: str, root: Path, seed: int):
     if name.startswith("files:"):
         return load_files_graph(name[len("files:") :])
     path = Path(name)

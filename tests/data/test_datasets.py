@@ -120,3 +120,16 @@ def test_a_graph_without_a_labelled_node_or_a_rounded_away_set_is_refused(tmp_pa
         load_dataset(path, split="random:0.6,0.2,0.2")
     loaded = load_dataset(path, split="random:0.5,0.5,0")  # a share of 0 asks for no test set
     assert int(loaded.train_mask.sum()) == 1 and not loaded.test_mask.any()
+
+
+def test_a_registered_dataset_that_cannot_be_downloaded_fails_naming_it(tmp_path, monkeypatch):
+    # Offline, PyG's download raised aiohttp's connection error, a traceback that named no dataset.
+    import socket
+
+    def unreachable(*args, **kwargs):
+        raise OSError("network unreachable")
+
+    monkeypatch.setattr(socket.socket, "connect", unreachable)
+    monkeypatch.setattr(socket, "getaddrinfo", unreachable)
+    with pytest.raises(DatasetError, match=r"Cora: cannot be read or downloaded under --data-root"):
+        load_dataset("Cora", tmp_path / "empty")

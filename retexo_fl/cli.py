@@ -183,6 +183,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from retexo_fl.runner import train
 
     cfg = _config_from_args(args)
+    if args.engine != "in-process":
+        from retexo_fl.runner import preflight
+
+        preflight(cfg, in_process=False)  # before Flower starts and the server writes the folder
     summary = train(cfg) if args.engine == "in-process" else load_engine(args.engine)(cfg)
     print(
         json.dumps(

@@ -49,6 +49,11 @@ DRIFT_CORRECTIONS: tuple[str, ...] = get_args(DriftCorrection)
 _Section = TypeVar("_Section")
 
 
+def _positive(value: Any) -> bool:
+    """Whether a given setting is a number above 0 (a mistyped one is refused by validate)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+
+
 def stage_value(name: str, value: Any, stage: int) -> Any:
     """The value of per-stage setting ``name`` for ``stage``: the last list entry repeats.
 
@@ -504,16 +509,17 @@ _LOCAL: dict[str, Any] = {
     "broadcast_bits": 32,
 }
 
+#: ``--profile edge`` (small clients: phones, gateways): the CPU, one torch thread, embeddings
+#: computed 4,096 target rows at a time and 8-bit boundary rows, each where the run does not set it;
+#: :meth:`TrainConfig.resolve` also makes a mode's 32-bit updates and broadcasts (eager, local) 8-bit.
+EDGE_PROFILE: dict[str, Any] = {"device": "cpu", "threads": 1, "chunk_rows": 4096, "bits": 8}
+
 #: Each mode's own defaults, applied wherever a run left the lazy defaults. Eager trains the
 #: centralized reference's 2-layer GNN (3 stages, no norm; ``eager-model auto`` splits it at its
 #: linear maps) with the backward exchange of halo gradients: the best validation of eight
 #: candidates (phase H of ``bench/results/sweep-2026-11-24.jsonl``; docs/baselines.md). Without
 #: the gradients a client's loss trains the first layer through its own nodes only, and eager
 #: stayed 10-16 points below centralized.
-#: ``--profile edge`` (small clients: phones, gateways): the CPU, one torch thread, embeddings
-#: computed 4,096 target rows at a time and 8-bit boundary rows, each where the run does not set it.
-EDGE_PROFILE: dict[str, Any] = {"device": "cpu", "threads": 1, "chunk_rows": 4096, "bits": 8}
-
 MODE_DEFAULTS: dict[str, dict[str, Any]] = {
     "centralized": _END_TO_END,
     "datacenter": _END_TO_END,
@@ -658,8 +664,8 @@ class TrainConfig:
             values.update(EXACT_PROFILE)
         values.update(MODE_DEFAULTS.get(mode, {}))
         secure = given.get("secure_aggregation", defaults.secure_aggregation)
-        noised = given.get("dp_noise", defaults.dp_noise) > 0
-        rows_noised = given.get("boundary_noise", defaults.boundary_noise) > 0
+        noised = _positive(given.get("dp_noise", defaults.dp_noise))
+        rows_noised = _positive(given.get("boundary_noise", defaults.boundary_noise))
         node_level = given.get("method", defaults.method) == "node"
         if mode == "lazy" and profile != "exact" and node_level:
             values.update(NODE_LEVEL_DEFAULTS)
@@ -673,6 +679,9 @@ class TrainConfig:
             values["halo_gradients"] = False
         if profile == "edge":
             values.update(EDGE_PROFILE)
+            for key in ("update_bits", "broadcast_bits"):  # eager's and local's 32-bit models
+                if values.get(key, getattr(defaults, key)) == 32:
+                    values[key] = 8
         values.update(given)
         return cls(**values)
 
@@ -754,6 +763,8 @@ class TrainConfig:
         Raises:
             ValueError: naming the first bad setting by its kebab-case key.
         """
+        for part in self.sections().values():  # types first: a range check compares numbers
+            check_choices(part)
         self.training.validate(stages=self.stages)
         self.architecture.validate()
         self.data.validate()

@@ -81,21 +81,26 @@ def device_line(setting: str, sizes: list[int]) -> str:
     return f"device {where} ({reason})"
 
 
-def preflight(cfg: TrainConfig) -> None:
-    """Refuse, before anything is written, what an in-process run would only find out later: an
-    unknown partitioner, split form or device, a resume (the Flower engines resume), and a run
-    folder that holds a finished run (a failed rerun would truncate its events and overwrite its
-    config beside the old summary).
+def preflight(cfg: TrainConfig, in_process: bool = True) -> None:
+    """Refuse, before anything is written, what a run would only find out later: an unknown
+    partitioner, split form or device, and a run folder that holds a finished run (a failed rerun
+    would truncate its events and overwrite its config beside the old summary); in process also
+    an audit or a resume (the Flower engines do those).
+
+    Args:
+        cfg (TrainConfig): the validated configuration.
+        in_process (bool, optional): the run is :func:`train`'s, not a Flower engine's.
+            (default: :obj:`True`)
 
     Raises:
         ValueError: naming the setting (or folder) at fault.
     """
-    if cfg.audit:
+    if in_process and cfg.audit:
         raise ValueError(
             "--audit records what each ClientApp sends, and the in-process engine runs none: "
             "use --engine simulation (or node config audit-dir in a deployment)"
         )
-    if cfg.resume:
+    if in_process and cfg.resume:
         raise ValueError("--resume continues a run of the Flower engines: use --engine simulation")
     cuts = cfg.mode not in ("centralized", "datacenter") and not cfg.partitions
     if cuts and cfg.method not in PARTITIONERS:
@@ -103,7 +108,7 @@ def preflight(cfg: TrainConfig) -> None:
     if not cfg.partitions:
         check_split(cfg.split)
     device_choice(cfg.device)  # an unknown name, or cuda without a GPU
-    if cfg.out_dir and (Path(cfg.out_dir) / "summary.json").exists():
+    if cfg.out_dir and not cfg.resume and (Path(cfg.out_dir) / "summary.json").exists():
         raise ValueError(
             f"--out {cfg.out_dir} holds a finished run (summary.json): choose another folder or remove it"
         )

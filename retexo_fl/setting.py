@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import os
 import sys
 import typing
 from collections.abc import Callable
@@ -176,7 +177,7 @@ def _check_kind(info: SettingInfo, value: Any) -> None:
     kind = info.kind
     if kind == "bool" and not isinstance(value, bool):
         raise ValueError(f"{info.key} takes true or false; got {value!r}")
-    if kind == "str" and not isinstance(value, str):
+    if kind == "str" and not isinstance(value, str | os.PathLike):  # a folder may be a Path
         raise ValueError(f"{info.key} takes text; got {value!r}")
     if kind in ("int", "float") and (isinstance(value, bool) or not isinstance(value, int | float)):
         if info.per_stage:  # the per-stage message below names the comma form

@@ -215,6 +215,9 @@ def test_a_failed_rerun_leaves_the_earlier_run_folder_as_it_was(tmp_path, capsys
         capsys.readouterr()
     assert main(args) == 2
     assert "holds a finished run (summary.json)" in capsys.readouterr().err
+    # Flower's simulation engine is held to the same check, before the server writes the folder.
+    assert main(["train", "--engine", "simulation", "--dataset", "sbm:100,2", "--out", str(out)]) == 2
+    assert "holds a finished run (summary.json)" in capsys.readouterr().err
     assert {f.name: f.read_bytes() for f in out.iterdir()} == before
     # A partitioner that does not exist is refused before its folder is made.
     new = tmp_path / "new"

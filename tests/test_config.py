@@ -134,6 +134,9 @@ def test_from_mapping_reads_kebab_keys_and_per_stage_lists():
         ({"round_seconds": -1.0, "mode": "local"}, "training", "round-seconds must be >= 0"),
         ({"round_seconds": 0.5}, "training", "round-seconds applies to local and eager"),
         ({"client_timeout": float("nan")}, "failures", "client-timeout takes a finite number"),
+        ({"stages": "2"}, "architecture", "stages takes a whole number; got '2'"),
+        ({"dp_noise": "0.5"}, "security", "dp-noise takes a number; got '0.5'"),
+        ({"bits": "8"}, "compression", "bits takes a whole number; got '8'"),
     ],
 )
 def test_each_section_validates_its_own_keys(values, section, message):
@@ -342,3 +345,13 @@ def test_secure_aggregation_settings_that_cannot_work_are_refused_by_name():
     ):
         with pytest.raises(ValueError, match=message):
             TrainConfig.resolve(**{"secure_aggregation": True, **values}).validate()
+
+
+def test_a_run_configs_toml_integer_is_a_byte_budget_and_edge_keeps_eagers_models_8_bit():
+    # Flower reads byte-budget=100000 as a TOML integer: bytes, as the text "100000" is.
+    cfg = TrainConfig.from_mapping({"bit-policy": "adaptive-budget", "byte-budget": 100000})
+    assert cfg.byte_budget == 100000
+    for mode in ("eager", "local"):  # their models travel 32-bit by default; the edge profile's are 8
+        edge = TrainConfig.resolve(mode=mode, profile="edge")
+        assert (edge.update_bits, edge.broadcast_bits, edge.bits) == (8, 8, 8)
+        assert TrainConfig.resolve(mode=mode, profile="edge", update_bits=32).update_bits == 32

@@ -36,7 +36,7 @@ class CompressionSettings:
 
     bits: int = setting(32, "boundary rows: bits per value under the fixed policy: 1, 2, 4, 8, 16 or 32")
     bit_policy: BitPolicy = setting("fixed", "how boundary rows get their widths")
-    byte_budget: str = setting(
+    byte_budget: str | int = setting(
         "", "bytes per client and exchange, or <r>b for what r-bit frames cost (empty: none)"
     )
     link_bandwidths: str = setting(
@@ -59,13 +59,13 @@ class CompressionSettings:
 
     def validate(self) -> CompressionSettings:
         """Raise :class:`ValueError` naming the first bad setting; return ``self`` otherwise."""
+        check_choices(self)
         if self.broadcast_bits not in ALL_BITS:
             raise ValueError(f"broadcast-bits must be one of {ALL_BITS}, got {self.broadcast_bits}")
         if self.bits not in ALL_BITS or self.update_bits not in ALL_BITS:
             raise ValueError(
                 f"bits and update-bits must be one of {ALL_BITS}, got {self.bits}, {self.update_bits}"
             )
-        check_choices(self)
         if self.bit_policy == "adaptive-budget" and not self.byte_budget and self.rate_schedule == "fixed":
             raise ValueError(
                 "bit-policy adaptive-budget needs byte-budget (bytes, or e.g. 4b) or a rate-schedule"

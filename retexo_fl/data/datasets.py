@@ -120,7 +120,12 @@ def load_dataset(
 def _load_raw(name: str, root: Path, seed: int):
     try:
         return _load_any(name, root, seed)
-    except OSError as exc:  # PyG's download without a network, or a raw file it cannot read
+    except OSError as exc:
+        own = name.startswith("files:") or Path(name).suffix.lower() in (".npz", ".pt", ".pth")
+        if own or Path(name).exists():
+            # A user's own file: name it, not a download.
+            raise DatasetError(f"{exc.filename or name}: cannot be read ({exc.strerror or exc})") from exc
+        # PyG's download without a network, or a raw file it cannot read
         raise DatasetError(
             f"{name}: cannot be read or downloaded under --data-root {root} ({exc}); without "
             "internet, copy its raw files there first"
@@ -186,6 +191,8 @@ def _load_user_graph(path: Path):
     x, y, ei = obj.x, obj.y, obj.edge_index
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise DatasetError(f"{path}: field 'x' must be a [N, F] tensor, got {_shape(x)}")
+    if x.layout != torch.strided:
+        raise DatasetError(f"{path}: field 'x' must be a dense tensor, got {x.layout} (use x.to_dense())")
     if not isinstance(y, torch.Tensor) or y.view(-1).size(0) != x.size(0):
         raise DatasetError(f"{path}: field 'y' has {_shape(y)} labels for {x.size(0)} nodes")
     if not isinstance(ei, torch.Tensor) or ei.dim() != 2 or ei.size(0) != 2:

@@ -121,6 +121,13 @@ def load_files_graph(spec: str) -> Data:
     labels = _read_labels(paths["labels"], keys.get("id-column"), keys.get("label-column"))
     label_ids, label_values = labels.ids, labels.values
     feats = _read_features(paths["features"])
+    if labels.header_id in set(feats.ids):  # "n0,1" on line 1: data, not column names
+        raise FileGraphError(
+            paths["labels"],
+            f"the labels file needs a header line naming its columns (line 1's id column reads "
+            f"{labels.header_id!r}, a node of the features file)",
+            1,
+        )
     index = _node_index([labels, feats])
     n = len(index)
     y = torch.full((n,), -1, dtype=torch.long)
@@ -201,9 +208,11 @@ class _Ids:
 
 
 class _Labels(_Ids):
-    def __init__(self, path: Path, ids: list[str], lines: list[int | None], values: list[int]) -> None:
+    def __init__(
+        self, path: Path, ids: list[str], lines: list[int | None], values: list[int], header_id: str
+    ) -> None:
         super().__init__(path, ids, lines)
-        self.values = values
+        self.values, self.header_id = values, header_id
 
 
 class _Features(_Ids):
@@ -329,7 +338,7 @@ def _read_labels(path: Path, id_column: str | None, label_column: str | None) ->
             )
         classes = {c: i for i, c in enumerate(sorted(set(given)))}
         values = [classes[v] if v != "" else -1 for v in raw]
-    return _Labels(path, ids, [lines[i] for i in ids], values)
+    return _Labels(path, ids, [lines[i] for i in ids], values, header[id_col])
 
 
 def _read_features(path: Path) -> _Features:

@@ -98,8 +98,18 @@ def _saved(folder, **fields):
         ({"x": torch.tensor([[float("nan")]] * 4)}, "not a finite real number"),
         ({"y": torch.tensor([0.0, 1.5, 0.0, 1.0])}, "integer class indices"),
         ({"y": torch.tensor([0, 1, 0, 2**40])}, "class indices in -1.."),
+        ({"x": torch.eye(4).to_sparse()}, "'x' must be a dense tensor"),
     ],
-    ids=["edge-past-n", "negative-edge", "float-edges", "x-1d", "nan-x", "fractional-y", "huge-y"],
+    ids=[
+        "edge-past-n",
+        "negative-edge",
+        "float-edges",
+        "x-1d",
+        "nan-x",
+        "fractional-y",
+        "huge-y",
+        "sparse-x",
+    ],
 )
 def test_a_saved_data_file_is_checked_before_training_reads_it(tmp_path, fields, fragment):
     # Each trained on silently (a -1 endpoint was written to a partition), or failed deep in

@@ -301,3 +301,14 @@ def test_an_npz_object_array_is_refused_naming_the_array(tmp_path):
     upper = tmp_path / "GRAPH.NPZ"  # the suffix's case does not send it to torch.load
     shutil.copy(_npz(tmp_path), upper)
     assert load_dataset(str(upper), split="public").num_nodes == 4
+
+
+def test_labels_without_a_header_are_refused_when_their_ids_are_names_too(tmp_path):
+    # "alice,1" on line 1 passed as column names, and alice's label was dropped without a word.
+    (tmp_path / "e.csv").write_text("alice,bob\nbob,carol\n")
+    (tmp_path / "x.csv").write_text("alice,1.0\nbob,0.0\ncarol,0.5\n")
+    (tmp_path / "y.csv").write_text("alice,1\nbob,0\ncarol,1\n")
+    spec = f"files:edges={tmp_path / 'e.csv'},features={tmp_path / 'x.csv'},labels={tmp_path / 'y.csv'}"
+    _expect(spec, f"{tmp_path / 'y.csv'}:1", "'alice', a node of the features file")
+    (tmp_path / "y.csv").write_text("name,label\nalice,1\nbob,0\ncarol,1\n")
+    assert load_files_graph(spec[len("files:") :]).y.tolist() == [1, 0, 1]

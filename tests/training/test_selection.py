@@ -138,7 +138,7 @@ def test_accuracy_or_loss_waits_out_a_plateau_the_loss_still_descends():
         ({"local_epochs": [1, -1]}, "local-epochs must be >= 1.*stage 1"),
         ({"rounds": -1}, "rounds must be >= 0"),
         ({"validate_every": 0}, "validate-every must be a whole number >= 1, got 0"),
-        ({"validate_every": 1.5}, "validate-every must be a whole number >= 1, got 1.5"),
+        ({"validate_every": 1.5}, "validate-every takes a whole number; got 1.5"),
     ],
 )
 def test_settings_that_cannot_work_are_refused(values, message):

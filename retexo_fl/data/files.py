@@ -14,7 +14,8 @@ Two ``--dataset`` forms read files a user brings rather than a PyG class:
     * ``labels``: a CSV with a header, one node a line. The node id is in column ``id-column``
       (default: the first) and the label in ``label-column`` (default: the second of two
       columns; name it when there are more). Integer labels are kept (``-1`` or an empty
-      field: unlabeled); any other values (``True``/``False``, class names) are numbered in
+      field: unlabeled), written as floats too (``2.0``, ``-1.0``, as pandas writes an integer
+      column with a gap); any other values (``True``/``False``, class names) are numbered in
       sorted order. Integer labels are class indices, at most :data:`MAX_CLASSES` classes.
 
     Nodes are the ids the feature and label files name. Integer ids keep their numeric order
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -254,6 +256,15 @@ def _is_int(text: str) -> bool:
     return True
 
 
+def _is_integral(text: str) -> bool:
+    """Whether ``text`` is a finite float with no fraction (``"2.0"``, ``"-1.0"``, ``"1e3"``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        return False
+    return math.isfinite(value) and value == int(value)
+
+
 def _read_labels(path: Path, id_column: str | None, label_column: str | None) -> _Labels:
     rows = _rows(path)
     first = next(rows, None)
@@ -316,6 +327,11 @@ def _read_labels(path: Path, id_column: str | None, label_column: str | None) ->
     if not ids:
         raise FileGraphError(path, "no label lines after the header")
     given = [v for v in raw if v != ""]
+    if given and not all(_is_int(v) for v in given) and all(_is_integral(v) for v in given):
+        # "1.0", "-1.0": an integer column a spreadsheet or pandas wrote as floats (it does so
+        # when a value is missing); as names, "-1.0" would be a class and "10.0" sort before "2.0".
+        raw = [str(int(float(v))) if v != "" else v for v in raw]
+        given = [v for v in raw if v != ""]
     if all(_is_int(v) for v in given):
         values = [int(v) if v != "" else -1 for v in raw]
         for node, value in zip(ids, values, strict=True):

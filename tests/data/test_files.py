@@ -312,3 +312,11 @@ def test_labels_without_a_header_are_refused_when_their_ids_are_names_too(tmp_pa
     _expect(spec, f"{tmp_path / 'y.csv'}:1", "'alice', a node of the features file")
     (tmp_path / "y.csv").write_text("name,label\nalice,1\nbob,0\ncarol,1\n")
     assert load_files_graph(spec[len("files:") :]).y.tolist() == [1, 0, 1]
+
+
+def test_integer_labels_written_as_floats_stay_class_indices(tmp_path):
+    # pandas writes an integer column with a gap as floats: "-1.0" was a class of its own, and
+    # the classes were numbered as text ("10.0" before "2.0").
+    spec = _write(tmp_path).replace(",id-column=new_id,label-column=mature", "")
+    (tmp_path / "target.csv").write_text("id,label\n0,10.0\n1,2.0\n2,-1.0\n3,10.0\n4,\n")
+    assert load_files_graph(spec[len("files:") :]).y.tolist() == [10, 2, -1, 10, -1]

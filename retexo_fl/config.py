@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, get_args
@@ -656,6 +657,8 @@ class TrainConfig:
         Args:
             **given: settings by snake-case name (those a user, a run config or a caller set).
         """
+        # A folder given as a Path is text in config.json and in the messages' configs.
+        given = {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in given.items()}
         defaults = cls()
         profile = given.get("profile", defaults.profile)
         mode = given.get("mode", defaults.mode)

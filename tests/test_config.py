@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -355,3 +356,16 @@ def test_a_run_configs_toml_integer_is_a_byte_budget_and_edge_keeps_eagers_model
         edge = TrainConfig.resolve(mode=mode, profile="edge")
         assert (edge.update_bits, edge.broadcast_bits, edge.bits) == (8, 8, 8)
         assert TrainConfig.resolve(mode=mode, profile="edge", update_bits=32).update_bits == 32
+
+
+@pytest.mark.parametrize("budget", [True, 1.5, -5, "abc", "0b", "nanb", "33b"])
+def test_a_byte_budget_that_names_no_budget_is_refused_before_the_run(budget):
+    # Each validated and then failed mid-run in the codec (or, for True, as "'True'" not a float).
+    with pytest.raises(ValueError, match="byte-budget takes"):
+        TrainConfig.from_mapping({"bit-policy": "adaptive-budget", "byte-budget": budget})
+
+
+def test_a_folder_given_as_a_path_is_text_in_the_config():
+    cfg = TrainConfig.resolve(out_dir=Path("/tmp/run"), data_root=Path("/tmp/data")).validate()
+    assert (cfg.out_dir, cfg.data_root) == ("/tmp/run", "/tmp/data")
+    json.dumps(cfg.to_dict())  # config.json and the messages' configs are JSON

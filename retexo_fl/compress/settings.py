@@ -7,6 +7,7 @@ section, and the codecs import the bit widths from it.
 
 from __future__ import annotations
 
+import math
 from typing import Literal, get_args
 
 from retexo_fl.compress.schedule import RateSchedule
@@ -60,6 +61,14 @@ class CompressionSettings:
     def validate(self) -> CompressionSettings:
         """Raise :class:`ValueError` naming the first bad setting; return ``self`` otherwise."""
         check_choices(self)
+        budget = self.byte_budget
+        if isinstance(budget, bool) or not isinstance(budget, int | str):
+            raise ValueError(f"byte-budget takes bytes or <r>b; got {budget!r}")
+        if not _budget_spec(str(budget)):
+            raise ValueError(
+                f"byte-budget takes a number of bytes >= 1 or <r>b with 0 < r <= {max(ALL_BITS)}; "
+                f"got {budget!r}"
+            )
         if self.broadcast_bits not in ALL_BITS:
             raise ValueError(f"broadcast-bits must be one of {ALL_BITS}, got {self.broadcast_bits}")
         if self.bits not in ALL_BITS or self.update_bits not in ALL_BITS:
@@ -74,3 +83,20 @@ class CompressionSettings:
             raise ValueError("bit-policy adaptive-bandwidth needs link-bandwidths")
         RateSchedule.parse(self.rate_schedule)  # its errors name rate-schedule
         return self
+
+
+def _budget_spec(spec: str) -> bool:
+    """Whether ``spec`` is empty (no budget), a number of bytes >= 1, or ``<r>b`` (what frames of
+    ``r`` bits a value cost, ``0 < r <= 32``; adaptive widths meet a fractional ``r`` by mixing)."""
+    spec = spec.strip()
+    if not spec:
+        return True
+    if spec.endswith("b"):
+        try:
+            return 0 < float(spec[:-1]) <= max(ALL_BITS)  # NaN fails both
+        except ValueError:
+            return False
+    try:
+        return math.isfinite(float(spec)) and float(spec) >= 1
+    except ValueError:
+        return False

@@ -122,7 +122,7 @@ def _load_raw(name: str, root: Path, seed: int):
         return _load_any(name, root, seed)
     except OSError as exc:
         own = name.startswith("files:") or Path(name).suffix.lower() in (".npz", ".pt", ".pth")
-        if own or Path(name).exists():
+        if own or Path(name).is_file():
             # A user's own file: name it, not a download.
             raise DatasetError(f"{exc.filename or name}: cannot be read ({exc.strerror or exc})") from exc
         # PyG's download without a network, or a raw file it cannot read

@@ -123,6 +123,15 @@ def load_files_graph(spec: str) -> Data:
     labels = _read_labels(paths["labels"], keys.get("id-column"), keys.get("label-column"))
     label_ids, label_values = labels.ids, labels.values
     feats = _read_features(paths["features"])
+    numbered = (  # at 2 columns or more a data row is these integers by chance alone
+        feats.width >= 2
+        and bool(feats.ids)
+        and feats.rows[0].tolist() in (list(range(feats.width)), list(range(1, feats.width + 1)))
+    )
+    if numbered and feats.ids[0] == labels.header_id and feats.lines[0] == 1:
+        # "name,0,1": the features CSV's header, its columns numbered as pandas names them, its
+        # id column named as the labels' is: not a node
+        feats = _Features(feats.path, feats.ids[1:], feats.lines[1:], feats.rows[1:], feats.width)
     if labels.header_id in set(feats.ids):  # "n0,1" on line 1: data, not column names
         raise FileGraphError(
             paths["labels"],

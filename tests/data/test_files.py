@@ -320,3 +320,14 @@ def test_integer_labels_written_as_floats_stay_class_indices(tmp_path):
     spec = _write(tmp_path).replace(",id-column=new_id,label-column=mature", "")
     (tmp_path / "target.csv").write_text("id,label\n0,10.0\n1,2.0\n2,-1.0\n3,10.0\n4,\n")
     assert load_files_graph(spec[len("files:") :]).y.tolist() == [10, 2, -1, 10, -1]
+
+
+def test_a_feature_header_of_number_names_is_not_a_node(tmp_path):
+    # pandas writes a frame's column names 0, 1, ...: "name,0,1" read as a node "name", and the
+    # labels file (header "name,label") was blamed for having no header.
+    (tmp_path / "e.csv").write_text("alice,bob\nbob,carol\n")
+    (tmp_path / "x.csv").write_text("name,0,1\nalice,1.0,0\nbob,0.0,1\ncarol,0.5,0.5\n")
+    (tmp_path / "y.csv").write_text("name,label\nalice,1\nbob,0\ncarol,1\n")
+    spec = f"edges={tmp_path / 'e.csv'},features={tmp_path / 'x.csv'},labels={tmp_path / 'y.csv'}"
+    data = load_files_graph(spec)
+    assert data.num_nodes == 3 and data.x.tolist() == [[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]]

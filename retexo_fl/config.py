@@ -766,14 +766,15 @@ class TrainConfig:
         Raises:
             ValueError: naming the first bad setting by its kebab-case key.
         """
-        for part in self.sections().values():  # types first: a range check compares numbers
+        parts = self.sections()  # built once: a client validates every message's config
+        for part in parts.values():  # types first: a range check compares numbers
             check_choices(part)
-        self.training.validate(stages=self.stages)
-        self.architecture.validate()
-        self.data.validate()
-        self.compression.validate()
-        self.security.validate()
-        self.failures.validate(clients=self.clients)
+        parts["training"].validate(stages=self.stages)
+        parts["architecture"].validate()
+        parts["data"].validate()
+        parts["compression"].validate()
+        parts["security"].validate()
+        parts["failures"].validate(clients=self.clients)
         federated = self.mode in ("lazy", "eager", "local")
         if self.drift_correction != "none" and (self.dp_noise > 0 or not federated):
             raise ValueError(
@@ -833,7 +834,7 @@ class TrainConfig:
         if self.model == "mlp" and self.mode != "centralized":
             raise ValueError("model mlp (the graph-free reference) trains in centralized mode only")
         # Only a data-center run needs procs to form the algorithm's process grid.
-        self.datacenter.validate(grid=self.mode == "datacenter")
+        parts["datacenter"].validate(grid=self.mode == "datacenter")
         return self
 
     def to_dict(self) -> dict[str, Any]:

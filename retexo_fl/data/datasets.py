@@ -256,15 +256,11 @@ def apply_split(data, spec: str, seed: int) -> None:
         DatasetError: on another form, not three numbers, fractions that are negative or sum to
             more than 1, or a set given a share (or K) that gets no labelled node.
     """
+    check_split(spec)
     m = _SPLIT_RE.match(spec.replace(" ", ""))
-    if not m:
-        raise DatasetError(f"bad split {spec!r}: use public, random:TRAIN,VAL,TEST or per-class:K,VAL,TEST")
-    try:
-        kind, nums = m.group(1), [float(v) for v in m.group(2).split(",")]
-    except ValueError:
-        raise DatasetError(f"bad split {spec!r}: give three numbers") from None
-    if len(nums) != 3:
-        raise DatasetError(f"bad split {spec!r}: give three numbers")
+    if not m:  # "public": the dataset's own masks, nothing to draw
+        raise DatasetError(f"bad split {spec!r}: use random:TRAIN,VAL,TEST or per-class:K,VAL,TEST")
+    kind, nums = m.group(1), [float(v) for v in m.group(2).split(",")]
     y = data.y.view(-1)
     n = y.size(0)
     gen = torch.Generator().manual_seed(seed)

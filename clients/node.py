@@ -57,10 +57,12 @@ def work_dir(context: Context, run_key: int, slot: str) -> Path:
 
 
 def who(context: Context) -> str:
-    """How errors name this node: its client id, or its partition folder."""
+    """How errors name this node: its client id, or its partition folder's name (the errors reach
+    the server: the node's own paths stay on the node)."""
     if P.NODE_PARTITION_ID in context.node_config:
         return f"client {context.node_config[P.NODE_PARTITION_ID]}"
-    return f"client at {context.node_config.get(P.NODE_PARTITION_DIR, f'node {context.node_id}')}"
+    folder = context.node_config.get(P.NODE_PARTITION_DIR)
+    return f"client at {Path(str(folder)).name}" if folder else f"client at node {context.node_id}"
 
 
 def partition_dir(context: Context, cfg: TrainConfig) -> Path:

@@ -165,7 +165,13 @@ def load_node_partition(view: NodeView, work: Path) -> Partition:
     """This node's partition: loaded and validated, or (simulation) this run's cached cut."""
     cfg, part_dir = view.cfg, view.partition
     if view.given_partition:
-        return load_partition(part_dir, stamp=work / "partition-verified.json")
+        part = load_partition(part_dir, stamp=work / "partition-verified.json")
+        if part.num_partitions != cfg.clients:  # else a peer's missing key would be the first sign
+            raise ValueError(
+                f"{view.who}: this node's partition is part {part.partition_id} of a "
+                f"{part.num_partitions}-client cut, and the run config says clients={cfg.clients}"
+            )
+        return part
     # Simulation: the first node to find no cut writes every part of one; the others load theirs.
     # Each node cutting for itself is not enough: two Ray actors' cuts of one graph have been seen
     # to number its parts differently (METIS, 2026-11-24), and the boundary plans then disagree.
@@ -201,7 +207,8 @@ def node_client(view: NodeView, context: Context) -> tuple[Client, Path]:
         context (Context): the message's context (it names the saved state's version).
 
     Raises:
-        PolicyError: the message's run config is weaker than this party's policy.
+        PolicyError: the message's run config is weaker than this party's policy, or is not the
+            one this client was set up with.
     """
     cfg, policy, key = view.cfg, view.policy, view.key
     # Every message: a server may send a weaker config to a client it already set up.
@@ -233,6 +240,8 @@ def node_client(view: NodeView, context: Context) -> tuple[Client, Path]:
         client.restore(work)
         with _LOCK:
             _CURRENT[key] = version
+    # Set up with one config, a client takes no other: rebuilt, it has this message's.
+    client.check_run_config(cfg)
     return client, work
 
 

@@ -195,7 +195,7 @@ def check_pinned_keys(node_config: dict[str, Any], insecure: bool) -> str:
             f"--node-config sets no {' and no '.join(missing)}: without this party's own identity key "
             "and the pins every party agreed on out of band, the server chooses the keys that seal "
             "boundary rows and secure-aggregation shares and can read them. Make them with "
-            "`retexo-fl keys` (docs/deployment.md, 'Keys'), or pass --insecure-no-pinned-keys to "
+            "`retexo-fl keys` (deploy/README.md, step 2), or pass --insecure-no-pinned-keys to "
             "run without that protection"
         )
     try:

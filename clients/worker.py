@@ -33,6 +33,7 @@ once on one node each train bit for bit as alone.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import sys
@@ -48,7 +49,9 @@ from flwr.app import Context, Message, Metadata, RecordDict
 from clients import node_client
 from clients.node_client import answer, audit_target, holding
 from clients.worker_link import (
+    NODE_CONFIG_NAME,
     PID_NAME,
+    SECRET_NAME,
     SOCKET_NAME,
     WorkerError,
     accept_caller,
@@ -385,10 +388,16 @@ def receive(request: Request, secret: bytes, lanes: RunLanes[Request]) -> None:
             request.close()
 
 
-def _watch_parent(parent_pid: int) -> None:
-    """Leave when the SuperNode that started this worker is gone (even if it was SIGKILLed)."""
+def _watch_parent(parent_pid: int, folder: Path) -> None:
+    """Leave when the SuperNode that started this worker is gone (even if it was SIGKILLed), and
+    take the worker folder's files with it: a SuperNode killed outright removes nothing, and its
+    folder would keep the node's secret and node config."""
     while True:
         if os.getppid() != parent_pid:
+            for name in (SOCKET_NAME, SECRET_NAME, NODE_CONFIG_NAME, PID_NAME):
+                (folder / name).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # empty, as the SuperNode made it; anything else stays
             os._exit(0)
         time.sleep(0.5)
 
@@ -424,7 +433,7 @@ def serve(folder: str | Path, parent_pid: int | None = None) -> None:
     server.listen(16)
     (folder / PID_NAME).write_text(str(os.getpid()))
     if parent_pid is not None:
-        threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+        threading.Thread(target=_watch_parent, args=(parent_pid, folder), daemon=True).start()
     print(f"node worker {os.getpid()} listening on {path}", file=sys.stderr, flush=True)
     # The bounds are read here, not bound as defaults, so that a test can lower them.
     lanes: RunLanes[Request] = RunLanes(

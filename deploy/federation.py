@@ -515,7 +515,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         status = record.get("status", "")
         summary = out / "summary.json"
-        print(f"run ended: {status}; run folder {out}", flush=True)
+        result = ""
+        if summary.is_file():  # the figures a finished run reports, as `retexo-fl train` prints them
+            done = json.loads(summary.read_text())
+            result = f"; test accuracy {done.get('test_accuracy', float('nan')):.4f}"
+        print(f"run ended: {status}{result}; run folder {out}", flush=True)
         return 0 if status == "finished:completed" and summary.is_file() else 1
     finally:
         fed.stop_all()

@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    # Owner-only: it holds private keys, and `retexo-fl keys --out` refuses a folder others can enter.
+    out.mkdir(mode=0o700, parents=True, exist_ok=True)
     sans = args.san or ["127.0.0.1", "localhost"]
     made = []
     if args.keys_only:

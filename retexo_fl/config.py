@@ -858,12 +858,13 @@ class TrainConfig:
         """Build from a Flower run config.
 
         Flower merges ``[tool.flwr.app.config]`` into every run config, so every key arrives;
-        those the submitter did not set must leave room for the mode's and profile's own
-        defaults (``--run-config "mode='eager'"`` gets eager's). With ``overridden``, the keys
-        the submitter set (Flower's ``Run.override_config``), exactly those count as given, so
-        ``hidden=32`` in eager mode is kept although it is the lazy default. Without it, a key
-        equal to its lazy default counts as not given (such a value set on purpose is then taken
-        as the mode's default).
+        those at their section's default must leave room for the mode's and profile's own
+        defaults (``--run-config "mode='eager'"`` gets eager's). A key counts as given when its
+        value is not its section's default (an edited ``pyproject.toml`` is honoured: the app's
+        ``out-dir``, a ``hidden = 64``), or, with ``overridden``, when the submitter set it
+        (Flower's ``Run.override_config``), whatever its value: ``hidden=32`` in eager mode is
+        kept although it is the lazy default. Without ``overridden``, such a value set on
+        purpose is taken as the mode's default.
 
         Args:
             values (dict): the run config, kebab-case keys.
@@ -878,11 +879,9 @@ class TrainConfig:
         kept = {}
         for key, value in values.items():
             name = key.replace("-", "_")
-            if name not in ("mode", "profile"):
-                if given is not None and name in defaults and name not in given:
-                    continue
+            if name not in ("mode", "profile") and name in defaults:
                 parsed = parse_list(value) if name in PER_STAGE else value
-                if given is None and name in defaults and parsed == defaults[name]:
+                if parsed == defaults[name] and (given is None or name not in given):
                     continue
             kept[key] = value
         return cls.from_mapping(kept)

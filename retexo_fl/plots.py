@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from retexo_fl.summary import RunSummary
 
@@ -30,12 +31,11 @@ def write_plots(summary: RunSummary, out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
     stages = summary.stages
     fig, ax = plt.subplots(figsize=(7, 4))
+    per_pass = int(summary.config.get("stages", 0)) or len(stages)
+    passes = len(stages) > per_pass
     for s in stages:
-        hist = s.get("history", [])
-        if hist:
-            ax.plot(
-                [h["round"] for h in hist], [h["val_accuracy"] for h in hist], label=f"stage {s['stage']}"
-            )
+        for label, hist in curves(s, per_pass if passes else 0):
+            ax.plot([h["round"] for h in hist], [h["val_accuracy"] for h in hist], label=label)
     ax.set_xlabel("round")
     ax.set_ylabel("validation accuracy")
     ax.set_title(f"{summary.mode} {summary.engine}: test {summary.test_accuracy:.4f}")
@@ -72,3 +72,21 @@ def write_plots(summary: RunSummary, out_dir: str | Path) -> list[Path]:
     fig.savefig(paths[1], dpi=100)
     plt.close(fig)
     return paths
+
+
+def curves(stage: dict[str, Any], per_pass: int = 0) -> list[tuple[str, list[dict[str, Any]]]]:
+    """A stage's validation curves, labelled as the run's log names them: ``pass p stage k``
+    where self-training passes follow (``per_pass`` stages each), and one curve per variant of a
+    stage 0 trained twice (``first-stage auto``, whose rows name theirs).
+
+    Args:
+        stage (dict): one of the summary's ``stages`` (its ``stage`` and ``history``).
+        per_pass (int, optional): the stages of a pass where the run made more than one, else 0.
+            (default: :obj:`0`)
+    """
+    index = int(stage["stage"])
+    name = f"pass {index // per_pass} stage {index % per_pass}" if per_pass else f"stage {index}"
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for row in stage.get("history", []):
+        groups.setdefault(str(row.get("first_stage", "")), []).append(row)
+    return [(f"{name} ({variant})" if variant else name, rows) for variant, rows in groups.items()]

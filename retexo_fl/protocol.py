@@ -149,6 +149,29 @@ def config_digest(run_json: str) -> str:
     return hashlib.sha256(run_json.encode()).hexdigest()[:32]
 
 
+#: Settings only the server reads, which a resumed run sets to its own folder: left out of the
+#: config a client binds at setup (:func:`client_config_digest`).
+SERVER_ONLY_SETTINGS = ("resume", "out_dir")
+
+
+def client_config_digest(cfg: TrainConfig) -> str:
+    """The digest of ``cfg`` as a client trains by it (:data:`SERVER_ONLY_SETTINGS` left out),
+    which setup binds into the run transcript and the client holds to for the rest of the run.
+
+    A client rebuilt from a message (a deployed ClientApp is a new process per message, a node
+    worker drops an idle run) takes that message's run config: were a later config not checked
+    against this one, a server could hand every member of a masked round but one a learning
+    rate of 0, and the masked sum would be that one member's update.
+
+    Args:
+        cfg (TrainConfig): the run config.
+    """
+    values = cfg.to_dict()
+    for name in SERVER_ONLY_SETTINGS:
+        values.pop(name, None)
+    return config_digest(json.dumps(values))
+
+
 #: Run configs parsed in this process, by their text: a node-level run's thousands of clients
 #: are each sent (or name) the same one, and parsing and validating it was a twentieth of a
 #: simulated client's time a message.

@@ -108,6 +108,16 @@ def preflight(cfg: TrainConfig, in_process: bool = True) -> None:
     if not cfg.partitions:
         check_split(cfg.split)
     device_choice(cfg.device)  # an unknown name, or cuda without a GPU
+    check_out_dir(cfg)
+
+
+def check_out_dir(cfg: TrainConfig) -> None:
+    """Refuse a run folder (``out-dir``) that holds a finished run, unless the run resumes it, or
+    that is a file.
+
+    Raises:
+        ValueError: naming the folder.
+    """
     if cfg.out_dir and not cfg.resume and (Path(cfg.out_dir) / "summary.json").exists():
         raise ValueError(
             f"--out {cfg.out_dir} holds a finished run (summary.json): choose another folder or remove it"

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable
+from pathlib import Path
+
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
@@ -11,6 +15,7 @@ from retexo_fl.coordinator.baseline_run import BaselineRun
 from retexo_fl.coordinator.stages import LazyStageMachine
 from retexo_fl.metrics import RunRecorder, human_bytes
 from retexo_fl.plots import write_plots
+from retexo_fl.runner import check_out_dir
 from retexo_fl.summary import RunSummary
 from server.checkpoint import FileCheckpoints, resumed_config
 from server.grid_transport import GridTransport
@@ -33,7 +38,11 @@ def run_server(grid: Grid, cfg: TrainConfig) -> RunSummary:
         cfg = resumed_config(cfg)
     if cfg.mode not in ("lazy", "eager", "local"):
         raise ValueError(f"the Flower app runs lazy, eager and local mode; {cfg.mode} runs in process")
+    if not cfg.resume:
+        check_out_dir(cfg)  # before anything is written: a finished run's folder stays as it is
     rec = RunRecorder(cfg.out_dir or None, append=bool(cfg.resume))
+    if cfg.out_dir:
+        rec.progress(f"run folder {cfg.out_dir}")
     if not cfg.resume:
         rec.write_json("config.json", cfg.to_dict())
     transport = GridTransport(grid, cfg.client_timeout)
@@ -52,10 +61,26 @@ def run_server(grid: Grid, cfg: TrainConfig) -> RunSummary:
     return summary
 
 
+def run_folder(cfg: TrainConfig, overridden: Iterable[str], run_id: int) -> TrainConfig:
+    """``cfg`` with the folder this Flower run writes: the app's ``out-dir`` (``runs/flwr``) is
+    where every run's own folder goes (``runs/flwr/run-<Flower run id>``), so that no run writes
+    over another's; an ``out-dir`` the submitter set, or a resumed run's folder, is the run's own.
+
+    Args:
+        cfg (TrainConfig): the run config.
+        overridden (Iterable[str]): the run-config keys the submitter set.
+        run_id (int): Flower's id of this run.
+    """
+    if not cfg.out_dir or cfg.resume or "out-dir" in set(overridden):
+        return cfg
+    return dataclasses.replace(cfg, out_dir=str(Path(cfg.out_dir) / f"run-{run_id}"))
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """The ServerApp's entry point: the run config is the federation's ``[tool.flwr.app.config]``."""
     shorten_object_pulls()  # replies' objects: retry after 20 ms, not Flower's 1 s
     # The keys the submitter set count as given, whatever their value (the rest are pyproject's).
-    overridden = grid.run.override_config.keys()
-    run_server(grid, TrainConfig.from_run_config(dict(context.run_config), overridden))
+    overridden = list(grid.run.override_config.keys())
+    cfg = TrainConfig.from_run_config(dict(context.run_config), overridden)
+    run_server(grid, run_folder(cfg, overridden, grid.run.run_id))

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import time
+from logging import INFO
 from typing import Any
 
 from flwr.app import Message
+from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from clients.records import Record, from_flower, to_flower
 from retexo_fl.coordinator.transport import Batch, ClientFailure
 from retexo_fl.protocol import Records
 from server.messaging import Traffic, exchange, wire_sizes
+
+#: Seconds between the lines a run waiting for its SuperNodes logs.
+WAIT_REPORT_S = 10.0
 
 
 class GridTransport:
@@ -34,13 +39,23 @@ class GridTransport:
         self.traffic = Traffic()
 
     def connect(self, count: int) -> list[int]:
-        deadline = time.monotonic() + self.timeout
+        start = time.monotonic()
+        deadline, said = start + self.timeout, start
         while True:
             nodes = sorted(self.grid.get_node_ids())
             if len(nodes) >= count:
                 return nodes[:count]
-            if time.monotonic() > deadline:
-                raise ClientFailure(f"only {len(nodes)} of {count} clients connected")
+            now = time.monotonic()
+            if now > deadline:
+                raise ClientFailure(
+                    f"only {len(nodes)} of {count} clients connected within client-timeout "
+                    f"{self.timeout:g}s: start the missing SuperNodes, or set clients to the "
+                    "number of parties"
+                )
+            if now - said >= WAIT_REPORT_S:  # a run waiting for SuperNodes says so
+                said = now
+                left = deadline - now
+                log(INFO, "waiting for clients: %d of %d connected (%.0fs left)", len(nodes), count, left)
             time.sleep(0.5)
 
     def send(self, kind: str, requests: dict[int, Records], phase: str, stage: int) -> Batch:

@@ -369,3 +369,12 @@ def test_a_folder_given_as_a_path_is_text_in_the_config():
     cfg = TrainConfig.resolve(out_dir=Path("/tmp/run"), data_root=Path("/tmp/data")).validate()
     assert (cfg.out_dir, cfg.data_root) == ("/tmp/run", "/tmp/data")
     json.dumps(cfg.to_dict())  # config.json and the messages' configs are JSON
+
+
+def test_an_edited_app_config_value_is_kept_and_one_at_its_default_leaves_room_for_the_mode():
+    app = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    # The app's own out-dir (every flwr run's folder goes there) is not dropped as "not given".
+    assert TrainConfig.from_run_config(app, []).out_dir == "runs/flwr"
+    edited = TrainConfig.from_run_config({**app, "hidden": 48, "mode": "eager"}, [])
+    assert (edited.hidden, edited.rounds) == (48, TrainConfig.resolve(mode="eager").rounds)
+    assert TrainConfig.from_run_config({**app, "mode": "eager"}, []).hidden == 64  # eager's own

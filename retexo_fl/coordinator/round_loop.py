@@ -341,8 +341,15 @@ class RoundLoop:
         # not the best); nobody kept it yet (:meth:`_untold` says who is to).
         if rs.tracker.best_round == round_:
             rs.kept_by = []
+        # Under first-stage auto a layer-0 stage is trained twice: its rows name the variant.
+        variant = self.fed.first_stage if self.cfg.layer(rs.tracker.stage) == 0 else None
         self.rec.event(
-            "round", stage=rs.tracker.stage, round=round_, train_loss=rs.train_loss, val_accuracy=acc
+            "round",
+            stage=rs.tracker.stage,
+            round=round_,
+            train_loss=rs.train_loss,
+            val_accuracy=acc,
+            **({"first_stage": variant} if variant is not None else {}),
         )
 
 

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from retexo_fl import protocol as P
 from retexo_fl.compress.boundary import BoundaryEncoder
 from retexo_fl.compress.updates import UpdateCodec
 from retexo_fl.config import TrainConfig
@@ -40,7 +41,7 @@ from retexo_fl.plan import BoundaryPlan, LocalGraph
 from retexo_fl.records import StateDict
 from retexo_fl.scaffold import zeros_like_state
 from retexo_fl.secure.channel import PeerChannel
-from retexo_fl.secure.policy import PartyPolicy
+from retexo_fl.secure.policy import PartyPolicy, PolicyError
 from retexo_fl.seeding import derive_seed, dropout_stream, resolve_device
 
 log = logging.getLogger(__name__)
@@ -136,11 +137,33 @@ class Client(HaloExchange, ModelExchange, Evaluation, Persistence, ABC):
         # Secure aggregation: {"answered": {"stage:round": survivors}, "sent": the last masked
         # round's reply and own share} (retexo_fl.party.secure_reply).
         self.secagg: dict[str, Any] | None = None
+        # The digest of the run config setup bound (retexo_fl.protocol.client_config_digest):
+        # every later message's config must be this one (check_run_config).
+        self.run_config: str | None = None
         self.delay = 0.0  # emulated seconds per local step (eager / local: step-delay)
         self.last_steps = 0  # local steps the last round took
         # In process, the train message's cohort this client trains and encodes with (set by
         # the engine around one message; retexo_fl.party.cohort), else None: it works alone.
         self.cohort: RoundCohort | None = None
+
+    def check_run_config(self, cfg: TrainConfig) -> None:
+        """Refuse ``cfg``, a message's run config, unless it is the one this client was set up
+        with (a client rebuilt from a message takes that message's config).
+
+        Raises:
+            PolicyError: another run config after setup, naming both digests.
+        """
+        if self.run_config is None:
+            return
+        got = P.client_config_digest(cfg)
+        if got != self.run_config:
+            raise PolicyError(
+                f"client {self.id}",
+                "run config",
+                f"this message's ({got}) is not the one bound at setup ({self.run_config}); a "
+                "server handing one client another learning rate, seed or clip mid-run could "
+                "single out another's update",
+            )
 
     @property
     def id(self) -> int:

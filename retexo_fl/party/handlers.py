@@ -147,14 +147,15 @@ def setup(client: Client, request: Records) -> Reply:
     config = request[P.CONFIG]
     where = f"client {client.id}"
     client.policy.check_pins(str(config.get(P.PINS, "")) or None, where)
+    bound_config = P.client_config_digest(client.cfg)
     if client.cfg.encrypt:
         directory, contributions = _key_directory(
             str(config[P.KEYS]), str(config.get(P.CONTRIBUTIONS, "{}")), where
         )
         # The config this client was sent is bound into the keys: parties handed different
         # configs by the server derive different keys, and their payloads fail to open.
-        bound = bytes.fromhex(P.config_digest(P.config_to_json(client.cfg)))
-        client.connect(directory, int(config[P.RUN_KEY]), contributions, bound)
+        client.connect(directory, int(config[P.RUN_KEY]), contributions, bytes.fromhex(bound_config))
+    client.run_config = bound_config
     frames = client.degree_frames() if client.needs_degrees() else {}
     info = {
         P.PARTITION_ID: client.id,

@@ -36,6 +36,7 @@ class Persistence:
     delivered: str | None
     boundary_releases: int
     secagg: dict[str, Any] | None
+    run_config: str | None
     _edges: tuple[Tensor, Tensor | None] | None
     _adjacency: Tensor | None
     _weights: dict[int, Tensor] | None
@@ -60,6 +61,7 @@ class Persistence:
             delivered=self.delivered,
             boundary_releases=self.boundary_releases,
             secagg=self.secagg,
+            run_config=self.run_config,
         )
 
     def load_snapshot(self, state: ClientState) -> None:
@@ -77,6 +79,7 @@ class Persistence:
         self.delivered = state.delivered
         self.boundary_releases = int(state.boundary_releases)
         self.secagg = state.secagg
+        self.run_config = state.run_config
         self._edges = self._adjacency = None
         self._weights = None
         if state.channel:

@@ -101,10 +101,13 @@ def note_stage_inputs(client: Client, stage: int, state: StateDict) -> None:
 
 def _history_terms(client: Client) -> dict[str, str]:
     """What a masked round or evaluation binds of the client's past besides the message: where
-    its stage inputs came from (:func:`note_stage_inputs`) and stage 0's variant."""
+    its stage inputs came from (:func:`note_stage_inputs`), stage 0's variant and the run config."""
     return {
         "inputs": str(_state(client).get("inputs", "")),
         "variant": str(getattr(client, "first_stage", "") or ""),
+        # The config the client trains by: members rebuilt with another config than their
+        # peers' derive masks that do not cancel.
+        "config": P.client_config_digest(client.cfg),
     }
 
 
@@ -412,16 +415,27 @@ def evaluation_terms(
     counter: int,
     inputs: str = "",
     variant: str = "",
+    config: str = "",
 ) -> bytes:
     """The digest of a masked evaluation's terms, bound into its pair masks: members sent
     different terms (split, state, member set, count bound, evaluation counter, where their stage
-    inputs came from as :func:`note_stage_inputs` folds it, stage 0's variant) derive masks that do
-    not cancel. Without ``inputs``, a server that embedded an earlier stage with a dead state on
-    every member but one could difference two evaluations' sums into that member's own figures."""
+    inputs came from as :func:`note_stage_inputs` folds it, stage 0's variant, the run config)
+    derive masks that do not cancel. Without ``inputs``, a server that embedded an earlier stage
+    with a dead state on every member but one could difference two evaluations' sums into that
+    member's own figures."""
     text = json.dumps(
-        [str(split), str(digest), sorted(members), float(bound), int(counter), str(inputs), str(variant)]
+        [
+            str(split),
+            str(digest),
+            sorted(members),
+            float(bound),
+            int(counter),
+            str(inputs),
+            str(variant),
+            str(config),
+        ]
     )
-    return hashlib.sha256(b"retexo-fl secagg evaluation v2\0" + text.encode()).digest()
+    return hashlib.sha256(b"retexo-fl secagg evaluation v3\0" + text.encode()).digest()
 
 
 def _check_bound(bound: float, where: str) -> None:

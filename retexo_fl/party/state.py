@@ -70,6 +70,8 @@ class ClientState:
             against its own ``max-boundary-epsilon``).
         secagg (dict, optional): secure aggregation: the survivor set answered per round, and
             the last masked round's reply with this client's own share of its self seed.
+        run_config (str, optional): the digest of the run config setup bound
+            (:func:`~retexo_fl.protocol.client_config_digest`); every later message's must equal it.
     """
 
     stage: int = 0
@@ -94,6 +96,7 @@ class ClientState:
     delivered: str | None = None
     boundary_releases: int = 0
     secagg: dict | None = None
+    run_config: str | None = None
 
     def save(self, folder: str | Path, journal_link: str | None = None) -> Path:
         """Write to ``folder``/:data:`STATE_FILE` atomically, readable by this user alone.

@@ -85,6 +85,7 @@ def round_terms(
     validate: bool = True,
     variant: str = "",
     inputs: str = "",
+    config: str = "",
 ) -> bytes:
     """The digest of a masked round's terms, bound into every pair mask of the round
     (:func:`~retexo_fl.secure.masking.pairwise_mask_seed`): clients sent different terms derive
@@ -97,8 +98,10 @@ def round_terms(
     round validates (``validate``): sent to one member only, the summed validation counts would
     be that member's; stage 0's variant under ``first-stage auto`` (``variant``); and where the
     client's stage inputs came from (``inputs``: a running digest of the states it embedded the
-    earlier stages with, which the server also sends each client on its own). The clip,
-    update bits and fixed-point scale are the run config's, bound by its digest since key setup.
+    earlier stages with, which the server also sends each client on its own); and the run
+    config's digest as setup bound it (``config``), which holds the clip, update bits, learning
+    rate and seed: a client rebuilt from a message refuses any other config, and members that
+    were somehow handed different ones still derive masks that do not cancel.
     """
     text = json.dumps(
         [
@@ -112,9 +115,10 @@ def round_terms(
             bool(validate),
             str(variant),
             str(inputs),
+            str(config),
         ]
     )
-    return hashlib.sha256(b"retexo-fl secagg terms v4\0" + text.encode()).digest()
+    return hashlib.sha256(b"retexo-fl secagg terms v5\0" + text.encode()).digest()
 
 
 def grid_bits(cfg: Any) -> int:

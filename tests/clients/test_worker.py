@@ -13,6 +13,8 @@ import os
 import signal
 import socket
 import stat
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -24,6 +26,7 @@ from clients.records import from_flower, to_flower
 from clients.supernode import WORKER_ENV, WorkerSupervisor, with_node_config
 from clients.worker import request_message
 from clients.worker_link import (
+    PID_NAME,
     SECRET_NAME,
     SOCKET_NAME,
     WorkerError,
@@ -292,3 +295,36 @@ def test_secure_aggregation_through_workers_survives_a_killed_worker(tmp_path):
     assert killed and expected["secure_aggregation"]["rounds"] == 12
     assert _summary(got) == _summary(expected)
     assert got["secure_aggregation"] == expected["secure_aggregation"]
+
+
+def test_a_worker_whose_supernode_was_killed_outright_takes_its_folder_with_it(tmp_path):
+    """A SIGKILLed SuperNode removes nothing itself; its worker leaves, removing the folder's
+    secret, node config, socket and pid file, and the folder."""
+    folder = make_worker_dir(tmp_path)
+    write_node_config(folder, {P.NODE_PARTITION_DIR: str(tmp_path / "none")})
+    # A stand-in SuperNode: starts the worker as retexo-fl supernode does, then waits.
+    code = (
+        "import os, subprocess, sys, time; "
+        f"subprocess.Popen([sys.executable, '-m', 'clients.worker', {str(folder)!r}, "
+        "'--parent-pid', str(os.getpid())]); "
+        "time.sleep(120)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2])
+    try:
+        deadline = time.monotonic() + 60
+        while not (folder / PID_NAME).is_file():  # the worker is up
+            assert time.monotonic() < deadline, "the worker did not start"
+            time.sleep(0.2)
+        worker = int((folder / PID_NAME).read_text())
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(timeout=10)
+        while folder.exists():
+            assert time.monotonic() < deadline, f"{folder} is still there: {sorted(os.listdir(folder))}"
+            time.sleep(0.2)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{worker}").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not Path(f"/proc/{worker}").exists() or "Z" in Path(f"/proc/{worker}/stat").read_text().split()[2]

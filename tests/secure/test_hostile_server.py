@@ -49,11 +49,14 @@ class ClientAppTransport(InProcessTransport):
 
     engine = "clientapp-test"
 
-    def __init__(self, node_configs: list[dict[str, Any]], tamper: Tamper | None = None) -> None:
+    def __init__(
+        self, node_configs: list[dict[str, Any]], tamper: Tamper | None = None, evict: bool = False
+    ) -> None:
         super().__init__([])
         self.clients = list(node_configs)  # what connect() counts
         self.node_configs = node_configs
         self.tamper = tamper
+        self.evict = evict  # every message finds no cached client: rebuilt from its own config
         self.sent = 0
 
     def send(self, kind: str, requests: dict[int, Records], phase: str, stage: int) -> Batch:
@@ -61,6 +64,8 @@ class ClientAppTransport(InProcessTransport):
         for a, req in requests.items():
             if self.tamper is not None:
                 req = self.tamper(kind, a, req)
+            if self.evict:  # as a node worker that dropped the run, or a process per message
+                node_client.forget([int(req[P.CONFIG][P.RUN_KEY])])
             header = {
                 "type": kind,
                 "run_id": 7,
@@ -103,9 +108,11 @@ def _node_configs(nodes, work: Path, pins: bool = True, **extra: Any) -> list[di
     return out
 
 
-def _lazy(nodes, work: Path, tamper: Tamper | None = None, pins: bool = True, **cfg: Any) -> dict:
+def _lazy(
+    nodes, work: Path, tamper: Tamper | None = None, pins: bool = True, evict: bool = False, **cfg: Any
+) -> dict:
     config = TrainConfig.resolve(**{**CFG, "pinned_keys": str(nodes[1] / "pins.json"), **cfg})
-    transport = ClientAppTransport(_node_configs(nodes, work, pins), tamper)
+    transport = ClientAppTransport(_node_configs(nodes, work, pins), tamper, evict)
     return LazyStageMachine(transport, config, RunRecorder(None, stream=None)).run()
 
 
@@ -406,6 +413,53 @@ def test_per_client_terms_in_a_stages_first_round_do_not_unmask(nodes, tmp_path)
         _secure(nodes, tmp_path, isolate)
 
 
+def _other_config_to_all_but(victim: int, **changes: Any) -> Tamper:
+    """The attack: in stage 0's masked round 2, every member but ``victim`` is sent the run
+    config with ``changes`` (lr 0: no update at all, so the masked sum is the victim's alone);
+    the honest config again afterwards, whole."""
+    honest: dict[str, str] = {}
+
+    def swap(kind: str, address: int, req: Records) -> Records:
+        config = req[P.CONFIG]
+        if P.RUN in config:
+            honest.setdefault("run", str(config[P.RUN]))
+        if address == victim or not honest:
+            return req
+        config = {k: v for k, v in config.items() if k != P.RUN_DIGEST}
+        config[P.RUN] = honest["run"]
+        req = {**req, P.CONFIG: config}
+        if kind == P.TRAIN and int(config[P.STAGE]) == 0 and int(config[P.ROUND]) == 2:
+            return _rewrite_json(req, P.RUN, **changes)
+        return req
+
+    return swap
+
+
+@pytest.mark.parametrize("evict", [True, False], ids=["rebuilt", "cached"])
+def test_a_run_config_other_than_setups_is_refused(nodes, tmp_path, evict):
+    """A client rebuilt from a message (a node worker that dropped an idle run, or plain
+    ``flower-supernode``'s process per message) takes that message's config: before the check,
+    every member but one trained at lr 0 and the unmasked sum was that member's update, to 1e-7."""
+    refused = r"refusing the run, run config: this message's \(\w+\) is not the one"
+    with pytest.raises(ClientFailure, match=refused):
+        _lazy(nodes, tmp_path, _other_config_to_all_but(0, lr=0.0), evict=evict, **SECURE)
+
+
+def test_an_honest_run_whose_clients_are_rebuilt_every_message_runs_to_the_end(nodes, tmp_path):
+    out = _lazy(nodes, tmp_path, evict=True, **SECURE)
+    assert out["lost_clients"] == [] and out["test_accuracy"] > 0.5
+
+
+def test_members_given_other_configs_derive_masks_that_do_not_cancel(nodes, tmp_path, monkeypatch):
+    """The second line: with the clients' check switched off, the config's digest is still in
+    every pair mask, so the round of mixed configs does not decode."""
+    from retexo_fl.party.client import Client
+
+    monkeypatch.setattr(Client, "check_run_config", lambda self, cfg: None)
+    with pytest.raises(ClientFailure, match="does not decode"):
+        _lazy(nodes, tmp_path, _other_config_to_all_but(0, lr=0.0), evict=True, **SECURE)
+
+
 def test_a_member_set_that_drops_a_survivor_mid_stage_is_refused(nodes, tmp_path):
     """The cohort-differencing attack: round 1 masked by all three, round 2 (nearly the same
     model) by two of them; the difference of the sums would be the third client's update."""
@@ -548,3 +602,8 @@ def test_an_evaluation_under_other_terms_is_refused(nodes, tmp_path, change, err
 
     with pytest.raises(ClientFailure, match=error):
         _secure(nodes, tmp_path, tamper)
+
+
+def test_a_run_for_another_number_of_clients_than_the_nodes_cut_is_refused_naming_both(nodes, tmp_path):
+    with pytest.raises(ClientFailure, match=r"part 0 of a 3-client cut, and the run config says clients=2"):
+        _lazy(nodes, tmp_path, clients=2)

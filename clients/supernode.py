@@ -178,6 +178,31 @@ def node_config_of(argv: list[str]) -> dict[str, Any]:
     return parse_config_args([text]) if text is not None else {}
 
 
+def _check_own_pin(node_config: dict[str, Any], public: bytes, pins: dict[int, bytes]) -> None:
+    """Refuse an identity key the pins do not hold, or hold for another client than the node's
+    partition: a node started with another party's key file would be refused at every run's key
+    setup, not at its start."""
+    from retexo_fl.data.partition import read_manifest
+
+    holders = sorted(pid for pid, pinned in pins.items() if pinned == public)
+    key_file = node_config[P.NODE_IDENTITY_KEY]
+    if not holders:
+        pins_file = node_config[P.NODE_PINNED_KEYS]
+        raise SupernodeRefused(f"identity key {key_file}: its public key is not in the pins ({pins_file})")
+    folder = node_config.get(P.NODE_PARTITION_DIR)
+    if folder is None or not (Path(str(folder)) / "manifest.json").is_file():
+        return  # a simulated node's part is cut later: checked at key setup
+    try:
+        pid = int(read_manifest(str(folder))["partition_id"])
+    except (OSError, ValueError, KeyError):
+        return  # an unreadable partition is refused, naming its field, when it is loaded
+    if pid not in holders:
+        raise SupernodeRefused(
+            f"identity key {key_file} is pinned for client {holders[0]}, and partition {folder} is "
+            f"client {pid}'s: give this node client {pid}'s key"
+        )
+
+
 def check_pinned_keys(node_config: dict[str, Any], insecure: bool) -> str:
     """Refuse a node config without a usable identity key and pins unless ``insecure``.
 
@@ -187,7 +212,7 @@ def check_pinned_keys(node_config: dict[str, Any], insecure: bool) -> str:
     Raises:
         SupernodeRefused: a key or the pins missing (without ``insecure``) or unreadable.
     """
-    from retexo_fl.secure.keys import KeyMaterialError, load_pins, load_private_key
+    from retexo_fl.secure.keys import KeyMaterialError, load_pins, load_private_key, public_bytes
 
     missing = [k for k in (P.NODE_IDENTITY_KEY, P.NODE_PINNED_KEYS) if not node_config.get(k)]
     if missing and not insecure:
@@ -199,12 +224,15 @@ def check_pinned_keys(node_config: dict[str, Any], insecure: bool) -> str:
             "run without that protection"
         )
     try:
+        key = pins = None
         if node_config.get(P.NODE_IDENTITY_KEY):
-            load_private_key(str(node_config[P.NODE_IDENTITY_KEY]))
+            key = load_private_key(str(node_config[P.NODE_IDENTITY_KEY]))
         if node_config.get(P.NODE_PINNED_KEYS):
-            load_pins(str(node_config[P.NODE_PINNED_KEYS]))
+            pins = load_pins(str(node_config[P.NODE_PINNED_KEYS]))
     except KeyMaterialError as exc:
         raise SupernodeRefused(str(exc)) from None
+    if key is not None and pins is not None:
+        _check_own_pin(node_config, public_bytes(key), pins)
     if missing:
         return (
             "WARNING: --insecure-no-pinned-keys: this party accepts whatever keys the server hands "

@@ -328,6 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, RuntimeError) as exc:  # OSError: an --out that cannot be written
         print(f"retexo-fl: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        out = getattr(args, "out_dir", None)
+        where = f"; {out} holds the run so far (lazy: --resume {out} --engine simulation)" if out else ""
+        print(f"retexo-fl: interrupted{where}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
 import time
 from typing import Any
 
@@ -60,6 +61,15 @@ def payload_bytes(msg: Message) -> int:
 PULL_WINDOW = 256
 
 
+#: Set when the process is interrupted (Ctrl-C): a ServerApp thread waiting for replies leaves
+#: at its next pull instead of waiting out ``client-timeout`` for nodes that are gone.
+STOP = threading.Event()
+
+
+class RunInterrupted(RuntimeError):
+    """The run was interrupted while the server waited for replies."""
+
+
 def exchange(grid: Grid, messages: list[Message], timeout: float) -> dict[int, Message]:
     """Push ``messages`` and pull their replies until all are in or ``timeout`` seconds pass.
 
@@ -74,6 +84,9 @@ def exchange(grid: Grid, messages: list[Message], timeout: float) -> dict[int, M
 
     Returns:
         dict[int, Message]: destination node id -> reply, for the replies that came.
+
+    Raises:
+        RunInterrupted: :data:`STOP` was set while replies were pending.
     """
     ids = list(grid.push_messages(messages))
     node_of = {mid: m.metadata.dst_node_id for mid, m in zip(ids, messages, strict=True)}
@@ -89,6 +102,8 @@ def exchange(grid: Grid, messages: list[Message], timeout: float) -> dict[int, M
                 replies[node_of[mid]] = reply
         if not pending or last:
             break
+        if STOP.is_set():
+            raise RunInterrupted(f"interrupted while {len(pending)} replies were pending")
         time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
         pause = min(0.1, pause * 1.5)
     return replies

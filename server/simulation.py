@@ -21,6 +21,7 @@ from retexo_fl.secure.policy import POLICY_ENV, PartyPolicy
 from retexo_fl.summary import RunSummary
 from server.app import run_server
 from server.checkpoint import resumed_config
+from server.messaging import STOP
 from server.simulation_queue import indexed_message_queue
 
 
@@ -124,6 +125,7 @@ def simulate(
         env[WORK_DIR_ENV] = str(work_dir)
     previous = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    STOP.clear()
     try:
         with _quiet_run_simulation(), indexed_message_queue():
             run_simulation(
@@ -138,6 +140,11 @@ def simulate(
                     "init_args": {"num_cpus": os.cpu_count() or 1},
                 },
             )
+    except KeyboardInterrupt:
+        # Flower's ServerApp thread would otherwise wait out client-timeout for actors that
+        # are gone, and keep the process alive after the first Ctrl-C.
+        STOP.set()
+        raise
     finally:
         for k, v in previous.items():
             if v is None:

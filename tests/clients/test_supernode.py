@@ -73,3 +73,28 @@ def test_the_node_config_is_read_as_flower_reads_it(form):
     value = "partition-dir='/p' min-dp-noise=0.5"
     argv = [form + value] if form.endswith("=") else [form, value]
     assert node_config_of(argv) == {"partition-dir": "/p", "min-dp-noise": 0.5}
+
+
+def test_a_node_given_another_partys_identity_key_is_refused_at_its_start(tmp_path, sbm):
+    from clients.supernode import SupernodeRefused
+    from retexo_fl.data.partition import save_partition
+    from retexo_fl.data.partitioners import partition_graph
+
+    key, pins = _own_keys(tmp_path)  # client-0's key
+    parts = [
+        save_partition(p, tmp_path / f"part-{p.partition_id}") for p in partition_graph(sbm, 2, "random")
+    ]
+
+    def config(part, key_file) -> dict:
+        return node_config_of(
+            ["--node-config", f"partition-dir='{part}' identity-key='{key_file}' pinned-keys='{pins}'"]
+        )
+
+    assert check_pinned_keys(config(parts[0], key), insecure=False) == ""
+    with pytest.raises(
+        SupernodeRefused, match=r"client-0.key is pinned for client 0, and partition .*part-1 is client 1's"
+    ):
+        check_pinned_keys(config(parts[1], key), insecure=False)
+    assert cli(["keys", "--client", "5", "--out", str(tmp_path / "stranger")]) == 0
+    with pytest.raises(SupernodeRefused, match=r"client-5\.key: its public key is not in the pins"):
+        check_pinned_keys(config(parts[0], tmp_path / "stranger" / "client-5.key"), insecure=False)

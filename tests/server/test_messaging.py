@@ -151,3 +151,31 @@ def test_exchange_asks_for_every_pending_reply_before_it_gives_up(monkeypatch):
     assert sorted(replies) == [103, 104]
     assert grid.asked[-1] == {"m0", "m1", "m2", "m3", "m4"}
     assert all(len(asked) <= 2 for asked in grid.asked[:-1])
+
+
+def test_an_interrupt_ends_a_wait_for_replies_at_the_next_pull_not_at_the_timeout():
+    import threading
+
+    import pytest
+
+    from server import messaging
+
+    class Silent:  # nodes that are gone: messages pushed, no reply ever
+        def push_messages(self, messages):
+            return [f"m{i}" for i in range(len(messages))]
+
+        def pull_messages(self, ids):
+            return []
+
+    msg = SimpleNamespace(metadata=SimpleNamespace(dst_node_id=3))
+    messaging.STOP.clear()
+    timer = threading.Timer(0.3, messaging.STOP.set)
+    timer.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(messaging.RunInterrupted, match="interrupted while 1 replies were pending"):
+            messaging.exchange(Silent(), [msg], timeout=300.0)  # type: ignore[arg-type]
+    finally:
+        timer.cancel()
+        messaging.STOP.clear()
+    assert time.monotonic() - start < 5

@@ -43,6 +43,16 @@ FIRST_STAGES: tuple[str, ...] = get_args(FirstStage)
 FIRST_STAGE_VARIANTS: tuple[str, ...] = ("mlp", "local")
 #: The largest ``gnn-input-rms-floor``: trained embeddings have a root mean square of about 0.1-1.
 MAX_INPUT_RMS_FLOOR = 10.0
+#: Upper bounds on the sizes a run config sets, far past any real run: a client builds what its
+#: run config says, and a server's ``hidden`` of 10^9 or ``local-epochs`` of 10^12 would take a
+#: party's memory or its machine for good instead of being refused. Widths (``hidden``) ...
+MAX_WIDTH = 1 << 16
+#: ... layers, stages, attention heads and self-training passes ...
+MAX_LAYERS = 64
+#: ... local steps a round ...
+MAX_STEPS = 100_000
+#: ... and rounds a stage.
+MAX_ROUNDS = 1_000_000
 DriftCorrection = Literal["none", "scaffold"]
 #: ``drift-correction``: none, or SCAFFOLD's control variates (:mod:`retexo_fl.scaffold`).
 DRIFT_CORRECTIONS: tuple[str, ...] = get_args(DriftCorrection)
@@ -153,13 +163,16 @@ class ModelSettings:
     def validate(self) -> ModelSettings:
         """Raise :class:`ValueError` naming the first bad setting; return ``self`` otherwise."""
         check_choices(self)
-        if self.stages < 1:
-            raise ValueError(f"stages must be >= 1, got {self.stages}")
+        sizes = (
+            ("stages", self.stages, MAX_LAYERS),
+            ("hidden", self.hidden, MAX_WIDTH),
+            ("heads", self.heads, MAX_LAYERS),
+            ("central-layers", self.central_layers, MAX_LAYERS),
+        )
+        for name, value, most in sizes:
+            if not 1 <= value <= most:
+                raise ValueError(f"{name} must be in [1, {most}], got {value}")
         check_stage_lists(self, self.stages)
-        widths = (("hidden", self.hidden), ("heads", self.heads), ("central-layers", self.central_layers))
-        for name, value in widths:
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
         for name, value in (("dropout", self.dropout), ("input-dropout", self.input_dropout)):
             for p in value if isinstance(value, list | tuple) else [value]:
                 if not 0 <= p < 1:
@@ -350,6 +363,8 @@ class TrainingSettings:
                 "self-training and pseudo-per-class must be >= 0 and pseudo-threshold in [0, 1], got "
                 f"{self.self_training}, {self.pseudo_per_class} and {self.pseudo_threshold}"
             )
+        if self.self_training > MAX_LAYERS:
+            raise ValueError(f"self-training must be at most {MAX_LAYERS} passes, got {self.self_training}")
         if self.self_training and self.mode not in ("lazy", "centralized"):
             raise ValueError(f"self-training applies to lazy and centralized mode, not {self.mode}")
         if self.halo_gradients and self.mode != "eager":
@@ -379,8 +394,8 @@ class TrainingSettings:
                 "patience, min-rounds and warm-min-rounds must be >= 0, got "
                 f"{self.patience}, {self.min_rounds} and {self.warm_min_rounds}"
             )
-        if self.mlp_local_epochs < 0:
-            raise ValueError(f"mlp-local-epochs must be >= 0, got {self.mlp_local_epochs}")
+        if not 0 <= self.mlp_local_epochs <= MAX_STEPS:
+            raise ValueError(f"mlp-local-epochs must be in [0, {MAX_STEPS}], got {self.mlp_local_epochs}")
         if self.mlp_weight_decay < 0:
             raise ValueError(f"mlp-weight-decay must be >= 0, got {self.mlp_weight_decay}")
         for s in range(stages):
@@ -392,11 +407,12 @@ class TrainingSettings:
                 raise ValueError(f"lr must be >= 0 and server-lr > 0, got {lr} and {server_lr} for stage {s}")
             rounds = int(stage_value("rounds", self.rounds, s))
             epochs = int(stage_value("local_epochs", self.local_epochs, s))
-            if rounds < 0:
-                raise ValueError(f"rounds must be >= 0, got {rounds} for stage {s}")
-            if epochs < 0 or (epochs == 0 and not self.round_seconds):
+            if not 0 <= rounds <= MAX_ROUNDS:
+                raise ValueError(f"rounds must be in [0, {MAX_ROUNDS}], got {rounds} for stage {s}")
+            if epochs < 0 or (epochs == 0 and not self.round_seconds) or epochs > MAX_STEPS:
                 raise ValueError(
-                    f"local-epochs must be >= 1 (or 0 with round-seconds), got {epochs} for stage {s}"
+                    f"local-epochs must be in [1, {MAX_STEPS}] (or 0 with round-seconds), got {epochs} "
+                    f"for stage {s}"
                 )
             if self.patience and rounds == 0:
                 raise ValueError(f"patience {self.patience} needs rounds >= 1; stage {s} has 0 rounds")

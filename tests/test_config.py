@@ -108,7 +108,7 @@ def test_from_mapping_reads_kebab_keys_and_per_stage_lists():
     ("values", "section", "message"),
     [
         ({"clients": 0}, "data", "clients must be >= 1"),
-        ({"stages": 0}, "architecture", "stages must be >= 1"),
+        ({"stages": 0}, "architecture", r"stages must be in \[1, 64\]"),
         ({"pass_embedding": "both"}, "architecture", "pass-embedding"),
         ({"mode": "gossip"}, "training", "mode must be one of"),
         ({"server_optimizer": "sgd"}, "training", "server-optimizer"),
@@ -123,7 +123,14 @@ def test_from_mapping_reads_kebab_keys_and_per_stage_lists():
         # Each of these ran before: typed from a run config, or out of range, and read by torch.
         ({"secure_aggregation": "false"}, "security", "secure-aggregation takes true or false; got 'false'"),
         ({"hidden": "64"}, "architecture", "hidden takes a whole number; got '64'"),
-        ({"hidden": 0}, "architecture", "hidden must be >= 1"),
+        ({"hidden": 0}, "architecture", r"hidden must be in \[1, 65536\]"),
+        # Sizes a server's run config could set to take a party's memory or machine for good.
+        ({"hidden": 10**9}, "architecture", r"hidden must be in \[1, 65536\], got 1000000000"),
+        ({"heads": 1000}, "architecture", r"heads must be in \[1, 64\]"),
+        ({"local_epochs": 10**12}, "training", r"local-epochs must be in \[1, 100000\]"),
+        ({"rounds": 10**9}, "training", r"rounds must be in \[0, 1000000\]"),
+        ({"self_training": 1000}, "training", "self-training must be at most 64 passes"),
+        ({"mlp_local_epochs": 10**6}, "training", r"mlp-local-epochs must be in \[0, 100000\]"),
         ({"dropout": 1.5}, "architecture", r"dropout must be in \[0, 1\)"),
         ({"input_dropout": [0.5, 1.0]}, "architecture", r"input-dropout must be in \[0, 1\)"),
         ({"rounds": 2.5}, "training", "rounds takes a whole number; got 2.5"),

@@ -19,6 +19,7 @@ from retexo_fl.config import (
     NODE_LEVEL_DEFAULTS,
     SECTIONS,
     TrainConfig,
+    ignored_settings,
     settings,
 )
 from retexo_fl.setting import SettingInfo, settings_of
@@ -93,7 +94,15 @@ def _defaults_of(info: SettingInfo) -> str:
         ("the edge profile", EDGE_PROFILE),
     ]
     others = [f"{label}: {_shown(table[info.name])}" for label, table in where if info.name in table]
-    return "; ".join([f"default {_shown(info.default)}", *others])
+    read = []  # where the run reads it at all (setting's modes and needs)
+    if info.modes:
+        read.append(f"in {' and '.join(info.modes)} mode")
+    if info.needs:
+        name, _, wanted = info.needs.partition("=")
+        read.append(f"with {name.replace('_', '-')} {wanted}".rstrip())
+    return "; ".join(
+        [f"default {_shown(info.default)}", *others, *([f"read only {', '.join(read)}"] if read else [])]
+    )
 
 
 def _add_flag(parser: argparse._ArgumentGroup, info: SettingInfo) -> None:
@@ -183,6 +192,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from retexo_fl.runner import train
 
     cfg = _config_from_args(args)
+    given = [info.name for info in settings() if getattr(args, info.name, None) is not None]
+    for line in ignored_settings(cfg, given):
+        print(f"retexo-fl: warning: --{line}", file=sys.stderr)
     if args.engine != "in-process":
         from retexo_fl.runner import preflight
 

@@ -109,18 +109,23 @@ class ModelSettings:
     stages: int = setting(
         3, "stages of a lazy run (stage 0 an MLP or a local layer: first-stage; K stages, K - 1 GNN layers)"
     )
-    central_layers: int = setting(2, "layers of the centralized (end-to-end) reference GNN")
+    central_layers: int = setting(
+        2, "layers of the centralized (end-to-end) reference GNN", modes=("centralized", "datacenter")
+    )
     eager_model: Literal["auto", "standard", "layered"] = setting(
         "auto",
         "the eager / local model of stages - 1 GNN layers: standard (the centralized reference's "
         "GNN split at its linear maps, so peers get X W, never X; gcn and mean-sage, 2 or more "
         "layers), layered (an MLP encoder, the conv layers, a linear head) or auto (standard "
         "wherever it applies)",
+        modes=("eager", "local"),
     )
     hidden: int = setting(32, "hidden width")
-    pass_embedding: Literal["hidden", "logits"] = setting("hidden", "what the next stage receives")
+    pass_embedding: Literal["hidden", "logits"] = setting(
+        "hidden", "what the next stage receives", modes=("lazy",)
+    )
     norm: Literal["layer", "none"] = setting("none", "the normalization after each hidden layer")
-    heads: int = setting(4, "attention heads of gat")
+    heads: int = setting(4, "attention heads of gat", needs="model=gat")
     root_weight: bool = setting(
         False,
         "gcn and gat stages add a linear map of each node's own input to what they aggregate, as "
@@ -134,6 +139,7 @@ class ModelSettings:
         "small, and the stage then sits at the majority class. A client scales by its own rows "
         "alone, so nothing crosses for it, but the stage then depends on the partitioning. A lazy "
         "run over partitions defaults to 0.25 (LAZY_PARTITION_DEFAULTS)",
+        modes=("lazy",),
     )
     first_stage: FirstStage = setting(
         "mlp",
@@ -144,18 +150,27 @@ class ModelSettings:
         "stage 0 built the same way; it costs the second stage 0's rounds and model bytes). A lazy "
         "run over partitions defaults to auto (not with the exact profile, secure aggregation, DP "
         "or boundary noise: LAZY_PARTITION_DEFAULTS); the default below applies elsewhere",
+        modes=("lazy",),
     )
     first_stage_first: Literal["mlp", "local"] = setting(
-        "local", "first-stage auto: the variant stage 0 is trained as first (the second races it)"
+        "local",
+        "first-stage auto: the variant stage 0 is trained as first (the second races it)",
+        modes=("lazy",),
+        needs="first_stage=auto",
     )
     first_stage_race: int = setting(
         8,
         "first-stage auto: the second training of stage 0 stops once it has run this many rounds "
         "and its best validation accuracy is more than first-stage-race-margin below the best the "
         "first training reached in as many rounds (0: it trains as long as the first could)",
+        modes=("lazy",),
+        needs="first_stage=auto",
     )
     first_stage_race_margin: float = setting(
-        0.02, "first-stage auto: how far (accuracy, 0.02 is 2 points) the second training may trail"
+        0.02,
+        "first-stage auto: how far (accuracy, 0.02 is 2 points) the second training may trail",
+        modes=("lazy",),
+        needs="first_stage=auto",
     )
     dropout: float | list[float] = setting(0.5, "dropout", per_stage=True)
     input_dropout: float | list[float] = setting(0.5, "dropout of each stage's input", per_stage=True)
@@ -225,11 +240,13 @@ class TrainingSettings:
         0,
         "local epochs per round of a layer-0 stage built as the MLP (0: that stage's local-epochs); "
         "a lazy run over partitions defaults to 1 (LAZY_PARTITION_DEFAULTS)",
+        modes=("lazy",),
     )
     mlp_weight_decay: float = setting(
         0.0,
         "weight decay of a layer-0 stage built as the MLP (0: that layer's weight-decay); a lazy "
         "run over partitions defaults to 5e-3 (LAZY_PARTITION_DEFAULTS)",
+        modes=("lazy",),
     )
     optimizer: Literal["sgd", "adam"] = setting("sgd", "the clients' optimizer")
     momentum: float = setting(0.0, "the clients' SGD momentum")
@@ -248,12 +265,14 @@ class TrainingSettings:
         1.0,
         "lazy: the fraction of the clients with training nodes that train in a round, sampled "
         "each round from the run's seed (Flower's fraction-train); the others only validate",
+        modes=("lazy",),
     )
     clients_per_round: int = setting(
         0,
         "lazy: at most this many clients with training nodes train in a round, sampled each round "
         "from the run's seed after fraction-train (cross-device training's clients per round); "
         "the others only validate. 0: no cap",
+        modes=("lazy",),
     )
     validate_every: int = setting(
         1,
@@ -277,6 +296,8 @@ class TrainingSettings:
         4,
         "the same for a stage that starts from the previous self-training pass's weights "
         "(pass-init warm): it starts past the plateau a fresh stage must first leave",
+        modes=("lazy",),
+        needs="self_training",
     )
     stop_metric: Literal["accuracy", "accuracy-or-loss"] = setting(
         "accuracy-or-loss",
@@ -287,6 +308,7 @@ class TrainingSettings:
         False,
         "gcn and sage stages aggregate their frozen inputs once a stage, so every round is a dense "
         "step (exact without input dropout; with it, the dropout hits aggregated rows)",
+        modes=("lazy",),
     )
     drift_correction: DriftCorrection = setting(
         "none",
@@ -298,6 +320,7 @@ class TrainingSettings:
         "eager: each client returns, with its rows, the gradient of its loss with respect to the "
         "halo rows it trained on, one round stale (PipeGCN); peers' gradients tell of the "
         "sender's labels (docs/baselines.md); on by default in eager mode",
+        modes=("eager",),
     )
     self_training: int = setting(
         1,
@@ -305,15 +328,19 @@ class TrainingSettings:
         "labels (lazy, centralized); the labels never leave the client",
     )
     pseudo_threshold: float = setting(
-        0.6, "softmax confidence a prediction needs to become a self-training label"
+        0.6, "softmax confidence a prediction needs to become a self-training label", needs="self_training"
     )
     pseudo_per_class: int = setting(
-        0, "the most self-training labels per predicted class and client, most confident first (0: no cap)"
+        0,
+        "the most self-training labels per predicted class and client, most confident first (0: no cap)",
+        needs="self_training",
     )
     pass_init: Literal["warm", "fresh"] = setting(
         "warm",
         "where a self-training pass's stages start: warm (the previous pass's kept weights of the "
         "same layer) or fresh (new initial weights)",
+        modes=("lazy",),
+        needs="self_training",
     )
     profile: Literal["default", "edge", "exact"] = setting(
         "default",
@@ -333,10 +360,13 @@ class TrainingSettings:
         "in process: the clients of a round whose local steps batch exactly (few training rows "
         "or a small stage input, stage 0's MLP or a GCN stage, SGD) train and encode their "
         "updates as one computation, with each one's own result; false: each client alone",
+        modes=("lazy",),
     )
     chunk_rows: int = setting(0, "compute embeddings for this many target rows at a time (0: all at once)")
     round_seconds: float = setting(
-        0.0, "local / eager: seconds of local training per round, time-based aggregation (0: local-epochs)"
+        0.0,
+        "local / eager: seconds of local training per round, time-based aggregation (0: local-epochs)",
+        modes=("local", "eager"),
     )
     step_delay: str = setting("", "P:seconds,...: slow client P down by that much per step (emulation)")
     out_dir: str = setting("", "the run folder for config.json, events.jsonl and summary.json (empty: none)")
@@ -473,6 +503,34 @@ def settings() -> list[SettingInfo]:
 
 #: The per-stage settings: one value for every stage, or a list with one value per stage.
 PER_STAGE: tuple[str, ...] = tuple(info.name for info in settings() if info.per_stage)
+
+
+def ignored_settings(cfg: TrainConfig, given: Iterable[str]) -> list[str]:
+    """One line for each setting in ``given`` that ``cfg``'s run does not read: one of another
+    mode (``--algorithm`` in a lazy run) or one that acts through a setting left off
+    (``--secagg-threshold`` without ``--secure-aggregation``), as each declares it
+    (:func:`~retexo_fl.setting.setting`'s ``modes`` and ``needs``).
+
+    Args:
+        cfg (TrainConfig): the resolved run config.
+        given (Iterable[str]): the settings the user set, snake- or kebab-case.
+    """
+    infos = {info.name: info for info in settings()}
+    lines = []
+    for key in given:
+        info = infos.get(key.replace("-", "_"))
+        if info is None:
+            continue
+        if info.modes and cfg.mode not in info.modes:
+            lines.append(f"{info.key} applies to {' and '.join(info.modes)} mode, not {cfg.mode}: ignored")
+            continue
+        if info.needs:
+            name, _, wanted = info.needs.partition("=")
+            value = getattr(cfg, name)
+            if (str(value) != wanted) if wanted else not value:
+                needed = f"{name.replace('_', '-')} {wanted}" if wanted else name.replace("_", "-")
+                lines.append(f"{info.key} acts with {needed} only: ignored")
+    return lines
 
 
 #: ``--profile exact``: the exact mode, the defaults before round-efficient training. Five stages

@@ -37,9 +37,13 @@ _Cls = TypeVar("_Cls", bound=type)
 #: Field metadata keys.
 _DOC = "doc"
 _PER_STAGE = "per_stage"
+_MODES = "modes"
+_NEEDS = "needs"
 
 
-def setting(default: Any, doc: str, *, per_stage: bool = False) -> Any:
+def setting(
+    default: Any, doc: str, *, per_stage: bool = False, modes: tuple[str, ...] = (), needs: str = ""
+) -> Any:
     """Declare a setting: its default and its one-line doc (the field's annotation is its type).
 
     Args:
@@ -47,8 +51,13 @@ def setting(default: Any, doc: str, *, per_stage: bool = False) -> Any:
         doc (str): what the setting does, as the CLI help and the section's docstring show it.
         per_stage (bool, optional): the setting takes one value for every stage or a list with one
             value per stage (``"200,100"`` on the command line). (default: :obj:`False`)
+        modes (tuple[str, ...], optional): the training modes that read it; empty for every one.
+            A value given for a run of another mode is reported as ignored. (default: ``()``)
+        needs (str, optional): another setting it acts through: ``"name"`` (set: true or
+            nonzero) or ``"name=value"``; a value given while that one is not is reported as
+            ignored. (default: ``""``)
     """
-    meta = {_DOC: " ".join(doc.split()), _PER_STAGE: per_stage}
+    meta = {_DOC: " ".join(doc.split()), _PER_STAGE: per_stage, _MODES: tuple(modes), _NEEDS: needs}
     if isinstance(default, list | dict | set):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -68,6 +77,8 @@ class SettingInfo:
         kind (str, optional): ``bool``, ``int``, ``float`` or ``str`` where the type is one of them
             (or a list of one, for a per-stage setting), which :func:`check_choices` holds each
             value to; empty for any other type.
+        modes (tuple[str, ...], optional): the modes that read it (empty: every one).
+        needs (str, optional): the setting it acts through (:func:`setting`).
     """
 
     name: str
@@ -77,6 +88,8 @@ class SettingInfo:
     per_stage: bool
     choices: tuple[Any, ...] = ()
     kind: str = ""
+    modes: tuple[str, ...] = ()
+    needs: str = ""
 
     @property
     def key(self) -> str:
@@ -138,6 +151,8 @@ def settings_of(cls: type) -> tuple[SettingInfo, ...]:
                 per_stage=bool(f.metadata[_PER_STAGE]),
                 choices=_choices(hints[f.name]),
                 kind=_kind(hints[f.name]),
+                modes=tuple(f.metadata.get(_MODES, ())),
+                needs=str(f.metadata.get(_NEEDS, "")),
             )
         )
     return tuple(out)

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from logging import WARNING
 from pathlib import Path
 
 from flwr.app import Context
+from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
 from clients.flower_patch import shorten_object_pulls
-from retexo_fl.config import TrainConfig
+from retexo_fl.config import TrainConfig, ignored_settings
 from retexo_fl.coordinator.baseline_run import BaselineRun
 from retexo_fl.coordinator.stages import LazyStageMachine
 from retexo_fl.metrics import RunRecorder, human_bytes
@@ -83,4 +85,6 @@ def main(grid: Grid, context: Context) -> None:
     # The keys the submitter set count as given, whatever their value (the rest are pyproject's).
     overridden = list(grid.run.override_config.keys())
     cfg = TrainConfig.from_run_config(dict(context.run_config), overridden)
+    for line in ignored_settings(cfg, overridden):
+        log(WARNING, "run config %s", line)
     run_server(grid, run_folder(cfg, overridden, grid.run.run_id))

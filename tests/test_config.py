@@ -11,6 +11,7 @@ import tomllib
 
 from retexo_fl.compress.settings import CompressionSettings
 from retexo_fl.config import (
+    MODES,
     PER_STAGE,
     SECTIONS,
     ModelSettings,
@@ -385,3 +386,47 @@ def test_an_edited_app_config_value_is_kept_and_one_at_its_default_leaves_room_f
     edited = TrainConfig.from_run_config({**app, "hidden": 48, "mode": "eager"}, [])
     assert (edited.hidden, edited.rounds) == (48, TrainConfig.resolve(mode="eager").rounds)
     assert TrainConfig.from_run_config({**app, "mode": "eager"}, []).hidden == 64  # eager's own
+
+
+def test_a_setting_the_run_does_not_read_is_named_with_why():
+    from retexo_fl.config import ignored_settings
+
+    lazy = TrainConfig.resolve()
+    assert ignored_settings(lazy, ["algorithm", "secagg-threshold", "hidden", "heads", "dp_clip"]) == [
+        "algorithm applies to datacenter mode, not lazy: ignored",
+        "secagg-threshold acts with secure-aggregation only: ignored",
+        "heads acts with model gat only: ignored",
+        "dp-clip acts with dp-noise only: ignored",
+    ]
+    assert ignored_settings(TrainConfig.resolve(model="gat"), ["heads"]) == []
+    secure = TrainConfig.resolve(secure_aggregation=True, clients=4)
+    assert ignored_settings(secure, ["secagg-threshold"]) == []
+    # first-stage auto is the lazy default over partitions: its race settings are read there ...
+    assert ignored_settings(lazy, ["first-stage-race"]) == []
+    # ... and not where stage 0 is one variant, nor in eager mode at all.
+    assert ignored_settings(TrainConfig.resolve(first_stage="mlp"), ["first-stage-race"]) == [
+        "first-stage-race acts with first-stage auto only: ignored"
+    ]
+    eager = TrainConfig.resolve(mode="eager")
+    assert ignored_settings(eager, ["first-stage-race", "eager-model", "pseudo-threshold"]) == [
+        "first-stage-race applies to lazy mode, not eager: ignored",
+        "pseudo-threshold acts with self-training only: ignored",
+    ]
+    # Every declared condition names a setting that exists, with a value it can take.
+    names = {info.name: info for info in settings()}
+    for info in settings():
+        if info.needs:
+            name, _, wanted = info.needs.partition("=")
+            assert name in names, info.key
+            assert not wanted or not names[name].choices or wanted in names[name].choices, info.key
+        assert set(info.modes) <= set(MODES), info.key
+
+
+def test_the_cli_warns_of_a_setting_its_run_ignores(tmp_path, capsys):
+    from retexo_fl.cli import main
+
+    argv = ["train", "--dataset", "sbm:120,2", "--clients", "2", "--rounds", "1", "--stages", "1"]
+    assert main([*argv, "--self-training", "0", "--secagg-threshold", "2", "--algorithm", "2d"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: --secagg-threshold acts with secure-aggregation only: ignored" in err
+    assert "warning: --algorithm applies to datacenter mode, not lazy: ignored" in err

@@ -41,10 +41,14 @@ class CompressionSettings:
         "", "bytes per client and exchange, or <r>b for what r-bit frames cost (empty: none)"
     )
     link_bandwidths: str = setting(
-        "", "P:bw,P-Q:bw,default:bw in bytes/s, or a JSON file of the same keys (adaptive-bandwidth)"
+        "",
+        "P:bw,P-Q:bw,default:bw in bytes/s, or a JSON file of the same keys (adaptive-bandwidth)",
+        needs="bit_policy=adaptive-bandwidth",
     )
     time_budget: float = setting(
-        0.0, "seconds per exchange for adaptive-bandwidth (0: derived from the byte budget)"
+        0.0,
+        "seconds per exchange for adaptive-bandwidth (0: derived from the byte budget)",
+        needs="bit_policy=adaptive-bandwidth",
     )
     rate_schedule: str = setting(
         "fixed", "fixed, linear:LO,HI or step:R0,R1,... (bits per value over exchanges)"

@@ -43,12 +43,18 @@ class DatacenterSettings:
     """
 
     algorithm: Algorithm = setting(
-        "1d", "the data-center product: 1d, 1.5d, 2d (procs a square) or 3d (procs a cube)"
+        "1d",
+        "the data-center product: 1d, 1.5d, 2d (procs a square) or 3d (procs a cube)",
+        modes=("datacenter",),
     )
-    procs: int = setting(4, "data-center processes started on this host (torchrun sets its own)")
-    replication: int = setting(2, "1.5d's replication factor c, a divisor of procs")
+    procs: int = setting(
+        4, "data-center processes started on this host (torchrun sets its own)", modes=("datacenter",)
+    )
+    replication: int = setting(2, "1.5d's replication factor c, a divisor of procs", modes=("datacenter",))
     trusted_cluster: bool = setting(
-        False, "let data-center mode pool partitions whose manifests mark them residency-bound"
+        False,
+        "let data-center mode pool partitions whose manifests mark them residency-bound",
+        modes=("datacenter",),
     )
 
     def validate(self, grid: bool = True) -> DatacenterSettings:

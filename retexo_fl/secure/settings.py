@@ -54,7 +54,7 @@ class SecuritySettings:
     dp_noise: float = setting(
         0.0, "DP-FedAvg noise multiplier of model updates (0: off; else needs retexo-fl[dp])"
     )
-    dp_clip: float = setting(1.0, "L2 norm each client's round update is clipped to")
+    dp_clip: float = setting(1.0, "L2 norm each client's round update is clipped to", needs="dp_noise")
     dp_delta: float = setting(1e-5, "the delta of the reported (epsilon, delta) guarantees")
     dp_reproducible: bool = setting(
         False,
@@ -62,6 +62,7 @@ class SecuritySettings:
         "anyone who knows the seed (every client, any reader of config.json) can then remove the "
         "noise from the released model (off: a secret key from the operating system, kept only in "
         "the server's checkpoint)",
+        needs="dp_noise",
     )
     boundary_clip: float = setting(
         0.0, "the L2 norm every boundary row a client releases is clipped to (0: rows as they are)"
@@ -79,11 +80,13 @@ class SecuritySettings:
         0,
         "the shares that rebuild a client's self seed, also the fewest survivors a round decodes "
         "with (0: the least safe one, (clients + 1) // 2 + 1)",
+        needs="secure_aggregation",
     )
     secagg_clip: float = setting(
         10.0,
         "the largest magnitude of a client's weighted update coordinate in the field encoding "
         "(larger ones are clipped and counted); with dp-noise the bound follows from dp-clip",
+        needs="secure_aggregation",
     )
 
     def validate(self) -> SecuritySettings:

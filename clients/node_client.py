@@ -31,6 +31,7 @@ from retexo_fl.party.handlers import handle
 from retexo_fl.party.lazy_client import LazyClient
 from retexo_fl.secure.audit import AuditLog
 from retexo_fl.secure.keys import private_folder
+from retexo_fl.secure.policy import PolicyError
 
 if TYPE_CHECKING:
     from torch_geometric.data import Data
@@ -240,8 +241,16 @@ def node_client(view: NodeView, context: Context) -> tuple[Client, Path]:
         client.restore(work)
         with _LOCK:
             _CURRENT[key] = version
-    # Set up with one config, a client takes no other: rebuilt, it has this message's.
-    client.check_run_config(cfg)
+    # Set up with one config, a client takes no other: rebuilt, it has this message's, so a
+    # refused one is not kept for the next message to find (it would train by that config).
+    try:
+        client.check_run_config(cfg)
+        client.check_run_config(client.cfg)
+    except PolicyError:
+        with _LOCK:
+            if _CACHE.get(key) is client:
+                _uncache(key)
+        raise
     return client, work
 
 

@@ -11,6 +11,7 @@ transport hands it to the client handlers as it is.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 from collections.abc import Mapping
@@ -163,13 +164,34 @@ def client_config_digest(cfg: TrainConfig) -> str:
     against this one, a server could hand every member of a masked round but one a learning
     rate of 0, and the masked sum would be that one member's update.
 
+    Settings at their declared default are left out too: a run resumed by a newer release, whose
+    config holds a setting the run's start did not know (at its default, as ``resumed_config``
+    fills it), still has the digest its clients bound.
+
     Args:
         cfg (TrainConfig): the run config.
     """
-    values = cfg.to_dict()
-    for name in SERVER_ONLY_SETTINGS:
-        values.pop(name, None)
-    return config_digest(json.dumps(values))
+    global _last_digest
+    last = _last_digest
+    if last is not None and last[0] is cfg:  # a run's clients in one process share its config
+        return last[1]
+    defaults = _field_defaults()
+    values = {
+        name: value
+        for name, value in cfg.to_dict().items()
+        if name not in SERVER_ONLY_SETTINGS and not (name in defaults and value == defaults[name])
+    }
+    digest = config_digest(json.dumps(values, sort_keys=True))
+    _last_digest = (cfg, digest)
+    return digest
+
+
+_last_digest: tuple[TrainConfig, str] | None = None
+
+
+@functools.cache
+def _field_defaults() -> dict[str, Any]:
+    return TrainConfig().to_dict()
 
 
 #: Run configs parsed in this process, by their text: a node-level run's thousands of clients

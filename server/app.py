@@ -73,8 +73,10 @@ def run_folder(cfg: TrainConfig, overridden: Iterable[str], run_id: int) -> Trai
         overridden (Iterable[str]): the run-config keys the submitter set.
         run_id (int): Flower's id of this run.
     """
-    if not cfg.out_dir or cfg.resume or "out-dir" in set(overridden):
+    if not cfg.out_dir or "out-dir" in set(overridden):
         return cfg
+    if cfg.resume:  # the app's folder of runs is not this run's: a resumed run writes in its own
+        return dataclasses.replace(cfg, out_dir="")
     return dataclasses.replace(cfg, out_dir=str(Path(cfg.out_dir) / f"run-{run_id}"))
 
 

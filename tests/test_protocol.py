@@ -80,3 +80,19 @@ def test_a_stage_a_sealed_header_cannot_hold_is_refused_naming_it():
         P.count_entries({P.STAGE: P.MAX_STAGE + 1}, "client 1")
     with pytest.raises(ValueError, match=r"client 1: round '-1' is not a count in \[0, 2147483647\]"):
         P.count_entries({P.ROUND: -1}, "client 1")
+
+
+def test_the_bound_config_digest_ignores_the_servers_folders_and_settings_left_at_default(monkeypatch):
+    from retexo_fl.config import TrainConfig
+
+    cfg = TrainConfig.resolve(clients=3)
+    bound = P.client_config_digest(cfg)
+    # A resumed run: its server's own folders differ, and nothing a client reads.
+    assert P.client_config_digest(TrainConfig.resolve(clients=3, out_dir="/a", resume="/a")) == bound
+    assert P.client_config_digest(TrainConfig.resolve(clients=3, lr=0.0)) != bound
+    # A newer release's setting, at its default: the run's clients keep the digest they bound.
+    newer = TrainConfig.resolve(clients=3)
+    plain = TrainConfig.to_dict
+    monkeypatch.setattr(TrainConfig, "to_dict", lambda self: {**plain(self), "new_setting": 7})
+    monkeypatch.setattr(P, "_field_defaults", lambda: {**plain(TrainConfig()), "new_setting": 7})
+    assert P.client_config_digest(newer) == bound

@@ -607,3 +607,33 @@ def test_an_evaluation_under_other_terms_is_refused(nodes, tmp_path, change, err
 def test_a_run_for_another_number_of_clients_than_the_nodes_cut_is_refused_naming_both(nodes, tmp_path):
     with pytest.raises(ClientFailure, match=r"part 0 of a 3-client cut, and the run config says clients=2"):
         _lazy(nodes, tmp_path, clients=2)
+
+
+def test_a_client_built_from_a_refused_config_is_not_kept_for_the_next_message(nodes, tmp_path):
+    """A cache miss (a worker that dropped the run) builds the client from the message's config:
+    refused, it must not stay cached, or the next message with the honest config would find it
+    and train by the refused one."""
+    seen: dict[str, Any] = {}
+
+    class Retry(ClientAppTransport):
+        def send(self, kind: str, requests: dict[int, Records], phase: str, stage: int) -> Batch:
+            if kind != P.TRAIN or 0 not in requests or seen:
+                return super().send(kind, requests, phase, stage)
+            config = {k: v for k, v in requests[0][P.CONFIG].items() if k != P.RUN_DIGEST}
+            key = int(config[P.RUN_KEY])
+            node_client.forget([key])
+            honest = seen["honest"] = str(honest_run)
+            swapped = {**config, P.RUN: json.dumps({**json.loads(honest), "lr": [0.0]})}
+            first = super().send(kind, {0: {**requests[0], P.CONFIG: swapped}}, phase, stage)
+            seen["first"] = first.failures.get(0, "accepted")
+            retry = {**requests, 0: {**requests[0], P.CONFIG: {**config, P.RUN: honest}}}
+            out = super().send(kind, retry, phase, stage)
+            seen["lr"] = [c.cfg.lr for k, c in node_client._CACHE.items() if k[0] == key]
+            return out
+
+    config = TrainConfig.resolve(**{**CFG, "pinned_keys": str(nodes[1] / "pins.json")})
+    honest_run = P.config_to_json(config)
+    transport = Retry(_node_configs(nodes, tmp_path))
+    out = LazyStageMachine(transport, config, RunRecorder(None, stream=None)).run()
+    assert "refusing the run, run config" in seen["first"]
+    assert seen["lr"] and all(lr == config.lr for lr in seen["lr"]) and out["lost_clients"] == []

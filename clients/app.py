@@ -10,7 +10,6 @@ the answer changed it, and replies. Either way the mods (error reporting, audit)
 from __future__ import annotations
 
 import importlib
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -20,10 +19,6 @@ from flwr.clientapp import ClientApp
 from clients import shim
 from clients.mods import Next, audit_messages, report_errors
 from retexo_fl import protocol as P
-
-# PyG's import scripts a few helpers with torch.jit.script, which this torch deprecates: every
-# simulated or deployed ClientApp process printed the warning, which nobody running it can act on.
-warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated", category=DeprecationWarning)
 
 
 def app_named(ref: str) -> ClientApp:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Iterable
 from logging import WARNING
 from pathlib import Path
@@ -21,6 +22,10 @@ from retexo_fl.runner import check_out_dir
 from retexo_fl.summary import RunSummary
 from server.checkpoint import FileCheckpoints, resumed_config
 from server.grid_transport import GridTransport
+
+# `flwr run`'s simulation starts Ray, whose init warns of a default change for actors given no
+# GPU (they run on the CPU here either way): nobody running the app can act on it.
+warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)
 
 app = ServerApp()
 

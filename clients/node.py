@@ -121,11 +121,12 @@ def run_config(msg: Message, context: Context) -> TrainConfig:
     path = work_dir(context, *cache_key(msg, context)) / "run-config.json"
     if P.RUN in config:
         text = str(config[P.RUN])
+        parsed = P.config_from_json(text)  # before it is kept: nothing unparsed lands on the node
         if not path.is_file() or path.read_text() != text:
             private_folder(path.parent)  # the work folder: it will hold the client's keys
             path.with_suffix(".tmp").write_text(text)
             path.with_suffix(".tmp").replace(path)
-        return P.config_from_json(text)
+        return parsed
     digest = str(config.get(P.RUN_DIGEST, ""))
     if not path.is_file():
         raise ValueError(
@@ -133,10 +134,10 @@ def run_config(msg: Message, context: Context) -> TrainConfig:
             f"but this node holds none for run key {run_key(msg)} (it missed key setup and setup)"
         )
     text = path.read_text()
-    if P.config_digest(text) != digest:
+    if P.config_digest(text) != digest:  # the reply goes to the server: no path of the node's
         raise ValueError(
             f"a {msg.metadata.message_type} message names run config {digest!r}; "
-            f"this node holds {P.config_digest(text)!r} ({path})"
+            f"this node holds {P.config_digest(text)!r}"
         )
     return P.config_from_json(text)
 

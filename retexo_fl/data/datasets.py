@@ -174,12 +174,29 @@ def _load_any(name: str, root: Path, seed: int):
     raise DatasetError(f"unknown dataset {name!r}; known: {', '.join(known_datasets())}")
 
 
+def _data_globals() -> list:
+    """The classes a saved ``Data`` is made of, which a ``weights_only`` load may build."""
+    from torch_geometric.data.data import DataEdgeAttr, DataTensorAttr
+    from torch_geometric.data.storage import GlobalStorage
+
+    return [Data, DataEdgeAttr, DataTensorAttr, GlobalStorage]
+
+
 def _load_user_graph(path: Path):
     if not path.is_file():
         raise DatasetError(f"{path}: no such file")
     try:
-        obj = torch.load(path, weights_only=False, map_location="cpu")
+        # weights_only: a pickle builds what it names, so a file that names anything else could
+        # run code; the path may come from a run config, which a server writes.
+        with torch.serialization.safe_globals(_data_globals()):
+            obj = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as exc:  # any unpickling failure is a bad file
+        if "Unsupported global" in str(exc) or "weights_only" in str(exc).lower():
+            raise DatasetError(
+                f"{path}: refused: it holds more than a torch_geometric Data of tensors, and loading "
+                "it could run code; save Data(x=..., edge_index=..., y=...) of tensors, or the graph "
+                "as an npz or plain files"
+            ) from None
         raise DatasetError(f"{path}: cannot be read as a saved torch_geometric Data ({exc})") from exc
     if not isinstance(obj, Data):
         raise DatasetError(f"{path}: holds a {type(obj).__name__}, expected torch_geometric Data")

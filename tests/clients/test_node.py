@@ -62,8 +62,18 @@ def test_a_train_message_for_an_unknown_or_other_config_is_refused(tmp_path):
     other = _federation(hidden=32)
     other.run_key = fed.run_key  # the same run key, another config: a stale or forged message
     run_config(_message(other, P.SETUP), ctx)
-    with pytest.raises(ValueError, match=r"names run config '[0-9a-f]{32}'; this node holds '[0-9a-f]{32}'"):
+    with pytest.raises(
+        ValueError, match=r"names run config '[0-9a-f]{32}'; this node holds '[0-9a-f]{32}'"
+    ) as err:
         run_config(train, ctx)
+    assert str(tmp_path) not in str(err.value)  # the reply goes to the server: no node path in it
+    # A run config that does not parse is refused before anything of it is kept on the node.
+    forged = _message(fed, P.SETUP)
+    forged.content[P.CONFIG][P.RUN] = "cos\nsystem\n(S'true'\ntR."  # a pickle, not a config
+    forged.content[P.CONFIG][P.RUN_KEY] = fed.run_key + 1
+    with pytest.raises(ValueError):
+        run_config(forged, ctx)
+    assert not list(tmp_path.glob(f"run-{fed.run_key + 1}/*/run-config.json"))
 
 
 def test_the_work_folder_is_the_nodes_choice(tmp_path, monkeypatch):

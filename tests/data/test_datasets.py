@@ -143,3 +143,25 @@ def test_a_registered_dataset_that_cannot_be_downloaded_fails_naming_it(tmp_path
     monkeypatch.setattr(socket, "getaddrinfo", unreachable)
     with pytest.raises(DatasetError, match=r"Cora: cannot be read or downloaded under --data-root"):
         load_dataset("Cora", tmp_path / "empty")
+
+
+class _RunsCode:
+    """A pickle that runs code when loaded (a file a run config could name)."""
+
+    def __init__(self, canary: str) -> None:
+        self.canary = canary
+
+    def __reduce__(self):
+        return (open, (self.canary, "w"))
+
+
+def test_a_saved_file_that_would_run_code_is_refused_and_runs_none(tmp_path):
+    canary = tmp_path / "ran"
+    torch.save(_RunsCode(str(canary)), tmp_path / "graph.pt")
+    with pytest.raises(DatasetError, match=r"graph\.pt: refused: .*could run code"):
+        load_dataset(str(tmp_path / "graph.pt"), tmp_path)
+    assert not canary.exists()
+    # A Data of tensors still loads as before.
+    data = Data(x=torch.ones(4, 2), edge_index=torch.tensor([[0, 1], [1, 2]]), y=torch.tensor([0, 1, 0, 1]))
+    torch.save(data, tmp_path / "ok.pt")
+    assert load_dataset(str(tmp_path / "ok.pt"), tmp_path, split="random:0.5,0.25,0.25").num_nodes == 4

@@ -245,7 +245,8 @@ def node_client(view: NodeView, context: Context) -> tuple[Client, Path]:
     # refused one is not kept for the next message to find (it would train by that config).
     try:
         client.check_run_config(cfg)
-        client.check_run_config(client.cfg)
+        if client.cfg is not cfg:  # a cached client built from an earlier message's config
+            client.check_run_config(client.cfg)
     except PolicyError:
         with _LOCK:
             if _CACHE.get(key) is client:

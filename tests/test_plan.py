@@ -142,3 +142,50 @@ def test_setup_digests_are_keyed_to_each_pair_so_the_server_cannot_test_guesses(
                 short += len(ids) <= 2
                 assert (reported[part.partition_id][side][str(q)] == plain) is not encrypt
     assert short > 50  # the lists the attack read: 108 of them on this partitioning
+
+
+def _directed(data):
+    """``data`` with a third of its edges kept one way only: cross edges of every direction."""
+    from torch_geometric.data import Data
+
+    ei = data.edge_index
+    keep = (ei[0] < ei[1]) | (torch.arange(ei.shape[1]) % 3 != 0)
+    out = Data(x=data.x, y=data.y, edge_index=ei[:, keep])
+    for split in ("train_mask", "val_mask", "test_mask"):
+        out[split] = data[split]
+    return out
+
+
+@pytest.mark.parametrize(
+    "graph,clients,method",
+    [("sbm", 4, "metis"), ("sbm", 7, "random"), ("directed", 5, "random"), ("sbm", 600, "node")],
+)
+def test_set_up_tables_and_sorts_give_the_same_plan_and_graph(sbm, monkeypatch, graph, clients, method):
+    """The id tables of a large client's set-up (``dense_lookups``, the (peer, row) marks) give
+    the plan and the local graph the sorts and binary searches give, array for array."""
+    import retexo_fl.plan as plan_module
+
+    data = _directed(sbm) if graph == "directed" else sbm
+    parts = partition_graph(data, clients, method, seed=0)
+    assert any(p.cross_edges.size for p in parts)
+    if graph == "directed":
+        assert {1, 2} <= {int(d) for p in parts for d in p.cross_edges[:, 3]}
+
+    def built(records_per_id: float, marks_per_record: int) -> list[tuple[BoundaryPlan, LocalGraph]]:
+        monkeypatch.setattr(plan_module, "DENSE_RECORDS_PER_ID", records_per_id)
+        monkeypatch.setattr(plan_module, "MARKS_PER_RECORD", marks_per_record)
+        plans = [BoundaryPlan.from_partition(p) for p in parts]
+        return [(pl, LocalGraph.build(p, pl)) for p, pl in zip(parts, plans, strict=True)]
+
+    sorted_ = built(float("inf"), 16)  # never a table: the sorts and searches
+    for variant in (built(0.0, 16), built(0.0, 0)):  # tables, with the marks, then sorting the pairs
+        for (a, ga), (b, gb) in zip(sorted_, variant, strict=True):
+            assert a.halo_offsets == b.halo_offsets
+            np.testing.assert_array_equal(a.halo_ids, b.halo_ids)
+            for name in ("send", "send_ids", "recv"):
+                mine, theirs = getattr(a, name), getattr(b, name)
+                assert list(mine) == list(theirs), name  # the same peers, in the same order
+                for q in mine:
+                    assert mine[q].dtype == theirs[q].dtype
+                    np.testing.assert_array_equal(mine[q], theirs[q])
+            assert torch.equal(ga.edge_index, gb.edge_index) and torch.equal(ga.in_degree, gb.in_degree)

@@ -208,6 +208,18 @@ def _lazy_on(parts, cfg, device, label: str) -> dict:
     }
 
 
+def _warm_up(args: argparse.Namespace, parts, cfg) -> None:
+    """A one-round, two-stage run on each device, untimed: the process's first run pays one-time
+    costs (PyG's import, the device's context, torch.optim's first optimizer importing
+    ``torch._dynamo``: about 1.6 s on 2 cores), which the first device timed would otherwise
+    carry alone."""
+    short = dataclasses.replace(
+        cfg, stages=2, rounds=1, min_rounds=0, warm_min_rounds=0, self_training=0, first_stage="mlp"
+    )
+    for _side, device in devices(args):
+        _lazy_on(parts, short, device, "warm-up")
+
+
 def section_cora(args: argparse.Namespace) -> None:
     from retexo_fl.config import TrainConfig
     from retexo_fl.data.loading import load_graph
@@ -224,6 +236,7 @@ def section_cora(args: argparse.Namespace) -> None:
         cfg = dataclasses.replace(cfg, rounds=4, min_rounds=0, warm_min_rounds=0, self_training=0)
     data = load_graph(cfg)
     parts = partition_graph(data, cfg.clients, cfg.method, seed=cfg.seed)
+    _warm_up(args, parts, cfg)
     for side, device in devices(args):
         emit({"section": "cora", "side": side, **_lazy_on(parts, cfg, device, "Cora 10 random")})
 
@@ -338,6 +351,7 @@ def section_large(args: argparse.Namespace) -> None:
         clients=8, method="random", seed=0, stages=2, rounds=8, min_rounds=8, warm_min_rounds=0,
         self_training=0,
     )  # fmt: skip
+    _warm_up(args, partition_graph(_generated(2_000, 20.0), 8, "random", seed=0), fixed)
     for side, device in devices(args):
         row = _lazy_on(parts, fixed, device, label + ", 2 stages x 8 rounds")
         emit({"section": "large-fixed", "side": side, "nodes": nodes, "edges": edges, **row})

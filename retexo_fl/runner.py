@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import numpy as np
+
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.datasets import check_split
 from retexo_fl.data.loading import load_graph
@@ -144,8 +146,10 @@ def train(cfg: TrainConfig, rec: RunRecorder | None = None) -> RunSummary:
         whole = whole_graph_partition(load_graph(cfg))
         rec.progress(device_line(cfg.device, [whole.num_nodes]))
         summary = run_centralized(whole, cfg, rec)
+        tested = int(np.asarray(whole.test_mask).sum())
     elif cfg.mode == "datacenter":
         summary = RunSummary.from_dict(run_datacenter(cfg, rec))
+        tested = -1  # its own count
     else:
         parts = make_partitions(cfg, rec)
         rec.progress(device_line(cfg.device, [p.num_nodes for p in parts]))
@@ -153,6 +157,9 @@ def train(cfg: TrainConfig, rec: RunRecorder | None = None) -> RunSummary:
             summary = run_eager(parts, cfg, rec, local=cfg.mode == "local")
         else:
             summary = run_lazy(parts, cfg, rec)
+        tested = sum(int(np.asarray(p.test_mask).sum()) for p in parts)
+    if tested == 0:  # a split with no test share: no test accuracy, not 0 (or NaN, not JSON)
+        summary.test_accuracy = None
     summary.wall_seconds = time.perf_counter() - t0
     summary.config = cfg.to_dict()
     rec.write_json("summary.json", summary.to_dict())

@@ -23,7 +23,8 @@ class RunSummary(Mapping[str, Any]):
             ``datacenter``).
         engine (str): what ran it (``in-process``, ``simulation``, ``deployment``,
             ``torch.distributed``).
-        test_accuracy (float): the delivered model's test accuracy.
+        test_accuracy (float, optional): the delivered model's test accuracy (``None``: the
+            split has no test nodes).
         val_accuracy (float): its validation accuracy (what chose it).
         bytes_total (int): every byte the run sent (boundary, model, secure aggregation).
         bytes_boundary (int): boundary (halo) bytes.
@@ -62,7 +63,7 @@ class RunSummary(Mapping[str, Any]):
 
     mode: str
     engine: str
-    test_accuracy: float
+    test_accuracy: float | None
     val_accuracy: float
     bytes_total: int
     bytes_boundary: int
@@ -90,7 +91,7 @@ class RunSummary(Mapping[str, Any]):
             if f.name in _NESTED:
                 continue
             value = getattr(self, f.name)
-            if value is not None:
+            if value is not None or f.name == "test_accuracy":  # null: no test nodes
                 out[f.name] = value
         out.update(self.federation)
         out.update(self.extra)
@@ -115,7 +116,7 @@ class RunSummary(Mapping[str, Any]):
     def line(self) -> str:
         """The run's last progress line: test and validation accuracy, bytes, seconds."""
         return (
-            f"test accuracy {self.test_accuracy:.4f}  val {self.val_accuracy:.4f}  "
+            f"test accuracy {_accuracy(self.test_accuracy)}  val {self.val_accuracy:.4f}  "
             f"bytes boundary {self.bytes_boundary}  model {self.bytes_model}  in {self.wall_seconds:.1f}s"
         )
 
@@ -138,3 +139,7 @@ _REQUIRED = frozenset(
     for f in dataclasses.fields(RunSummary)
     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
 )
+
+
+def _accuracy(value: float | None) -> str:
+    return "- (no test nodes)" if value is None else f"{value:.4f}"

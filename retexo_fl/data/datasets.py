@@ -100,6 +100,12 @@ def load_dataset(
                 f"dataset {name!r} has no split masks of its own: pass a split such as "
                 "'random:0.6,0.2,0.2' or 'per-class:20,500,1000'"
             )
+        absent = [key for key in ("train_mask", "val_mask", "test_mask") if getattr(data, key, None) is None]
+        if absent:  # a saved Data or an npz may carry some masks and not others
+            raise DatasetError(
+                f"{name}: split 'public' needs train, validation and test masks, and it has no "
+                f"{', '.join(absent)}: pass a split such as 'random:0.6,0.2,0.2'"
+            )
         for key in ("train_mask", "val_mask", "test_mask"):
             mask = data[key]
             if mask.dim() == 2:
@@ -107,6 +113,13 @@ def load_dataset(
                     raise DatasetError(f"{name}: split_index {split_index} not in [0, {mask.size(1)})")
                 mask = mask[:, split_index]
             data[key] = mask.bool() & (data.y >= 0)
+        for a, b in (("train_mask", "val_mask"), ("train_mask", "test_mask"), ("val_mask", "test_mask")):
+            both = int((data[a] & data[b]).sum())
+            if both:  # a node trained on and validated or tested on: every figure would be inflated
+                raise DatasetError(
+                    f"{name}: its {a} and {b} overlap on {both} node(s) (split index {split_index}); "
+                    "give disjoint masks, or pass a split such as 'random:0.6,0.2,0.2'"
+                )
     else:
         try:
             apply_split(data, split, seed)
@@ -252,6 +265,15 @@ def check_split(spec: str) -> None:
         parts = []
     if len(parts) != 3:
         raise DatasetError(f"bad split {spec!r}: use public, random:TRAIN,VAL,TEST or per-class:K,VAL,TEST")
+    nums = [float(v) for v in parts]
+    if m and m.group(1) == "per-class" and not all(v == int(v) for v in nums):
+        raise DatasetError(f"bad split {spec!r}: per-class:K,VAL,TEST takes whole numbers of nodes")
+    if nums[1] <= 0:
+        # Rounds, stages and early stopping are chosen on validation nodes: without any, every
+        # stage read a validation accuracy of 0 and kept its first round.
+        raise DatasetError(
+            f"bad split {spec!r}: VAL is 0; a run chooses its rounds and stages on validation nodes"
+        )
 
 
 def apply_split(data, spec: str, seed: int) -> None:

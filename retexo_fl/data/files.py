@@ -61,6 +61,10 @@ MAX_CLASSES = 1 << 16
 MAX_FEATURE_VALUES = 1 << 31
 
 
+#: Label values read as "unlabeled" (compared in lower case), besides an empty field.
+MISSING_LABELS = frozenset({"-1", "-1.0", "na", "nan", "n/a", "null", "none"})
+
+
 class FileGraphError(DatasetError):
     """A plain graph file cannot be read; the message names the file (and line)."""
 
@@ -265,6 +269,14 @@ def _is_int(text: str) -> bool:
     return True
 
 
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _is_integral(text: str) -> bool:
     """Whether ``text`` is a finite float with no fraction (``"2.0"``, ``"-1.0"``, ``"1e3"``)."""
     try:
@@ -335,6 +347,9 @@ def _read_labels(path: Path, id_column: str | None, label_column: str | None) ->
         raw.append(row[label_col])
     if not ids:
         raise FileGraphError(path, "no label lines after the header")
+    # Unlabeled, as the docs say (-1 or empty), and as other tools write a missing value (R's
+    # NA, pandas' nan): read as names, each would have become a class of its own.
+    raw = ["" if v.strip().lower() in MISSING_LABELS else v for v in raw]
     given = [v for v in raw if v != ""]
     if given and not all(_is_int(v) for v in given) and all(_is_integral(v) for v in given):
         # "1.0", "-1.0": an integer column a spreadsheet or pandas wrote as floats (it does so
@@ -440,10 +455,14 @@ def _read_feature_csv(path: Path) -> _Features:
             raise FileGraphError(
                 path, f"a feature line needs a node id and at least one value{_separator_hint(row)}", line
             )
+        if line == 1 and not row[0]:  # pandas' to_csv header: an unnamed index, then column names
+            continue
         try:
             nums = [float(v) for v in row[1:]]
         except ValueError:
-            if not ids and line == 1:  # a header line
+            # Line 1 is column names when none of its values is a number; one with a blank or NA
+            # among numbers is a node's row, which a header guess would have zeroed silently.
+            if not ids and line == 1 and not any(_is_float(v) for v in row[1:]):
                 continue
             raise FileGraphError(path, f"non-numeric feature value in {row[1:]!r}", line) from None
         if width is None:

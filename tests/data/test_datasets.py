@@ -165,3 +165,49 @@ def test_a_saved_file_that_would_run_code_is_refused_and_runs_none(tmp_path):
     data = Data(x=torch.ones(4, 2), edge_index=torch.tensor([[0, 1], [1, 2]]), y=torch.tensor([0, 1, 0, 1]))
     torch.save(data, tmp_path / "ok.pt")
     assert load_dataset(str(tmp_path / "ok.pt"), tmp_path, split="random:0.5,0.25,0.25").num_nodes == 4
+
+
+def test_public_split_masks_some_missing_or_overlapping_are_refused(tmp_path):
+    # A saved Data with a training mask alone ended in a KeyError traceback ('val_mask').
+    only_train = _saved(tmp_path, train_mask=torch.tensor([True, True, False, False]))
+    with pytest.raises(DatasetError, match="has no val_mask, test_mask: pass a split"):
+        load_dataset(only_train, split="public")
+    # Overlapping masks trained on the test nodes without a word.
+    same = torch.tensor([True, True, True, False])
+    overlapping = _saved(tmp_path, train_mask=same, val_mask=same, test_mask=~same)
+    with pytest.raises(DatasetError, match="train_mask and val_mask overlap on 3 node"):
+        load_dataset(overlapping, split="public")
+
+
+@pytest.mark.parametrize(
+    "split,fragment",
+    [("random:0.5,0,0.5", "VAL is 0"), ("per-class:2.5,10,10", "whole numbers")],
+)
+def test_a_split_without_validation_nodes_or_a_fractional_k_is_refused(tmp_path, split, fragment):
+    # Without validation nodes every stage kept its first round (best val 0.0000 at round 1);
+    # per-class:2.5 trained on 2 a class.
+    with pytest.raises(DatasetError, match=fragment):
+        load_dataset(_saved(tmp_path), split=split)
+
+
+def test_a_run_without_test_nodes_reports_no_test_accuracy(tmp_path):
+    # A test share of 0 reported 0.0 (lazy) or NaN (centralized, not JSON) as the test accuracy.
+    import json
+
+    from retexo_fl.config import TrainConfig
+    from retexo_fl.metrics import RunRecorder
+    from retexo_fl.runner import train
+
+    data = synthetic_sbm(120, 3, avg_degree=4, homophily=0.8, num_features=8, seed=0)
+    path = tmp_path / "g.pt"
+    torch.save(Data(x=data.x, y=data.y, edge_index=data.edge_index), path)
+    for mode in ("centralized", "lazy"):
+        out = tmp_path / mode
+        cfg = TrainConfig.resolve(
+            dataset=str(path), split="random:0.6,0.4,0", mode=mode, clients=2, method="random",
+            stages=2, rounds=2, self_training=0, device="cpu", out_dir=str(out),
+        )  # fmt: skip
+        summary = train(cfg, RunRecorder(str(out), stream=None))
+        assert summary.test_accuracy is None and "no test nodes" in summary.line()
+        written = json.loads((out / "summary.json").read_text())  # strict JSON: no NaN
+        assert written["test_accuracy"] is None and written["val_accuracy"] > 0

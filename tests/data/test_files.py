@@ -257,9 +257,9 @@ def _npz(folder: Path, **arrays: np.ndarray) -> str:
         "node_features": np.eye(4, dtype=np.float32),
         "node_labels": np.array([0, 1, 0, 1]),
         "edges": np.array([[0, 1], [1, 2], [2, 3]]),
-        "train_masks": np.ones((1, 4), dtype=bool),
-        "val_masks": np.ones((1, 4), dtype=bool),
-        "test_masks": np.ones((1, 4), dtype=bool),
+        "train_masks": np.array([[1, 1, 0, 0]], dtype=bool),
+        "val_masks": np.array([[0, 0, 1, 0]], dtype=bool),
+        "test_masks": np.array([[0, 0, 0, 1]], dtype=bool),
     }
     path = folder / "graph.npz"
     np.savez(path, **{**base, **arrays})
@@ -331,3 +331,29 @@ def test_a_feature_header_of_number_names_is_not_a_node(tmp_path):
     spec = f"edges={tmp_path / 'e.csv'},features={tmp_path / 'x.csv'},labels={tmp_path / 'y.csv'}"
     data = load_files_graph(spec)
     assert data.num_nodes == 3 and data.x.tolist() == [[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]]
+
+
+def test_missing_value_tokens_in_a_labels_file_are_unlabeled(tmp_path):
+    # R's NA, pandas' nan and -1 in a column of names each became a class of its own, and one
+    # "unknown" among integer classes renumbered them in string order.
+    (tmp_path / "e.csv").write_text("a,b\nb,c\nc,d\nd,e\n")
+    (tmp_path / "x.csv").write_text("id,f\na,1\nb,0\nc,1\nd,0\ne,1\n")
+    (tmp_path / "y.csv").write_text("id,label\na,cat\nb,NA\nc,dog\nd,nan\ne,-1\n")
+    spec = f"edges={tmp_path / 'e.csv'},features={tmp_path / 'x.csv'},labels={tmp_path / 'y.csv'}"
+    assert load_files_graph(spec).y.tolist() == [0, -1, 1, -1, -1]
+    (tmp_path / "y.csv").write_text("id,label\na,10\nb,NaN\nc,2\nd,null\ne,0\n")
+    assert load_files_graph(spec).y.tolist() == [10, -1, 2, -1, 0]
+
+
+def test_a_features_csv_first_row_with_a_blank_is_an_error_not_a_header(tmp_path):
+    # Taken for a header, node a's row was dropped and its features read as zeros.
+    (tmp_path / "e.csv").write_text("a,b\nb,c\n")
+    (tmp_path / "x.csv").write_text("a,1.0,,2.0\nb,0.0,1.0,1.0\nc,1.0,1.0,0.0\n")
+    (tmp_path / "y.csv").write_text("id,label\na,0\nb,1\nc,0\n")
+    spec = f"files:edges={tmp_path / 'e.csv'},features={tmp_path / 'x.csv'},labels={tmp_path / 'y.csv'}"
+    _expect(spec, f"{tmp_path / 'x.csv'}:1", "non-numeric feature value")
+    # Column names still read as a header; so does pandas' to_csv header (an unnamed index).
+    for header in ("id,f0,f1,f2", ",0,1,2"):
+        (tmp_path / "x.csv").write_text(f"{header}\na,1.0,0.5,2.0\nb,0.0,1.0,1.0\nc,1.0,1.0,0.0\n")
+        data = load_files_graph(spec[len("files:") :])
+        assert data.x[0].tolist() == [1.0, 0.5, 2.0] and data.num_nodes == 3

@@ -525,11 +525,16 @@ def ignored_settings(cfg: TrainConfig, given: Iterable[str]) -> list[str]:
             lines.append(f"{info.key} applies to {' and '.join(info.modes)} mode, not {cfg.mode}: ignored")
             continue
         if info.needs:
-            name, _, wanted = info.needs.partition("=")
+            name, equals, wanted = info.needs.partition("=")
             value = getattr(cfg, name)
-            if (str(value) != wanted) if wanted else not value:
-                needed = f"{name.replace('_', '-')} {wanted}" if wanted else name.replace("_", "-")
-                lines.append(f"{info.key} acts with {needed} only: ignored")
+            if not equals and not value:
+                lines.append(f"{info.key} acts with {name.replace('_', '-')} only: ignored")
+            elif equals and str(value) != wanted:
+                flag = name.replace("_", "-")
+                if wanted:
+                    lines.append(f"{info.key} acts with {flag} {wanted} only: ignored")
+                else:  # "name=": read only while name is not set, as the dataset without partitions
+                    lines.append(f"{info.key} is read only without {flag}: ignored")
     return lines
 
 

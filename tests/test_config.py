@@ -412,6 +412,12 @@ def test_a_setting_the_run_does_not_read_is_named_with_why():
         "first-stage-race applies to lazy mode, not eager: ignored",
         "pseudo-threshold acts with self-training only: ignored",
     ]
+    # A folder of partitions holds the graph, its split and its cut: what would make them is unread.
+    given = ["dataset", "split", "method", "split-index", "data-root", "hidden"]
+    assert ignored_settings(TrainConfig.resolve(partitions="parts"), given) == [
+        f"{key} is read only without partitions: ignored" for key in given[:-1]
+    ]
+    assert ignored_settings(lazy, given) == []
     # Every declared condition names a setting that exists, with a value it can take.
     names = {info.name: info for info in settings()}
     for info in settings():

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from retexo_fl.setting import check_choices, section, setting
 
+#: The settings a run reads only when it cuts the dataset itself: a folder of partitions
+#: (``--partitions``) holds the graph, its split and its cut already.
+_CUT = "partitions="
+
 
 @section
 class DataSettings:
@@ -20,12 +24,17 @@ class DataSettings:
         "Cora",
         "a PyG dataset name, sbm:N,C[,deg,homophily], the path of a saved Data file or an npz graph, "
         "or files:edges=E.csv,features=F,labels=L.csv[,id-column=C][,label-column=C] (docs/cli.md)",
+        needs=_CUT,
     )
-    data_root: str = setting("data", "folder with the dataset's raw/ files (PyG downloads there if it can)")
-    split: str = setting("public", "public, random:TRAIN,VAL,TEST or per-class:K,VAL,TEST")
-    split_index: int = setting(0, "which of a dataset's fixed public splits (WebKB, Actor: 0-9)")
+    data_root: str = setting(
+        "data", "folder with the dataset's raw/ files (PyG downloads there if it can)", needs=_CUT
+    )
+    split: str = setting("public", "public, random:TRAIN,VAL,TEST or per-class:K,VAL,TEST", needs=_CUT)
+    split_index: int = setting(0, "which of a dataset's fixed public splits (WebKB, Actor: 0-9)", needs=_CUT)
     clients: int = setting(4, "the number of clients, one partition each")
-    method: str = setting("metis", "the partitioner: metis, louvain, random, supernode, label-skew or node")
+    method: str = setting(
+        "metis", "the partitioner: metis, louvain, random, supernode, label-skew or node", needs=_CUT
+    )
     partitions: str = setting(
         "",
         "a folder of part-<id>/ partitions written by `retexo-fl partition`, used instead of cutting dataset",

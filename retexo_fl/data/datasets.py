@@ -198,6 +198,11 @@ def _data_globals() -> list:
 def _load_user_graph(path: Path):
     if not path.is_file():
         raise DatasetError(f"{path}: no such file")
+    if Path(path).suffix.lower() in (".csv", ".tsv", ".txt", ".json"):  # one of a graph's files
+        raise DatasetError(
+            f"{path}: a text file is not a graph on its own; give a graph's plain files as "
+            "files:edges=E.csv,features=F,labels=L.csv (docs/cli.md)"
+        )
     try:
         # weights_only: a pickle builds what it names, so a file that names anything else could
         # run code; the path may come from a run config, which a server writes.

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,6 +49,8 @@ from torch_geometric.data import Data
 
 from retexo_fl.data.edges import undirected_coalesced
 from retexo_fl.data.errors import DatasetError
+
+log = logging.getLogger(__name__)
 
 #: The keys of a ``files:`` spec; ``edges``, ``features`` and ``labels`` are required.
 FILE_KEYS = ("edges", "features", "labels", "id-column", "label-column")
@@ -122,6 +125,8 @@ def load_files_graph(spec: str) -> Data:
     keys = parse_files_spec(spec)
     paths = {k: Path(keys[k]) for k in ("edges", "features", "labels")}
     for name, path in paths.items():
+        if path.is_dir():
+            raise FileGraphError(path, f"is a folder; the {name} file is wanted")
         if not path.is_file():
             raise FileGraphError(path, f"no such {name} file")
     labels = _read_labels(paths["labels"], keys.get("id-column"), keys.get("label-column"))
@@ -150,6 +155,15 @@ def load_files_graph(spec: str) -> Data:
     x = torch.zeros(n, feats.width, dtype=torch.float32)
     if feats.ids:
         x[torch.tensor([index[_canonical(i)] for i in feats.ids], dtype=torch.long)] = feats.rows
+    without_row, without_label = n - len(feats.ids), n - len(label_ids)
+    if without_row or without_label:
+        # Legal (a node may have no features, or no label), but a sign of ids that do not match
+        # between the files (1-based ids against an npz's rows 0..N-1, say): said, not silent.
+        log.warning(
+            "%s: of %d nodes, %d have no feature row (their features are zeros) and %d no line in "
+            "%s (unlabeled); ids that differ between the files do this",
+            paths["features"].name, n, without_row, without_label, paths["labels"].name,
+        )  # fmt: skip
     src, dst = _read_edges(paths["edges"], index)
     edge_index = undirected_coalesced(torch.stack([torch.from_numpy(src), torch.from_numpy(dst)]), n)
     data = Data(x=x, y=y, edge_index=edge_index)

@@ -357,3 +357,31 @@ def test_a_features_csv_first_row_with_a_blank_is_an_error_not_a_header(tmp_path
         (tmp_path / "x.csv").write_text(f"{header}\na,1.0,0.5,2.0\nb,0.0,1.0,1.0\nc,1.0,1.0,0.0\n")
         data = load_files_graph(spec[len("files:") :])
         assert data.x[0].tolist() == [1.0, 0.5, 2.0] and data.num_nodes == 3
+
+
+def test_ids_that_differ_between_the_files_are_said(tmp_path, caplog):
+    # 1-based ids against an npz's rows 0..N-1 shifted every feature row by a node, silently.
+    np.savez(tmp_path / "x.npz", x=np.eye(3, dtype=np.float32))
+    (tmp_path / "e.csv").write_text("1,2\n2,3\n")
+    (tmp_path / "y.csv").write_text("id,label\n1,0\n2,1\n3,0\n")
+    spec = f"edges={tmp_path / 'e.csv'},features={tmp_path / 'x.npz'},labels={tmp_path / 'y.csv'}"
+    with caplog.at_level("WARNING", logger="retexo_fl.data.files"):
+        data = load_files_graph(spec)
+    assert data.num_nodes == 4
+    said = "of 4 nodes, 1 have no feature row (their features are zeros) and 1 no line in y.csv"
+    assert said in caplog.text
+    caplog.clear()
+    (tmp_path / "e.csv").write_text("0,1\n1,2\n")
+    (tmp_path / "y.csv").write_text("id,label\n0,0\n1,1\n2,0\n")
+    with caplog.at_level("WARNING", logger="retexo_fl.data.files"):
+        load_files_graph(spec)
+    assert "no feature row" not in caplog.text
+
+
+def test_a_folder_or_one_csv_given_for_a_graph_points_at_the_files_form(tmp_path):
+    (tmp_path / "e.csv").write_text("0,1\n")
+    (tmp_path / "y.csv").write_text("id,label\n0,0\n1,1\n")
+    spec = f"files:edges={tmp_path / 'e.csv'},features={tmp_path},labels={tmp_path / 'y.csv'}"
+    _expect(spec, str(tmp_path), "is a folder; the features file is wanted")  # was "no such file"
+    with pytest.raises(DatasetError, match=re.escape("files:edges=E.csv,features=F,labels=L.csv")):
+        load_dataset(str(tmp_path / "e.csv"), split="random:0.6,0.2,0.2")

@@ -3,9 +3,8 @@
 Started with ``deploy/federation.py`` (the launcher users run), each process stopped by process
 id at the end. The SuperNodes are ``retexo-fl supernode``s (a node worker each, pinned keys, and a
 consortium they trust to sign releases); a FAB whose ClientApp was replaced is refused before any
-of it runs, and the same FAB signed by the consortium runs. One more test
-runs a federation where one SuperNode is Flower's plain ``flower-supernode`` (a ClientApp
-process per message, about 8 s a round), which must keep working beside them.
+of it runs, and the same FAB signed by the consortium runs. A federation where one SuperNode is
+Flower's plain ``flower-supernode`` is tested in ``test_deployment_plain.py``.
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ from federation import FederationProcesses  # noqa: E402
 from make_certs import main as make_certs  # noqa: E402
 
 from clients.approval import APP_PACKAGES, SIGNATURES_FILE, app_digest, sign_digest, tree_files  # noqa: E402
-from clients.flower_patch import SUPEREXEC_POLL_ENV  # noqa: E402
 from clients.worker_link import SOCKET_NAME, proof, read_secret, recv_frame, send_frame  # noqa: E402
 from retexo_fl.cli import main as cli  # noqa: E402
 from retexo_fl.config import TrainConfig  # noqa: E402
@@ -208,36 +206,6 @@ def test_supernode_killed_mid_stage_ends_as_the_policy_says(federation):
     summary = json.loads((out / "summary.json").read_text())
     assert [c["client"] for c in summary["lost_clients"]] == [2]
     assert summary["lost_clients"][0]["phase"].startswith("stage 1")
-
-
-def test_plain_flower_supernode_still_works_beside_retexo_supernodes(data_root, tmp_path):
-    """One node on Flower's own SuperNode (a ClientApp process per message, no worker), two on
-    `retexo-fl supernode`: the run equals the simulation's."""
-    parts = tmp_path / "parts"
-    argv = ["partition", "--dataset", "Cora", "--root", str(data_root), "--clients", "3", "--out", str(parts)]
-    assert cli(argv) == 0
-    fed = FederationProcesses(tmp_path / "work")
-    out = tmp_path / "run"
-    try:
-        fed.start_superlink()
-        # Flower's own knob (an environment variable its SuperExec reads), not a patch: the plain
-        # SuperNode's code runs as shipped, and a ClientApp launch waits 50 ms for its task, not 1 s.
-        poll = dict([SUPEREXEC_POLL_ENV])
-        for i in range(3):
-            fed.start_supernode(i, parts / f"part-{i}", worker=i != 2, env=None if i != 2 else poll)
-        # One round a stage: a plain SuperNode pays seconds for every message.
-        one_round = RUN.replace("rounds='2'", "rounds='1'")
-        record = fed.run(f"clients=3 out-dir='{out}' {one_round}", timeout=300)
-    finally:
-        fed.stop_all()
-    assert record["status"] == "finished:completed"
-    deployed = json.loads((out / "summary.json").read_text())
-    in_process = _in_process(parts, rounds=1)
-    assert deployed["test_accuracy"] == pytest.approx(in_process["test_accuracy"], abs=0.005)
-    assert deployed["bytes_boundary"] == in_process["bytes_boundary"]
-    assert "node worker" not in (fed.work / "supernode-2.log").read_text()
-    for proc in fed.procs.values():
-        assert proc.poll() is not None, "a federation process outlived the test"
 
 
 # -- many devices in one process (`retexo-fl devices`) ----------------------------------------

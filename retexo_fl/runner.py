@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from retexo_fl.config import TrainConfig
-from retexo_fl.data.datasets import check_split
+from retexo_fl.data.datasets import check_split, split_without_test
 from retexo_fl.data.loading import load_graph
 from retexo_fl.data.partition import Partition, load_partitions
 from retexo_fl.data.partitioners import PARTITIONERS, partition_graph
@@ -149,7 +149,7 @@ def train(cfg: TrainConfig, rec: RunRecorder | None = None) -> RunSummary:
         tested = int(np.asarray(whole.test_mask).sum())
     elif cfg.mode == "datacenter":
         summary = RunSummary.from_dict(run_datacenter(cfg, rec))
-        tested = -1  # its own count
+        tested = 0 if split_without_test(cfg.split) else -1
     else:
         parts = make_partitions(cfg, rec)
         rec.progress(device_line(cfg.device, [p.num_nodes for p in parts]))
@@ -159,7 +159,7 @@ def train(cfg: TrainConfig, rec: RunRecorder | None = None) -> RunSummary:
             summary = run_lazy(parts, cfg, rec)
         tested = sum(int(np.asarray(p.test_mask).sum()) for p in parts)
     if tested == 0:  # a split with no test share: no test accuracy, not 0 (or NaN, not JSON)
-        summary.test_accuracy = None
+        summary.without_test()
     summary.wall_seconds = time.perf_counter() - t0
     summary.config = cfg.to_dict()
     rec.write_json("summary.json", summary.to_dict())

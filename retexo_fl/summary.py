@@ -113,10 +113,23 @@ class RunSummary(Mapping[str, Any]):
         extra = {k: v for k, v in values.items() if k not in names}
         return cls(**known, extra=extra)
 
+    def without_test(self) -> None:
+        """Mark the run as having no test nodes (a split with a test share of 0): no test
+        accuracy, here or in any stage's row, where the engines computed 0 (or NaN) over none."""
+        self.test_accuracy = None
+        for rows in (self.stages, self.stage_results or []):
+            for row in rows:
+                if "test_accuracy" in row:
+                    row["test_accuracy"] = None
+
+    def accuracy_text(self) -> str:
+        """The test accuracy as a progress line shows it (``-`` without test nodes)."""
+        return "- (no test nodes)" if self.test_accuracy is None else f"{self.test_accuracy:.4f}"
+
     def line(self) -> str:
         """The run's last progress line: test and validation accuracy, bytes, seconds."""
         return (
-            f"test accuracy {_accuracy(self.test_accuracy)}  val {self.val_accuracy:.4f}  "
+            f"test accuracy {self.accuracy_text()}  val {self.val_accuracy:.4f}  "
             f"bytes boundary {self.bytes_boundary}  model {self.bytes_model}  in {self.wall_seconds:.1f}s"
         )
 
@@ -139,7 +152,3 @@ _REQUIRED = frozenset(
     for f in dataclasses.fields(RunSummary)
     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
 )
-
-
-def _accuracy(value: float | None) -> str:
-    return "- (no test nodes)" if value is None else f"{value:.4f}"

@@ -62,7 +62,7 @@ def run_server(grid: Grid, cfg: TrainConfig) -> RunSummary:
     if cfg.out_dir:
         write_plots(summary, cfg.out_dir)
     rec.progress(
-        f"test accuracy {summary.test_accuracy:.4f}  boundary {human_bytes(summary.bytes_boundary)}"
+        f"test accuracy {summary.accuracy_text()}  boundary {human_bytes(summary.bytes_boundary)}"
         f"  model {human_bytes(summary.bytes_model)}  in {summary.wall_seconds:.1f}s"
     )
     return summary

@@ -413,7 +413,8 @@ def test_a_setting_the_run_does_not_read_is_named_with_why():
         "pseudo-threshold acts with self-training only: ignored",
     ]
     # A folder of partitions holds the graph, its split and its cut: what would make them is unread.
-    given = ["dataset", "split", "method", "split-index", "data-root", "hidden"]
+    # (method is read: method node picks the node-level defaults over a folder of partitions)
+    given = ["dataset", "split", "split-index", "data-root", "method"]
     assert ignored_settings(TrainConfig.resolve(partitions="parts"), given) == [
         f"{key} is read only without partitions: ignored" for key in given[:-1]
     ]

@@ -64,7 +64,7 @@ class BaselineRun:
         figures.update(bytes_boundary=fed.bytes_boundary, **exchange_figures(result.stats))
         tests = fed.evaluate(result.best_state, "test", 0, deliveries)
         test = total(tests)
-        return RunSummary(
+        summary = RunSummary(
             mode=cfg.mode,
             engine=fed.transport.engine,
             test_accuracy=test.accuracy,
@@ -80,6 +80,9 @@ class BaselineRun:
             federation=fed.summary(),
             extra={"bytes_halo_refresh": refreshed, "local_steps": result.local_steps},
         )
+        if not fed.has_test_nodes():  # the engines computed 0 over no node
+            summary.without_test()
+        return summary
 
     def refresh_halos(self, result: StageResult, rounds: int) -> dict[int, Frames] | None:
         """Eager: the halo rows of the best state, for its test.

@@ -162,6 +162,10 @@ class FederationView:
         counts = self.counts.get(pid)
         return counts is None or counts.counts.get("val", 1) > 0
 
+    def has_test_nodes(self) -> bool:
+        """Whether any client reported test nodes at setup (``True`` when none reported counts)."""
+        return not self.counts or any(c.counts.get("test", 1) > 0 for c in self.counts.values())
+
     def tests(self, pid: int) -> bool:
         """Whether client ``pid`` holds test nodes."""
         counts = self.counts.get(pid)

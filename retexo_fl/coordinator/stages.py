@@ -153,7 +153,7 @@ class LazyStageMachine:
             ck.passes.append(self._stage_result(state, last, stages[-1]))
         kept, selection = self._kept(ck)
         bytes_model = sum(s["bytes_model"] for s in stages)
-        return RunSummary(
+        summary = RunSummary(
             mode="lazy",
             engine=fed.transport.engine,
             test_accuracy=kept["test_accuracy"],
@@ -170,6 +170,9 @@ class LazyStageMachine:
             resumed=resume,
             federation=fed.summary(),
         )
+        if not fed.has_test_nodes():  # the engines computed 0 over no node
+            summary.without_test()
+        return summary
 
     def _train_stage(
         self, stage: int, ck: Checkpoint, bytes_before: int = 0, pace: list[float] | None = None

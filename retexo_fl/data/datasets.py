@@ -281,6 +281,13 @@ def check_split(spec: str) -> None:
         )
 
 
+def split_without_test(spec: str) -> bool:
+    """Whether split ``spec`` gives the test set no share (``random:0.6,0.4,0``): a run over it
+    has no test accuracy to report."""
+    m = _SPLIT_RE.match(spec.replace(" ", ""))
+    return bool(m) and float(m.group(2).split(",")[2]) == 0
+
+
 def apply_split(data, spec: str, seed: int) -> None:
     """Set ``train/val/test_mask`` on ``data`` from a split spec, seeded; unlabeled nodes stay out.
 

@@ -64,8 +64,10 @@ MAX_CLASSES = 1 << 16
 MAX_FEATURE_VALUES = 1 << 31
 
 
+#: Cells that stand for a missing value (besides an empty one), in lower case.
+MISSING_VALUES = frozenset({"", "na", "nan", "n/a", "null"})
 #: Label values read as "unlabeled" (compared in lower case), besides an empty field.
-MISSING_LABELS = frozenset({"-1", "-1.0", "na", "nan", "n/a", "null", "none"})
+MISSING_LABELS = frozenset({"-1", "-1.0", "na", "nan", "n/a", "null"})
 
 
 class FileGraphError(DatasetError):
@@ -363,6 +365,15 @@ def _read_labels(path: Path, id_column: str | None, label_column: str | None) ->
         raise FileGraphError(path, "no label lines after the header")
     # Unlabeled, as the docs say (-1 or empty), and as other tools write a missing value (R's
     # NA, pandas' nan): read as names, each would have become a class of its own.
+    missing: dict[str, int] = {}
+    for v in raw:
+        if v.strip().lower() in MISSING_LABELS and not _is_int(v):
+            missing[v] = missing.get(v, 0) + 1
+    if missing:  # said: a class named NA (a continent, say) would otherwise vanish silently
+        log.warning(
+            "%s: %s read as unlabeled (a missing value); if that is a class, give it another name",
+            path.name, ", ".join(f"{count} label(s) {token!r}" for token, count in sorted(missing.items())),
+        )  # fmt: skip
     raw = ["" if v.strip().lower() in MISSING_LABELS else v for v in raw]
     given = [v for v in raw if v != ""]
     if given and not all(_is_int(v) for v in given) and all(_is_integral(v) for v in given):
@@ -474,9 +485,11 @@ def _read_feature_csv(path: Path) -> _Features:
         try:
             nums = [float(v) for v in row[1:]]
         except ValueError:
-            # Line 1 is column names when none of its values is a number; one with a blank or NA
-            # among numbers is a node's row, which a header guess would have zeroed silently.
-            if not ids and line == 1 and not any(_is_float(v) for v in row[1:]):
+            # Line 1 is column names when a value is a word ("degree", "pop_2019"); one whose
+            # only non-numbers are blanks or NA is a node's row with missing values, which a
+            # header guess would have dropped silently (its node read as zeros).
+            words = [v for v in row[1:] if not _is_float(v) and v.strip().lower() not in MISSING_VALUES]
+            if not ids and line == 1 and words:
                 continue
             raise FileGraphError(path, f"non-numeric feature value in {row[1:]!r}", line) from None
         if width is None:

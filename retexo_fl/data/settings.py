@@ -32,9 +32,8 @@ class DataSettings:
     split: str = setting("public", "public, random:TRAIN,VAL,TEST or per-class:K,VAL,TEST", needs=_CUT)
     split_index: int = setting(0, "which of a dataset's fixed public splits (WebKB, Actor: 0-9)", needs=_CUT)
     clients: int = setting(4, "the number of clients, one partition each")
-    method: str = setting(
-        "metis", "the partitioner: metis, louvain, random, supernode, label-skew or node", needs=_CUT
-    )
+    # Read with --partitions too: method node picks the node-level defaults.
+    method: str = setting("metis", "the partitioner: metis, louvain, random, supernode, label-skew or node")
     partitions: str = setting(
         "",
         "a folder of part-<id>/ partitions written by `retexo-fl partition`, used instead of cutting dataset",

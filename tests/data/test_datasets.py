@@ -8,7 +8,13 @@ import pytest
 import torch
 from torch_geometric.data import Data
 
-from retexo_fl.data.datasets import DatasetError, apply_split, load_dataset, synthetic_sbm
+from retexo_fl.data.datasets import (
+    DatasetError,
+    apply_split,
+    load_dataset,
+    split_without_test,
+    synthetic_sbm,
+)
 
 
 def test_cora_public_split(cora):
@@ -209,5 +215,14 @@ def test_a_run_without_test_nodes_reports_no_test_accuracy(tmp_path):
         )  # fmt: skip
         summary = train(cfg, RunRecorder(str(out), stream=None))
         assert summary.test_accuracy is None and "no test nodes" in summary.line()
-        written = json.loads((out / "summary.json").read_text())  # strict JSON: no NaN
+
+        def refuse(constant: str) -> None:
+            raise ValueError(f"{constant} in summary.json")
+
+        text = (out / "summary.json").read_text()
+        written = json.loads(text, parse_constant=refuse)  # strict JSON: no NaN anywhere
         assert written["test_accuracy"] is None and written["val_accuracy"] > 0
+        rows = written["stages"] + written.get("stage_results", [])
+        assert all(r.get("test_accuracy") is None for r in rows)  # not 0.0 or NaN per stage
+    assert split_without_test("random:0.6,0.4,0") and not split_without_test("random:0.6,0.2,0.2")
+    assert not split_without_test("public")

@@ -333,7 +333,7 @@ def test_a_feature_header_of_number_names_is_not_a_node(tmp_path):
     assert data.num_nodes == 3 and data.x.tolist() == [[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]]
 
 
-def test_missing_value_tokens_in_a_labels_file_are_unlabeled(tmp_path):
+def test_missing_value_tokens_in_a_labels_file_are_unlabeled(tmp_path, caplog):
     # R's NA, pandas' nan and -1 in a column of names each became a class of its own, and one
     # "unknown" among integer classes renumbered them in string order.
     (tmp_path / "e.csv").write_text("a,b\nb,c\nc,d\nd,e\n")
@@ -342,7 +342,12 @@ def test_missing_value_tokens_in_a_labels_file_are_unlabeled(tmp_path):
     spec = f"edges={tmp_path / 'e.csv'},features={tmp_path / 'x.csv'},labels={tmp_path / 'y.csv'}"
     assert load_files_graph(spec).y.tolist() == [0, -1, 1, -1, -1]
     (tmp_path / "y.csv").write_text("id,label\na,10\nb,NaN\nc,2\nd,null\ne,0\n")
-    assert load_files_graph(spec).y.tolist() == [10, -1, 2, -1, 0]
+    with caplog.at_level("WARNING", logger="retexo_fl.data.files"):
+        assert load_files_graph(spec).y.tolist() == [10, -1, 2, -1, 0]
+    # Said, counted by token: a class that is named NA (a continent) would vanish otherwise.
+    assert "1 label(s) 'NaN', 1 label(s) 'null' read as unlabeled" in caplog.text
+    (tmp_path / "y.csv").write_text("id,label\na,none\nb,mild\nc,severe\nd,none\ne,mild\n")
+    assert load_files_graph(spec).y.tolist() == [1, 0, 2, 1, 0]  # "none" is a class name
 
 
 def test_a_features_csv_first_row_with_a_blank_is_an_error_not_a_header(tmp_path):
@@ -352,8 +357,11 @@ def test_a_features_csv_first_row_with_a_blank_is_an_error_not_a_header(tmp_path
     (tmp_path / "y.csv").write_text("id,label\na,0\nb,1\nc,0\n")
     spec = f"files:edges={tmp_path / 'e.csv'},features={tmp_path / 'x.csv'},labels={tmp_path / 'y.csv'}"
     _expect(spec, f"{tmp_path / 'x.csv'}:1", "non-numeric feature value")
-    # Column names still read as a header; so does pandas' to_csv header (an unnamed index).
-    for header in ("id,f0,f1,f2", ",0,1,2"):
+    (tmp_path / "x.csv").write_text("a,1.0,NA,2.0\nb,0.0,1.0,1.0\nc,1.0,1.0,0.0\n")
+    _expect(spec, f"{tmp_path / 'x.csv'}:1", "non-numeric feature value")
+    # Column names still read as a header, numbered ones among them; so does pandas' to_csv
+    # header (an unnamed index).
+    for header in ("id,f0,f1,f2", ",0,1,2", "node,degree,0,1", "id,inf_rate,nan_count,inf"):
         (tmp_path / "x.csv").write_text(f"{header}\na,1.0,0.5,2.0\nb,0.0,1.0,1.0\nc,1.0,1.0,0.0\n")
         data = load_files_graph(spec[len("files:") :])
         assert data.x[0].tolist() == [1.0, 0.5, 2.0] and data.num_nodes == 3

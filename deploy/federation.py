@@ -517,8 +517,8 @@ def main(argv: list[str] | None = None) -> int:
         summary = out / "summary.json"
         result = ""
         if summary.is_file():  # the figures a finished run reports, as `retexo-fl train` prints them
-            done = json.loads(summary.read_text())
-            result = f"; test accuracy {done.get('test_accuracy', float('nan')):.4f}"
+            test = json.loads(summary.read_text()).get("test_accuracy")
+            result = f"; test accuracy {'-' if test is None else f'{test:.4f}'}"  # null: no test nodes
         print(f"run ended: {status}{result}; run folder {out}", flush=True)
         return 0 if status == "finished:completed" and summary.is_file() else 1
     finally:

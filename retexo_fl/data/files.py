@@ -277,20 +277,17 @@ def _separator_hint(fields: list[str]) -> str:
     return ""
 
 
+def _parses(text: str, kind: type[int] | type[float]) -> bool:
+    """Whether ``kind(text)`` reads ``text`` (``int`` or ``float``)."""
+    try:
+        kind(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _is_int(text: str) -> bool:
-    try:
-        int(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _is_float(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
+    return _parses(text, int)
 
 
 def _is_integral(text: str) -> bool:
@@ -488,7 +485,7 @@ def _read_feature_csv(path: Path) -> _Features:
             # Line 1 is column names when a value is a word ("degree", "pop_2019"); one whose
             # only non-numbers are blanks or NA is a node's row with missing values, which a
             # header guess would have dropped silently (its node read as zeros).
-            words = [v for v in row[1:] if not _is_float(v) and v.strip().lower() not in MISSING_VALUES]
+            words = [v for v in row[1:] if not _parses(v, float) and v.strip().lower() not in MISSING_VALUES]
             if not ids and line == 1 and words:
                 continue
             raise FileGraphError(path, f"non-numeric feature value in {row[1:]!r}", line) from None

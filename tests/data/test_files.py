@@ -353,12 +353,11 @@ def test_missing_value_tokens_in_a_labels_file_are_unlabeled(tmp_path, caplog):
 def test_a_features_csv_first_row_with_a_blank_is_an_error_not_a_header(tmp_path):
     # Taken for a header, node a's row was dropped and its features read as zeros.
     (tmp_path / "e.csv").write_text("a,b\nb,c\n")
-    (tmp_path / "x.csv").write_text("a,1.0,,2.0\nb,0.0,1.0,1.0\nc,1.0,1.0,0.0\n")
     (tmp_path / "y.csv").write_text("id,label\na,0\nb,1\nc,0\n")
     spec = f"files:edges={tmp_path / 'e.csv'},features={tmp_path / 'x.csv'},labels={tmp_path / 'y.csv'}"
-    _expect(spec, f"{tmp_path / 'x.csv'}:1", "non-numeric feature value")
-    (tmp_path / "x.csv").write_text("a,1.0,NA,2.0\nb,0.0,1.0,1.0\nc,1.0,1.0,0.0\n")
-    _expect(spec, f"{tmp_path / 'x.csv'}:1", "non-numeric feature value")
+    for missing in ("", "NA"):
+        (tmp_path / "x.csv").write_text(f"a,1.0,{missing},2.0\nb,0.0,1.0,1.0\nc,1.0,1.0,0.0\n")
+        _expect(spec, f"{tmp_path / 'x.csv'}:1", "non-numeric feature value")
     # Column names still read as a header, numbered ones among them; so does pandas' to_csv
     # header (an unnamed index).
     for header in ("id,f0,f1,f2", ",0,1,2", "node,degree,0,1", "id,inf_rate,nan_count,inf"):

@@ -37,6 +37,7 @@ from retexo_fl.party.evaluation import Evaluation
 from retexo_fl.party.halo_exchange import HaloExchange
 from retexo_fl.party.model_exchange import ModelExchange, RoundCohort
 from retexo_fl.party.persistence import Persistence
+from retexo_fl.party.plain_sgd import PlainSGD
 from retexo_fl.plan import BoundaryPlan, LocalGraph
 from retexo_fl.records import StateDict
 from retexo_fl.scaffold import zeros_like_state
@@ -311,13 +312,17 @@ class Client(HaloExchange, ModelExchange, Evaluation, Persistence, ABC):
         model.load_state_dict(state)
         return model
 
-    def optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
-        """The local optimizer the run config names, at this layer's learning rate and weight decay."""
+    def optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer | PlainSGD:
+        """The local optimizer the run config names, at this layer's learning rate and weight
+        decay: plain SGD (the default) as :class:`~retexo_fl.party.plain_sgd.PlainSGD`, the same
+        steps without ``torch.optim``'s import of ``torch._dynamo`` (seconds in a fresh process)."""
         cfg = self.cfg
         lr = float(cfg.per_stage("lr", self.layer_index()))
         decay = self.weight_decay()
         if cfg.optimizer == "adam":
             return torch.optim.Adam(model.parameters(), lr=lr, weight_decay=decay)
+        if cfg.momentum == 0:
+            return PlainSGD(model.parameters(), lr=lr, weight_decay=decay)
         return torch.optim.SGD(model.parameters(), lr=lr, momentum=cfg.momentum, weight_decay=decay)
 
     def train(
@@ -376,7 +381,7 @@ class Client(HaloExchange, ModelExchange, Evaluation, Persistence, ABC):
     def run_steps(
         self,
         model: torch.nn.Module,
-        opt: torch.optim.Optimizer,
+        opt: torch.optim.Optimizer | PlainSGD,
         rows: Tensor,
         labels: Tensor,
         correction: dict[str, Tensor] | None,

@@ -98,9 +98,7 @@ def _defaults_of(info: SettingInfo) -> str:
     if info.modes:
         read.append(f"in {' and '.join(info.modes)} mode")
     if info.needs:
-        name, equals, wanted = info.needs.partition("=")
-        flag = name.replace("_", "-")
-        read.append(f"without --{flag}" if equals and not wanted else f"with {flag} {wanted}".rstrip())
+        read.append(info.needs_phrase)
     return "; ".join(
         [f"default {_shown(info.default)}", *others, *([f"read only {', '.join(read)}"] if read else [])]
     )

@@ -524,17 +524,12 @@ def ignored_settings(cfg: TrainConfig, given: Iterable[str]) -> list[str]:
         if info.modes and cfg.mode not in info.modes:
             lines.append(f"{info.key} applies to {' and '.join(info.modes)} mode, not {cfg.mode}: ignored")
             continue
-        if info.needs:
-            name, equals, wanted = info.needs.partition("=")
-            value = getattr(cfg, name)
-            if not equals and not value:
-                lines.append(f"{info.key} acts with {name.replace('_', '-')} only: ignored")
-            elif equals and str(value) != wanted:
-                flag = name.replace("_", "-")
-                if wanted:
-                    lines.append(f"{info.key} acts with {flag} {wanted} only: ignored")
-                else:  # "name=": read only while name is not set, as the dataset without partitions
-                    lines.append(f"{info.key} is read only without {flag}: ignored")
+        if not info.needs_met(cfg):
+            phrase = info.needs_phrase
+            if phrase.startswith("without"):  # "name=": the dataset's settings beside --partitions
+                lines.append(f"{info.key} is read only {phrase}: ignored")
+            else:
+                lines.append(f"{info.key} acts {phrase} only: ignored")
     return lines
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from retexo_fl.data.partition import CROSS_IN, CROSS_OUT, Partition, peer_order, sorted_unique
+from retexo_fl.data.partition import CROSS_IN, CROSS_OUT, Partition, peer_order, peer_runs, sorted_unique
 
 
 class PlanMismatchError(ValueError):
@@ -104,10 +104,8 @@ class BoundaryPlan:
             return cls._from_marks(part, c)
         if c.size:
             order = peer_order(c[:, 2])
-            peers, own, remote, way = c[order, 2], c[order, 0], c[order, 1], c[order, 3]
-            starts = np.flatnonzero(np.r_[True, peers[1:] != peers[:-1]])
-            bounds = [*starts.tolist(), peers.size]
-            for q, lo, hi in zip(peers[starts].tolist(), bounds[:-1], bounds[1:], strict=True):
+            own, remote, way = c[order, 0], c[order, 1], c[order, 3]
+            for q, lo, hi in peer_runs(c[order, 2]):
                 w = way[lo:hi]
                 out_ids = sorted_unique(own[lo:hi][(w & CROSS_OUT) != 0], in_place=True)
                 in_ids = sorted_unique(remote[lo:hi][(w & CROSS_IN) != 0], in_place=True)
@@ -154,10 +152,8 @@ class BoundaryPlan:
             remote = np.flatnonzero(owner >= 0)  # every received id, increasing
             owners = owner[remote]
             order = peer_order(owners)  # stable: each peer's ids stay increasing
-            grouped, peers = remote[order], owners[order]
-            starts = np.flatnonzero(np.r_[True, peers[1:] != peers[:-1]])
-            bounds = [*starts.tolist(), peers.size]
-            for q, lo, hi in zip(peers[starts].tolist(), bounds[:-1], bounds[1:], strict=True):
+            grouped = remote[order]
+            for q, lo, hi in peer_runs(owners[order]):
                 recv[q] = grouped[lo:hi]
         return cls._assembled(part.partition_id, send, send_ids, recv)
 

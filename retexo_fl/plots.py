@@ -38,8 +38,7 @@ def write_plots(summary: RunSummary, out_dir: str | Path) -> list[Path]:
             ax.plot([h["round"] for h in hist], [h["val_accuracy"] for h in hist], label=label)
     ax.set_xlabel("round")
     ax.set_ylabel("validation accuracy")
-    test = "-" if summary.test_accuracy is None else f"{summary.test_accuracy:.4f}"
-    ax.set_title(f"{summary.mode} {summary.engine}: test {test}")
+    ax.set_title(f"{summary.mode} {summary.engine}: test {summary.accuracy_text()}")
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:  # a centralized run's one curve has no label
         ax.legend()

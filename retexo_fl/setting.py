@@ -54,8 +54,8 @@ def setting(
         modes (tuple[str, ...], optional): the training modes that read it; empty for every one.
             A value given for a run of another mode is reported as ignored. (default: ``()``)
         needs (str, optional): another setting it acts through: ``"name"`` (set: true or
-            nonzero) or ``"name=value"``; a value given while that one is not is reported as
-            ignored. (default: ``""``)
+            nonzero), ``"name=value"``, or ``"name="`` (read only while ``name`` is not set); a
+            value given while that does not hold is reported as ignored. (default: ``""``)
     """
     meta = {_DOC: " ".join(doc.split()), _PER_STAGE: per_stage, _MODES: tuple(modes), _NEEDS: needs}
     if isinstance(default, list | dict | set):
@@ -90,6 +90,26 @@ class SettingInfo:
     kind: str = ""
     modes: tuple[str, ...] = ()
     needs: str = ""
+
+    def needs_met(self, cfg: Any) -> bool:
+        """Whether ``cfg`` reads this setting as far as :attr:`needs` goes."""
+        if not self.needs:
+            return True
+        name, equals, wanted = self.needs.partition("=")
+        value = getattr(cfg, name)
+        return str(value) == wanted if equals else bool(value)
+
+    @property
+    def needs_phrase(self) -> str:
+        """When :attr:`needs` lets a run read it: ``with secure-aggregation``, ``with model gat``,
+        ``without partitions`` (empty without a condition)."""
+        name, equals, wanted = self.needs.partition("=")
+        flag = name.replace("_", "-")
+        if not self.needs:
+            return ""
+        if equals and not wanted:
+            return f"without {flag}"
+        return f"with {flag} {wanted}".rstrip()
 
     @property
     def key(self) -> str:

@@ -64,10 +64,10 @@ MAX_CLASSES = 1 << 16
 MAX_FEATURE_VALUES = 1 << 31
 
 
-#: Cells that stand for a missing value (besides an empty one), in lower case.
+#: Cells that stand for a missing value, in lower case (R writes NA, pandas nan) ...
 MISSING_VALUES = frozenset({"", "na", "nan", "n/a", "null"})
-#: Label values read as "unlabeled" (compared in lower case), besides an empty field.
-MISSING_LABELS = frozenset({"-1", "-1.0", "na", "nan", "n/a", "null"})
+#: ... and the label values read as "unlabeled": those, and the documented -1.
+MISSING_LABELS = MISSING_VALUES | {"-1", "-1.0"}
 
 
 class FileGraphError(DatasetError):
@@ -362,16 +362,17 @@ def _read_labels(path: Path, id_column: str | None, label_column: str | None) ->
         raise FileGraphError(path, "no label lines after the header")
     # Unlabeled, as the docs say (-1 or empty), and as other tools write a missing value (R's
     # NA, pandas' nan): read as names, each would have become a class of its own.
-    missing: dict[str, int] = {}
-    for v in raw:
-        if v.strip().lower() in MISSING_LABELS and not _is_int(v):
-            missing[v] = missing.get(v, 0) + 1
+    missing: dict[str, int] = {}  # each token but the documented empty and -1, by count
+    for i, v in enumerate(raw):
+        if v.strip().lower() in MISSING_LABELS:
+            if not _is_integral(v):  # not "", -1 or -1.0
+                missing[v] = missing.get(v, 0) + 1
+            raw[i] = ""
     if missing:  # said: a class named NA (a continent, say) would otherwise vanish silently
         log.warning(
             "%s: %s read as unlabeled (a missing value); if that is a class, give it another name",
             path.name, ", ".join(f"{count} label(s) {token!r}" for token, count in sorted(missing.items())),
         )  # fmt: skip
-    raw = ["" if v.strip().lower() in MISSING_LABELS else v for v in raw]
     given = [v for v in raw if v != ""]
     if given and not all(_is_int(v) for v in given) and all(_is_integral(v) for v in given):
         # "1.0", "-1.0": an integer column a spreadsheet or pandas wrote as floats (it does so

@@ -555,6 +555,16 @@ def peer_order(peers: np.ndarray) -> np.ndarray:
     return np.argsort(peers, kind="stable")
 
 
+def peer_runs(peers: np.ndarray) -> list[tuple[int, int, int]]:
+    """``(peer, start, stop)`` of each run of equal values in ``peers``, grouped (by
+    :func:`peer_order`): the rows of each peer's records."""
+    if not peers.size:
+        return []
+    starts = np.flatnonzero(np.r_[True, peers[1:] != peers[:-1]])
+    bounds = [*starts.tolist(), peers.size]
+    return list(zip(peers[starts].tolist(), bounds[:-1], bounds[1:], strict=True))
+
+
 def check_cross_consistency(parts: list[Partition]) -> None:
     """Check that every cross edge is mirrored by its remote owner.
 
@@ -581,12 +591,9 @@ def check_cross_consistency(parts: list[Partition]) -> None:
         # not the whole table); each group is sorted in place.
         own, remote, way = c[:, 0], c[:, 1], c[:, 3]
         order = peer_order(c[:, 2])
-        peers = c[order, 2]
-        starts = np.flatnonzero(np.r_[True, peers[1:] != peers[:-1]])
         mine_all = ((own * n + remote) * 4 + way)[order]
         mirrored_all = ((remote * n + own) * 4 + flip[way])[order]  # q's view: its node first
-        bounds = [*starts.tolist(), peers.size]
-        for q, lo, hi in zip(peers[starts].tolist(), bounds[:-1], bounds[1:], strict=True):
+        for q, lo, hi in peer_runs(c[order, 2]):
             views[(p.partition_id, q)] = sorted_unique(mine_all[lo:hi], in_place=True)
             mirrors[(q, p.partition_id)] = sorted_unique(mirrored_all[lo:hi], in_place=True)
     empty = np.zeros(0, dtype=np.int64)

@@ -3,8 +3,9 @@
 A client's local steps default to plain SGD. ``torch.optim``'s first optimizer in a process
 imports ``torch._dynamo`` (its ``add_param_group`` is wrapped to disable compilation): 2.9 s on
 2 cores after the client's own imports, measured in a fresh process (7.4-7.6 s against
-4.5-4.7 s). A Flower ClientApp process per message paid it on every stage-0 message, which reads
-no PyG layer (PyG's import brings ``torch._dynamo`` too). This class does the same arithmetic
+4.5-4.7 s). A Flower ClientApp process per message paid it on every message that trains an MLP
+stage 0, the one kind that reads no PyG layer (PyG's import brings ``torch._dynamo`` too, so a
+GNN stage's message, the default local stage 0's included, gains nothing). This class does the same arithmetic
 ``torch.optim.SGD(lr=lr, momentum=0, weight_decay=wd)`` does: its one-tensor loop on the CPU,
 its ``_foreach`` ops elsewhere (as torch picks them), so a step changes no bit
 (``tests/party/test_plain_sgd.py``).

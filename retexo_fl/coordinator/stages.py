@@ -218,7 +218,7 @@ class LazyStageMachine:
 
     def _train_first_stage(self, ck: Checkpoint) -> tuple[StateDict, dict[str, Any], dict[int, Frames]]:
         """``first-stage auto``: stage 0 trained as each variant in turn (``first-stage-first``:
-        the MLP, then the local layer, by default), and the one with the better validation kept
+        the local layer, then the MLP, by default), and the one with the better validation kept
         (accuracy, then loss, as stages are kept: :func:`keep_best_stage`); every later message
         names it, so a self-training pass's stage 0 is built the same way. With
         ``first-stage-race``, the second training races the first: it stops once, that many

@@ -5,8 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -565,6 +568,33 @@ def peer_runs(peers: np.ndarray) -> list[tuple[int, int, int]]:
     return list(zip(peers[starts].tolist(), bounds[:-1], bounds[1:], strict=True))
 
 
+#: Nodes in all from which work done once per partition (a client's set-up in process, the
+#: cross-edge check's keys) runs on a pool of threads, one partition a task: its numpy and torch
+#: work releases the interpreter lock, so the partitions' set-up overlaps as it does where each
+#: party builds its own. Below, a pool costs more than it saves. On 2 cores, 8 clients of a
+#: 300,000-node graph: 1.05-1.43 s one after another, 0.80 s on 2 threads.
+PARALLEL_NODES = 50_000
+
+_Out = TypeVar("_Out")
+
+
+def map_partitions(fn: Callable[[Partition], _Out], parts: Sequence[Partition]) -> list[_Out]:
+    """``[fn(p) for p in parts]``, on a pool of threads where the partitions hold
+    :data:`PARALLEL_NODES` nodes or more in all; the results in ``parts``' order, and the first
+    partition's error first.
+
+    Args:
+        fn (Callable[[Partition], Any]): what to do with one partition; must touch no state that
+            another call does.
+        parts (Sequence[Partition]): the partitions.
+    """
+    workers = min(len(parts), os.cpu_count() or 1)
+    if sum(int(p.num_nodes) for p in parts) < PARALLEL_NODES or workers < 2:
+        return [fn(p) for p in parts]
+    with ThreadPoolExecutor(workers, thread_name_prefix="partition") as pool:
+        return list(pool.map(fn, parts))
+
+
 def check_cross_consistency(parts: list[Partition]) -> None:
     """Check that every cross edge is mirrored by its remote owner.
 
@@ -581,21 +611,30 @@ def check_cross_consistency(parts: list[Partition]) -> None:
     # Each (node, remote node, direction) record as one int64 key, sorted and deduplicated per
     # (client, remote client): vectorized, where a set of tuples costs ~100 bytes and a Python
     # object per cross edge (tens of millions on a products-sized graph).
-    views: dict[tuple[int, int], np.ndarray] = {}
-    mirrors: dict[tuple[int, int], np.ndarray] = {}
-    for p in parts:
+
+    def keys(p: Partition) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """Per peer ``q``: p's records of its edges with q, and q's view of them (q's node first)."""
         c = np.asarray(p.cross_edges, dtype=np.int64)
         if not c.size:
-            continue
+            return []
         # Both keys of every record at once, then grouped by peer (gathering two key columns,
         # not the whole table); each group is sorted in place.
         own, remote, way = c[:, 0], c[:, 1], c[:, 3]
         order = peer_order(c[:, 2])
         mine_all = ((own * n + remote) * 4 + way)[order]
         mirrored_all = ((remote * n + own) * 4 + flip[way])[order]  # q's view: its node first
+        groups = []
         for q, lo, hi in peer_runs(c[order, 2]):
-            views[(p.partition_id, q)] = sorted_unique(mine_all[lo:hi], in_place=True)
-            mirrors[(q, p.partition_id)] = sorted_unique(mirrored_all[lo:hi], in_place=True)
+            mine = sorted_unique(mine_all[lo:hi], in_place=True)
+            groups.append((q, mine, sorted_unique(mirrored_all[lo:hi], in_place=True)))
+        return groups
+
+    views: dict[tuple[int, int], np.ndarray] = {}
+    mirrors: dict[tuple[int, int], np.ndarray] = {}
+    for p, groups in zip(parts, map_partitions(keys, parts), strict=True):
+        for q, mine, mirrored in groups:
+            views[(p.partition_id, q)] = mine
+            mirrors[(q, p.partition_id)] = mirrored
     empty = np.zeros(0, dtype=np.int64)
     for p, q in sorted(set(views) | set(mirrors)):
         mine, mirrored = views.get((p, q), empty), mirrors.get((p, q), empty)

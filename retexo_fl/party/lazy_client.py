@@ -94,6 +94,7 @@ class StepPlan:
 IDENTITY_MIN_ROWS = 8
 
 _identity_warned = False
+_identity_lock = threading.Lock()  # in process, clients may be built on threads (map_partitions)
 
 
 #: The largest factor ``gnn-input-rms-floor`` scales a stage's input by. Trained embeddings have a
@@ -123,9 +124,10 @@ def identity_like(x: Tensor) -> bool:
 
 def _warn_identity_features(client: int) -> None:
     global _identity_warned
-    if _identity_warned:  # once a process: an in-process run's clients would each say it
-        return
-    _identity_warned = True
+    with _identity_lock:
+        if _identity_warned:  # once a process: an in-process run's clients would each say it
+            return
+        _identity_warned = True
     log.warning(
         "client %d: the features are one-hot node identities (or a category no two nodes "
         "share); an MLP stage 0 learns nothing from them for unlabelled nodes. --first-stage "

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from retexo_fl.config import TrainConfig
 from retexo_fl.coordinator.baseline_run import BaselineRun
-from retexo_fl.data.partition import Partition, check_cross_consistency
+from retexo_fl.data.partition import Partition, check_cross_consistency, map_partitions
 from retexo_fl.metrics import RunRecorder
 from retexo_fl.party.eager_client import EagerClient
 from retexo_fl.summary import RunSummary
@@ -38,5 +38,5 @@ def run_eager(
             f"run_eager(local={local}) trains mode {mode}, but the config's mode is {cfg.mode}: "
             f"build it with TrainConfig.resolve(mode={mode!r}, ...)"
         )
-    transport = InProcessTransport([EagerClient(p, cfg, local) for p in parts])
+    transport = InProcessTransport(map_partitions(lambda p: EagerClient(p, cfg, local), parts))
     return BaselineRun(transport, cfg, rec).run()

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 
 from retexo_fl.config import TrainConfig
 from retexo_fl.coordinator.stages import LazyStageMachine
-from retexo_fl.data.partition import Partition, check_cross_consistency
+from retexo_fl.data.partition import Partition, check_cross_consistency, map_partitions
 from retexo_fl.metrics import RunRecorder
 from retexo_fl.party.lazy_client import LazyClient
 from retexo_fl.records import StateDict
@@ -36,7 +36,7 @@ def run_lazy(
     rec = rec or RunRecorder(None, stream=None)
     check_cross_consistency(list(parts))
     cfg = with_clients(cfg, len(parts))
-    transport = InProcessTransport([LazyClient(p, cfg) for p in parts])
+    transport = InProcessTransport(map_partitions(lambda p: LazyClient(p, cfg), parts))
     return LazyStageMachine(transport, cfg, rec, on_stage=on_stage).run()
 
 

@@ -5,17 +5,21 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from retexo_fl.data import partition as partition_module
 from retexo_fl.data.partition import (
     MANIFEST,
     PartitionError,
     check_cross_consistency,
     load_partition,
     load_partitions,
+    map_partitions,
     partition_dirs,
     save_partition,
 )
@@ -222,13 +226,39 @@ def test_a_node_owned_by_two_partitions_is_refused(parts):
         check_cross_consistency(both)
 
 
-def test_mismatched_cross_edges_name_both_clients(parts):
+@pytest.mark.parametrize("threads", [False, True])
+def test_mismatched_cross_edges_name_both_clients(parts, threads, monkeypatch):
+    # On threads (map_partitions, as a large graph's check runs) as one after another.
+    monkeypatch.setattr(partition_module, "PARALLEL_NODES", 0 if threads else 1 << 62)
+    check_cross_consistency(parts)  # consistent as made
     p1 = parts[1]
     p1.cross_edges = p1.cross_edges[1:]
     with pytest.raises(PartitionError) as info:
         check_cross_consistency(parts)
     msg = str(info.value)
     assert "client 1" in msg and "client" in msg.replace("client 1", "", 1)
+
+
+def test_partitions_mapped_on_threads_keep_their_order_and_the_first_error(parts, monkeypatch):
+    monkeypatch.setattr(partition_module, "PARALLEL_NODES", 0)
+    seen: list[str] = []
+
+    def work(p):
+        seen.append(threading.current_thread().name)
+        if p.partition_id >= 1:
+            raise ValueError(f"client {p.partition_id}")
+        return p.partition_id
+
+    assert map_partitions(lambda p: p.partition_id, parts) == [p.partition_id for p in parts]
+    with pytest.raises(ValueError, match="client 1"):  # client 1's, though client 2 failed too
+        map_partitions(work, parts)
+    if (os.cpu_count() or 1) > 1:
+        assert all(name.startswith("partition") for name in seen)  # the pool ran them
+    monkeypatch.setattr(partition_module, "PARALLEL_NODES", 1 << 62)
+    seen.clear()
+    with pytest.raises(ValueError, match="client 1"):
+        map_partitions(work, parts)
+    assert seen == [threading.current_thread().name] * 2  # in this thread, stopped at the first
 
 
 def test_load_partitions_requires_a_full_set(written):

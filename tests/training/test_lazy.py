@@ -100,3 +100,22 @@ def test_each_stage_takes_its_own_server_optimizer(sbm):
 
     assert curve(mixed, 0) == curve(adam, 0) != curve(avg, 0)
     assert curve(mixed, 1) != curve(adam, 1)
+
+
+def test_clients_built_on_threads_train_as_those_built_in_turn(sbm, monkeypatch):
+    """A large graph's clients are built on threads in process (``map_partitions``): the same
+    run, stage for stage, as clients built one after another; lazy and eager."""
+    import retexo_fl.data.partition as partition_module
+    from retexo_fl.training.eager import run_eager
+
+    parts = partition_graph(sbm, 4, "random", seed=0)
+    runs = {}
+    for threads in (False, True):
+        monkeypatch.setattr(partition_module, "PARALLEL_NODES", 0 if threads else 1 << 62)
+        lazy = run_lazy(parts, TrainConfig(stages=2, rounds=3, min_rounds=0, self_training=0, seed=0))
+        eager = run_eager(parts, TrainConfig.resolve(mode="eager", rounds=3, seed=0))
+        keys = ("val_accuracy", "val_loss", "bytes_model", "bytes_boundary")
+        runs[threads] = [[s[k] for k in keys] for s in lazy["stages"]] + [
+            [lazy["test_accuracy"], eager["test_accuracy"], eager["bytes_total"]]
+        ]
+    assert runs[True] == runs[False]

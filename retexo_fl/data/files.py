@@ -4,7 +4,7 @@ Two ``--dataset`` forms read files a user brings rather than a PyG class:
 
 ``files:edges=E.csv,features=F,labels=L.csv[,id-column=NAME][,label-column=NAME]``
     * ``edges``: one edge a line, its first two columns the endpoint ids; a header line is
-      optional (line 1 is one when neither of its first two fields is a node id); further
+      optional (the first line is one when neither of its first two fields is a node id); further
       columns (weights, timestamps) are ignored. Edges are taken as undirected, duplicates and
       self loops dropped; a file without an edge is refused.
     * ``features``: a ``.csv`` (node id, then one number a column; header optional), a ``.json``
@@ -12,8 +12,9 @@ Two ``--dataset`` forms read files a user brings rather than a PyG class:
       ship) or an ``.npz`` (one array, or the first of ``x``, ``features``, ``node_features``:
       row ``i`` is node ``i``).
     * ``labels``: a CSV with a header, one node a line. The node id is in column ``id-column``
-      (default: the first) and the label in ``label-column`` (default: the second of two
-      columns; name it when there are more). Integer labels are kept (``-1`` or an empty
+      (default: the one column named ``id``, ``node`` or ``node_id``, in any case, else the
+      first) and the label in ``label-column`` (default: the other of two columns; name it
+      when there are more). Integer labels are kept (``-1`` or an empty
       field: unlabeled), written as floats too (``2.0``, ``-1.0``, as pandas writes an integer
       column with a gap); any other values (``True``/``False``, class names) are numbered in
       sorted order. Integer labels are class indices, at most :data:`MAX_CLASSES` classes.
@@ -24,7 +25,10 @@ Two ``--dataset`` forms read files a user brings rather than a PyG class:
     without a feature row gets zeros; an edge endpoint that no file names is an error, and so
     is a node with two feature rows or one file naming a node twice in two spellings.
 
-Files are comma-separated UTF-8 (a byte-order mark is allowed).
+Files are comma-separated UTF-8 (a byte-order mark is allowed). The edges file may instead be
+separated by tabs or spaces (its first edge line has no comma), as SNAP, KONECT and networkx's
+``write_edgelist`` write edge lists, and the comment lines at its top (``# ...``, ``% ...``) are
+skipped.
 
 ``PATH.npz`` in the format of PyG's ``HeterophilousGraphDataset`` (``node_features``,
 ``node_labels``, ``edges [E, 2]`` and optional ``train_masks``/``val_masks``/``test_masks``
@@ -40,6 +44,7 @@ import csv
 import json
 import logging
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,6 +59,8 @@ log = logging.getLogger(__name__)
 
 #: The keys of a ``files:`` spec; ``edges``, ``features`` and ``labels`` are required.
 FILE_KEYS = ("edges", "features", "labels", "id-column", "label-column")
+#: Column names (any case) that make a labels file's column its id column when id-column is not given.
+ID_COLUMN_NAMES = ("id", "node", "node_id", "nodeid", "node id")
 #: The arrays of an npz in ``HeterophilousGraphDataset``'s format.
 HETEROPHILOUS_KEYS = ("node_features", "node_labels", "edges")
 #: Integer labels are class indices: a model's output is one column a class, so a label past this
@@ -267,6 +274,27 @@ def _rows(path: Path) -> Iterator[tuple[int, list[str]]]:
         raise FileGraphError(path, f"malformed CSV ({exc})") from exc
 
 
+#: A comment line at the top of an edge list: ``%`` (KONECT), or ``#`` then a blank (SNAP), so
+#: that a first edge from a node named ``#tag`` is still an edge.
+_EDGE_COMMENT = re.compile(r"^(%|#(\s|$))")
+
+
+def _edge_rows(path: Path) -> Iterator[tuple[int, list[str]]]:
+    """``(line number, fields)`` of each edge line: comma-separated, or, where the first edge
+    line has no comma, separated by tabs or spaces; comment lines before it skipped."""
+    spaced: bool | None = None
+    for line, row in _rows(path):
+        if spaced is None:
+            if _EDGE_COMMENT.match(row[0]):
+                continue
+            spaced = len(row) == 1 and len(row[0].split()) >= 2
+        if spaced:
+            if len(row) != 1:
+                raise FileGraphError(path, "a comma in an edge list separated by tabs or spaces", line)
+            row = row[0].split()
+        yield line, row
+
+
 def _separator_hint(fields: list[str]) -> str:
     """Advice for a line read as one field that another separator splits (a TSV named .csv)."""
     if len(fields) != 1:
@@ -324,8 +352,11 @@ def _read_labels(path: Path, id_column: str | None, label_column: str | None) ->
             )
         return header.index(name)
 
-    id_col = column(id_column, 0, "id-column")
-    label_col = column(label_column, 1 if len(header) == 2 else None, "label-column")
+    # Unnamed, the id is the column named as ids are ("id", "node", "node_id"), else the first:
+    # a "label,id" header would otherwise read the classes as node ids.
+    named = [i for i, name in enumerate(header) if name.strip().lower() in ID_COLUMN_NAMES]
+    id_col = column(id_column, named[0] if len(named) == 1 else 0, "id-column")
+    label_col = column(label_column, 1 - id_col if len(header) == 2 else None, "label-column")
     if id_col == label_col:
         raise FileGraphError(path, f"id and label are the same column {header[id_col]!r}", 1)
     if _is_int(header[id_col]):  # "0,dog": a first data line, not column names
@@ -611,12 +642,12 @@ def _canonical(node: str) -> str:
 def _read_edges(path: Path, index: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
     src: list[int] = []
     dst: list[int] = []
-    for line, row in _rows(path):
+    for k, (line, row) in enumerate(_edge_rows(path)):
         if len(row) < 2:
             raise FileGraphError(path, f"an edge line needs two node ids{_separator_hint(row)}", line)
         a, b = _canonical(row[0]), _canonical(row[1])
         if a not in index or b not in index:
-            if line == 1 and a not in index and b not in index and not (_is_int(a) and _is_int(b)):
+            if k == 0 and a not in index and b not in index and not (_is_int(a) and _is_int(b)):
                 continue  # a header line: neither field names a node
             unknown = a if a not in index else b
             raise FileGraphError(

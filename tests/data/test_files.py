@@ -14,7 +14,7 @@ import torch
 
 from retexo_fl.data.datasets import DatasetError, load_dataset
 from retexo_fl.data.edges import undirected_coalesced
-from retexo_fl.data.files import FileGraphError, load_files_graph
+from retexo_fl.data.files import _EDGE_COMMENT, FileGraphError, load_files_graph
 from retexo_fl.data.partition import PartitionError
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "datasets"
@@ -54,6 +54,45 @@ def test_plain_files_load_equal_to_the_graph_built_in_memory(tmp_path, features)
     assert torch.equal(data.y, Y)
     assert torch.equal(data.edge_index, expected)
     assert data.edge_index.size(1) == 10  # 5 undirected edges, the repeat merged
+
+
+@pytest.mark.parametrize("header", ["id,label", "label,id", "class,Node_ID", "node,y"])
+def test_the_id_column_of_two_is_the_one_named_as_ids_are(tmp_path, header):
+    # Without id-column: the column named id / node / node_id (any case), else the first; the
+    # label is the other. "label,id" read its classes as node ids before (a "labelled twice" error).
+    spec = _write(tmp_path, "csv").split(",id-column=")[0]
+    first, second = header.split(",")
+    id_first = first.lower() in ("id", "node", "node_id") or second.lower() not in ("id", "node", "node_id")
+    rows = [(str(i), str(int(y)) if y >= 0 else "") for i, y in enumerate(Y.tolist())]
+    lines = [f"{i},{lab}" if id_first else f"{lab},{i}" for i, lab in rows]
+    (tmp_path / "target.csv").write_text(header + "\n" + "\n".join(lines) + "\n")
+    data = load_files_graph(spec[len("files:") :])
+    assert torch.equal(data.y, Y)
+    assert torch.equal(data.x, X)
+
+
+@pytest.mark.parametrize(
+    "head, sep",
+    [
+        ("", ","),
+        ("# Directed graph: edges.txt\n# Nodes: 5 Edges: 6\n# FromNodeId\tToNodeId\n", "\t"),  # SNAP
+        ("% sym unweighted\n", " "),  # KONECT
+        ("#\n", "  "),  # networkx's write_edgelist separates by one space; two read the same
+    ],
+)
+def test_edge_lists_as_snap_and_konect_write_them_load_equal(tmp_path, head, sep):
+    spec = _write(tmp_path)
+    (tmp_path / "edges.csv").write_text(head + "".join(f"{a}{sep}{b}{sep}1.0\n" for a, b in EDGES))
+    data = load_files_graph(spec[len("files:") :])
+    assert torch.equal(data.edge_index, undirected_coalesced(torch.tensor(EDGES).t(), 5))
+    # A first edge from a node whose id starts with '#' (a hashtag) is an edge, not a comment.
+    assert _EDGE_COMMENT.match("#tag") is None and _EDGE_COMMENT.match("# x") and _EDGE_COMMENT.match("#")
+
+
+def test_an_edge_list_that_mixes_separators_names_the_line(tmp_path):
+    spec = _write(tmp_path)
+    (tmp_path / "edges.csv").write_text("# a comment\n0 1\n1,2\n")
+    _expect(spec, "edges.csv:3:", "a comma in an edge list separated by tabs or spaces")
 
 
 def test_a_repeated_label_row_that_agrees_is_read_once(tmp_path):
@@ -193,7 +232,8 @@ MALFORMED_TEXT = {
         ["edges.csv:1", "'1a'"],
     ),
     "edges that hold only a header": ("edges.csv", "from,to\n", ["edges.csv", "no edge lines"]),
-    "edges separated by tabs": ("edges.csv", "0\t1\n1\t2\n", ["edges.csv:1", "separated by tabs"]),
+    # Tabs and spaces are edge-list separators (SNAP); semicolons are not.
+    "edges separated by semicolons": ("edges.csv", "0;1\n1;2\n", ["edges.csv:1", "separated by semicolons"]),
     "labels without a header, class names": (
         "target.csv",
         "0,dog\n1,cat\n",

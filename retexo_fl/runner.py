@@ -15,7 +15,7 @@ from retexo_fl.data.partitioners import PARTITIONERS, partition_graph
 from retexo_fl.datacenter.launch import run_datacenter
 from retexo_fl.metrics import RunRecorder
 from retexo_fl.plots import write_plots
-from retexo_fl.seeding import device_choice
+from retexo_fl.seeding import check_device_name, device_choice
 from retexo_fl.summary import RunSummary
 from retexo_fl.training.centralized import run_centralized, whole_graph_partition
 from retexo_fl.training.eager import run_eager
@@ -109,7 +109,7 @@ def preflight(cfg: TrainConfig, in_process: bool = True) -> None:
         raise ValueError(f"method must be one of {', '.join(PARTITIONERS)}; got {cfg.method!r}")
     if not cfg.partitions:
         check_split(cfg.split)
-    device_choice(cfg.device)  # an unknown name, or cuda without a GPU
+    check_device_name(cfg.device)  # an unknown name, or cuda without a GPU
     check_out_dir(cfg)
 
 

@@ -118,6 +118,22 @@ def device_choice(name: str, nodes: int | None = None) -> tuple[torch.device, st
                 "the GPU is faster (--device cuda to use it)"
             )
         return torch.device("cuda"), f"auto: cuda ({torch.cuda.get_device_name(0)})"
+    return check_device_name(name), f"{name}: as set"
+
+
+def check_device_name(name: str) -> torch.device:
+    """The device ``name`` names, checked without using it: no CUDA context is made (the process
+    that checks a run's settings, a simulation's driver or a data-center run's parent, may not
+    be one that computes, and a context holds seconds and GPU memory). ``auto`` is the CPU here.
+
+    Args:
+        name (str): ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+
+    Raises:
+        ValueError: a name torch does not know, or a CUDA device this machine does not have.
+    """
+    if name == "auto":
+        return torch.device("cpu")
     try:
         device = torch.device(name)
     except RuntimeError as err:
@@ -131,4 +147,4 @@ def device_choice(name: str, nodes: int | None = None) -> tuple[torch.device, st
             )
         if device.index is not None and device.index >= count:
             raise ValueError(f"device {name!r}: this machine has {count} CUDA device(s), from cuda:0")
-    return device, f"{name}: as set"
+    return device

@@ -21,6 +21,19 @@ if "RETEXO_FL_KERNEL_CACHE" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["RETEXO_FL_KERNEL_CACHE"], ignore_errors=True)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``cuda`` need a CUDA device: skipped without one, each saying so (``bench/gpu.py``
+    runs exactly these, ``-m cuda``, and counts any skipped there as not run)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def node_work_dir(tmp_path_factory, monkeypatch) -> Path:
     """Every test's Flower nodes keep their state (and cached partitions) in a folder of its own,

@@ -537,7 +537,8 @@ def _quantize_rows(
             raise CodecError(f"{where}: per-row bit widths must be in {QUANT_BITS}")
     if k == 0 or d == 0:
         lo = hi = torch.zeros(k, dtype=RANGE_DTYPES[half], device=x.device)
-        return QuantizedRows((k, d), row_bits, lo, hi, torch.empty(0, dtype=torch.uint8), half)
+        codes = torch.empty(0, dtype=torch.uint8, device=x.device)  # where a block's codes live
+        return QuantizedRows((k, d), row_bits, lo, hi, codes, half)
     compiled = native.usable(x)  # decided once for the whole block
     pending = None if compiled else _fused_ranges(x, RANGE_DTYPES[half])
     ready = None

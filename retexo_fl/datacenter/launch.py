@@ -26,16 +26,55 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def host_backend(device: str, local_procs: int) -> tuple[str, str]:
+    """Where this host's ``local_procs`` processes compute, with which backend, and why.
+
+    NCCL needs a GPU of its own for each process of a communicator ("Duplicate GPU detected"),
+    so ``auto`` takes the GPUs only where there is one for every process on the host, and the
+    CPU with gloo otherwise; ``cuda`` with too few GPUs is refused.
+
+    Args:
+        device (str): the run's ``device`` (``auto``, ``cpu``, ``cuda`` or ``cuda:N``).
+        local_procs (int): the run's processes on this host.
+
+    Returns:
+        tuple[str, str]: ``"cuda"`` and ``"nccl"``, or ``"cpu"`` and ``"gloo"``; and the reason,
+        as the run's first lines say it.
+
+    Raises:
+        RuntimeError: ``cuda`` without CUDA, or with fewer GPUs than processes on the host.
+    """
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "cpu" or (device == "auto" and gpus == 0):
+        return "cpu", "gloo"
+    if device == "auto" and gpus < local_procs:
+        return "cpu", "gloo"
+    if gpus == 0:
+        raise RuntimeError(f"device {device!r}: CUDA is not available on this host")
+    if gpus < local_procs:
+        raise RuntimeError(
+            f"device {device!r}: {local_procs} processes on this host and {gpus} GPU(s): NCCL needs "
+            f"a GPU for each process; give --procs {gpus} or fewer, or --device cpu"
+        )
+    return "cuda", "nccl"
+
+
+def _local_procs() -> int:
+    """This host's processes of the job: torchrun's ``LOCAL_WORLD_SIZE``, else (our own spawn,
+    one host) ``WORLD_SIZE``."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+
+
 def _device(cfg: DatacenterConfig) -> tuple[torch.device, str]:
-    """This process's device and backend: one GPU per process with NCCL where there are GPUs."""
+    """This process's device and backend (:func:`host_backend`): with NCCL, its own GPU."""
+    kind, backend = host_backend(cfg.device, _local_procs())
+    if kind == "cpu":
+        return torch.device("cpu"), backend
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    want_cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
-    if want_cuda:
-        if not torch.cuda.is_available():
-            raise RuntimeError(f"device {cfg.device!r}: CUDA is not available on this host")
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        return torch.device("cuda", torch.cuda.current_device()), "nccl"
-    return torch.device("cpu"), "gloo"
+    # A single process on the host takes the GPU it was given (cuda:N), else GPU LOCAL_RANK.
+    index = torch.device(cfg.device).index if cfg.device.startswith("cuda:") else None
+    torch.cuda.set_device(index if index is not None and _local_procs() == 1 else local_rank)
+    return torch.device("cuda", torch.cuda.current_device()), backend
 
 
 def run_process(
@@ -127,7 +166,16 @@ def run_datacenter(
         check_residency(cfg)  # before anything is spawned or loaded
     rec = rec or RunRecorder(None, stream=None)
     dc = cfg.datacenter
-    rec.progress(f"data-center {dc.algorithm}: starting {dc.procs} processes on 127.0.0.1")
+    kind, backend = host_backend(cfg.device, dc.procs)  # refused here, before anything starts
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    why = (
+        f" ({dc.procs} processes and {gpus} GPU(s): NCCL needs one a process)"
+        if cfg.device == "auto" and kind == "cpu" and gpus
+        else ""
+    )
+    rec.progress(
+        f"data-center {dc.algorithm}: starting {dc.procs} processes on 127.0.0.1, {kind} and {backend}{why}"
+    )
     with tempfile.TemporaryDirectory(prefix="retexo-dc-") as tmp:
         path, wpath = str(Path(tmp) / "summary.json"), str(Path(tmp) / "weights.pt")
         try:

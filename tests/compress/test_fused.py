@@ -15,9 +15,7 @@ try:
 except ImportError:
     HAVE_TRITON = False
 
-pytestmark = pytest.mark.skipif(
-    not (torch.cuda.is_available() and HAVE_TRITON), reason="needs a GPU and Triton"
-)
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton")]
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])

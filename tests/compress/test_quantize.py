@@ -10,7 +10,7 @@ import torch
 from retexo_fl.compress import native, quantize
 from retexo_fl.compress.quantize import CodecError, dequantize_rows, quantize_rows
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+CUDA = pytest.mark.cuda
 
 
 def _step(q) -> torch.Tensor:
@@ -102,7 +102,16 @@ def test_out_of_range_values_and_bad_widths():
         quantize_rows(torch.ones(2, 3), torch.tensor([16, 4]))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("shape", [(0, 8), (5, 0)])
+def test_an_empty_block_decodes_where_it_was_encoded(shape):
+    # "meta" stands in for a GPU: the block's codes, and so its decoded rows, stay on the input's
+    # device (they were made on the CPU, and a CUDA caller mixed them with its own rows).
+    q = quantize_rows(torch.empty(*shape, device="meta"), 8)
+    assert q.data.device.type == "meta"
+    assert dequantize_rows(q).device.type == "meta" and dequantize_rows(q).shape == shape
+
+
+@pytest.mark.cuda
 def test_gpu_matches_cpu_bounds():
     x = torch.randn(1000, 64, device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)

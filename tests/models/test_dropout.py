@@ -262,7 +262,7 @@ def test_pool_threads_started_while_torch_flushed_do_not_flush_later(monkeypatch
         torch.set_num_threads(before)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_cuda_lanes_equal_the_cpu_lanes():
     # Signed int64 products wrap on the GPU as on the CPU: the same masks on either device.
     for key in (0, -1, 2**62 + 12_345, -(2**63)):

@@ -3,6 +3,8 @@ large enough for it to be the faster device; CUDA runs skip without one."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -51,12 +53,31 @@ def test_auto_keeps_a_small_partition_on_the_cpu_and_says_why(sbm, monkeypatch):
     assert device_line("cpu", [2708]) == "device cpu: as set"
 
 
+def test_checking_a_runs_device_setting_makes_no_cuda_context(monkeypatch):
+    """The process that checks a run's settings (a simulation's driver, a data-center run's
+    parent) need not compute: asking the GPU's name or properties would make a CUDA context
+    there, seconds and GPU memory that no party uses."""
+    from retexo_fl.runner import preflight
+
+    def touched(*args, **kwargs):
+        raise AssertionError("the check made a CUDA context")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for name in ("get_device_name", "get_device_properties", "init", "set_device", "current_device"):
+        monkeypatch.setattr(torch.cuda, name, touched)
+    for device in ("auto", "cuda", "cuda:0", "cpu"):
+        preflight(TrainConfig.resolve(device=device, dataset="sbm:60,2"), in_process=False)
+    with pytest.raises(ValueError, match="this machine has 1 CUDA device"):
+        preflight(TrainConfig.resolve(device="cuda:1", dataset="sbm:60,2"), in_process=False)
+
+
 def test_auto_without_a_gpu_is_the_cpu_whatever_the_size(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert device_choice("auto", 10**7) == (torch.device("cpu"), "auto: cpu, as torch sees no CUDA device")
 
 
-@pytest.mark.skipif(not HAVE_CUDA, reason="needs a GPU")
+@pytest.mark.cuda
 def test_a_client_keeps_its_partition_and_stage_model_on_the_gpu(sbm):
     part = partition_graph(sbm, 3, "metis", seed=0)[0]
     client = LazyClient(part, TrainConfig(stages=2, hidden=16, device="cuda"))
@@ -82,7 +103,7 @@ def spread_graph():
     return data
 
 
-@pytest.mark.skipif(not HAVE_CUDA, reason="needs a GPU")
+@pytest.mark.cuda
 def test_gpu_runs_learn_as_cpu_runs_do():
     # Kernels differ between devices (summation order, dropout streams), so single runs differ;
     # the mean over seeds is compared, on a configuration whose spread is measured (above).
@@ -103,3 +124,32 @@ def test_gpu_runs_learn_as_cpu_runs_do():
     for kind, cpu, cuda in zip(("lazy", "centralized"), means["cpu"], means["cuda"], strict=True):
         assert abs(cuda - cpu) <= SPREAD_TOLERANCE, f"{kind}: cuda {cuda:.4f} against cpu {cpu:.4f}"
     assert boundary["cuda"] == boundary["cpu"]
+
+
+#: Each kind of run whose GPU path is its own code (PyG's CUDA aggregation for SAGE, attention,
+#: max-pool, the eager models' halo gradients through the CSR product, precomputed aggregation,
+#: a local stage 0, self-training, dropout replayed chunk by chunk): one short run each.
+GPU_SMOKE: dict[str, dict] = {
+    "eager standard": {"mode": "eager", "eager_model": "standard", "stages": 3},
+    "eager layered": {"mode": "eager", "eager_model": "layered"},
+    "lazy sage": {"model": "sage"},
+    "lazy sage-max": {"model": "sage-max"},
+    "lazy gat": {"model": "gat"},
+    "lazy precompute": {"precompute": True},
+    "lazy first-stage local": {"first_stage": "local"},
+    "lazy self-training": {"self_training": 1},
+    "lazy chunk-rows": {"chunk_rows": 50},
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", sorted(GPU_SMOKE))
+def test_each_kind_of_run_trains_on_the_gpu(sbm, kind):
+    from retexo_fl.training.eager import run_eager
+
+    settings = {"stages": 2, "rounds": 3, "min_rounds": 0, "seed": 0, "device": "cuda", **GPU_SMOKE[kind]}
+    cfg = TrainConfig.resolve(**settings)
+    parts = partition_graph(sbm, 3, "metis", seed=0)
+    run = run_eager(parts, cfg) if cfg.mode == "eager" else run_lazy(parts, cfg)
+    assert 0.0 < run.test_accuracy <= 1.0
+    assert all(math.isfinite(s["val_loss"]) for s in run.stages if "val_loss" in s)

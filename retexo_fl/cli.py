@@ -188,12 +188,13 @@ def cmd_partition(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from retexo_fl.runner import train
+    from retexo_fl.runner import partitions_config, train
 
     cfg = _config_from_args(args)
     given = [info.name for info in settings() if getattr(args, info.name, None) is not None]
     for line in ignored_settings(cfg, given):
         print(f"retexo-fl: warning: --{line}", file=sys.stderr)
+    cfg = partitions_config(cfg, clients_given="clients" in given)
     if args.engine != "in-process":
         from retexo_fl.runner import preflight
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 from pathlib import Path
 
@@ -10,7 +12,7 @@ import numpy as np
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.datasets import check_split, split_without_test
 from retexo_fl.data.loading import load_graph
-from retexo_fl.data.partition import Partition, load_partitions
+from retexo_fl.data.partition import MANIFEST, Partition, load_partitions, partition_dirs
 from retexo_fl.data.partitioners import PARTITIONERS, partition_graph
 from retexo_fl.datacenter.launch import run_datacenter
 from retexo_fl.metrics import RunRecorder
@@ -19,7 +21,37 @@ from retexo_fl.seeding import check_device_name, device_choice
 from retexo_fl.summary import RunSummary
 from retexo_fl.training.centralized import run_centralized, whole_graph_partition
 from retexo_fl.training.eager import run_eager
-from retexo_fl.training.lazy import run_lazy
+from retexo_fl.training.lazy import run_lazy, with_clients
+
+
+def partitions_config(cfg: TrainConfig, clients_given: bool = False) -> TrainConfig:
+    """``cfg`` for a run over the partition folders ``cfg.partitions`` (itself without them):
+    their count sets ``clients`` (each party holds one), and their manifests' dataset is the one
+    recorded (``dataset`` is not read with partitions), so ``config.json`` says what trained.
+
+    Args:
+        cfg (TrainConfig): the run's settings.
+        clients_given (bool, optional): ``clients`` was set explicitly: a count other than the
+            folders' is refused rather than overruled. (default: :obj:`False`)
+
+    Raises:
+        ValueError: an explicit ``clients`` the folders do not hold.
+    """
+    if not cfg.partitions:
+        return cfg
+    dirs = partition_dirs(cfg.partitions)
+    if not dirs:
+        return cfg  # load_partitions says what is wrong with the folder
+    if clients_given and cfg.clients != len(dirs):
+        raise ValueError(
+            f"--clients {cfg.clients}, but {cfg.partitions} holds {len(dirs)} partitions: with "
+            "--partitions the folders set the clients (leave --clients out)"
+        )
+    try:
+        dataset = str(json.loads((dirs[0] / MANIFEST).read_text())["dataset"])
+    except (OSError, ValueError, KeyError, TypeError):
+        dataset = cfg.dataset  # load_partitions names the bad manifest
+    return dataclasses.replace(with_clients(cfg, len(dirs)), dataset=dataset)
 
 
 def make_partitions(cfg: TrainConfig, rec: RunRecorder | None = None) -> list[Partition]:
@@ -27,10 +59,7 @@ def make_partitions(cfg: TrainConfig, rec: RunRecorder | None = None) -> list[Pa
     if cfg.partitions:
         parts = load_partitions(cfg.partitions)
         if rec:
-            rec.progress(f"loaded {len(parts)} partitions from {cfg.partitions}")
-            note = node_level_note(parts, cfg)
-            if note:
-                rec.progress(note)
+            said_loaded(parts, cfg, rec)
         return parts
     data = load_graph(cfg)
     parts = partition_graph(data, cfg.clients, cfg.method, seed=cfg.seed)
@@ -41,6 +70,14 @@ def make_partitions(cfg: TrainConfig, rec: RunRecorder | None = None) -> list[Pa
             f"{len(parts)} {cfg.method} partitions, {cut} cross-edge records"
         )
     return parts
+
+
+def said_loaded(parts: list[Partition], cfg: TrainConfig, rec: RunRecorder) -> None:
+    """The progress lines of partitions read from ``cfg.partitions``."""
+    rec.progress(f"loaded {len(parts)} partitions from {cfg.partitions}")
+    note = node_level_note(parts, cfg)
+    if note:
+        rec.progress(note)
 
 
 def node_level_note(parts: list[Partition], cfg: TrainConfig) -> str | None:
@@ -137,6 +174,12 @@ def train(cfg: TrainConfig, rec: RunRecorder | None = None) -> RunSummary:
     """
     cfg.validate()
     preflight(cfg)
+    # Partitions read from files are read (and checked) before the run folder is written: a
+    # refused set leaves no folder behind, and config.json records the clients they hold.
+    loaded = None
+    if cfg.partitions and cfg.mode not in ("centralized", "datacenter"):
+        cfg = partitions_config(cfg)
+        loaded = load_partitions(cfg.partitions)
     rec = rec or RunRecorder(cfg.out_dir or None)
     rec.write_json("config.json", cfg.to_dict())
     t0 = time.perf_counter()
@@ -153,7 +196,9 @@ def train(cfg: TrainConfig, rec: RunRecorder | None = None) -> RunSummary:
         if split_without_test(cfg.split):  # its figures are its ranks': 0 over no test node
             summary.without_test()
     else:  # the coordinator marks a run without test nodes from the clients' setup counts
-        parts = make_partitions(cfg, rec)
+        if loaded is not None:
+            said_loaded(loaded, cfg, rec)
+        parts = loaded if loaded is not None else make_partitions(cfg, rec)
         rec.progress(device_line(cfg.device, [p.num_nodes for p in parts]))
         if cfg.mode in ("eager", "local"):
             summary = run_eager(parts, cfg, rec, local=cfg.mode == "local")

@@ -67,7 +67,11 @@ def test_partition_then_train(tmp_path, capsys):
     summary = json.loads((run / "summary.json").read_text())
     assert set(summary) >= SUMMARY_KEYS
     assert [s["rounds_run"] for s in summary["stages"]] == [20, 10, 10]
-    assert json.loads((run / "config.json").read_text())["rounds"] == [20, 10]
+    config = json.loads((run / "config.json").read_text())
+    assert config["rounds"] == [20, 10]
+    # What trained, not the flags' defaults (Cora, 4): the folders' count and their dataset.
+    assert (config["clients"], config["dataset"]) == (3, "sbm:400,3,8,0.85")
+    assert (summary["config"]["clients"], summary["config"]["dataset"]) == (3, "sbm:400,3,8,0.85")
     assert (run / "val_accuracy.png").stat().st_size > 1000 and (run / "bytes.png").stat().st_size > 1000
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     assert sum(e["event"] == "round" for e in events) == 40
@@ -110,6 +114,24 @@ def test_corrupt_partition_is_a_clear_error(tmp_path, capsys):
     assert main(["train", "--partitions", str(parts), "--rounds", "1"]) == 2
     err = capsys.readouterr().err
     assert "part-1" in err and "x.npy" in err and "checksum" in err
+
+
+def test_partitions_set_the_clients_and_a_refused_set_leaves_no_run_folder(tmp_path, capsys):
+    import shutil
+
+    parts = tmp_path / "parts"
+    main(["partition", "--dataset", "sbm:300,3", "--clients", "3", "--method", "random", "--out", str(parts)])
+    capsys.readouterr()
+    run = tmp_path / "run"
+    # An explicit --clients the folders do not hold is refused, naming both counts.
+    train = ["train", "--partitions", str(parts), "--rounds", "1", "--out", str(run)]
+    assert main([*train, "--clients", "8"]) == 2
+    assert "--clients 8, but" in capsys.readouterr().err and not run.exists()
+    # A cut with a partition missing: the folder is named, and no run folder is left behind.
+    shutil.rmtree(parts / "part-1")
+    assert main(train) == 2
+    err = capsys.readouterr().err
+    assert "declare 3 partitions and 1 are missing (part-1)" in err and not run.exists()
 
 
 def test_unknown_setting_is_refused(capsys):

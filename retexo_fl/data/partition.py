@@ -465,18 +465,62 @@ def load_partitions(directory: str | os.PathLike[str]) -> list[Partition]:
             fails to load, or two partitions disagree on their cross edges.
     """
     root = Path(directory)
+    if not root.exists():
+        raise PartitionError(root, "directory", "does not exist")
+    if not root.is_dir():
+        raise PartitionError(root, "directory", "is a file, not a folder of part-<id> folders")
     dirs = partition_dirs(root)
     if not dirs:
         raise PartitionError(root, "directory", "no part-* sub-directories")
     loaded = sorted(((load_partition(d), d) for d in dirs), key=lambda pd: pd[0].partition_id)
-    for i, (p, d) in enumerate(loaded):
-        if p.partition_id != i or p.num_partitions != len(loaded):
-            raise PartitionError(
-                d, "partition_id", f"expected partitions 0..{len(loaded) - 1} of {len(loaded)}"
-            )
+    check_complete_cut(root, [(p.partition_id, p.num_partitions, d) for p, d in loaded])
     parts = [p for p, _ in loaded]
     check_cross_consistency(parts)
     return parts
+
+
+def check_complete_cut(root: Path, found: list[tuple[int, int, Path]]) -> None:
+    """Check that the partitions in ``root`` are one whole cut: each declares the same count
+    ``P``, and ids ``0 .. P - 1`` appear once each.
+
+    Args:
+        root (Path): the folder of ``part-<id>/`` folders.
+        found (list[tuple[int, int, Path]]): per folder, the partition id and count its manifest
+            declares, and the folder.
+
+    Raises:
+        PartitionError: naming the folder at fault: a count no other declares, a partition two
+            folders hold, or the ids missing from the cut.
+    """
+    counts: dict[int, list[Path]] = {}
+    for _, count, folder in found:
+        counts.setdefault(count, []).append(folder)
+    if len(counts) > 1:
+        (rare, folders), *_ = sorted(counts.items(), key=lambda kv: len(kv[1]))
+        others = ", ".join(str(c) for c in sorted(counts) if c != rare)
+        raise PartitionError(
+            folders[0],
+            "num_partitions",
+            f"declares {rare} partitions where the others declare {others}: two cuts mixed",
+        )
+    declared = found[0][1]
+    held: dict[int, Path] = {}
+    for pid, _, folder in found:
+        if pid in held:
+            raise PartitionError(folder, "partition_id", f"holds partition {pid}, as {held[pid].name} does")
+        held[pid] = folder
+    missing = [pid for pid in range(declared) if pid not in held]
+    extra = [pid for pid in held if pid >= declared]
+    if extra:
+        raise PartitionError(held[extra[0]], "partition_id", f"partition {extra[0]} of a cut of {declared}")
+    if missing:
+        names = ", ".join(f"part-{pid}" for pid in missing[:5]) + (", ..." if len(missing) > 5 else "")
+        raise PartitionError(
+            root,
+            "directory",
+            f"the manifests declare {declared} partitions and {len(missing)} are missing ({names}): "
+            "an interrupted or partial copy of the cut",
+        )
 
 
 def partition_dirs(directory: str | os.PathLike[str]) -> list[Path]:

@@ -261,12 +261,30 @@ def test_partitions_mapped_on_threads_keep_their_order_and_the_first_error(parts
     assert seen == [threading.current_thread().name] * 2  # in this thread, stopped at the first
 
 
-def test_load_partitions_requires_a_full_set(written):
+def test_load_partitions_requires_a_full_set(written, sbm, tmp_path):
     import shutil
 
     shutil.rmtree(written / "part-1")
-    with pytest.raises(PartitionError, match="partition"):
+    # The folder is at fault, not part-0 (which the message named before).
+    with pytest.raises(PartitionError) as info:
         load_partitions(written)
+    assert str(info.value).startswith(str(written)) and "part-0" not in str(info.value)
+    assert "declare 3 partitions and 1 are missing (part-1)" in str(info.value)
+    # Two cuts mixed: the folder whose manifest declares another count is named.
+    other = partition_graph(sbm, 4, "metis", seed=0)[3]
+    save_partition(other, written / "part-1")
+    with pytest.raises(PartitionError, match=r"part-1.*declares 4 partitions where the others declare 3"):
+        load_partitions(written)
+    # Two folders holding one partition.
+    shutil.rmtree(written / "part-1")
+    shutil.copytree(written / "part-2", written / "part-1")
+    with pytest.raises(PartitionError, match="holds partition 2, as part-1 does"):
+        load_partitions(written)
+    with pytest.raises(PartitionError, match="does not exist"):
+        load_partitions(tmp_path / "nowhere")
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(PartitionError, match="is a file"):
+        load_partitions(tmp_path / "afile")
 
 
 def test_partition_folders_are_ordered_by_their_ids_as_numbers(sbm, tmp_path):

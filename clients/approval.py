@@ -347,7 +347,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     root = Path(args.project)
-    digest = app_digest(tree_files(root))
+    # A mistyped or empty folder would print (or sign) the digest of nothing, which looks as
+    # real as any other.
+    if not root.is_dir():
+        print(
+            f"retexo-fl release: error: {root}: {'not a folder' if root.exists() else 'does not exist'}",
+            file=sys.stderr,
+        )
+        return 2
+    files = tree_files(root)
+    if not any(is_code(path) for path in files):
+        print(f"retexo-fl release: error: {root}: holds no code file the digest covers", file=sys.stderr)
+        return 2
+    digest = app_digest(files)
     if args.action == "digest":
         print(digest)
         return 0

@@ -22,6 +22,7 @@ from retexo_fl.config import (
     ignored_settings,
     settings,
 )
+from retexo_fl.metrics import CHECKPOINT_FILE
 from retexo_fl.setting import SettingInfo, settings_of
 from retexo_fl.summary import RunSummary
 
@@ -195,6 +196,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     for line in ignored_settings(cfg, given):
         print(f"retexo-fl: warning: --{line}", file=sys.stderr)
     cfg = partitions_config(cfg, clients_given="clients" in given)
+    unread = [f"--{name.replace('_', '-')}" for name in given if name not in ("resume", "out_dir")]
+    if cfg.resume and unread:
+        print(
+            f"retexo-fl: warning: {', '.join(unread)}: a resumed run trains with the settings it "
+            f"started with ({Path(cfg.resume) / 'config.json'}): ignored",
+            file=sys.stderr,
+        )
     if args.engine != "in-process":
         from retexo_fl.runner import preflight
 
@@ -341,8 +349,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"retexo-fl: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        out = getattr(args, "out_dir", None)
-        where = f"; {out} holds the run so far (lazy: --resume {out} --engine simulation)" if out else ""
+        out = getattr(args, "out_dir", None) or getattr(args, "resume", None)
+        if out and (Path(out) / CHECKPOINT_FILE).is_file():
+            where = f"; {out} holds the run so far: --resume {out} --engine simulation continues it"
+        elif out:
+            # The in-process engine keeps no checkpoint: a hint to resume would send the user
+            # through a simulation's start-up to be told so.
+            where = (
+                f"; {out} holds what was written so far, and no checkpoint to resume from (lazy "
+                "runs of the Flower engines keep one: --engine simulation)"
+            )
+        else:
+            where = ""
         print(f"retexo-fl: interrupted{where}", file=sys.stderr)
         return 130
 

@@ -8,6 +8,9 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+#: The file a resumable run (the Flower engines) keeps its progress in, in its run folder.
+CHECKPOINT_FILE = "checkpoint.pt"
+
 
 class RunRecorder:
     """Collects events of one run and writes them under ``out_dir`` (nothing is written if empty).

@@ -15,7 +15,7 @@ from retexo_fl.data.loading import load_graph
 from retexo_fl.data.partition import MANIFEST, Partition, load_partitions, partition_dirs
 from retexo_fl.data.partitioners import PARTITIONERS, partition_graph
 from retexo_fl.datacenter.launch import run_datacenter
-from retexo_fl.metrics import RunRecorder
+from retexo_fl.metrics import CHECKPOINT_FILE, RunRecorder
 from retexo_fl.plots import write_plots
 from retexo_fl.seeding import check_device_name, device_choice
 from retexo_fl.summary import RunSummary
@@ -151,8 +151,8 @@ def preflight(cfg: TrainConfig, in_process: bool = True) -> None:
 
 
 def check_out_dir(cfg: TrainConfig) -> None:
-    """Refuse a run folder (``out-dir``) that holds a finished run, unless the run resumes it, or
-    that is a file.
+    """Refuse a run folder (``out-dir``) that holds a finished or an interrupted run, unless the
+    run resumes it, or that is a file.
 
     Raises:
         ValueError: naming the folder.
@@ -160,6 +160,12 @@ def check_out_dir(cfg: TrainConfig) -> None:
     if cfg.out_dir and not cfg.resume and (Path(cfg.out_dir) / "summary.json").exists():
         raise ValueError(
             f"--out {cfg.out_dir} holds a finished run (summary.json): choose another folder or remove it"
+        )
+    if cfg.out_dir and not cfg.resume and (Path(cfg.out_dir) / CHECKPOINT_FILE).exists():
+        # A fresh run would replace its config and events and leave the checkpoint beside them.
+        raise ValueError(
+            f"--out {cfg.out_dir} holds an interrupted run ({CHECKPOINT_FILE}): continue it with "
+            f"--resume {cfg.out_dir} --engine simulation, or choose another folder or remove it"
         )
     if cfg.out_dir and Path(cfg.out_dir).exists() and not Path(cfg.out_dir).is_dir():
         raise ValueError(f"--out {cfg.out_dir} is a file, not a folder")

@@ -20,6 +20,7 @@ from retexo_fl.coordinator.federation import ClientCounts
 from retexo_fl.coordinator.privacy import UpdatePrivacy
 from retexo_fl.coordinator.secure_aggregation import SecureAggregator
 from retexo_fl.coordinator.selection import StageTracker
+from retexo_fl.metrics import CHECKPOINT_FILE
 
 #: The only classes a checkpoint file may name: plain data holders of this project. The file is
 #: loaded with ``weights_only=True``, so anything else in it (a pickled callable, ``os.system``)
@@ -42,7 +43,7 @@ SAFE_GLOBALS += [
 ]
 
 #: The checkpoint's file in a run folder.
-CHECKPOINT = "checkpoint.pt"
+CHECKPOINT = CHECKPOINT_FILE
 
 
 class FileCheckpoints:

@@ -247,6 +247,53 @@ def test_a_failed_rerun_leaves_the_earlier_run_folder_as_it_was(tmp_path, capsys
     assert "method must be one of" in capsys.readouterr().err and not new.exists()
 
 
+def test_an_interrupted_run_is_neither_overwritten_nor_promised_a_resume_it_cannot_have(
+    tmp_path, capsys, monkeypatch
+):
+    import retexo_fl.cli as cli
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    (out / "checkpoint.pt").write_bytes(b"a checkpoint")
+    args = ["train", "--dataset", "sbm:100,2", "--rounds", "1", "--out", str(out)]
+    # A fresh run into a resumable run's folder: refused, the folder as it was.
+    assert main(args) == 2
+    assert "holds an interrupted run (checkpoint.pt): continue it with --resume" in capsys.readouterr().err
+    assert sorted(f.name for f in out.iterdir()) == ["checkpoint.pt", "config.json"]
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_train", interrupted)  # the parser takes it when main builds it
+    assert main(args) == 130
+    hint = f"{out} holds the run so far: --resume {out} --engine simulation continues it"
+    assert hint in capsys.readouterr().err
+    fresh = tmp_path / "fresh"  # an in-process run keeps no checkpoint: no resume is offered
+    assert main([*args[:-1], str(fresh)]) == 130
+    assert "no checkpoint to resume from" in capsys.readouterr().err
+
+
+def test_settings_given_with_resume_are_said_to_be_ignored(tmp_path, capsys, monkeypatch):
+    import retexo_fl.cli as cli
+
+    def engine(name):
+        def run(cfg):
+            raise ValueError(f"stopped before {name} started")
+
+        return run
+
+    monkeypatch.setattr(cli, "load_engine", engine)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    resume = ["train", "--engine", "simulation", "--resume", str(out)]
+    assert main([*resume, "--rounds", "8", "--seed", "5"]) == 2
+    err = capsys.readouterr().err
+    assert ": a resumed run trains with the settings it started with" in err
+    assert "--rounds" in err and "--seed" in err
+
+
 def test_partitions_go_to_a_new_folder_so_no_stale_part_is_left(tmp_path, capsys):
     parts = tmp_path / "parts"
     cut = ["partition", "--dataset", "sbm:200,4", "--split", "random:0.6,0.2,0.2", "--method", "random"]

@@ -258,3 +258,21 @@ def test_release_sign_writes_a_signature_a_party_accepts(tmp_path, capsys):
     digest = capsys.readouterr().out.split()[-1]
     got = approve(build_fab_from_disk(project), trusted)
     assert got.signer == "consortium" and got.fab_digest == digest != installed_digest()
+
+
+def test_release_refuses_a_folder_that_is_missing_or_holds_no_code(tmp_path, capsys):
+    # Each printed (or signed) the digest of nothing, e3b0c442..., as real-looking as any other.
+    key, _ = _signer(tmp_path)
+    pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+    )
+    (tmp_path / "signer").write_bytes(pem)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "afile").write_text("")
+    sign = ["--key", str(tmp_path / "signer"), "--key-id", "x"]
+    cases = (("nowhere", "does not exist"), ("empty", "holds no code file"), ("afile", "not a folder"))
+    for folder, why in cases:
+        for argv in (["digest", str(tmp_path / folder)], ["sign", str(tmp_path / folder), *sign]):
+            assert approval.main(argv) == 2
+            assert why in capsys.readouterr().err
+    assert not (tmp_path / "empty" / "release-signatures.json").exists()

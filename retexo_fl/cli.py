@@ -6,7 +6,10 @@ import argparse
 import dataclasses
 import json
 import math
+import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -177,13 +180,25 @@ def cmd_partition(args: argparse.Namespace) -> int:
     parts = partition_graph(data, args.clients, args.method, seed=args.seed, **options)
     if args.residency == "free":
         parts = [dataclasses.replace(p, residency_bound=False) for p in parts]
-    for p in parts:
-        save_partition(p, out / f"part-{p.partition_id}")
-        c = p.counts()
-        print(
-            f"part-{p.partition_id}: {c['nodes']} nodes, {c['edges']} local edges, "
-            f"{c['cross_edges']} cross edges, train/val/test {c['train']}/{c['val']}/{c['test']}"
-        )
+    # Written beside --out and moved there whole: an interrupted or failed cut leaves no
+    # partial set that a later train would read as a cut with folders missing.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.incomplete-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)  # as a folder made the usual way (mkdtemp's is private)
+    try:
+        for p in parts:
+            save_partition(p, staging / f"part-{p.partition_id}")
+            c = p.counts()
+            print(
+                f"part-{p.partition_id}: {c['nodes']} nodes, {c['edges']} local edges, "
+                f"{c['cross_edges']} cross edges, train/val/test {c['train']}/{c['val']}/{c['test']}"
+            )
+        staging.replace(out)  # over an empty folder too
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     print(f"wrote {len(parts)} partitions of {data.name} ({args.method}, seed {args.seed}) to {out}")
     return 0
 

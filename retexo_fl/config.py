@@ -21,6 +21,7 @@ module either.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import os
 from collections.abc import Iterable
@@ -923,7 +924,9 @@ class TrainConfig:
         for key, value in values.items():
             name = key.replace("-", "_")
             if name not in names:
-                raise ValueError(f"unknown setting {key!r}")
+                near = difflib.get_close_matches(name.lower(), sorted(names), n=1)
+                hint = f" (did you mean {near[0].replace('_', '-')!r}?)" if near else ""
+                raise ValueError(f"unknown setting {key!r}{hint}")
             kwargs[name] = parse_list(value) if name in PER_STAGE else value
         return cls.resolve(**kwargs).validate()
 

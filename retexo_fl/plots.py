@@ -27,6 +27,7 @@ def write_plots(summary: RunSummary, out_dir: str | Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     out = Path(out_dir)
     stages = summary.stages
@@ -37,6 +38,7 @@ def write_plots(summary: RunSummary, out_dir: str | Path) -> list[Path]:
         for label, hist in curves(s, per_pass if passes else 0):
             ax.plot([h["round"] for h in hist], [h["val_accuracy"] for h in hist], label=label)
     ax.set_xlabel("round")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole (ticks at 1.5 before)
     ax.set_ylabel("validation accuracy")
     ax.set_title(f"{summary.mode} {summary.engine}: test {summary.accuracy_text()}")
     ax.grid(alpha=0.3)
@@ -63,6 +65,7 @@ def write_plots(summary: RunSummary, out_dir: str | Path) -> list[Path]:
     ax.plot(xs, model, label="model updates")
     ax.plot(xs, boundary, label="boundary embeddings")
     ax.set_xlabel("round (all stages)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("cumulative bytes")
     ax.set_title(f"boundary {summary.bytes_boundary:,} B, model {summary.bytes_model:,} B")
     ax.grid(alpha=0.3)
@@ -85,7 +88,7 @@ def curves(stage: dict[str, Any], per_pass: int = 0) -> list[tuple[str, list[dic
             (default: :obj:`0`)
     """
     index = int(stage["stage"])
-    name = f"pass {index // per_pass} stage {index % per_pass}" if per_pass else f"stage {index}"
+    name = f"pass {index // per_pass + 1} stage {index % per_pass}" if per_pass else f"stage {index}"
     groups: dict[str, list[dict[str, Any]]] = {}
     for row in stage.get("history", []):
         groups.setdefault(str(row.get("first_stage", "")), []).append(row)

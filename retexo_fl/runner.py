@@ -180,19 +180,21 @@ def train(cfg: TrainConfig, rec: RunRecorder | None = None) -> RunSummary:
     """
     cfg.validate()
     preflight(cfg)
-    # Partitions read from files are read (and checked) before the run folder is written: a
-    # refused set leaves no folder behind, and config.json records the clients they hold.
-    loaded = None
+    if cfg.mode == "centralized" and cfg.partitions:
+        raise ValueError("centralized mode trains on the whole graph: give --dataset, not --partitions")
+    # What the run reads from files (a centralized run's graph, partitions) is read and checked
+    # before the run folder is written: a refused input leaves no folder behind, and config.json
+    # records the clients the partitions hold.
+    t0 = time.perf_counter()  # the run's seconds count the loading
+    loaded, whole = None, None
     if cfg.partitions and cfg.mode not in ("centralized", "datacenter"):
         cfg = partitions_config(cfg)
         loaded = load_partitions(cfg.partitions)
+    if cfg.mode == "centralized":
+        whole = whole_graph_partition(load_graph(cfg))
     rec = rec or RunRecorder(cfg.out_dir or None)
     rec.write_json("config.json", cfg.to_dict())
-    t0 = time.perf_counter()
-    if cfg.mode == "centralized":
-        if cfg.partitions:
-            raise ValueError("centralized mode trains on the whole graph: give --dataset, not --partitions")
-        whole = whole_graph_partition(load_graph(cfg))
+    if whole is not None:
         rec.progress(device_line(cfg.device, [whole.num_nodes]))
         summary = run_centralized(whole, cfg, rec)
         if not np.asarray(whole.test_mask).any():  # no test nodes: no test accuracy (not NaN)

@@ -112,7 +112,10 @@ def resumed_config(cfg: TrainConfig) -> TrainConfig:
     started = dataclasses.asdict(TrainConfig())
     started.pop("extra")
     values = {**started, **values}
-    resumed = TrainConfig.from_mapping({**values, "resume": str(cfg.resume), "out_dir": str(cfg.resume)})
+    try:
+        resumed = TrainConfig.from_mapping({**values, "resume": str(cfg.resume), "out_dir": str(cfg.resume)})
+    except ValueError as exc:  # the file was edited: say which file holds the bad setting
+        raise ValueError(f"{path}: {exc}") from exc
     if resumed.mode != "lazy":
         raise ValueError(f"{cfg.resume}: resume continues lazy runs; this one is {resumed.mode}")
     return resumed

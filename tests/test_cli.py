@@ -303,6 +303,39 @@ def test_partitions_go_to_a_new_folder_so_no_stale_part_is_left(tmp_path, capsys
     assert sorted(p.name for p in parts.iterdir()) == ["part-0", "part-1", "part-2", "part-3"]
 
 
+def test_an_interrupted_cut_leaves_no_partial_set(tmp_path, capsys, monkeypatch):
+    import retexo_fl.data.partition as partition_module
+
+    save = partition_module.save_partition
+    written: list[str] = []
+
+    def interrupted_after_two(part, directory):
+        if len(written) == 2:
+            raise KeyboardInterrupt
+        written.append(str(directory))
+        return save(part, directory)
+
+    monkeypatch.setattr(partition_module, "save_partition", interrupted_after_two)
+    parts = tmp_path / "parts"
+    cut = ["partition", "--dataset", "sbm:200,4", "--clients", "4", "--method", "random", "--out", str(parts)]
+    assert main(cut) == 130
+    assert len(written) == 2 and not parts.exists()
+    assert list(tmp_path.iterdir()) == []  # nor the staging folder
+    monkeypatch.setattr(partition_module, "save_partition", save)
+    parts.mkdir()  # an empty --out is taken, as before
+    assert main(cut) == 0
+    assert sorted(p.name for p in parts.iterdir()) == ["part-0", "part-1", "part-2", "part-3"]
+    assert (parts.stat().st_mode & 0o777) == 0o777 & ~_umask()
+
+
+def _umask() -> int:
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def test_help_shows_each_default_as_the_flag_takes_it_and_what_modes_set_instead(capsys):
     from retexo_fl.config import LAZY_PARTITION_DEFAULTS, MODE_DEFAULTS
 

@@ -101,8 +101,12 @@ def test_from_mapping_reads_kebab_keys_and_per_stage_lists():
     cfg = TrainConfig.from_mapping({"rounds": "200,100", "server-lr": "0.01,0.005", "bit-policy": "fixed"})
     assert cfg.rounds == [200, 100] and cfg.server_lr == [0.01, 0.005]
     assert [cfg.per_stage("rounds", s) for s in range(4)] == [200, 100, 100, 100]
-    with pytest.raises(ValueError, match="unknown setting 'bitz'"):
+    with pytest.raises(ValueError, match=r"unknown setting 'bitz' \(did you mean 'bits'\?\)"):
         TrainConfig.from_mapping({"bitz": 4})
+    with pytest.raises(ValueError, match=r"unknown setting 'Rounds' \(did you mean 'rounds'\?\)"):
+        TrainConfig.from_mapping({"Rounds": 4})  # an edited config.json's key in another case
+    with pytest.raises(ValueError, match=r"unknown setting 'qqqq'$"):
+        TrainConfig.from_mapping({"qqqq": 4})
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from retexo_fl.config import TrainConfig
 from retexo_fl.plots import curves
 
 
@@ -20,8 +21,12 @@ def test_a_stage_0_trained_as_both_variants_draws_one_curve_each():
 
 
 def test_the_stages_of_a_self_training_pass_are_named_by_pass():
-    assert [label for label, _ in curves({"stage": 4, "history": _rows(2)}, per_pass=3)] == ["pass 1 stage 1"]
+    # As the progress lines name them (TrainConfig.stage_name: passes from 1); they said pass 1
+    # for the log's pass 2.
+    cfg = TrainConfig(stages=3, self_training=1)
+    labels = [label for label, _ in curves({"stage": 4, "history": _rows(2)}, per_pass=3)]
+    assert labels == [cfg.stage_name(4)] == ["pass 2 stage 1"]
     assert [label for label, _ in curves({"stage": 3, "history": _rows(2, "mlp")}, per_pass=3)] == [
-        "pass 1 stage 0 (mlp)"
+        "pass 2 stage 0 (mlp)"
     ]
     assert curves({"stage": 1, "history": []}) == []

@@ -224,6 +224,7 @@ class RoundLoop:
             self._received(rs, r, list(ordered), plans)
             if validating:  # each reply validated the state it received: the previous round's result
                 self._record(rs, r - 1, aggregation.val, refresh)
+                self._say(rs, r - 1, rounds, label, refresh, last=rs.tracker.should_stop)
                 if rs.tracker.should_stop:
                     # A lazy stage is named as its progress lines name it ("pass 2 stage 0").
                     who = label if refresh else rs.tracker.name
@@ -239,9 +240,6 @@ class RoundLoop:
             rs.state = rs.server.step(aggregate)
             rs.view = rs.broadcast.prepare(rs.state, r + 1)
             rs.round, rs.seconds = r, time.perf_counter() - t0
-            if line := rs.tracker.progress_line(r, rounds):
-                where = f" boundary so far {human_bytes(fed.bytes_boundary)}" if refresh else ""
-                self.rec.progress(f"{label} {line}{where}" if refresh else line)
             if on_round is not None:
                 on_round(rs)
         else:  # the last state still needs its validation (eager: with the last round's halo rows)
@@ -260,6 +258,16 @@ class RoundLoop:
             if pending and not refresh:
                 rs.undelivered = {p: f for p, f in rs.undelivered.items() if p not in pending}
             self._record(rs, rounds, (val.correct, val.count, val.loss_sum), refresh)
+            self._say(rs, rounds, rounds, label, refresh, last=True)
+
+    def _say(self, rs: RoundState, round_: int, rounds: int, label: str, refresh: bool, last: bool) -> None:
+        """The progress line of round ``round_``'s result, once its validation is recorded (in
+        the next round's replies, or the stage's last validation): about five a stage, and the
+        stage's last."""
+        line = rs.tracker.progress_line(round_, rounds, last=last)
+        if line:
+            where = f" boundary so far {human_bytes(self.fed.bytes_boundary)}" if refresh else ""
+            self.rec.progress(f"{label} {line}{where}" if refresh else line)
 
     def _model_plans(
         self, rs: RoundState, round_: int, recipients: list[int]

@@ -140,20 +140,23 @@ class StageTracker:
             )
         return f"no validation gain for {self.patience} rounds, stopping"
 
-    def progress_line(self, round_: int, rounds: int) -> str | None:
+    def progress_line(self, round_: int, rounds: int, last: bool = False) -> str | None:
         """A progress line for about five rounds a stage, ``None`` for the others.
 
-        The rounds with a line are the first, the last and every ``rounds // 5``-th.
+        The rounds with a line are the first, the last (or ``last``: the stage stops there) and
+        every ``rounds // 5``-th.
 
         Args:
             round_ (int): the round just recorded.
             rounds (int): the stage's number of rounds.
+            last (bool, optional): the stage ends with this round. (default: :obj:`False`)
 
         Returns:
             The line (stage, round, last train loss and validation accuracy, best so far), or
             ``None`` (also before the stage's first validation).
         """
-        if self.history and (round_ == 1 or round_ == rounds or round_ % max(1, rounds // 5) == 0):
+        shown = last or round_ == 1 or round_ == rounds or round_ % max(1, rounds // 5) == 0
+        if self.history and shown:
             last = self.history[-1]  # nothing to say before the first validation
             loss = f"loss {last['train_loss']:.4f}  " if "train_loss" in last else ""
             best = f"best {self.best_val:.4f}@{self.best_round}"

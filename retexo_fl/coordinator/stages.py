@@ -328,7 +328,7 @@ class LazyStageMachine:
         kept = keep_best_stage(results)
         if kept is not last:
             self.rec.progress(
-                f"kept stage {kept['stage']} (pass {kept['pass']}): validation "
+                f"kept {self.cfg.stage_name(kept['stage'])}: validation "
                 f"{kept['val_accuracy']:.4f}, the last stage's {last['val_accuracy']:.4f}"
             )
         keys = ("pass", "stage", "val_accuracy", "val_loss", "test_accuracy")

@@ -141,8 +141,17 @@ def _load_raw(name: str, root: Path, seed: int):
         # PyG's download without a network, or a raw file it cannot read
         raise DatasetError(
             f"{name}: cannot be read or downloaded under --data-root {root} ({exc}); without "
-            "internet, copy its raw files there first"
+            f"internet, copy its raw files there first{_raw_folder_hint(name, root)}"
         ) from exc
+
+
+def _raw_folder_hint(name: str, root: Path) -> str:
+    """Where PyG reads a Planetoid graph's raw files under ``root`` (a copy one level off, in
+    ``root/Cora/raw``, is the usual miss), as a clause of the error; empty for other graphs."""
+    key = name.lower()
+    if key not in _FAMILIES["Planetoid"][1]:
+        return ""
+    return f" (PyG reads them from {root / 'Planetoid' / _SPELLING.get(key, name) / 'raw'})"
 
 
 def _load_any(name: str, root: Path, seed: int):

@@ -190,6 +190,30 @@ def test_progress_lines_name_pass_and_stage_and_wait_for_a_validation():
     assert t.progress_line(1, 16) == "pass 2 stage 0 round    1/16  val 0.5000  best 0.5000@1"
 
 
+def test_each_progress_line_gives_the_round_its_validation_is_of(tmp_path):
+    """A round's replies validate the previous round's result: a line names that round (it
+    named the round whose replies carried it, and the stage's last validation had no line)."""
+    import io
+    import json
+    import re
+
+    from retexo_fl.data.datasets import apply_split, synthetic_sbm
+    from retexo_fl.data.partitioners import partition_graph
+    from retexo_fl.training.lazy import run_lazy
+
+    data = synthetic_sbm(300, 3, avg_degree=6, num_features=8, seed=2)
+    apply_split(data, "random:0.3,0.2,0.5", seed=2)
+    stream = io.StringIO()
+    cfg = TrainConfig(stages=2, rounds=4, min_rounds=4, self_training=0, first_stage="mlp", seed=0)
+    run_lazy(partition_graph(data, 3, "random", seed=0), cfg, RunRecorder(tmp_path, stream=stream))
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    recorded = {(e["stage"], e["round"]): e["val_accuracy"] for e in events if e["event"] == "round"}
+    said = re.findall(r"stage (\d) round +(\d+)/4 .*?val (\d\.\d{4})", stream.getvalue())
+    assert [(int(s), int(r)) for s, r, _ in said] == sorted(recorded)  # 4 rounds: a line each
+    for stage, round_, val in said:
+        assert float(val) == round(recorded[(int(stage), int(round_))], 4)
+
+
 def test_warm_stages_have_their_own_minimum_rounds():
     # A self-training pass's stages start from the previous pass's weights: warm-min-rounds holds
     # them, min-rounds the fresh stages of the first pass.

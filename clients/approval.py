@@ -356,8 +356,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     files = tree_files(root)
-    if not any(is_code(path) for path in files):
-        print(f"retexo-fl release: error: {root}: holds no code file the digest covers", file=sys.stderr)
+    # A tree without one of the app's packages has a digest no installed app can match.
+    lacking = [pkg for pkg in APP_PACKAGES if not any(path.startswith(f"{pkg}/") for path in files)]
+    if lacking:
+        print(
+            f"retexo-fl release: error: {root}: holds no code file the digest covers in "
+            f"{', '.join(f'{pkg}/' for pkg in lacking)} (the app is {', '.join(APP_PACKAGES)})",
+            file=sys.stderr,
+        )
         return 2
     digest = app_digest(files)
     if args.action == "digest":

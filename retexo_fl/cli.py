@@ -180,10 +180,15 @@ def cmd_partition(args: argparse.Namespace) -> int:
     parts = partition_graph(data, args.clients, args.method, seed=args.seed, **options)
     if args.residency == "free":
         parts = [dataclasses.replace(p, residency_bound=False) for p in parts]
-    # Written beside --out and moved there whole: an interrupted or failed cut leaves no
-    # partial set that a later train would read as a cut with folders missing.
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.incomplete-", dir=out.parent))
+    # Written to a staging folder and moved into place when whole: an interrupted or failed cut
+    # leaves no partial set that a later train would read as a cut with folders missing. The
+    # staging folder is beside --out, or, where --out is an existing (empty) folder, inside it
+    # ("." or a mount point cannot be replaced), whose part folders then move up one by one.
+    out = out.resolve()
+    inside = out.is_dir()
+    home = out if inside else out.parent
+    home.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.incomplete-", dir=home))
     umask = os.umask(0)
     os.umask(umask)
     staging.chmod(0o777 & ~umask)  # as a folder made the usual way (mkdtemp's is private)
@@ -195,11 +200,16 @@ def cmd_partition(args: argparse.Namespace) -> int:
                 f"part-{p.partition_id}: {c['nodes']} nodes, {c['edges']} local edges, "
                 f"{c['cross_edges']} cross edges, train/val/test {c['train']}/{c['val']}/{c['test']}"
             )
-        staging.replace(out)  # over an empty folder too
+        if inside:
+            for folder in sorted(staging.iterdir()):
+                folder.replace(out / folder.name)
+            staging.rmdir()
+        else:
+            staging.replace(out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    print(f"wrote {len(parts)} partitions of {data.name} ({args.method}, seed {args.seed}) to {out}")
+    print(f"wrote {len(parts)} partitions of {data.name} ({args.method}, seed {args.seed}) to {args.out}")
     return 0
 
 
@@ -210,7 +220,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     given = [info.name for info in settings() if getattr(args, info.name, None) is not None]
     for line in ignored_settings(cfg, given):
         print(f"retexo-fl: warning: --{line}", file=sys.stderr)
-    cfg = partitions_config(cfg, clients_given="clients" in given)
+    if cfg.mode not in ("centralized", "datacenter") and not cfg.resume:  # else not read here
+        cfg = partitions_config(cfg, clients_given="clients" in given)
     unread = [f"--{name.replace('_', '-')}" for name in given if name not in ("resume", "out_dir")]
     if cfg.resume and unread:
         print(

@@ -321,11 +321,15 @@ def test_an_interrupted_cut_leaves_no_partial_set(tmp_path, capsys, monkeypatch)
     assert main(cut) == 130
     assert len(written) == 2 and not parts.exists()
     assert list(tmp_path.iterdir()) == []  # nor the staging folder
+    parts.mkdir()  # an empty --out is taken, as before; interrupted, it stays empty
+    assert main(cut) == 130 and list(parts.iterdir()) == []
     monkeypatch.setattr(partition_module, "save_partition", save)
-    parts.mkdir()  # an empty --out is taken, as before
-    assert main(cut) == 0
+    monkeypatch.chdir(parts)  # "--out ." (a folder that cannot be replaced by a rename)
+    assert main([*cut[:-1], "."]) == 0
     assert sorted(p.name for p in parts.iterdir()) == ["part-0", "part-1", "part-2", "part-3"]
-    assert (parts.stat().st_mode & 0o777) == 0o777 & ~_umask()
+    fresh = tmp_path / "fresh"  # a new folder: the staging folder, renamed, with the usual mode
+    assert main([*cut[:-1], str(fresh)]) == 0
+    assert (fresh.stat().st_mode & 0o777) == 0o777 & ~_umask()
 
 
 def _umask() -> int:

@@ -66,6 +66,7 @@ class StageTracker:
         self.best_round = 0
         self.stale = 0
         self.model_bytes = 0
+        self.said_round = 0  # the last round a progress line gave
         self.bytes_offset = 0  # bytes sent before this round's model traffic: earlier stages, boundary
 
     def record(self, round_: int, state: StateDict, val_accuracy: float, **extra: float) -> None:
@@ -143,8 +144,9 @@ class StageTracker:
     def progress_line(self, round_: int, rounds: int, last: bool = False) -> str | None:
         """A progress line for about five rounds a stage, ``None`` for the others.
 
-        The rounds with a line are the first, the last (or ``last``: the stage stops there) and
-        every ``rounds // 5``-th.
+        The rounds with a line are the first recorded, the last (or ``last``: the stage stops
+        there) and the first recorded in each stretch of ``rounds // 5`` (every ``rounds // 5``-th where
+        every round is validated; with ``validate-every`` the first validated in it).
 
         Args:
             round_ (int): the round just recorded.
@@ -155,8 +157,11 @@ class StageTracker:
             The line (stage, round, last train loss and validation accuracy, best so far), or
             ``None`` (also before the stage's first validation).
         """
-        shown = last or round_ == 1 or round_ == rounds or round_ % max(1, rounds // 5) == 0
+        every = max(1, rounds // 5)
+        said = getattr(self, "said_round", 0)  # a tracker of an older checkpoint lacks it
+        shown = last or said == 0 or round_ == rounds or round_ // every > said // every
         if self.history and shown:
+            self.said_round = round_
             last = self.history[-1]  # nothing to say before the first validation
             loss = f"loss {last['train_loss']:.4f}  " if "train_loss" in last else ""
             best = f"best {self.best_val:.4f}@{self.best_round}"

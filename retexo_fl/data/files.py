@@ -41,6 +41,7 @@ naming the file and, for a text file, the line.
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import logging
 import math
@@ -276,23 +277,44 @@ def _rows(path: Path) -> Iterator[tuple[int, list[str]]]:
 
 #: A comment line at the top of an edge list: ``%`` (KONECT), or ``#`` then a blank (SNAP), so
 #: that a first edge from a node named ``#tag`` is still an edge.
-_EDGE_COMMENT = re.compile(r"^(%|#(\s|$))")
+_EDGE_COMMENT = re.compile(r"^[#%](\s|$)")
+
+
+def _spaced(line: str) -> bool:
+    """Whether an edge list whose first edge line is ``line`` is separated by tabs or spaces:
+    a tab, no comma, or (networkx's ``write_edgelist(data=True)``) an attribute dict opened
+    before the first comma. ``New York,Boston`` stays comma-separated."""
+    text = line.strip()
+    if "\t" in text or ("," not in text and len(text.split()) >= 2):
+        return True
+    return "{" in text and text.index("{") < text.index(",")
 
 
 def _edge_rows(path: Path) -> Iterator[tuple[int, list[str]]]:
-    """``(line number, fields)`` of each edge line: comma-separated, or, where the first edge
-    line has no comma, separated by tabs or spaces; comment lines before it skipped."""
-    spaced: bool | None = None
-    for line, row in _rows(path):
-        if spaced is None:
-            if _EDGE_COMMENT.match(row[0]):
-                continue
-            spaced = len(row) == 1 and len(row[0].split()) >= 2
-        if spaced:
-            if len(row) != 1:
-                raise FileGraphError(path, "a comma in an edge list separated by tabs or spaces", line)
-            row = row[0].split()
-        yield line, row
+    """``(line number, fields)`` of each edge line: comma-separated, or separated by tabs or
+    spaces (:func:`_spaced`, decided on the first edge line); the comment lines before it
+    (``# ...``, ``% ...``) skipped, read as lines, so a quote in one cannot open a CSV field."""
+    try:
+        with path.open(newline="", encoding="utf-8-sig") as fh:
+            numbered = enumerate(fh, start=1)
+            lines = ((n, t) for n, t in numbered if t.strip() and not _EDGE_COMMENT.match(t.strip()))
+            first = next(lines, None)  # numbered goes on after it
+            if first is None:
+                return
+            number, line = first
+            if _spaced(line):
+                for n, text in itertools.chain([(number, line)], numbered):
+                    if text.strip():
+                        yield n, text.split()
+                return
+            reader = csv.reader(itertools.chain([line], (text for _, text in numbered)))
+            for row in reader:
+                if row and any(f.strip() for f in row):
+                    yield number - 1 + reader.line_num, [f.strip() for f in row]
+    except UnicodeDecodeError as exc:
+        raise FileGraphError(path, f"not UTF-8 text ({exc.reason})") from exc
+    except csv.Error as exc:
+        raise FileGraphError(path, f"malformed CSV ({exc})") from exc
 
 
 def _separator_hint(fields: list[str]) -> str:

@@ -143,6 +143,7 @@ def _spawned(
         MASTER_PORT=str(port),
         RANK=str(rank),
         WORLD_SIZE=str(cfg.datacenter.procs),
+        LOCAL_WORLD_SIZE=str(cfg.datacenter.procs),  # not a launcher's, inherited
         LOCAL_RANK=str(rank),
     )
     # The host's cores are shared by all P processes: oversubscribing them costs more than it gives.

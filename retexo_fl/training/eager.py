@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from retexo_fl.config import TrainConfig
 from retexo_fl.coordinator.baseline_run import BaselineRun
 from retexo_fl.data.partition import Partition, check_cross_consistency, map_partitions
@@ -38,5 +40,7 @@ def run_eager(
             f"run_eager(local={local}) trains mode {mode}, but the config's mode is {cfg.mode}: "
             f"build it with TrainConfig.resolve(mode={mode!r}, ...)"
         )
+    if cfg.threads:  # here: clients built on pool threads would set it for those threads only
+        torch.set_num_threads(cfg.threads)
     transport = InProcessTransport(map_partitions(lambda p: EagerClient(p, cfg, local), parts))
     return BaselineRun(transport, cfg, rec).run()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
+import torch
+
 from retexo_fl.config import TrainConfig
 from retexo_fl.coordinator.stages import LazyStageMachine
 from retexo_fl.data.partition import Partition, check_cross_consistency, map_partitions
@@ -36,6 +38,8 @@ def run_lazy(
     rec = rec or RunRecorder(None, stream=None)
     check_cross_consistency(list(parts))
     cfg = with_clients(cfg, len(parts))
+    if cfg.threads:  # here: clients built on pool threads would set it for those threads only
+        torch.set_num_threads(cfg.threads)
     transport = InProcessTransport(map_partitions(lambda p: LazyClient(p, cfg), parts))
     return LazyStageMachine(transport, cfg, rec, on_stage=on_stage).run()
 

@@ -270,7 +270,14 @@ def test_release_refuses_a_folder_that_is_missing_or_holds_no_code(tmp_path, cap
     (tmp_path / "empty").mkdir()
     (tmp_path / "afile").write_text("")
     sign = ["--key", str(tmp_path / "signer"), "--key-id", "x"]
-    cases = (("nowhere", "does not exist"), ("empty", "holds no code file"), ("afile", "not a folder"))
+    (tmp_path / "partial" / "retexo_fl").mkdir(parents=True)  # one of the app's three packages
+    (tmp_path / "partial" / "retexo_fl" / "x.py").write_text("x = 1\n")
+    cases = (
+        ("nowhere", "does not exist"),
+        ("empty", "holds no code file"),
+        ("afile", "not a folder"),
+        ("partial", "the digest covers in clients/, server/"),
+    )
     for folder, why in cases:
         for argv in (["digest", str(tmp_path / folder)], ["sign", str(tmp_path / folder), *sign]):
             assert approval.main(argv) == 2

@@ -92,7 +92,29 @@ def test_edge_lists_as_snap_and_konect_write_them_load_equal(tmp_path, head, sep
 def test_an_edge_list_that_mixes_separators_names_the_line(tmp_path):
     spec = _write(tmp_path)
     (tmp_path / "edges.csv").write_text("# a comment\n0 1\n1,2\n")
-    _expect(spec, "edges.csv:3:", "a comma in an edge list separated by tabs or spaces")
+    _expect(spec, "edges.csv:3:", "an edge line needs two node ids")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        # networkx's write_edgelist(data=True), two attributes: a comma inside the dict
+        "".join(f"{a} {b} {{'weight': 3, 'color': 'red'}}\n" for a, b in EDGES),
+        # a quote in a comment cannot open a CSV field that swallows the file
+        '# from ,"x\n' + "".join(f"{a},{b}\n" for a, b in EDGES),
+        "".join(f"{a},{b}\r\n" for a, b in EDGES),  # Windows line ends
+    ],
+)
+def test_edge_lists_with_attributes_quotes_in_comments_or_crlf_load_equal(tmp_path, text):
+    spec = _write(tmp_path)
+    (tmp_path / "edges.csv").write_text(text, newline="")
+    data = load_files_graph(spec[len("files:") :])
+    assert torch.equal(data.edge_index, undirected_coalesced(torch.tensor(EDGES).t(), 5))
+
+
+def test_a_node_named_like_a_comment_mark_is_an_edge_end_not_a_comment():
+    assert _EDGE_COMMENT.match("%a,b") is None and _EDGE_COMMENT.match("#,b") is None
+    assert _EDGE_COMMENT.match("% sym unweighted") and _EDGE_COMMENT.match("#")
 
 
 def test_a_repeated_label_row_that_agrees_is_read_once(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from retexo_fl.compress.payload import HEADER_BYTES
 from retexo_fl.config import TrainConfig
@@ -119,3 +120,11 @@ def test_clients_built_on_threads_train_as_those_built_in_turn(sbm, monkeypatch)
             [lazy["test_accuracy"], eager["test_accuracy"], eager["bytes_total"]]
         ]
     assert runs[True] == runs[False]
+    # --threads holds for the run's own thread, where training runs, not only for the pool's.
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        run_lazy(parts, TrainConfig(stages=1, rounds=1, min_rounds=0, self_training=0, threads=1))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

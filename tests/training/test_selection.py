@@ -214,6 +214,22 @@ def test_each_progress_line_gives_the_round_its_validation_is_of(tmp_path):
         assert float(val) == round(recorded[(int(stage), int(round_))], 4)
 
 
+@pytest.mark.parametrize(
+    ("every", "rounds", "lines"),
+    [(1, 20, [1, 4, 8, 12, 16, 20]), (7, 100, [7, 21, 42, 63, 84, 100]), (3, 20, [3, 6, 9, 12, 18, 20])],
+)
+def test_validating_every_few_rounds_still_gives_about_five_lines_a_stage(every, rounds, lines):
+    # Lines come with recorded validations: with validate-every 7 and 100 rounds none of them
+    # fell on a multiple of 20 but the last.
+    t = StageTracker(0)
+    said = []
+    for r in [*range(every, rounds + 1, every), *([rounds] if rounds % every else [])]:
+        t.record(r, {"w": torch.tensor([1.0])}, 0.5)
+        if t.progress_line(r, rounds, last=r == rounds):
+            said.append(r)
+    assert said == lines
+
+
 def test_warm_stages_have_their_own_minimum_rounds():
     # A self-training pass's stages start from the previous pass's weights: warm-min-rounds holds
     # them, min-rounds the fresh stages of the first pass.

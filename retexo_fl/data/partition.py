@@ -616,7 +616,8 @@ def peer_runs(peers: np.ndarray) -> list[tuple[int, int, int]]:
 #: cross-edge check's keys) runs on a pool of threads, one partition a task: its numpy and torch
 #: work releases the interpreter lock, so the partitions' set-up overlaps as it does where each
 #: party builds its own. Below, a pool costs more than it saves. On 2 cores, 8 clients of a
-#: 300,000-node graph: 1.05-1.43 s one after another, 0.80 s on 2 threads.
+#: 300,000-node graph, the check and the clients: 1.14-1.53 s one after another, 0.83-1.08 s on
+#: 2 threads (``bench/results/setup-2026-12-01-s37.txt``).
 PARALLEL_NODES = 50_000
 
 _Out = TypeVar("_Out")

@@ -75,7 +75,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group(f"{section} settings")
         for info in settings_of(cls):
             _add_flag(group, info)
-    parser.add_argument("--out", dest="out_dir", default=None, help="alias of --out-dir")
+    parser.add_argument("--out", dest="out_dir", default=None, action=_OneFolder, help="alias of --out-dir")
 
 
 def _shown(value: object) -> str:
@@ -130,7 +130,25 @@ def _add_flag(parser: argparse._ArgumentGroup, info: SettingInfo) -> None:
             type=type(info.default),
             choices=info.choices or None,
             help=f"{info.doc} ({_defaults_of(info)})",
+            **({"action": _OneFolder} if info.name == "out_dir" else {}),
         )
+
+
+class _OneFolder(argparse.Action):
+    """``--out-dir`` and its alias ``--out``: two different folders are refused, where the last
+    given was taken without a word."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        given = getattr(namespace, self.dest, None)
+        if given is not None and given != values:
+            parser.error(f"{option_string} {values}: the run folder is already given as {given}")
+        setattr(namespace, self.dest, values)
 
 
 #: What a true / false flag takes after it (``--encrypt false``); anything else is refused, since

@@ -134,6 +134,12 @@ def test_partitions_set_the_clients_and_a_refused_set_leaves_no_run_folder(tmp_p
     assert "declare 3 partitions and 1 are missing (part-1)" in err and not run.exists()
 
 
+def test_two_run_folders_are_refused_not_the_last_taken(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--out", "runs/a", "--out-dir", "runs/b"])
+    assert "--out-dir runs/b: the run folder is already given as runs/a" in capsys.readouterr().err
+
+
 def test_unknown_setting_is_refused(capsys):
     # The flag's choices are the setting's declared Literal: argparse refuses before any work.
     with pytest.raises(SystemExit) as exit_:

@@ -162,10 +162,10 @@ class StageTracker:
         shown = last or said == 0 or round_ == rounds or round_ // every > said // every
         if self.history and shown:
             self.said_round = round_
-            last = self.history[-1]  # nothing to say before the first validation
-            loss = f"loss {last['train_loss']:.4f}  " if "train_loss" in last else ""
+            row = self.history[-1]  # nothing to say before the first validation
+            loss = f"loss {row['train_loss']:.4f}  " if "train_loss" in row else ""
             best = f"best {self.best_val:.4f}@{self.best_round}"
-            return f"{self.name} round {round_:4d}/{rounds}  {loss}val {last['val_accuracy']:.4f}  {best}"
+            return f"{self.name} round {round_:4d}/{rounds}  {loss}val {row['val_accuracy']:.4f}  {best}"
         return None
 
     def figures(self, seconds: float) -> dict[str, Any]:

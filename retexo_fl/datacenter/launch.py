@@ -27,7 +27,7 @@ def _free_port() -> int:
 
 
 def host_backend(device: str, local_procs: int) -> tuple[str, str]:
-    """Where this host's ``local_procs`` processes compute, with which backend, and why.
+    """Where this host's ``local_procs`` processes compute, and with which backend.
 
     NCCL needs a GPU of its own for each process of a communicator ("Duplicate GPU detected"),
     so ``auto`` takes the GPUs only where there is one for every process on the host, and the
@@ -38,8 +38,7 @@ def host_backend(device: str, local_procs: int) -> tuple[str, str]:
         local_procs (int): the run's processes on this host.
 
     Returns:
-        tuple[str, str]: ``"cuda"`` and ``"nccl"``, or ``"cpu"`` and ``"gloo"``; and the reason,
-        as the run's first lines say it.
+        tuple[str, str]: ``"cuda"`` and ``"nccl"``, or ``"cpu"`` and ``"gloo"``.
 
     Raises:
         RuntimeError: ``cuda`` without CUDA, or with fewer GPUs than processes on the host.

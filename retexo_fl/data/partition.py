@@ -619,14 +619,17 @@ def peer_runs(peers: np.ndarray) -> list[tuple[int, int, int]]:
 #: 300,000-node graph, the check and the clients: 1.14-1.53 s one after another, 0.83-1.08 s on
 #: 2 threads (``bench/results/setup-2026-12-01-s37.txt``).
 PARALLEL_NODES = 50_000
+#: ... and where its partitions average this many nodes or more: one-node partitions (node
+#: level) are set up by Python code that holds the interpreter lock, which a pool only adds to.
+PARALLEL_PART_NODES = 1_000
 
 _Out = TypeVar("_Out")
 
 
 def map_partitions(fn: Callable[[Partition], _Out], parts: Sequence[Partition]) -> list[_Out]:
     """``[fn(p) for p in parts]``, on a pool of threads where the partitions hold
-    :data:`PARALLEL_NODES` nodes or more in all; the results in ``parts``' order, and the first
-    partition's error first.
+    :data:`PARALLEL_NODES` nodes or more in all and :data:`PARALLEL_PART_NODES` or more each on
+    average; the results in ``parts``' order, and the first partition's error first.
 
     Args:
         fn (Callable[[Partition], Any]): what to do with one partition; must touch no state that
@@ -634,7 +637,8 @@ def map_partitions(fn: Callable[[Partition], _Out], parts: Sequence[Partition]) 
         parts (Sequence[Partition]): the partitions.
     """
     workers = min(len(parts), os.cpu_count() or 1)
-    if sum(int(p.num_nodes) for p in parts) < PARALLEL_NODES or workers < 2:
+    nodes = sum(int(p.num_nodes) for p in parts)
+    if nodes < PARALLEL_NODES or nodes < PARALLEL_PART_NODES * len(parts) or workers < 2:
         return [fn(p) for p in parts]
     with ThreadPoolExecutor(workers, thread_name_prefix="partition") as pool:
         return list(pool.map(fn, parts))

@@ -230,6 +230,7 @@ def test_a_node_owned_by_two_partitions_is_refused(parts):
 def test_mismatched_cross_edges_name_both_clients(parts, threads, monkeypatch):
     # On threads (map_partitions, as a large graph's check runs) as one after another.
     monkeypatch.setattr(partition_module, "PARALLEL_NODES", 0 if threads else 1 << 62)
+    monkeypatch.setattr(partition_module, "PARALLEL_PART_NODES", 0)
     check_cross_consistency(parts)  # consistent as made
     p1 = parts[1]
     p1.cross_edges = p1.cross_edges[1:]
@@ -241,6 +242,7 @@ def test_mismatched_cross_edges_name_both_clients(parts, threads, monkeypatch):
 
 def test_partitions_mapped_on_threads_keep_their_order_and_the_first_error(parts, monkeypatch):
     monkeypatch.setattr(partition_module, "PARALLEL_NODES", 0)
+    monkeypatch.setattr(partition_module, "PARALLEL_PART_NODES", 0)
     seen: list[str] = []
 
     def work(p):
@@ -254,6 +256,11 @@ def test_partitions_mapped_on_threads_keep_their_order_and_the_first_error(parts
         map_partitions(work, parts)
     if (os.cpu_count() or 1) > 1:
         assert all(name.startswith("partition") for name in seen)  # the pool ran them
+    # Small partitions on average (node level: one node each) stay in this thread.
+    monkeypatch.setattr(partition_module, "PARALLEL_PART_NODES", 1 + max(p.num_nodes for p in parts))
+    seen.clear()
+    here = threading.current_thread().name
+    assert map_partitions(lambda p: threading.current_thread().name, parts) == [here] * len(parts)
     monkeypatch.setattr(partition_module, "PARALLEL_NODES", 1 << 62)
     seen.clear()
     with pytest.raises(ValueError, match="client 1"):

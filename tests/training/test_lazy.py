@@ -113,6 +113,7 @@ def test_clients_built_on_threads_train_as_those_built_in_turn(sbm, monkeypatch)
     runs = {}
     for threads in (False, True):
         monkeypatch.setattr(partition_module, "PARALLEL_NODES", 0 if threads else 1 << 62)
+        monkeypatch.setattr(partition_module, "PARALLEL_PART_NODES", 0)
         lazy = run_lazy(parts, TrainConfig(stages=2, rounds=3, min_rounds=0, self_training=0, seed=0))
         eager = run_eager(parts, TrainConfig.resolve(mode="eager", rounds=3, seed=0))
         keys = ("val_accuracy", "val_loss", "bytes_model", "bytes_boundary")

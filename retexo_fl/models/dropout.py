@@ -4,7 +4,8 @@ PyTorch's CPU dropout draws its mask with ``bernoulli_(1 - p)``, one scalar Bern
 element: about 15 ns an element on these machines (torch 2.13, 2 threads). In a lazy conv stage
 that was half of a round's time: the input dropout covers every owned and halo row at every
 step (``bench/scale.py``'s profile, 100,000 nodes). Here a mask takes one 64-bit key from
-torch's generator (the device's, so runs stay reproducible per seed) and hashes a counter with
+torch's generator (the device's, so masks are reproducible per seed; a GPU run as a whole need
+not be, where its kernels add with atomics, as PyG's scatters do) and hashes a counter with
 it: word ``w`` is ``splitmix64(key + (w + 1) * 0x9E3779B97F4A7C15)``, whose four 16-bit lanes
 give elements ``4 w`` to ``4 w + 3`` a uniform ``w16`` each. An element is kept when ``w16 >=
 round(p * 2^16)``: with probability ``1 - p'``, ``p'`` being ``p`` rounded to a multiple of

@@ -42,9 +42,6 @@ SAFE_GLOBALS += [
     (ClientCounts, "retexo_fl.training.federation.ClientCounts"),
 ]
 
-#: The checkpoint's file in a run folder.
-CHECKPOINT = CHECKPOINT_FILE
-
 
 class FileCheckpoints:
     """A :class:`~retexo_fl.coordinator.checkpoint.CheckpointStore` in a run folder.
@@ -54,7 +51,7 @@ class FileCheckpoints:
     """
 
     def __init__(self, folder: str) -> None:
-        self.path = Path(folder) / CHECKPOINT
+        self.path = Path(folder) / CHECKPOINT_FILE
 
     def save(self, checkpoint: Checkpoint) -> None:
         """Write ``checkpoint`` atomically, readable by this user alone (it holds relayed frames)."""

@@ -40,6 +40,7 @@ naming the file and, for a text file, the line.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import itertools
 import json
@@ -48,6 +49,7 @@ import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 import torch
@@ -262,17 +264,25 @@ class _Features(_Ids):
         self.rows, self.width = rows, width
 
 
-def _rows(path: Path) -> Iterator[tuple[int, list[str]]]:
-    """``(line number, fields)`` of each non-blank CSV line (a leading byte-order mark skipped)."""
+@contextlib.contextmanager
+def _text(path: Path) -> Iterator[TextIO]:
+    """``path`` open as UTF-8 text (a leading byte-order mark skipped); its decoding and CSV
+    faults, met while it is read, raised naming it."""
     try:
         with path.open(newline="", encoding="utf-8-sig") as fh:
-            for line, row in enumerate(csv.reader(fh), start=1):
-                if row and any(f.strip() for f in row):
-                    yield line, [f.strip() for f in row]
+            yield fh
     except UnicodeDecodeError as exc:
         raise FileGraphError(path, f"not UTF-8 text ({exc.reason})") from exc
     except csv.Error as exc:
         raise FileGraphError(path, f"malformed CSV ({exc})") from exc
+
+
+def _rows(path: Path) -> Iterator[tuple[int, list[str]]]:
+    """``(line number, fields)`` of each non-blank CSV line."""
+    with _text(path) as fh:
+        for line, row in enumerate(csv.reader(fh), start=1):
+            if row and any(f.strip() for f in row):
+                yield line, [f.strip() for f in row]
 
 
 #: A comment line at the top of an edge list: ``%`` (KONECT), or ``#`` then a blank (SNAP), so
@@ -294,27 +304,22 @@ def _edge_rows(path: Path) -> Iterator[tuple[int, list[str]]]:
     """``(line number, fields)`` of each edge line: comma-separated, or separated by tabs or
     spaces (:func:`_spaced`, decided on the first edge line); the comment lines before it
     (``# ...``, ``% ...``) skipped, read as lines, so a quote in one cannot open a CSV field."""
-    try:
-        with path.open(newline="", encoding="utf-8-sig") as fh:
-            numbered = enumerate(fh, start=1)
-            lines = ((n, t) for n, t in numbered if t.strip() and not _EDGE_COMMENT.match(t.strip()))
-            first = next(lines, None)  # numbered goes on after it
-            if first is None:
-                return
-            number, line = first
-            if _spaced(line):
-                for n, text in itertools.chain([(number, line)], numbered):
-                    if text.strip():
-                        yield n, text.split()
-                return
-            reader = csv.reader(itertools.chain([line], (text for _, text in numbered)))
-            for row in reader:
-                if row and any(f.strip() for f in row):
-                    yield number - 1 + reader.line_num, [f.strip() for f in row]
-    except UnicodeDecodeError as exc:
-        raise FileGraphError(path, f"not UTF-8 text ({exc.reason})") from exc
-    except csv.Error as exc:
-        raise FileGraphError(path, f"malformed CSV ({exc})") from exc
+    with _text(path) as fh:
+        numbered = enumerate(fh, start=1)
+        lines = ((n, t) for n, t in numbered if t.strip() and not _EDGE_COMMENT.match(t.strip()))
+        first = next(lines, None)  # numbered goes on after it
+        if first is None:
+            return
+        number, line = first
+        if _spaced(line):
+            for n, text in itertools.chain([(number, line)], numbered):
+                if text.strip():
+                    yield n, text.split()
+            return
+        reader = csv.reader(itertools.chain([line], (text for _, text in numbered)))
+        for row in reader:
+            if row and any(f.strip() for f in row):
+                yield number - 1 + reader.line_num, [f.strip() for f in row]
 
 
 def _separator_hint(fields: list[str]) -> str:

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from retexo_fl.coordinator.aggregate import ServerOptimizer
-from server.checkpoint import CHECKPOINT, SAFE_GLOBALS, FileCheckpoints
+from retexo_fl.metrics import CHECKPOINT_FILE
+from server.checkpoint import SAFE_GLOBALS, FileCheckpoints
 
 
 class _RunsCode:
@@ -24,13 +25,13 @@ class _RunsCode:
 
 def test_a_checkpoint_that_would_run_code_is_refused_and_runs_nothing(tmp_path):
     marker = tmp_path / "ran"
-    with open(tmp_path / CHECKPOINT, "wb") as f:
+    with open(tmp_path / CHECKPOINT_FILE, "wb") as f:
         torch.save({"stage": 1, "payload": _RunsCode(str(marker))}, f)
     with pytest.raises(ValueError, match=r"refused, not a checkpoint this server wrote \(.*posix.system"):
         FileCheckpoints(str(tmp_path)).load()
     assert not marker.exists()
     # the same file, loaded the way the server once did, would have run it
-    torch.load(tmp_path / CHECKPOINT, weights_only=False)
+    torch.load(tmp_path / CHECKPOINT_FILE, weights_only=False)
     assert marker.exists()
 
 
@@ -65,16 +66,16 @@ def test_a_checkpoint_written_before_the_two_wings_still_loads(tmp_path, monkeyp
     old.ServerOptimizer = ServerOptimizer  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "retexo_fl.training.aggregate", old)
     monkeypatch.setattr(ServerOptimizer, "__module__", "retexo_fl.training.aggregate")
-    with open(tmp_path / CHECKPOINT, "wb") as f:
+    with open(tmp_path / CHECKPOINT_FILE, "wb") as f:
         torch.save({"server": opt}, f)
-    assert b"retexo_fl.training.aggregate" in (tmp_path / CHECKPOINT).read_bytes()
+    assert b"retexo_fl.training.aggregate" in (tmp_path / CHECKPOINT_FILE).read_bytes()
     monkeypatch.undo()  # the old module is gone again, as in a fresh process
     assert ServerOptimizer.__module__ == aggregate.__name__
     # What FileCheckpoints.load allows (a whole Checkpoint of that time is checked the same way).
     with torch.serialization.safe_globals(SAFE_GLOBALS):
-        loaded = torch.load(tmp_path / CHECKPOINT, weights_only=True)
+        loaded = torch.load(tmp_path / CHECKPOINT_FILE, weights_only=True)
     assert isinstance(loaded["server"], ServerOptimizer)
     # Without the old names the same file is refused, so the list above is what loads it.
     current = [g for g in SAFE_GLOBALS if not isinstance(g, tuple)]
     with pytest.raises(pickle.UnpicklingError), torch.serialization.safe_globals(current):
-        torch.load(tmp_path / CHECKPOINT, weights_only=True)
+        torch.load(tmp_path / CHECKPOINT_FILE, weights_only=True)

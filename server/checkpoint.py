@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from retexo_fl import protocol as P
 from retexo_fl.compress.boundary import ExchangeStats
 from retexo_fl.compress.updates import ModelBroadcast, UpdateCodec
 from retexo_fl.config import TrainConfig
@@ -62,8 +63,12 @@ class FileCheckpoints:
             torch.save(checkpoint, f)
         tmp.replace(self.path)
 
-    def load(self) -> Checkpoint:
+    def load(self, mmap: bool = False) -> Checkpoint:
         """The checkpoint in the folder.
+
+        Args:
+            mmap (bool, optional): map its tensors from the file instead of reading them, for a
+                reader of its small fields alone (a resume's config check). (default: :obj:`False`)
 
         Raises:
             ValueError: there is none, or the file is not a checkpoint.
@@ -72,7 +77,7 @@ class FileCheckpoints:
             raise ValueError(f"{self.path}: no checkpoint to resume from (the run folder of a lazy run)")
         try:
             with torch.serialization.safe_globals(SAFE_GLOBALS):
-                checkpoint = torch.load(self.path, weights_only=True)
+                checkpoint = torch.load(self.path, weights_only=True, mmap=mmap)
         except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
             lines = [
                 line.strip() for line in str(exc).splitlines() if "GLOBAL" in line or "Unsupported" in line
@@ -115,4 +120,37 @@ def resumed_config(cfg: TrainConfig) -> TrainConfig:
         raise ValueError(f"{path}: {exc}") from exc
     if resumed.mode != "lazy":
         raise ValueError(f"{cfg.resume}: resume continues lazy runs; this one is {resumed.mode}")
+    _check_unedited(path, resumed, started)
     return resumed
+
+
+def _check_unedited(path: Path, resumed: TrainConfig, defaults: dict) -> None:
+    """Refuse a run's ``config.json`` (``path``) whose settings differ from those in its
+    checkpoint, the config its clients bound at setup: they would refuse every message of the
+    resumed run, after the engine had started, naming only two digests.
+
+    ``defaults``: the field defaults, for settings the checkpoint's config predates. Without a
+    checkpoint there is nothing to compare: the resume itself says so.
+    """
+    store = FileCheckpoints(str(path.parent))
+    if not store.path.is_file():
+        return
+    began = store.load(mmap=True).config  # its small fields only: the frames stay in the file
+
+    def plain(values: dict) -> dict:  # as config.json holds them (tuples are lists there)
+        return json.loads(json.dumps(values, default=str))
+
+    before, now = plain({**defaults, **began}), plain(resumed.to_dict())
+    changed = [
+        name
+        for name in sorted(before.keys() | now.keys())
+        if name not in (*P.SERVER_ONLY_SETTINGS, "extra") and before.get(name) != now.get(name)
+    ]
+    if changed:
+        what = ", ".join(
+            f"{name.replace('_', '-')} {before.get(name)!r} -> {now.get(name)!r}" for name in changed
+        )
+        raise ValueError(
+            f"{path}: edited since the run started ({what}); a resumed run trains with the settings "
+            "its clients bound at setup: put them back, or start a new run with another --out"
+        )

@@ -262,6 +262,28 @@ def test_a_run_resumed_from_an_older_config_keeps_the_settings_it_started_with(t
         resumed_config(TrainConfig(resume=str(tmp_path), out_dir=str(tmp_path / "elsewhere")))
 
 
+def test_a_config_json_edited_since_the_start_is_refused_naming_the_setting(tmp_path):
+    """The clients bound the start's config at setup and refuse any other: a resume from an edited
+    config.json is refused before any engine starts, naming what changed (it failed at the
+    clients' binding, with two digests)."""
+    import json
+
+    from retexo_fl.coordinator.checkpoint import Checkpoint
+    from server.checkpoint import resumed_config
+
+    cfg = TrainConfig.resolve(clients=3, out_dir=str(tmp_path))
+    began = cfg.to_dict()
+    began.pop("first_stage_race")  # a checkpoint of a release before the setting: its default
+    FileCheckpoints(str(tmp_path)).save(Checkpoint(began, 7, [0, 1, 2], {}, {}, [], 0, 0))
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    resumed = resumed_config(TrainConfig(resume=str(tmp_path)))
+    assert resumed.to_dict() == {**cfg.to_dict(), "resume": str(tmp_path)}
+    edited = {**cfg.to_dict(), "lr": [0.5], "seed": 3}
+    (tmp_path / "config.json").write_text(json.dumps(edited))
+    with pytest.raises(ValueError, match=r"config.json: edited since the run started \(lr .*, seed 0 -> 3\)"):
+        resumed_config(TrainConfig(resume=str(tmp_path)))
+
+
 @pytest.mark.slow
 def test_a_node_level_server_killed_between_a_stage_test_and_its_embed_resumes_bit_for_bit(tmp_path):
     """One node a client, some holding no labelled node at all: a stage's embed brings the

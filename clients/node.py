@@ -24,6 +24,7 @@ from flwr.app import Context, Message
 
 from retexo_fl import protocol as P
 from retexo_fl.config import TrainConfig
+from retexo_fl.data.datasets import dataset_fingerprint
 from retexo_fl.secure.keys import private_folder
 
 if TYPE_CHECKING:
@@ -77,8 +78,15 @@ def partition_dir(context: Context, cfg: TrainConfig) -> Path:
 
 def cut_folder(base: Path, cfg: TrainConfig) -> Path:
     """Where a simulation keeps the cut of ``cfg``'s dataset under the work base ``base``: one
-    folder per (dataset, split, partitioning, clients, seed), holding every ``part-<i>``."""
-    key = json.dumps([cfg.dataset, cfg.split, cfg.split_index, cfg.method, cfg.clients, cfg.seed])
+    folder per (dataset, split, partitioning, clients, seed), holding every ``part-<i>``, and
+    per version of a user's graph files (their sizes and modification times): a cut of files
+    since edited is not found again."""
+    key = json.dumps(
+        [
+            *(cfg.dataset, cfg.split, cfg.split_index, cfg.method, cfg.clients, cfg.seed),
+            *dataset_fingerprint(cfg.dataset),
+        ]
+    )
     return base / "partitions" / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 

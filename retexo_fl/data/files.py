@@ -4,10 +4,13 @@ Two ``--dataset`` forms read files a user brings rather than a PyG class:
 
 ``files:edges=E.csv,features=F,labels=L.csv[,id-column=NAME][,label-column=NAME]``
     * ``edges``: one edge a line, its first two columns the endpoint ids; a header line is
-      optional (the first line is one when neither of its first two fields is a node id); further
-      columns (weights, timestamps) are ignored. Edges are taken as undirected, duplicates and
-      self loops dropped; a file without an edge is refused.
-    * ``features``: a ``.csv`` (node id, then one number a column; header optional), a ``.json``
+      optional (the first line is one when neither of its first two fields is a node id), and
+      one naming the endpoint columns (:data:`ENDPOINT_COLUMNS`), or opening with an unnamed
+      column (pandas' index), picks them; other columns (weights, timestamps) are ignored.
+      Edges are taken as undirected, duplicates and self loops dropped; a file without an edge
+      between two nodes is refused.
+    * ``features``: a ``.csv`` (node id, then one number a column; header optional; a column
+      named as the labels' label column is skipped, so one table can be both files), a ``.json``
       bag of ids (``{"<node id>": [feature id, ...]}``, multi-hot, as the MUSAE social graphs
       ship) or an ``.npz`` (one array, or the first of ``x``, ``features``, ``node_features``:
       row ``i`` is node ``i``).
@@ -17,7 +20,8 @@ Two ``--dataset`` forms read files a user brings rather than a PyG class:
       when there are more). Integer labels are kept (``-1`` or an empty
       field: unlabeled), written as floats too (``2.0``, ``-1.0``, as pandas writes an integer
       column with a gap); any other values (``True``/``False``, class names) are numbered in
-      sorted order. Integer labels are class indices, at most :data:`MAX_CLASSES` classes.
+      sorted order (a word among integer labels is an error). Integer labels are class indices,
+      at most :data:`MAX_CLASSES` classes.
 
     Nodes are the ids the feature and label files name. Integer ids keep their numeric order
     (so ids ``0..N-1`` stay node ``0..N-1``) and are one node whatever their spelling in each
@@ -74,8 +78,8 @@ MAX_CLASSES = 1 << 16
 MAX_FEATURE_VALUES = 1 << 31
 
 
-#: Cells that stand for a missing value, in lower case (R writes NA, pandas nan) ...
-MISSING_VALUES = frozenset({"", "na", "nan", "n/a", "null"})
+#: Cells that stand for a missing value, in lower case (R writes NA, pandas nan, UCI files ?) ...
+MISSING_VALUES = frozenset({"", "na", "nan", "n/a", "null", "?"})
 #: ... and the label values read as "unlabeled": those, and the documented -1.
 MISSING_LABELS = MISSING_VALUES | {"-1", "-1.0"}
 
@@ -143,7 +147,7 @@ def load_files_graph(spec: str) -> Data:
             raise FileGraphError(path, f"no such {name} file")
     labels = _read_labels(paths["labels"], keys.get("id-column"), keys.get("label-column"))
     label_ids, label_values = labels.ids, labels.values
-    feats = _read_features(paths["features"])
+    feats = _read_features(paths["features"], labels)
     numbered = (  # at 2 columns or more a data row is these integers by chance alone
         feats.width >= 2
         and bool(feats.ids)
@@ -161,6 +165,13 @@ def load_files_graph(spec: str) -> Data:
             1,
         )
     index = _node_index([labels, feats])
+    if feats.ids and not {_canonical(i) for i in label_ids} & {_canonical(i) for i in feats.ids}:
+        raise FileGraphError(
+            paths["labels"],
+            f"none of its {len(label_ids)} node ids (column {labels.header_id!r}, e.g. {label_ids[0]!r}) "
+            f"has a row in {paths['features'].name} (e.g. {feats.ids[0]!r}): the files name nodes "
+            "differently; name the labels' node id column with id-column=NAME",
+        )
     n = len(index)
     y = torch.full((n,), -1, dtype=torch.long)
     y[torch.tensor([index[_canonical(i)] for i in label_ids], dtype=torch.long)] = torch.tensor(label_values)
@@ -178,6 +189,11 @@ def load_files_graph(spec: str) -> Data:
         )  # fmt: skip
     src, dst = _read_edges(paths["edges"], index)
     edge_index = undirected_coalesced(torch.stack([torch.from_numpy(src), torch.from_numpy(dst)]), n)
+    if edge_index.size(1) == 0:
+        raise FileGraphError(
+            paths["edges"],
+            f"its {len(src)} edge line(s) are all self loops: a graph needs an edge between two nodes",
+        )
     data = Data(x=x, y=y, edge_index=edge_index)
     data.name = paths["edges"].stem
     return data
@@ -250,15 +266,26 @@ class _Ids:
 
 class _Labels(_Ids):
     def __init__(
-        self, path: Path, ids: list[str], lines: list[int | None], values: list[int], header_id: str
+        self,
+        path: Path,
+        ids: list[str],
+        lines: list[int | None],
+        values: list[int],
+        header_id: str,
+        header_label: str,
     ) -> None:
         super().__init__(path, ids, lines)
-        self.values, self.header_id = values, header_id
+        self.values, self.header_id, self.header_label = values, header_id, header_label
 
 
 class _Features(_Ids):
     def __init__(
-        self, path: Path, ids: list[str], lines: list[int | None], rows: torch.Tensor, width: int
+        self,
+        path: Path,
+        ids: list[str],
+        lines: list[int | None],
+        rows: torch.Tensor,
+        width: int,
     ) -> None:
         super().__init__(path, ids, lines)
         self.rows, self.width = rows, width
@@ -272,9 +299,28 @@ def _text(path: Path) -> Iterator[TextIO]:
         with path.open(newline="", encoding="utf-8-sig") as fh:
             yield fh
     except UnicodeDecodeError as exc:
-        raise FileGraphError(path, f"not UTF-8 text ({exc.reason})") from exc
+        raise FileGraphError(path, f"not UTF-8 text ({exc.reason}){_compressed_hint(path)}") from exc
     except csv.Error as exc:
         raise FileGraphError(path, f"malformed CSV ({exc})") from exc
+
+
+#: The first bytes of compressed files a user may pass as they were downloaded.
+_COMPRESSED = ((b"\x1f\x8b", "gzip", "gunzip"), (b"BZh", "bzip2", "bunzip2"), (b"\xfd7zXZ", "xz", "unxz"))
+
+
+def _compressed_hint(path: Path) -> str:
+    """Advice for a file that is not text because it is compressed (``.csv.gz`` renamed, say)."""
+    try:
+        with path.open("rb") as fh:
+            head = fh.read(6)
+    except OSError:
+        return ""
+    for magic, kind, tool in _COMPRESSED:
+        if head.startswith(magic):
+            return f"; it is {kind}-compressed: decompress it first ({tool})"
+    if head.startswith(b"PK"):
+        return "; it is a zip archive: extract the file from it first"
+    return ""
 
 
 def _rows(path: Path) -> Iterator[tuple[int, list[str]]]:
@@ -450,6 +496,16 @@ def _read_labels(path: Path, id_column: str | None, label_column: str | None) ->
                     lines[node],
                 )
     else:  # categories: numbered in sorted order, so True/False -> 1/0
+        ints = [v for v in given if _is_integral(v)]
+        if ints and len(ints) * 2 >= len(given):  # "1, 0, unknown": class indices and a stray word
+            word = next(v for v in raw if v != "" and not _is_integral(v))
+            line = lines[ids[raw.index(word)]]
+            raise FileGraphError(
+                path,
+                f"label {word!r} among integer labels: integer labels are class indices (write an "
+                "unlabeled node as -1 or empty, or every class as a name)",
+                line,
+            )
         if header[label_col] in given:  # "alice,dog": line 1 was data, its label a class
             raise FileGraphError(
                 path,
@@ -459,18 +515,28 @@ def _read_labels(path: Path, id_column: str | None, label_column: str | None) ->
             )
         classes = {c: i for i, c in enumerate(sorted(set(given)))}
         values = [classes[v] if v != "" else -1 for v in raw]
-    return _Labels(path, ids, [lines[i] for i in ids], values, header[id_col])
+    return _Labels(path, ids, [lines[i] for i in ids], values, header[id_col], header[label_col])
 
 
-def _read_features(path: Path) -> _Features:
+def _read_features(path: Path, labels: _Labels) -> _Features:
     suffix = path.suffix.lower()
     if suffix == ".json":
-        return _read_bag_of_ids(path)
-    if suffix == ".csv":
-        return _read_feature_csv(path)
-    if suffix == ".npz":
-        return _read_feature_npz(path)
-    raise FileGraphError(path, f"unknown features format {suffix!r}: use .csv, .json (bag of ids) or .npz")
+        feats = _read_bag_of_ids(path)
+    elif suffix == ".csv":
+        feats = _read_feature_csv(path, labels)
+    elif suffix == ".npz":
+        feats = _read_feature_npz(path)
+    else:
+        raise FileGraphError(
+            path, f"unknown features format {suffix!r}: use .csv, .json (bag of ids) or .npz"
+        )
+    if feats.width == 0:
+        raise FileGraphError(
+            path,
+            "no feature columns: every node's features would be empty; a graph without node "
+            "features needs some to train on (a column of ones, or each node's degree)",
+        )
+    return feats
 
 
 def _read_bag_of_ids(path: Path) -> _Features:
@@ -488,7 +554,8 @@ def _read_bag_of_ids(path: Path) -> _Features:
     except json.JSONDecodeError as exc:
         raise FileGraphError(path, f"invalid JSON: {exc.msg}", exc.lineno) from exc
     except (UnicodeDecodeError, RecursionError) as exc:
-        raise FileGraphError(path, f"cannot be read as JSON ({type(exc).__name__})") from exc
+        hint = _compressed_hint(path)
+        raise FileGraphError(path, f"cannot be read as JSON ({type(exc).__name__}){hint}") from exc
     if not isinstance(obj, dict):
         raise FileGraphError(
             path, f"expected an object {{node id: [feature ids]}}, got a {type(obj).__name__}"
@@ -525,19 +592,28 @@ def _read_bag_of_ids(path: Path) -> _Features:
     return _Features(path, ids, [None] * len(ids), rows, width)
 
 
-def _read_feature_csv(path: Path) -> _Features:
+def _read_feature_csv(path: Path, labels: _Labels) -> _Features:
+    """A features CSV: node id, then one number a column. A column named as the labels file's
+    label column is not read: one table of a node's columns given as both files would otherwise
+    put each node's label among the inputs of the model that predicts it."""
     ids: list[str] = []
+    skip: int | None = None  # the label column's index among the values
     lines: list[int | None] = []
     seen: dict[str, int] = {}
     values: list[list[float]] = []
     width = None
+    columns: list[str] | None = None
     for line, row in _rows(path):
         if len(row) < 2:
             raise FileGraphError(
                 path, f"a feature line needs a node id and at least one value{_separator_hint(row)}", line
             )
         if line == 1 and not row[0]:  # pandas' to_csv header: an unnamed index, then column names
+            columns = row[1:]
+            skip = _label_column(path, columns, labels)
             continue
+        if skip is not None and len(row) == len(columns or ()) + 1:
+            row = row[: skip + 1] + row[skip + 2 :]
         try:
             nums = [float(v) for v in row[1:]]
         except ValueError:
@@ -546,6 +622,8 @@ def _read_feature_csv(path: Path) -> _Features:
             # header guess would have dropped silently (its node read as zeros).
             words = [v for v in row[1:] if not _parses(v, float) and v.strip().lower() not in MISSING_VALUES]
             if not ids and line == 1 and words:
+                columns = row[1:]
+                skip = _label_column(path, columns, labels)
                 continue
             raise FileGraphError(path, f"non-numeric feature value in {row[1:]!r}", line) from None
         if width is None:
@@ -568,6 +646,18 @@ def _read_feature_csv(path: Path) -> _Features:
     if width is None:
         raise FileGraphError(path, "no feature lines")
     return _Features(path, ids, lines, torch.tensor(values, dtype=torch.float32), width)
+
+
+def _label_column(path: Path, columns: list[str], labels: _Labels) -> int | None:
+    """The index among a features CSV's value ``columns`` of the labels file's label column, said
+    in the log, or ``None``."""
+    if labels.header_label not in columns:
+        return None
+    log.warning(
+        "%s: column %r is the label column of %s: not read as a feature",
+        path.name, labels.header_label, labels.path.name,
+    )  # fmt: skip
+    return columns.index(labels.header_label)
 
 
 def _array(arrays: np.lib.npyio.NpzFile, key: str, path: Path) -> np.ndarray:
@@ -666,19 +756,47 @@ def _canonical(node: str) -> str:
         return node
 
 
+#: Header names of an edge list's two endpoint columns (any case), where they are not its first two.
+ENDPOINT_COLUMNS = (
+    ("source", "target"), ("src", "dst"), ("from", "to"), ("u", "v"), ("head", "tail"),
+    ("node1", "node2"), ("node_1", "node_2"), ("id1", "id2"), ("id_1", "id_2"),
+    ("source_id", "target_id"), ("src_id", "dst_id"), ("from_id", "to_id"),
+)  # fmt: skip
+
+
+def _endpoint_columns(header: list[str]) -> tuple[int, int]:
+    """The endpoint columns an edge list's header line names: a pair of :data:`ENDPOINT_COLUMNS`,
+    else the two after an unnamed first column (pandas' index, as ``to_csv`` writes it), else the
+    first two."""
+    names = [h.strip().lower() for h in header]
+    for a, b in ENDPOINT_COLUMNS:
+        if a in names and b in names:
+            return names.index(a), names.index(b)
+    if len(names) >= 3 and not names[0]:
+        return 1, 2
+    return 0, 1
+
+
 def _read_edges(path: Path, index: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
     src: list[int] = []
     dst: list[int] = []
+    ia, ib = 0, 1
     for k, (line, row) in enumerate(_edge_rows(path)):
-        if len(row) < 2:
+        if len(row) <= max(ia, ib):
             raise FileGraphError(path, f"an edge line needs two node ids{_separator_hint(row)}", line)
-        a, b = _canonical(row[0]), _canonical(row[1])
+        a, b = _canonical(row[ia]), _canonical(row[ib])
         if a not in index or b not in index:
             if k == 0 and a not in index and b not in index and not (_is_int(a) and _is_int(b)):
-                continue  # a header line: neither field names a node
+                ia, ib = _endpoint_columns(row)  # a header line: neither field names a node
+                continue
             unknown = a if a not in index else b
+            hint = (
+                " (an integer id written as a float: write it as the integer)"
+                if _is_integral(unknown)
+                else ""
+            )
             raise FileGraphError(
-                path, f"node {unknown!r} is in neither the features nor the labels file", line
+                path, f"node {unknown!r} is in neither the features nor the labels file{hint}", line
             )
         src.append(index[a])
         dst.append(index[b])

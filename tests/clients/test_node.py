@@ -167,3 +167,27 @@ def test_a_release_budget_is_counted_where_the_node_keeps_it_or_refused(tmp_path
     )
     # A simulation's virtual node (an id, the command line's policy): counted per run, no ledger.
     assert NodeView.for_run(_Context({P.NODE_PARTITION_ID: 0}), cfg, (7, "0")).policy.release_ledger == ""
+
+
+def test_a_cut_of_a_users_files_is_not_found_again_after_they_change(tmp_path):
+    """A node finding a cut uses it: keyed on the spec's text alone, a cut of the files before an
+    edit trained the next run of the same spec (new nodes and classes unseen)."""
+    import os
+
+    from clients.node import cut_folder
+
+    (tmp_path / "e.csv").write_text("s,t\n0,1\n1,2\n")
+    (tmp_path / "f.csv").write_text("id,a\n0,1\n1,2\n2,3\n")
+    (tmp_path / "l.csv").write_text("id,y\n0,a\n1,b\n2,a\n")
+    spec = f"files:edges={tmp_path / 'e.csv'},features={tmp_path / 'f.csv'},labels={tmp_path / 'l.csv'}"
+    cfg = TrainConfig(dataset=spec, split="random:0.34,0.33,0.33", clients=2, method="random")
+    first = cut_folder(tmp_path / "work", cfg)
+    assert cut_folder(tmp_path / "work", cfg) == first  # every node of a run finds the same cut
+    assert cut_folder(tmp_path / "work", TrainConfig(**{**cfg.to_dict(), "seed": 1})) != first
+    stat = (tmp_path / "l.csv").stat()
+    (tmp_path / "l.csv").write_text("id,y\n0,a\n1,a\n2,a\n")  # same size, one class merged
+    os.utime(tmp_path / "l.csv", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    assert cut_folder(tmp_path / "work", cfg) != first
+    assert cut_folder(tmp_path / "work", TrainConfig(dataset="sbm:300,3")) == cut_folder(
+        tmp_path / "work", TrainConfig(dataset="sbm:300,3")
+    )

@@ -454,3 +454,96 @@ def test_a_folder_or_one_csv_given_for_a_graph_points_at_the_files_form(tmp_path
     _expect(spec, str(tmp_path), "is a folder; the features file is wanted")  # was "no such file"
     with pytest.raises(DatasetError, match=re.escape("files:edges=E.csv,features=F,labels=L.csv")):
         load_dataset(str(tmp_path / "e.csv"), split="random:0.6,0.2,0.2")
+
+
+def test_one_table_given_as_features_and_labels_does_not_feed_the_label_in(tmp_path, caplog):
+    # A bank's one table (id, columns, is_fraud) as both files: the label column was read as a
+    # feature, and a model of random labels tested 1.0.
+    g = torch.Generator().manual_seed(0)
+    n = 60
+    y = torch.randint(0, 2, (n,), generator=g)
+    feats = torch.rand(n, 2, generator=g)
+    rows = "".join(f"{i},{feats[i, 0]:.4f},{int(y[i])},{feats[i, 1]:.4f}\n" for i in range(n))
+    (tmp_path / "t.csv").write_text("id,balance,is_fraud,age\n" + rows)
+    (tmp_path / "e.csv").write_text("s,t\n" + "".join(f"{i},{(i + 1) % n}\n" for i in range(n)))
+    table = tmp_path / "t.csv"
+    spec = f"edges={tmp_path / 'e.csv'},features={table},labels={table},label-column=is_fraud"
+    with caplog.at_level("WARNING", logger="retexo_fl.data.files"):
+        data = load_files_graph(spec)
+    assert "column 'is_fraud' is the label column of t.csv: not read as a feature" in caplog.text
+    assert data.x.shape == (n, 2) and torch.allclose(data.x, feats, atol=1e-4)
+    assert torch.equal(data.y, y)
+    # Class names in the label column: the table loads (it failed as a non-numeric feature).
+    named = "".join(
+        f"{i},{feats[i, 0]:.4f},{['ok', 'fraud'][int(y[i])]},{feats[i, 1]:.4f}\n" for i in range(n)
+    )
+    (tmp_path / "t.csv").write_text("id,balance,is_fraud,age\n" + named)
+    data = load_files_graph(spec)
+    assert data.x.shape == (n, 2) and torch.equal(data.y, 1 - y)  # "fraud" < "ok"
+    # The label as a table's only value column leaves no feature: said, not a PyTorch error later.
+    (tmp_path / "t.csv").write_text("id,is_fraud\n" + "".join(f"{i},{int(y[i])}\n" for i in range(n)))
+    _expect("files:" + spec, f"{tmp_path / 't.csv'}: no feature columns")
+
+
+def test_a_graph_without_node_features_is_refused_naming_the_file(tmp_path):
+    # {} (or only empty lists) loaded as [N, 0] features, and training failed on an
+    # uninitialized lazy parameter, naming no file.
+    (tmp_path / "e.csv").write_text("0,1\n1,2\n")
+    (tmp_path / "y.csv").write_text("id,label\n0,0\n1,1\n2,0\n")
+    spec = f"files:edges={tmp_path / 'e.csv'},features={tmp_path / 'x.json'},labels={tmp_path / 'y.csv'}"
+    for text in ("{}", '{"0": [], "1": []}'):
+        (tmp_path / "x.json").write_text(text)
+        _expect(spec, f"{tmp_path / 'x.json'}: no feature columns", "a column of ones")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "edge_id,source,target\n0,0,1\n1,1,2\n2,2,3\n3,3,0\n4,3,4\n",  # endpoints named, not first
+        ",source,target\n0,0,1\n1,1,2\n2,2,3\n3,3,0\n4,3,4\n",  # pandas' to_csv with its index
+        "weight,Src,Dst\n0.5,0,1\n0.5,1,2\n1,2,3\n1,3,0\n2,3,4\n",
+    ],
+    ids=["named-columns", "pandas-index", "any-case"],
+)
+def test_an_edge_lists_endpoint_columns_are_the_ones_its_header_names(tmp_path, text):
+    # Read as its first two columns: (edge id, source), a wrong graph, silently.
+    spec = _write(tmp_path, "csv")
+    (tmp_path / "edges.csv").write_text(text)
+    data = load_files_graph(spec[len("files:") :])
+    want = undirected_coalesced(torch.tensor([(0, 1), (1, 2), (2, 3), (3, 0), (3, 4)]).t(), 5)
+    assert torch.equal(data.edge_index, want)
+
+
+def test_an_edge_list_of_self_loops_only_is_refused(tmp_path):
+    spec = _write(tmp_path, "csv")
+    (tmp_path / "edges.csv").write_text("a,b\n0,0\n3,3\n")
+    _expect(spec, f"{tmp_path / 'edges.csv'}: its 2 edge line(s) are all self loops")
+
+
+def test_labels_that_name_no_node_of_the_features_are_refused(tmp_path):
+    # Twitch's target file without id-column=new_id: its "id" column (other ids) matched no
+    # feature row, and every labelled node was an isolated zero-feature node, with a warning.
+    spec = _write(tmp_path, "csv").replace(",id-column=new_id", ",id-column=views")
+    _expect(spec, f"{tmp_path / 'target.csv'}: none of its 5 node ids (column 'views'", "id-column=NAME")
+
+
+def test_compressed_and_float_id_files_say_what_they_are(tmp_path):
+    import gzip
+
+    spec = _write(tmp_path, "csv")
+    plain = (tmp_path / "edges.csv").read_bytes()
+    (tmp_path / "edges.csv").write_bytes(gzip.compress(plain))
+    _expect(spec, f"{tmp_path / 'edges.csv'}: not UTF-8 text", "gzip-compressed: decompress it first")
+    (tmp_path / "edges.csv").write_text("from,to\n0.0,1.0\n")
+    _expect(spec, "node '0.0' is in neither", "an integer id written as a float")
+
+
+def test_a_question_mark_is_unlabeled_and_a_word_among_integer_labels_is_an_error(tmp_path):
+    (tmp_path / "e.csv").write_text("0,1\n1,2\n2,3\n")
+    (tmp_path / "x.csv").write_text("id,a\n0,1\n1,2\n2,3\n3,4\n")
+    spec = f"edges={tmp_path / 'e.csv'},features={tmp_path / 'x.csv'},labels={tmp_path / 'y.csv'}"
+    (tmp_path / "y.csv").write_text("id,label\n0,1\n1,0\n2,?\n3,1\n")  # UCI's missing value
+    assert load_files_graph(spec).y.tolist() == [1, 0, -1, 1]
+    # Read as names, "unknown" made every class a name numbered in string order (1, 10, 2).
+    (tmp_path / "y.csv").write_text("id,label\n0,1\n1,10\n2,unknown\n3,2\n")
+    _expect("files:" + spec, f"{tmp_path / 'y.csv'}:4", "label 'unknown' among integer labels")

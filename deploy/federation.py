@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 from retexo_fl import protocol as P
-from retexo_fl.data.partition import partition_dirs, partition_folder_id
+from retexo_fl.data.partition import cut_settings, partition_dirs, partition_folder_id
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {
@@ -112,6 +112,21 @@ def id_ranges(ids: list[int]) -> str:
         else:
             out.append(str(i))
     return ",".join(out)
+
+
+def cut_config(partitions: Path, run_config: str) -> str:
+    """Run-config pairs for what the cut in ``partitions`` was made of (its dataset, split and
+    partitioner: :func:`~retexo_fl.data.partition.cut_settings`) that ``run_config`` does not set:
+    the server never reads a partition, and recorded the app's defaults (Cora, its public split).
+    A cut of one node a party keeps the method the run config declares, as that picks the level's
+    defaults."""
+    pairs = []
+    for key, value in cut_settings(partitions).items():
+        name = key.replace("_", "-")
+        if re.search(rf"(^|\s){re.escape(name)}\s*=", run_config) or (key == "method" and value == "node"):
+            continue
+        pairs.append(f"{name}={value}" if isinstance(value, int) else f"{name}={json.dumps(value)}")
+    return " ".join(pairs)
 
 
 class FederationProcesses:
@@ -348,8 +363,8 @@ class FederationProcesses:
             if self.tls:
                 self.register(i)
             self.start_supernode(i, part, env=env, netns=netns[i] if netns else "", worker=worker, keys=keys)
-        config = f"clients={len(parts)} out-dir='{out}' {run_config}".strip()
-        return self.run(config, timeout)
+        config = f"clients={len(parts)} out-dir='{out}' {cut_config(parts[0].parent, run_config)}"
+        return self.run(f"{config} {run_config}".strip(), timeout)
 
     def submit(self, run_config: str, app: str | Path = ".") -> int:
         """Submit the app in folder ``app`` (``flwr run``) with ``run_config``, naming the parties'

@@ -198,6 +198,8 @@ def cmd_partition(args: argparse.Namespace) -> int:
     parts = partition_graph(data, args.clients, args.method, seed=args.seed, **options)
     if args.residency == "free":
         parts = [dataclasses.replace(p, residency_bound=False) for p in parts]
+    for p in parts:  # so that a run over the folders records the split it trains on
+        p.meta.update(split=args.split, split_index=args.split_index)
     # Written to a staging folder and moved into place when whole: an interrupted or failed cut
     # leaves no partial set that a later train would read as a cut with folders missing. The
     # staging folder is beside --out, or, where --out is an existing (empty) folder, inside it

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import numpy as np
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.datasets import check_split, split_without_test
 from retexo_fl.data.loading import load_graph
-from retexo_fl.data.partition import MANIFEST, Partition, load_partitions, partition_dirs
+from retexo_fl.data.partition import Partition, cut_settings, load_partitions, partition_dirs
 from retexo_fl.data.partitioners import PARTITIONERS, partition_graph
 from retexo_fl.datacenter.launch import run_datacenter
 from retexo_fl.metrics import CHECKPOINT_FILE, RunRecorder
@@ -26,8 +25,11 @@ from retexo_fl.training.lazy import run_lazy, with_clients
 
 def partitions_config(cfg: TrainConfig, clients_given: bool = False) -> TrainConfig:
     """``cfg`` for a run over the partition folders ``cfg.partitions`` (itself without them):
-    their count sets ``clients`` (each party holds one), and their manifests' dataset is the one
-    recorded (``dataset`` is not read with partitions), so ``config.json`` says what trained.
+    their count sets ``clients`` (each party holds one), and their manifests' dataset, split and
+    partitioner are the ones recorded (:func:`~retexo_fl.data.partition.cut_settings`; with
+    partitions ``dataset``, ``split`` and ``method`` are not read), so ``config.json`` says what
+    trained. ``method`` also declares the node level, whose defaults are chosen before this:
+    it is taken from the folders only where neither it nor theirs is ``node``.
 
     Args:
         cfg (TrainConfig): the run's settings.
@@ -47,11 +49,10 @@ def partitions_config(cfg: TrainConfig, clients_given: bool = False) -> TrainCon
             f"--clients {cfg.clients}, but {cfg.partitions} holds {len(dirs)} partitions: with "
             "--partitions the folders set the clients (leave --clients out)"
         )
-    try:
-        dataset = str(json.loads((dirs[0] / MANIFEST).read_text())["dataset"])
-    except (OSError, ValueError, KeyError, TypeError):
-        dataset = cfg.dataset  # load_partitions names the bad manifest
-    return dataclasses.replace(with_clients(cfg, len(dirs)), dataset=dataset)
+    cut = cut_settings(cfg.partitions)  # empty for a bad manifest: load_partitions names it
+    if "node" in (cut.get("method"), cfg.method) or cut.get("method") not in PARTITIONERS:
+        cut.pop("method", None)
+    return dataclasses.replace(with_clients(cfg, len(dirs)), **cut)
 
 
 def make_partitions(cfg: TrainConfig, rec: RunRecorder | None = None) -> list[Partition]:

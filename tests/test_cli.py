@@ -134,6 +134,35 @@ def test_partitions_set_the_clients_and_a_refused_set_leaves_no_run_folder(tmp_p
     assert "declare 3 partitions and 1 are missing (part-1)" in err and not run.exists()
 
 
+def test_a_run_over_partitions_records_the_cut_it_trains_on(tmp_path, capsys):
+    import json
+
+    parts = tmp_path / "parts"
+    cut = [
+        "--dataset",
+        "sbm:300,3",
+        "--clients",
+        "3",
+        "--method",
+        "random",
+        "--split",
+        "random:0.5,0.25,0.25",
+    ]
+    main(["partition", *cut, "--out", str(parts)])
+    run = tmp_path / "run"
+    argv = ["train", "--partitions", str(parts), "--stages", "2", "--rounds", "2", "--out", str(run)]
+    assert main(argv) == 0
+    capsys.readouterr()
+    recorded = json.loads((run / "config.json").read_text())
+    # It recorded the flags' defaults: Cora, its public split, METIS.
+    assert recorded["dataset"] == json.loads((parts / "part-0" / "manifest.json").read_text())["dataset"]
+    assert (recorded["method"], recorded["split"], recorded["clients"]) == (
+        "random",
+        "random:0.5,0.25,0.25",
+        3,
+    )
+
+
 def test_two_run_folders_are_refused_not_the_last_taken(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--out", "runs/a", "--out-dir", "runs/b"])

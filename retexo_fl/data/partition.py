@@ -197,6 +197,25 @@ def save_partition(part: Partition, directory: str | os.PathLike[str]) -> Path:
     return out
 
 
+def cut_settings(folder: str | Path) -> dict[str, object]:
+    """The settings a cut of partition folders was made with, as a run over it records them:
+    ``dataset``, and of ``method``, ``split`` and ``split_index`` those its manifests hold
+    (``partition`` writes them; older folders lack the split). Read from the first folder's
+    manifest; empty where there is none or it cannot be read (loading the folders names why).
+    """
+    dirs = partition_dirs(folder)
+    try:
+        manifest = json.loads((dirs[0] / MANIFEST).read_text())
+        out: dict[str, object] = {"dataset": str(manifest["dataset"])}
+        meta = manifest.get("meta") or {}
+        for key, kind in (("method", str), ("split", str), ("split_index", int)):
+            if key in meta:
+                out[key] = kind(meta[key])
+    except (IndexError, OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+    return out
+
+
 def _manifest_int(manifest: dict, key: str, path: Path, lo: int, hi: int = _MAX_DECLARED) -> int:
     value = manifest.get(key)
     if not isinstance(value, int) or isinstance(value, bool):

@@ -68,3 +68,23 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "Z"
+
+
+def test_a_deployed_run_records_the_cut_its_parties_hold(tmp_path):
+    """The server reads no partition: its run config recorded the app's defaults (Cora, its
+    public split, METIS) for any cut. The cut's own settings are added where not given."""
+    import tomllib
+
+    from deploy.federation import cut_config
+    from retexo_fl.cli import main
+
+    parts = tmp_path / "parts"
+    argv = ["partition", "--dataset", "sbm:200,3", "--clients", "2", "--method", "random"]
+    assert main([*argv, "--split", "random:0.5,0.25,0.25", "--out", str(parts)]) == 0
+    pairs = cut_config(parts, "stages=2 rounds='3'")
+    read = tomllib.loads("\n".join(pairs.split(" ")))
+    assert read["split"] == "random:0.5,0.25,0.25" and read["method"] == "random"
+    assert read["split-index"] == 0 and read["dataset"]
+    # What the run config sets stays its own.
+    assert "split=" not in cut_config(parts, "split='random:0.6,0.2,0.2' stages=2")
+    assert cut_config(tmp_path / "nothing", "") == ""

@@ -13,6 +13,7 @@ import tempfile
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from retexo_fl.config import (
     EDGE_PROFILE,
@@ -28,6 +29,11 @@ from retexo_fl.config import (
 from retexo_fl.metrics import CHECKPOINT_FILE
 from retexo_fl.setting import SettingInfo, settings_of
 from retexo_fl.summary import RunSummary
+
+if TYPE_CHECKING:
+    from torch_geometric.data import Data
+
+    from retexo_fl.data.partition import Partition
 
 #: The entry-point group that names the engines ``train --engine`` offers besides ``in-process``
 #: (pyproject.toml registers Flower's simulation engine, ``server.simulation:simulate``, here).
@@ -175,6 +181,28 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig.from_mapping(values)
 
 
+def _owners_cut(args: argparse.Namespace, data: Data) -> list[Partition]:
+    """``partition --owners``: one partition a party of the owners file, each its own nodes."""
+    from retexo_fl.data.files import read_owners
+    from retexo_fl.data.partitioners import OWNERS_METHOD, split_graph
+
+    placing = (("--method", args.method != "metis"), ("--clusters", args.clusters))
+    given = [flag for flag, value in placing if value]
+    if given:
+        raise ValueError(f"{', '.join(given)} with --owners: the owners file places every node")
+    names = getattr(data, "node_names", None) or [str(i) for i in range(data.num_nodes)]
+    owner, parties = read_owners(Path(args.owners), names, args.owner_id_column, args.owner_column)
+    if args.clients is not None and args.clients != len(parties):
+        raise ValueError(
+            f"--clients {args.clients}, but {args.owners} names {len(parties)} parties: with --owners "
+            "the file sets the partitions (leave --clients out)"
+        )
+    parts = split_graph(data, owner, len(parties), method=OWNERS_METHOD, seed=args.seed)
+    for p in parts:
+        p.meta.update(party=parties[p.partition_id], parties=parties)
+    return parts
+
+
 def cmd_partition(args: argparse.Namespace) -> int:
     # The subcommands import torch and PyG only when they run: `retexo-fl --help` stays instant.
     from retexo_fl.data.datasets import load_dataset
@@ -189,13 +217,20 @@ def cmd_partition(args: argparse.Namespace) -> int:
         raise ValueError(f"--clusters must be >= 0 (0: the partitioner's own), got {args.clusters}")
     if args.method == "label-skew" and not (math.isfinite(args.alpha) and args.alpha > 0):
         raise ValueError(f"--alpha must be a finite number > 0, got {args.alpha}")
+    if args.owners is None and args.clients is None:
+        raise ValueError(
+            "--clients is needed: how many partitions to cut (or --owners: a file of each node's party)"
+        )
     data = load_dataset(
         args.dataset, args.root, split=args.split, seed=args.seed, split_index=args.split_index
     )
-    options = {"alpha": args.alpha} if args.method == "label-skew" else {}
-    if args.method == "supernode" and args.clusters:
-        options["clusters"] = args.clusters
-    parts = partition_graph(data, args.clients, args.method, seed=args.seed, **options)
+    if args.owners is not None:
+        parts = _owners_cut(args, data)
+    else:
+        options = {"alpha": args.alpha} if args.method == "label-skew" else {}
+        if args.method == "supernode" and args.clusters:
+            options["clusters"] = args.clusters
+        parts = partition_graph(data, args.clients, args.method, seed=args.seed, **options)
     if args.residency == "free":
         parts = [dataclasses.replace(p, residency_bound=False) for p in parts]
     for p in parts:  # so that a run over the folders records the split it trains on
@@ -229,7 +264,8 @@ def cmd_partition(args: argparse.Namespace) -> int:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    print(f"wrote {len(parts)} partitions of {data.name} ({args.method}, seed {args.seed}) to {args.out}")
+    how = f"one a party of {args.owners}" if args.owners else f"{args.method}, seed {args.seed}"
+    print(f"wrote {len(parts)} partitions of {data.name} ({how}) to {args.out}")
     return 0
 
 
@@ -332,8 +368,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--root", default="data")
     p.add_argument("--split", default="public")
     p.add_argument("--split-index", type=int, default=0)
-    p.add_argument("--clients", type=int, required=True)
+    p.add_argument("--clients", type=int, default=None, help="the partitions to cut (not with --owners)")
     p.add_argument("--method", default="metis")
+    p.add_argument(
+        "--owners",
+        default=None,
+        help="a CSV of each node's party (a header line; the node id, then the party): each party "
+        "keeps the nodes it holds, one partition a party, instead of --method placing them",
+    )
+    p.add_argument("--owner-column", default=None, help="--owners' party column (default: the other of two)")
+    p.add_argument(
+        "--owner-id-column",
+        default=None,
+        help="--owners' node id column (default: the one named id, node or node_id, else the first)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration (label-skew)")
     p.add_argument("--clusters", type=int, default=0, help="METIS clusters (supernode)")

@@ -12,7 +12,7 @@ from retexo_fl.config import TrainConfig
 from retexo_fl.data.datasets import check_split, split_without_test
 from retexo_fl.data.loading import load_graph
 from retexo_fl.data.partition import Partition, cut_settings, load_partitions, partition_dirs
-from retexo_fl.data.partitioners import PARTITIONERS, partition_graph
+from retexo_fl.data.partitioners import OWNERS_METHOD, PARTITIONERS, partition_graph
 from retexo_fl.datacenter.launch import run_datacenter
 from retexo_fl.metrics import CHECKPOINT_FILE, RunRecorder
 from retexo_fl.plots import write_plots
@@ -50,7 +50,7 @@ def partitions_config(cfg: TrainConfig, clients_given: bool = False) -> TrainCon
             "--partitions the folders set the clients (leave --clients out)"
         )
     cut = cut_settings(cfg.partitions)  # empty for a bad manifest: load_partitions names it
-    if "node" in (cut.get("method"), cfg.method) or cut.get("method") not in PARTITIONERS:
+    if "node" in (cut.get("method"), cfg.method) or cut.get("method") not in (*PARTITIONERS, OWNERS_METHOD):
         cut.pop("method", None)
     return dataclasses.replace(with_clients(cfg, len(dirs)), **cut)
 

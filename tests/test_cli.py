@@ -163,6 +163,46 @@ def test_a_run_over_partitions_records_the_cut_it_trains_on(tmp_path, capsys):
     )
 
 
+def test_partition_with_owners_keeps_each_partys_nodes_with_it(tmp_path, capsys):
+    import json
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    n, sites = 60, ["north", "south", "east"]
+    rows = "".join(f"P{i:02d},{rng.random():.3f},{['flu', 'ok'][i % 2]},{sites[i % 3]}\n" for i in range(n))
+    (tmp_path / "nodes.csv").write_text("patient,age,diagnosis,site\n" + rows)
+    edges = "".join(f"P{rng.integers(n):02d},P{rng.integers(n):02d}\n" for _ in range(200))
+    (tmp_path / "edges.csv").write_text("source,target\n" + edges)
+    (tmp_path / "owners.csv").write_text(
+        "patient,site\n" + "".join(f"P{i:02d},{sites[i % 3]}\n" for i in range(n))
+    )
+    nodes = tmp_path / "nodes.csv"
+    dataset = f"files:edges={tmp_path / 'edges.csv'},features={nodes},labels={nodes},id-column=patient"
+    argv = ["partition", "--dataset", dataset + ",label-column=diagnosis", "--split", "random:0.6,0.2,0.2"]
+    argv += ["--owners", str(tmp_path / "owners.csv")]
+    parts = tmp_path / "parts"
+    assert main([*argv, "--clients", "4", "--out", str(parts)]) == 2
+    assert "--clients 4, but" in capsys.readouterr().err
+    assert main([*argv, "--method", "random", "--out", str(parts)]) == 2
+    assert "--method with --owners" in capsys.readouterr().err
+    assert main([*argv, "--out", str(parts)]) == 0
+    capsys.readouterr()
+    for pid, site in enumerate(sorted(sites)):  # parties numbered in sorted order
+        meta = json.loads((parts / f"part-{pid}" / "manifest.json").read_text())["meta"]
+        ids = np.load(parts / f"part-{pid}" / "node_ids.npy")
+        assert (meta["party"], meta["method"], meta["class_names"]) == (site, "owners", ["flu", "ok"])
+        # Each party holds exactly its own patients, and their names row for row.
+        assert meta["node_names"] == [f"P{i:02d}" for i in ids]
+        assert {sites[i % 3] for i in ids} == {site} and len(ids) == n // 3
+    # Training over the folders records the cut, the owners' method included.
+    run = tmp_path / "run"
+    assert (
+        main(["train", "--partitions", str(parts), "--stages", "2", "--rounds", "2", "--out", str(run)]) == 0
+    )
+    assert json.loads((run / "config.json").read_text())["method"] == "owners"
+
+
 def test_two_run_folders_are_refused_not_the_last_taken(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--out", "runs/a", "--out-dir", "runs/b"])

@@ -196,6 +196,11 @@ def load_files_graph(spec: str) -> Data:
         )
     data = Data(x=x, y=y, edge_index=edge_index)
     data.name = paths["edges"].stem
+    # The user's own names of the nodes and classes: each party's folders keep its nodes' (and
+    # an --owners file names nodes by them), so a row of node_ids.npy can be told apart.
+    data.node_names = sorted(index, key=index.__getitem__)
+    if labels.class_names is not None:
+        data.class_names = labels.class_names
     return data
 
 
@@ -273,9 +278,11 @@ class _Labels(_Ids):
         values: list[int],
         header_id: str,
         header_label: str,
+        class_names: list[str] | None = None,
     ) -> None:
         super().__init__(path, ids, lines)
         self.values, self.header_id, self.header_label = values, header_id, header_label
+        self.class_names = class_names  # class i's name, where the labels are names
 
 
 class _Features(_Ids):
@@ -515,6 +522,9 @@ def _read_labels(path: Path, id_column: str | None, label_column: str | None) ->
             )
         classes = {c: i for i, c in enumerate(sorted(set(given)))}
         values = [classes[v] if v != "" else -1 for v in raw]
+        return _Labels(
+            path, ids, [lines[i] for i in ids], values, header[id_col], header[label_col], list(classes)
+        )
     return _Labels(path, ids, [lines[i] for i in ids], values, header[id_col], header[label_col])
 
 
@@ -593,16 +603,21 @@ def _read_bag_of_ids(path: Path) -> _Features:
 
 
 def _read_feature_csv(path: Path, labels: _Labels) -> _Features:
-    """A features CSV: node id, then one number a column. A column named as the labels file's
-    label column is not read: one table of a node's columns given as both files would otherwise
-    put each node's label among the inputs of the model that predicts it."""
+    """A features CSV: node id, then one number a column.
+
+    Where a header line names the columns, two kinds are not read, each said in the log: the
+    labels file's label column (one table of a node's columns given as both files would put each
+    node's label among the inputs of the model that predicts it), and a column of text on the
+    first data line (a site, a name: a table's other columns), which no number stands for. A word
+    in a numeric column later on is an error, naming its line.
+    """
     ids: list[str] = []
-    skip: int | None = None  # the label column's index among the values
     lines: list[int | None] = []
     seen: dict[str, int] = {}
     values: list[list[float]] = []
     width = None
-    columns: list[str] | None = None
+    columns: list[str] | None = None  # the value columns' names, where line 1 gives them
+    skip: set[int] = set()  # value columns not read
     for line, row in _rows(path):
         if len(row) < 2:
             raise FileGraphError(
@@ -610,10 +625,11 @@ def _read_feature_csv(path: Path, labels: _Labels) -> _Features:
             )
         if line == 1 and not row[0]:  # pandas' to_csv header: an unnamed index, then column names
             columns = row[1:]
-            skip = _label_column(path, columns, labels)
             continue
-        if skip is not None and len(row) == len(columns or ()) + 1:
-            row = row[: skip + 1] + row[skip + 2 :]
+        if columns is not None and not ids and len(row) == len(columns) + 1:
+            skip = _unread_columns(path, columns, row[1:], labels, line)
+        if skip and columns is not None and len(row) == len(columns) + 1:
+            row = [row[0], *(v for k, v in enumerate(row[1:]) if k not in skip)]
         try:
             nums = [float(v) for v in row[1:]]
         except ValueError:
@@ -623,7 +639,6 @@ def _read_feature_csv(path: Path, labels: _Labels) -> _Features:
             words = [v for v in row[1:] if not _parses(v, float) and v.strip().lower() not in MISSING_VALUES]
             if not ids and line == 1 and words:
                 columns = row[1:]
-                skip = _label_column(path, columns, labels)
                 continue
             raise FileGraphError(path, f"non-numeric feature value in {row[1:]!r}", line) from None
         if width is None:
@@ -648,16 +663,27 @@ def _read_feature_csv(path: Path, labels: _Labels) -> _Features:
     return _Features(path, ids, lines, torch.tensor(values, dtype=torch.float32), width)
 
 
-def _label_column(path: Path, columns: list[str], labels: _Labels) -> int | None:
-    """The index among a features CSV's value ``columns`` of the labels file's label column, said
-    in the log, or ``None``."""
-    if labels.header_label not in columns:
-        return None
-    log.warning(
-        "%s: column %r is the label column of %s: not read as a feature",
-        path.name, labels.header_label, labels.path.name,
-    )  # fmt: skip
-    return columns.index(labels.header_label)
+def _unread_columns(path: Path, columns: list[str], first: list[str], labels: _Labels, line: int) -> set[int]:
+    """The value columns of a features CSV with a header that are not read (see
+    :func:`_read_feature_csv`), from its ``columns`` and ``first`` data line, said in the log."""
+    skip = set()
+    for k, (name, value) in enumerate(zip(columns, first, strict=True)):
+        if name == labels.header_label:
+            log.warning(
+                "%s: column %r is the label column of %s: not read as a feature",
+                path.name, name, labels.path.name,
+            )  # fmt: skip
+            skip.add(k)
+        elif not _parses(value, float) and value.strip().lower() not in MISSING_VALUES:
+            log.warning(
+                "%s: column %r holds text (%r on line %d): not read as a feature",
+                path.name,
+                name,
+                value,
+                line,
+            )
+            skip.add(k)
+    return skip
 
 
 def _array(arrays: np.lib.npyio.NpzFile, key: str, path: Path) -> np.ndarray:
@@ -803,3 +829,98 @@ def _read_edges(path: Path, index: dict[str, int]) -> tuple[np.ndarray, np.ndarr
     if not src:
         raise FileGraphError(path, "no edge lines: a graph needs at least one edge")
     return np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+
+
+def read_owners(
+    path: Path, names: list[str], id_column: str | None = None, owner_column: str | None = None
+) -> tuple[np.ndarray, list[str]]:
+    """Each node's party from a CSV (``partition --owners``): where the graph's nodes already
+    are, rather than where a partitioner would put them.
+
+    Args:
+        path (Path): a CSV with a header line, one node a line.
+        names (list[str]): node ``i``'s id as the graph's files name it (``data.node_names``;
+            ``"0".."N-1"`` for a graph without names).
+        id_column (str, optional): the node id's column; default the one column named ``id``,
+            ``node`` or ``node_id``, in any case, else the first. (default: :obj:`None`)
+        owner_column (str, optional): the party's column; default the other of two columns.
+            (default: :obj:`None`)
+
+    Returns:
+        ``(owner, parties)``: ``owner`` ``[N]`` int64, party ``owner[i]`` holding node ``i``;
+        ``parties[p]`` the file's name of party ``p``. Integer parties are party ids, which must
+        be ``0..P-1``; other names are numbered in sorted order.
+
+    Raises:
+        FileGraphError: naming the file and line: no header, an unknown column, a node the graph
+            does not have or named twice, a node of the graph without a party, integer parties
+            with a gap.
+    """
+    if not path.is_file():
+        raise FileGraphError(path, "no such owners file")
+    rows = _rows(path)
+    first = next(rows, None)
+    if first is None:
+        raise FileGraphError(path, "empty owners file")
+    _, header = first
+    lowered = [h.strip().lower() for h in header]
+
+    def column(name: str | None, default: int | None, flag: str) -> int:
+        if name is None:
+            if default is None:
+                raise FileGraphError(
+                    path, f"{len(header)} columns ({', '.join(header)}): name the party's with {flag}", 1
+                )
+            return default
+        if name not in header:
+            raise FileGraphError(
+                path, f"no column {name!r} (columns: {', '.join(header)}){_separator_hint(header)}", 1
+            )
+        return header.index(name)
+
+    named = [i for i, h in enumerate(lowered) if h in ID_COLUMN_NAMES]
+    id_col = column(id_column, named[0] if len(named) == 1 else 0, "--owner-id-column")
+    owner_col = column(owner_column, 1 - id_col if len(header) == 2 else None, "--owner-column")
+    if id_col == owner_col:
+        raise FileGraphError(path, f"node id and party are the same column {header[id_col]!r}", 1)
+    index = {_canonical(n): i for i, n in enumerate(names)}
+    if _canonical(header[id_col]) in index:  # "7,hospital-a": a first data line, not names
+        raise FileGraphError(path, "the owners file needs a header line naming its columns", 1)
+    owner_of: dict[int, str] = {}
+    line_of: dict[int, int] = {}
+    for line, row in rows:
+        if len(row) != len(header):
+            raise FileGraphError(path, f"{len(row)} fields, the header has {len(header)}", line)
+        node, party = _canonical(row[id_col]), row[owner_col]
+        if node not in index:
+            raise FileGraphError(path, f"node {row[id_col]!r} is not a node of the graph", line)
+        if not party:
+            raise FileGraphError(path, f"node {row[id_col]!r} has no party", line)
+        i = index[node]
+        if i in owner_of:
+            raise FileGraphError(path, f"node {row[id_col]!r} is on line {line_of[i]} too", line)
+        owner_of[i], line_of[i] = party, line
+    if len(owner_of) < len(names):
+        absent = [names[i] for i in range(len(names)) if i not in owner_of]
+        shown = ", ".join(repr(a) for a in absent[:5]) + (", ..." if len(absent) > 5 else "")
+        reason = (
+            f"{len(absent)} of the graph's {len(names)} nodes have no party ({shown}): every node needs one"
+        )
+        raise FileGraphError(path, reason)
+    values = list(owner_of.values())
+    if all(_is_int(v) for v in values):
+        ids = sorted({int(v) for v in values})
+        if ids != list(range(len(ids))):
+            gap = next(i for i in range(len(ids) + 1) if i not in set(ids))
+            raise FileGraphError(
+                path, f"integer parties are party ids 0..P-1, and no node is in party {gap}: renumber them"
+            )
+        parties = [str(i) for i in ids]
+        number = {v: int(v) for v in set(values)}
+    else:
+        parties = sorted(set(values))
+        number = {p: i for i, p in enumerate(parties)}
+    owner = np.empty(len(names), dtype=np.int64)
+    for i, party in owner_of.items():
+        owner[i] = number[party]
+    return owner, parties

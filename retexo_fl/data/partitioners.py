@@ -12,6 +12,9 @@ from retexo_fl.data.edges import coalesced, coalesced_facts, undirected_coalesce
 from retexo_fl.data.partition import CROSS_BOTH, CROSS_IN, CROSS_OUT, Partition
 
 PARTITIONERS: dict[str, Callable[..., np.ndarray]] = {}
+#: The method a cut along a file of each node's party records (``partition --owners``): the
+#: nodes stay where they are, no partitioner places them.
+OWNERS_METHOD = "owners"
 
 
 def _register(name: str):
@@ -264,6 +267,10 @@ def split_graph(data, owner: np.ndarray, nparts: int, *, method: str = "", seed:
     cut = own_src != own_dst
     cut_src, cut_dst = src[cut], dst[cut]
     cut_os, cut_od = own_src[cut], own_dst[cut]
+    # A user's graph read from files names its nodes and classes: each party keeps its own
+    # nodes' names beside node_ids.npy, row for row, and the classes' (the model's outputs).
+    names = getattr(data, "node_names", None)
+    classes = getattr(data, "class_names", None)
 
     parts = []
     for p in range(nparts):
@@ -298,7 +305,12 @@ def split_graph(data, owner: np.ndarray, nparts: int, *, method: str = "", seed:
                 cross_edges=cross.astype(np.int64).reshape(-1, 4),
                 dataset=name,
                 directed=directed,
-                meta={"method": method, "seed": seed},
+                meta={
+                    "method": method,
+                    "seed": seed,
+                    **({"node_names": [names[i] for i in ids]} if names is not None else {}),
+                    **({"class_names": list(classes)} if classes is not None else {}),
+                },
             )
         )
     return parts

@@ -480,6 +480,13 @@ def test_one_table_given_as_features_and_labels_does_not_feed_the_label_in(tmp_p
     (tmp_path / "t.csv").write_text("id,balance,is_fraud,age\n" + named)
     data = load_files_graph(spec)
     assert data.x.shape == (n, 2) and torch.equal(data.y, 1 - y)  # "fraud" < "ok"
+    # A column of text (a site) is a table's other column, not a feature: said, and skipped.
+    sited = "".join(f"{i},{feats[i, 0]:.4f},{int(y[i])},{feats[i, 1]:.4f},H-{i % 3}\n" for i in range(n))
+    (tmp_path / "t.csv").write_text("id,balance,is_fraud,age,site\n" + sited)
+    with caplog.at_level("WARNING", logger="retexo_fl.data.files"):
+        data = load_files_graph(spec)
+    assert "column 'site' holds text ('H-0' on line 2): not read as a feature" in caplog.text
+    assert torch.allclose(data.x, feats, atol=1e-4)
     # The label as a table's only value column leaves no feature: said, not a PyTorch error later.
     (tmp_path / "t.csv").write_text("id,is_fraud\n" + "".join(f"{i},{int(y[i])}\n" for i in range(n)))
     _expect("files:" + spec, f"{tmp_path / 't.csv'}: no feature columns")
@@ -547,3 +554,27 @@ def test_a_question_mark_is_unlabeled_and_a_word_among_integer_labels_is_an_erro
     # Read as names, "unknown" made every class a name numbered in string order (1, 10, 2).
     (tmp_path / "y.csv").write_text("id,label\n0,1\n1,10\n2,unknown\n3,2\n")
     _expect("files:" + spec, f"{tmp_path / 'y.csv'}:4", "label 'unknown' among integer labels")
+
+
+def test_an_owners_file_places_each_node_with_its_party(tmp_path):
+    from retexo_fl.data.files import read_owners
+
+    names = ["P0", "P1", "P2", "P3"]
+    path = tmp_path / "owners.csv"
+    path.write_text("site,patient\nnorth,P2\nsouth,P0\nnorth,P1\neast,P3\n")  # the id named, not first
+    owner, parties = read_owners(path, names, id_column="patient")
+    assert parties == ["east", "north", "south"] and owner.tolist() == [2, 1, 1, 0]
+    path.write_text("node,party\n0,1\n1,0\n2,1\n3,0\n")  # integer parties are party ids
+    assert read_owners(path, ["0", "1", "2", "3"])[0].tolist() == [1, 0, 1, 0]
+    bad = {
+        "node,party\n0,1\n1,2\n2,1\n3,2\n": "no node is in party 0",
+        "node,party\n0,a\n1,b\n2,a\n": "1 of the graph's 4 nodes have no party ('3')",
+        "node,party\n0,a\n1,b\n2,a\n3,b\n9,a\n": "node '9' is not a node of the graph",
+        "node,party\n0,a\n1,b\n2,a\n3,b\n1,a\n": "node '1' is on line 3 too",
+        "0,a\n1,b\n2,a\n3,b\n": "needs a header line",
+        "node,party,x\n0,a,1\n": "name the party's with --owner-column",
+    }
+    for text, fragment in bad.items():
+        path.write_text(text)
+        with pytest.raises(FileGraphError, match=re.escape(fragment)):
+            read_owners(path, ["0", "1", "2", "3"])

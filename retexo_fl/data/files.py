@@ -210,10 +210,7 @@ def load_heterophilous_npz(path: Path) -> Data:
     Raises:
         FileGraphError: on a missing or malformed array.
     """
-    try:
-        arrays = np.load(path, allow_pickle=False)
-    except Exception as exc:  # zip or format errors of any kind: the file is not a usable npz
-        raise FileGraphError(path, f"cannot be read as an npz ({exc})") from exc
+    arrays = _open_npz(path)
     with arrays:
         missing = [k for k in HETEROPHILOUS_KEYS if k not in arrays.files]
         if missing:
@@ -714,11 +711,24 @@ def _numbers(values: np.ndarray, path: Path, what: str, *, integral: bool) -> np
     return np.asarray(values, dtype=np.int64)
 
 
-def _read_feature_npz(path: Path) -> _Features:
+def _open_npz(path: Path) -> np.lib.npyio.NpzFile:
+    """``path`` opened as an npz (a zip of ``.npy`` arrays), or an error saying what it is instead:
+    numpy reads any other file as one pickled object and answers with advice on ``allow_pickle``."""
+    with path.open("rb") as fh:
+        head = fh.read(4)
+    if not head.startswith(b"PK"):
+        what = "a single .npy array" if head.startswith(b"\x93NUM") else "not a zip archive"
+        raise FileGraphError(
+            path, f"not an npz file ({what}{_compressed_hint(path)}): save arrays with numpy.savez"
+        )
     try:
-        arrays = np.load(path, allow_pickle=False)
+        return np.load(path, allow_pickle=False)
     except Exception as exc:  # any zip/format error: not a usable npz
         raise FileGraphError(path, f"cannot be read as an npz ({exc})") from exc
+
+
+def _read_feature_npz(path: Path) -> _Features:
+    arrays = _open_npz(path)
     with arrays:
         names = [k for k in ("x", "features", "node_features") if k in arrays.files]
         if not names and len(arrays.files) != 1:

@@ -578,3 +578,13 @@ def test_an_owners_file_places_each_node_with_its_party(tmp_path):
         path.write_text(text)
         with pytest.raises(FileGraphError, match=re.escape(fragment)):
             read_owners(path, ["0", "1", "2", "3"])
+
+
+def test_a_file_named_npz_that_is_not_one_says_what_it_is(tmp_path):
+    # numpy reads any other file as a pickle and answered with advice on allow_pickle.
+    (tmp_path / "text.npz").write_text("node,label\n0,1\n")
+    np.save(tmp_path / "one.npy", np.eye(3, dtype=np.float32))
+    shutil.copy(tmp_path / "one.npy", tmp_path / "one.npz")
+    for name, what in (("text.npz", "not a zip archive"), ("one.npz", "a single .npy array")):
+        with pytest.raises(FileGraphError, match=re.escape(f"{name}: not an npz file ({what})")):
+            load_dataset(str(tmp_path / name), split="random:0.6,0.2,0.2")

@@ -96,8 +96,9 @@ def resumed_config(cfg: TrainConfig) -> TrainConfig:
     writes on in its own folder.
 
     Raises:
-        ValueError: ``cfg.resume`` is not a lazy run's folder, or ``cfg`` names another run
-            folder (``--out``), which the resumed run would never write.
+        ValueError: ``cfg.resume`` is not a lazy run's folder or is a finished one's, its
+            ``config.json`` was edited, or ``cfg`` names another run folder (``--out``), which
+            the resumed run would never write.
     """
     if cfg.out_dir and Path(cfg.out_dir).resolve() != Path(cfg.resume).resolve():
         raise ValueError(
@@ -107,6 +108,10 @@ def resumed_config(cfg: TrainConfig) -> TrainConfig:
     path = Path(cfg.resume) / "config.json"
     if not path.is_file():
         raise ValueError(f"{path}: not a run folder (no config.json); resume needs the --out of a lazy run")
+    if (Path(cfg.resume) / "summary.json").is_file():  # resumed, its test would be sent again over it
+        raise ValueError(
+            f"{cfg.resume}: the run finished (summary.json): nothing to resume; its results stay as they are"
+        )
     values = json.loads(path.read_text())
     values.pop("extra", None)
     # A setting newer than the run's config.json was not in force when it started: its field

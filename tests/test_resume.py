@@ -282,6 +282,10 @@ def test_a_config_json_edited_since_the_start_is_refused_naming_the_setting(tmp_
     (tmp_path / "config.json").write_text(json.dumps(edited))
     with pytest.raises(ValueError, match=r"config.json: edited since the run started \(lr .*, seed 0 -> 3\)"):
         resumed_config(TrainConfig(resume=str(tmp_path)))
+    # A finished run is not resumed: its summary would be rewritten by a second test.
+    (tmp_path / "summary.json").write_text("{}")
+    with pytest.raises(ValueError, match="the run finished"):
+        resumed_config(TrainConfig(resume=str(tmp_path)))
 
 
 @pytest.mark.slow

@@ -10,7 +10,8 @@ numbers) for them:
   inside bytes at any offset in any of those dtypes. Every row of the partition is searched:
   each candidate window is z-normalized, sketched by six fixed random projections, and looked
   up by its quantized sketch (neighbouring bins probed), then confirmed by a correlation of at
-  least :data:`MATCH_CORRELATION` over the whole row. Rows with fewer than two non-zero entries
+  least :data:`MATCH_CORRELATION` over the whole row and equal values wherever the row's are
+  equal (a copy maps equal values to equal ones). Rows with fewer than two non-zero entries
   (a one-hot row, an empty row) are not searched: they occur by chance.
 - **label vectors** (all owned nodes, and each split's), as integers of any width, floats,
   one-hot rows or columns, numbers in text, digits in text (``"0120..."``) or a list: a
@@ -123,10 +124,22 @@ class SecretFinder:
             for start in range(0, len(sketch), _CHUNK):
                 keys = self._keys(sign * sketch[start : start + _CHUNK], exact=True)[:, 0]
                 for i in np.flatnonzero(np.isin(keys, self.keys)):
-                    cands = self.table[int(keys[i])]
-                    corr = self.rows[cands] @ (sign * row(start + i)) / self.num_features
-                    hits += int(corr.max() >= MATCH_CORRELATION)
+                    cands = np.asarray(self.table[int(keys[i])])
+                    window = sign * row(start + i)
+                    corr = self.rows[cands] @ window / self.num_features
+                    close = cands[corr >= MATCH_CORRELATION]
+                    hits += int(any(self._same_ties(c, window) for c in close))
         return hits
+
+    def _same_ties(self, c: int, window: np.ndarray) -> bool:
+        """Whether ``window`` holds one value wherever feature row ``c`` holds one value, as any
+        element-wise map of the row does (:data:`MATCH_CORRELATION` alone took a packed update
+        read as float64, two huge values where a two-word row has its words, for a copy)."""
+        # The z-scores are an element-wise map of the row: equal where its values are equal.
+        order = np.argsort(self.rows[c], kind="stable")
+        z, w = self.rows[c][order], window[order]
+        repeats = z[1:] == z[:-1]
+        return bool(np.all(w[1:][repeats] == w[:-1][repeats]))
 
     def _row_hits(self, rows: np.ndarray) -> int:
         """How many of ``rows`` (``[n, F]``, any values) are feature rows up to ``a x + b``."""

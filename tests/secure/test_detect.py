@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.secure.detect import SecretFinder, flatten_values
@@ -94,3 +95,29 @@ def test_every_row_is_searched_not_a_sample(client):
 def test_json_values_are_walked_to_their_leaves():
     leaves = list(flatten_values({"a": [1.0, 2.0], "b": {"c": "text", "d": b"xy"}, "e": '{"f": [3, 4]}'}))
     assert [1.0, 2.0] in leaves and "text" in leaves and b"xy" in leaves and [3, 4] in leaves
+
+
+def test_a_window_that_only_correlates_with_a_sparse_row_is_not_a_copy(sbm):
+    """A packed update read as float64 holds a few huge values among small ones: where they fall
+    on a two-word bag-of-words row's words, it correlates 0.9997 with that row, and an honest run's
+    audit reported a leak. A copy maps the row's equal values (its zeros) to one value."""
+    data = sbm.clone()
+    f = 64
+    x = np.zeros((data.num_nodes, f), np.float32)
+    rng = np.random.default_rng(0)
+    for i in range(data.num_nodes):  # bag-of-words rows of 2 to 6 words
+        x[i, rng.choice(f, size=2 + i % 5, replace=False)] = 1.0
+    data.x = torch.from_numpy(x)
+    part = partition_graph(data, 3, "metis", seed=0)[0]
+    finder = SecretFinder(part)
+    row = np.asarray(part.x)[(np.asarray(part.x) != 0).sum(1) == 2][0]
+    zrow = (row - row.mean()) / row.std()
+    for scale in (1.0, 2.0, 4.0) * 8:  # a few land in the row's sketch bin, as it happened
+        window = rng.normal(0.0, scale, f)  # other values where the row is 0 ...
+        window[row != 0] = 1000.0  # ... and two large ones on its words
+        z = (window - window.mean()) / window.std()
+        assert z @ zrow / f > 0.999  # it correlates as a copy would
+        assert finder.scan(window) == []
+    # The row itself, scaled, shifted or re-typed, is still found.
+    for copy in (3 * row + 1, row.astype(np.float16), -row):
+        assert finder.scan(np.asarray(copy)), copy.dtype

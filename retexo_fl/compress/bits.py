@@ -60,6 +60,12 @@ def code_units(budget_bytes: int, rows: int, cols: int, frames: int = 1) -> int:
     return max(-1, (8 * free) // max(cols, 1)) if free >= 0 else -1
 
 
+def one_bit_bytes(rows: int, cols: int) -> int:
+    """The least budget (bytes) one frame of ``rows x cols`` values at 1 bit each needs: the
+    inverse of :func:`code_units` at ``rows`` units."""
+    return HEADER_BYTES + 5 * rows + len(LEVELS) + (rows * cols + 7) // 8
+
+
 def allocate_bits(weights: Tensor, units: int) -> Tensor:
     """Widths ``b_i`` in ``(1, 2, 4, 8)``: minimize ``sum_i w_i / (2^b_i - 1)^2`` s.t. ``sum_i b_i <= units``.
 
@@ -228,7 +234,8 @@ def plan_widths(
             target = "its peers" if len(qs) > 1 else f"client {qs[0]}"
             raise CodecError(
                 f"{where}: a budget of {budget} bytes to {target} is below the 1-bit minimum "
-                f"of about {floor + 4 * len(qs)} bytes"
+                f"of about {floor + 4 * len(qs)} bytes: raise byte-budget (or the rate-schedule's "
+                "lowest rate)"
             )
         widths = allocate_bits(items(qs), units)
         start = 0

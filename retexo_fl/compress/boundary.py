@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from retexo_fl.compress.bits import plan_widths
+from retexo_fl.compress.bits import one_bit_bytes, plan_widths
 from retexo_fl.compress.payload import encode_rows, frame_size
-from retexo_fl.compress.quantize import snap_bits
+from retexo_fl.compress.quantize import CodecError, snap_bits
 from retexo_fl.compress.schedule import RateSchedule
 from retexo_fl.compress.settings import CompressionSettings
 
@@ -207,14 +207,8 @@ class BoundaryEncoder:
         elif s.bit_policy == "adaptive-budget":
             widths = dict(plan_widths(rows, weights, self._budget(rate, rows), where))
         else:
-            total_budget = self._budget(rate, rows)
             bw = {q: link_bandwidth(self.bandwidths, client, q) for q in rows}
-            finite = [b for b in bw.values() if b != float("inf")]
-            seconds = s.time_budget or (total_budget / sum(finite) if finite else float("inf"))
-            budgets = {
-                q: (int(b * seconds) if b != float("inf") else _rate_bytes(*rows[q].shape, 8.0))
-                for q, b in bw.items()
-            }
+            budgets = _link_budgets(self._budget(rate, rows), bw, rows, s.time_budget, where)
             widths = dict(plan_widths(rows, weights, budgets, where))
         frames, stats = {}, ExchangeStats()
         for q, block in rows.items():
@@ -229,6 +223,53 @@ class BoundaryEncoder:
             else:
                 stats.bits.update(Counter(w.tolist()))
         return frames, stats
+
+
+def _link_budgets(
+    total: int, bw: dict[int, float], rows: dict[int, Tensor], time_budget: float, where: str
+) -> dict[int, int]:
+    """``adaptive-bandwidth``'s budget for each peer's link: ``bandwidth * T`` bytes.
+
+    ``T`` is ``time_budget``, else the time in which ``total`` bytes drain over every link at
+    once. A link whose share cannot pay one bit a value (a link far slower than the others) gets
+    that minimum, and ``T`` is solved again over the rest: every link but those finishes
+    together, and the exchange still sends ``total`` bytes. An infinite link gets 8-bit frames.
+
+    Raises:
+        CodecError: ``total`` cannot pay one bit a value on every link, or ``time_budget`` cannot
+            on one: naming the settings to raise.
+    """
+    floors = {q: one_bit_bytes(*rows[q].shape) for q in rows if rows[q].shape[0]}
+    out = {q: _rate_bytes(*rows[q].shape, 8.0) for q in rows if bw[q] == float("inf")}
+    finite = [q for q in rows if q not in out]
+    if time_budget:
+        out.update({q: int(bw[q] * time_budget) for q in finite})
+        short = [q for q in finite if q in floors and out[q] < floors[q]]
+        if short:
+            q = short[0]
+            raise CodecError(
+                f"{where}: time-budget {time_budget} s pays {out[q]} bytes on the link to client {q}, "
+                f"below the {floors[q]} that one bit a value needs: raise time-budget or that link's "
+                "link-bandwidths entry"
+            )
+        return out
+    fixed: dict[int, int] = {}
+    while True:
+        rest = [q for q in finite if q not in fixed]
+        left = total - sum(fixed.values())
+        seconds = left / sum(bw[q] for q in rest) if rest else 0.0
+        low = [q for q in rest if q in floors and bw[q] * seconds < floors[q]]
+        if not low:
+            break
+        fixed.update({q: floors[q] for q in low})
+    if sum(fixed.values()) > total:
+        raise CodecError(
+            f"{where}: a byte budget of {total} bytes cannot pay one bit a value on every link (at least "
+            f"{sum(floors.values())} bytes): raise byte-budget (or the rate-schedule's lowest rate)"
+        )
+    out.update(fixed)
+    out.update({q: int(bw[q] * seconds) for q in finite if q not in fixed})
+    return out
 
 
 def _rate_bytes(rows: int, cols: int, rate: float) -> int:

@@ -51,6 +51,32 @@ def test_slow_links_get_fewer_bits(sbm):
     assert stats.bytes_sent <= BoundaryEncoder(cfg.compression)._budget(6.0, rows) + 1
 
 
+def test_a_link_far_slower_than_the_others_gets_one_bit_and_the_rest_share_the_budget(sbm):
+    """A link at a hundredth of the others' rate was given a hundredth of the time, below one bit
+    a value, and the run failed at the first exchange (docs/compression.md's own command)."""
+    from retexo_fl.compress.bits import one_bit_bytes
+
+    parts = partition_graph(sbm, 3, "random", seed=0)
+    cfg = _cfg(
+        bit_policy="adaptive-bandwidth", byte_budget="4b", link_bandwidths="1:1e5,default:1e7", encrypt=False
+    )
+    client = LazyClient(parts[0], cfg)
+    rows = client.advance(torch.randn(parts[0].num_nodes, 16))
+    frames, stats = client.encode_boundary(rows)
+    budget = BoundaryEncoder(cfg.compression)._budget(4.0, rows)
+    assert len(frames[1]) <= one_bit_bytes(*rows[1].shape)  # the floor, and no more
+    assert stats.bytes_sent <= budget + 1  # the others took what the slow link could not
+    assert len(frames[2]) > 0.9 * (budget - one_bit_bytes(*rows[1].shape))
+    # Where even one bit a value on every link is past the budget, the error names the setting.
+    tight = _cfg(
+        bit_policy="adaptive-bandwidth", byte_budget="300", link_bandwidths="1:1e5,default:1e7", encrypt=False
+    )
+    with pytest.raises(
+        CodecError, match=r"client 0, exchange -?\d+: a byte budget of 300 bytes .* raise byte-budget"
+    ):
+        LazyClient(parts[0], tight).encode_boundary(rows)
+
+
 def test_nan_embeddings_are_refused_naming_client_and_exchange(sbm):
     parts = partition_graph(sbm, 3, "random", seed=0)
     client = LazyClient(parts[2], _cfg(bits=4))

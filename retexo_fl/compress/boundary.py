@@ -7,7 +7,8 @@ Policies (``bit-policy``):
   its peers (bytes, or ``<r>b`` for what ``r``-bit frames would cost).
 - ``adaptive-bandwidth``: one budget per link, ``bandwidth(p, q) * T``; ``T`` is ``time-budget``
   seconds, or when unset the time in which the byte budget drains over all links at once, so
-  slow links get fewer bits and every link finishes together.
+  slow links get fewer bits and every link finishes together (a link too slow for one bit a value
+  gets that minimum, and the others share the rest).
 """
 
 from __future__ import annotations

@@ -531,6 +531,19 @@ def ignored_settings(cfg: TrainConfig, given: Iterable[str]) -> list[str]:
                 lines.append(f"{info.key} is read only {phrase}: ignored")
             else:
                 lines.append(f"{info.key} acts {phrase} only: ignored")
+    if cfg.mode == "lazy" and "server_lr" in {key.replace("-", "_") for key in given}:
+        # Per stage: a stage whose server optimizer is avg applies the averaged update as it is.
+        avg = [str(s) for s in range(cfg.stages) if cfg.per_stage("server_optimizer", s) == "avg"]
+        if avg:
+            where = (
+                "at any stage"
+                if len(avg) == cfg.stages
+                else f"at stage{'s' * (len(avg) > 1)} {', '.join(avg)}"
+            )
+            lines.append(
+                f"server-lr is not read {where}: server-optimizer avg takes no learning rate there "
+                "(server-optimizer adam does)"
+            )
     return lines
 
 

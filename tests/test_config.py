@@ -403,6 +403,12 @@ def test_a_setting_the_run_does_not_read_is_named_with_why():
         "dp-clip acts with dp-noise only: ignored",
     ]
     assert ignored_settings(TrainConfig.resolve(model="gat"), ["heads"]) == []
+    # server-lr per stage: the GNN stages' avg applies the mean update as it is (0.03 did nothing).
+    assert ignored_settings(TrainConfig.resolve(stages=3, server_lr=[0.01, 0.03]), ["server-lr"]) == [
+        "server-lr is not read at stages 1, 2: server-optimizer avg takes no learning rate there "
+        "(server-optimizer adam does)"
+    ]
+    assert ignored_settings(TrainConfig.resolve(server_optimizer="adam", server_lr=0.1), ["server_lr"]) == []
     secure = TrainConfig.resolve(secure_aggregation=True, clients=4)
     assert ignored_settings(secure, ["secagg-threshold"]) == []
     # first-stage auto is the lazy default over partitions: its race settings are read there ...

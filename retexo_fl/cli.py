@@ -169,7 +169,9 @@ def _flag_value(text: str) -> bool:
     try:
         return FLAG_WORDS[text.strip().lower()]
     except KeyError:
-        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected true or false (or yes / no, on / off, 1 / 0), got {text!r}"
+        ) from None
 
 
 def _config_from_args(args: argparse.Namespace) -> TrainConfig:

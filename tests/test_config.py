@@ -117,7 +117,7 @@ def test_from_mapping_reads_kebab_keys_and_per_stage_lists():
         ({"pass_embedding": "both"}, "architecture", "pass-embedding"),
         ({"mode": "gossip"}, "training", "mode must be one of"),
         ({"server_optimizer": "sgd"}, "training", "server-optimizer"),
-        ({"bits": 3}, "compression", "bits and update-bits"),
+        ({"bits": 3}, "compression", "bits must be one of"),
         ({"bit_policy": "adaptive-bandwidth"}, "compression", "needs link-bandwidths"),
         ({"dp_delta": 1.0}, "security", "dp-delta"),
         ({"boundary_noise": 1.0}, "security", "boundary-noise needs boundary-clip"),

@@ -75,10 +75,9 @@ class CompressionSettings:
             )
         if self.broadcast_bits not in ALL_BITS:
             raise ValueError(f"broadcast-bits must be one of {ALL_BITS}, got {self.broadcast_bits}")
-        if self.bits not in ALL_BITS or self.update_bits not in ALL_BITS:
-            raise ValueError(
-                f"bits and update-bits must be one of {ALL_BITS}, got {self.bits}, {self.update_bits}"
-            )
+        for key, value in (("bits", self.bits), ("update-bits", self.update_bits)):
+            if value not in ALL_BITS:
+                raise ValueError(f"{key} must be one of {', '.join(map(str, ALL_BITS))}, got {value}")
         if self.bit_policy == "adaptive-budget" and not self.byte_budget and self.rate_schedule == "fixed":
             raise ValueError(
                 "bit-policy adaptive-budget needs byte-budget (bytes, or e.g. 4b) or a rate-schedule"

@@ -97,5 +97,7 @@ def test_bandwidth_specs(tmp_path):
         parse_bandwidths("0:0")
     with pytest.raises(ValueError, match="adaptive-bandwidth needs link-bandwidths"):
         TrainConfig.resolve(profile="exact", bit_policy="adaptive-bandwidth").validate()
-    with pytest.raises(ValueError, match="bits and update-bits"):
+    with pytest.raises(ValueError, match=r"^bits must be one of 1, 2, 4, 8, 16, 32, got 3$"):
         TrainConfig.resolve(profile="exact", bits=3).validate()
+    with pytest.raises(ValueError, match=r"^update-bits must be one of"):
+        TrainConfig.resolve(profile="exact", update_bits=5).validate()

@@ -24,7 +24,7 @@ from flwr.app import Context, Message
 
 from retexo_fl import protocol as P
 from retexo_fl.config import TrainConfig
-from retexo_fl.data.datasets import dataset_fingerprint
+from retexo_fl.data.sources import dataset_fingerprint
 from retexo_fl.secure.keys import private_folder
 
 if TYPE_CHECKING:

@@ -250,7 +250,7 @@ class TrainingSettings:
         modes=("lazy",),
     )
     optimizer: Literal["sgd", "adam"] = setting("sgd", "the clients' optimizer")
-    momentum: float = setting(0.0, "the clients' SGD momentum")
+    momentum: float = setting(0.0, "the clients' SGD momentum", needs="optimizer=sgd")
     lr: float | list[float] = setting(1.0, "the clients' learning rate", per_stage=True)
     server_optimizer: Literal["avg", "adam"] | list[Literal["avg", "adam"]] = setting(
         ["adam", "avg"],

@@ -140,3 +140,18 @@ def test_the_clientapp_shim_imports_no_torch():
     # the worker's. The module that answers without a worker is imported only when it is used.
     assert _imports("clients.app", "torch", "torch_geometric", "clients.node_client") == [False, False, False]
     assert _imports("clients.mods", "torch") == [False]
+
+
+def test_every_setting_is_documented():
+    """Each setting a user can give appears in README.md or docs/ by its flag or key: two had
+    only their --help line (a new user's walkthrough found them)."""
+    from retexo_fl.config import settings
+
+    root = Path(__file__).resolve().parents[1]
+    text = "\n".join(p.read_text() for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))])
+    missing = [
+        info.key
+        for info in settings()
+        if f"--{info.key}" not in text and f"`{info.key}`" not in text and f"{info.key}=" not in text
+    ]
+    assert missing == []

@@ -17,7 +17,6 @@ from retexo_fl.data.files import (
     FileGraphError,
     load_files_graph,
     load_heterophilous_npz,
-    parse_files_spec,
 )
 
 _FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -158,36 +157,6 @@ def _raw_folder_hint(name: str, root: Path) -> str:
     if key not in _FAMILIES["Planetoid"][1]:
         return ""
     return f" (PyG reads them from {root / 'Planetoid' / _SPELLING.get(key, name) / 'raw'})"
-
-
-def dataset_files(name: str) -> list[Path]:
-    """The files a user's graph ``name`` is read from (a ``files:`` spec's three, an npz, a saved
-    ``Data``); none for a named or generated dataset, whose files do not change under a name.
-
-    A cut cached under the spec's text alone would outlive an edit of these files: a cache key
-    adds their sizes and modification times (:func:`dataset_fingerprint`).
-    """
-    if name.startswith("files:"):
-        keys = parse_files_spec(name[len("files:") :])
-        return [Path(keys[k]) for k in ("edges", "features", "labels")]
-    path = Path(name)
-    if path.suffix.lower() in (".npz", ".pt", ".pth") or path.is_file():
-        return [path]
-    return []
-
-
-def dataset_fingerprint(name: str) -> list[list[object]]:
-    """``[path, size, mtime_ns]`` of each of :func:`dataset_files` (``None`` for a missing one:
-    the load names it)."""
-    out: list[list[object]] = []
-    for path in dataset_files(name):
-        try:
-            st = path.stat()
-        except OSError:
-            out.append([str(path.resolve()), None, None])
-            continue
-        out.append([str(path.resolve()), st.st_size, st.st_mtime_ns])
-    return out
 
 
 def _load_any(name: str, root: Path, seed: int):

@@ -60,12 +60,10 @@ import torch
 from torch_geometric.data import Data
 
 from retexo_fl.data.edges import undirected_coalesced
-from retexo_fl.data.errors import DatasetError
+from retexo_fl.data.sources import FileGraphError, parse_files_spec
 
 log = logging.getLogger(__name__)
 
-#: The keys of a ``files:`` spec; ``edges``, ``features`` and ``labels`` are required.
-FILE_KEYS = ("edges", "features", "labels", "id-column", "label-column")
 #: Column names (any case) that make a labels file's column its id column when id-column is not given.
 ID_COLUMN_NAMES = ("id", "node", "node_id", "nodeid", "node id")
 #: The arrays of an npz in ``HeterophilousGraphDataset``'s format.
@@ -82,47 +80,6 @@ MAX_FEATURE_VALUES = 1 << 31
 MISSING_VALUES = frozenset({"", "na", "nan", "n/a", "null", "?"})
 #: ... and the label values read as "unlabeled": those, and the documented -1.
 MISSING_LABELS = MISSING_VALUES | {"-1", "-1.0"}
-
-
-class FileGraphError(DatasetError):
-    """A plain graph file cannot be read; the message names the file (and line)."""
-
-    def __init__(self, path: Path | str, reason: str, line: int | None = None) -> None:
-        where = f"{path}:{line}" if line is not None else str(path)
-        super().__init__(f"{where}: {reason}")
-        self.path, self.line, self.reason = str(path), line, reason
-
-    def __reduce__(self) -> tuple[type, tuple[str, str, int | None]]:
-        # Rebuilt from its parts when unpickled (a worker process or a Ray actor raised it).
-        return type(self), (self.path, self.reason, self.line)
-
-
-def parse_files_spec(spec: str) -> dict[str, str]:
-    """The ``key=value`` pairs after ``files:`` (``edges``, ``features``, ``labels`` required).
-
-    Raises:
-        FileGraphError: on an unknown or repeated key, a pair without ``=`` or a missing file key.
-    """
-    out: dict[str, str] = {}
-    for part in spec.split(","):
-        if not part.strip():
-            continue
-        key, sep, value = part.partition("=")
-        key = key.strip()
-        if not sep or not value.strip():
-            raise FileGraphError("--dataset", f"files: expected key=value, got {part!r}")
-        if key not in FILE_KEYS:
-            raise FileGraphError("--dataset", f"files: unknown key {key!r}; known: {', '.join(FILE_KEYS)}")
-        if key in out:
-            raise FileGraphError("--dataset", f"files: {key} given twice")
-        out[key] = value.strip()
-    missing = [k for k in ("edges", "features", "labels") if k not in out]
-    if missing:
-        raise FileGraphError(
-            "--dataset",
-            f"files: missing {', '.join(missing)} (use files:edges=E.csv,features=F.json,labels=L.csv)",
-        )
-    return out
 
 
 def load_files_graph(spec: str) -> Data:

@@ -366,12 +366,22 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("partition", help="cut a dataset into fixed per-client partition folders")
-    p.add_argument("--dataset", required=True)
-    p.add_argument("--root", default="data")
-    p.add_argument("--split", default="public")
-    p.add_argument("--split-index", type=int, default=0)
+    p.add_argument(
+        "--dataset", required=True, help="the graph, as train's --dataset (a name, files:..., .npz, .pt)"
+    )
+    p.add_argument("--root", default="data", help="folder of the datasets' raw files (default: data)")
+    p.add_argument(
+        "--split",
+        default="public",
+        help="public, random:TRAIN,VAL,TEST or per-class:K,VAL,TEST (default: public)",
+    )
+    p.add_argument("--split-index", type=int, default=0, help="which of a dataset's splits (default: 0)")
     p.add_argument("--clients", type=int, default=None, help="the partitions to cut (not with --owners)")
-    p.add_argument("--method", default="metis")
+    p.add_argument(
+        "--method",
+        default="metis",
+        help="the partitioner: metis, louvain, random, supernode, label-skew or node (default: metis)",
+    )
     p.add_argument(
         "--owners",
         default=None,
@@ -384,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="--owners' node id column (default: the one named id, node or node_id, else the first)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the partitioner's and the split's seed (default: 0)")
     p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration (label-skew)")
     p.add_argument("--clusters", type=int, default=0, help="METIS clusters (supernode)")
     p.add_argument(
@@ -393,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="bound",
         help="bound (default): the owners' data may not be pooled; free: data-center mode may pool it",
     )
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="a new (or empty) folder for the part-<id>/ folders")
     p.set_defaults(func=cmd_partition)
 
     k = sub.add_parser(

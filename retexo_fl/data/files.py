@@ -122,7 +122,14 @@ def load_files_graph(spec: str) -> Data:
             f"{labels.header_id!r}, a node of the features file)",
             1,
         )
-    index = _node_index([labels, feats])
+    try:
+        index = _node_index([labels, feats])
+    except FileGraphError as exc:
+        if paths["features"].suffix.lower() != ".npz":
+            raise
+        # An npz names no ids: its rows are nodes 0..N-1, which a file of named nodes cannot match.
+        hint = f"; {paths['features'].name} is an npz, whose rows are the integer nodes 0..N-1"
+        raise FileGraphError(exc.path, exc.reason + hint, exc.line) from None
     if feats.ids and not {_canonical(i) for i in label_ids} & {_canonical(i) for i in feats.ids}:
         raise FileGraphError(
             paths["labels"],

@@ -593,3 +593,11 @@ def test_a_file_named_npz_that_is_not_one_says_what_it_is(tmp_path):
     for name, what in (("text.npz", "not a zip archive"), ("one.npz", "a single .npy array")):
         with pytest.raises(FileGraphError, match=re.escape(f"{name}: not an npz file ({what})")):
             load_dataset(str(tmp_path / name), split="random:0.6,0.2,0.2")
+
+
+def test_named_nodes_beside_an_npz_of_features_say_its_rows_are_the_ids(tmp_path):
+    np.savez(tmp_path / "x.npz", x=np.eye(3, dtype=np.float32))
+    (tmp_path / "e.csv").write_text("a,b\nb,c\n")
+    (tmp_path / "y.csv").write_text("id,label\na,0\nb,1\nc,0\n")
+    spec = f"files:edges={tmp_path / 'e.csv'},features={tmp_path / 'x.npz'},labels={tmp_path / 'y.csv'}"
+    _expect(spec, f"{tmp_path / 'y.csv'}:2", "x.npz is an npz, whose rows are the integer nodes 0..N-1")

@@ -38,14 +38,17 @@ def test_linear_schedule_raises_widths_over_stages(sbm):
     assert [list(h) for h in hists] == [["1"], ["4"], ["8"]]  # rates 1, 4.5, 8 snapped down
 
 
-def test_slow_links_get_fewer_bits(sbm):
+def _bandwidth_exchange(sbm, budget: str, links: str):
+    """Client 0's first boundary exchange under adaptive-bandwidth: its config, rows, frames, stats."""
     parts = partition_graph(sbm, 3, "random", seed=0)
-    cfg = _cfg(
-        bit_policy="adaptive-bandwidth", byte_budget="6b", link_bandwidths="0-1:1e5,0-2:3e5", encrypt=False
-    )
+    cfg = _cfg(bit_policy="adaptive-bandwidth", byte_budget=budget, link_bandwidths=links, encrypt=False)
     client = LazyClient(parts[0], cfg)
     rows = client.advance(torch.randn(parts[0].num_nodes, 16))
-    frames, stats = client.encode_boundary(rows)
+    return (parts, cfg, rows, *client.encode_boundary(rows))
+
+
+def test_slow_links_get_fewer_bits(sbm):
+    _, cfg, rows, frames, stats = _bandwidth_exchange(sbm, "6b", "0-1:1e5,0-2:3e5")
     per_value = {q: len(frames[q]) / rows[q].numel() for q in rows}
     assert per_value[1] < 0.6 * per_value[2]
     assert stats.bytes_sent <= BoundaryEncoder(cfg.compression)._budget(6.0, rows) + 1
@@ -56,13 +59,7 @@ def test_a_link_far_slower_than_the_others_gets_one_bit_and_the_rest_share_the_b
     a value, and the run failed at the first exchange (docs/compression.md's own command)."""
     from retexo_fl.compress.bits import one_bit_bytes
 
-    parts = partition_graph(sbm, 3, "random", seed=0)
-    cfg = _cfg(
-        bit_policy="adaptive-bandwidth", byte_budget="4b", link_bandwidths="1:1e5,default:1e7", encrypt=False
-    )
-    client = LazyClient(parts[0], cfg)
-    rows = client.advance(torch.randn(parts[0].num_nodes, 16))
-    frames, stats = client.encode_boundary(rows)
+    parts, cfg, rows, frames, stats = _bandwidth_exchange(sbm, "4b", "1:1e5,default:1e7")
     budget = BoundaryEncoder(cfg.compression)._budget(4.0, rows)
     assert len(frames[1]) <= one_bit_bytes(*rows[1].shape)  # the floor, and no more
     assert stats.bytes_sent <= budget + 1  # the others took what the slow link could not

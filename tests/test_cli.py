@@ -168,6 +168,8 @@ def test_partition_with_owners_keeps_each_partys_nodes_with_it(tmp_path, capsys)
 
     import numpy as np
 
+    from retexo_fl.data.partition import load_partition
+
     rng = np.random.default_rng(0)
     n, sites = 60, ["north", "south", "east"]
     rows = "".join(f"P{i:02d},{rng.random():.3f},{['flu', 'ok'][i % 2]},{sites[i % 3]}\n" for i in range(n))
@@ -189,7 +191,7 @@ def test_partition_with_owners_keeps_each_partys_nodes_with_it(tmp_path, capsys)
     assert main([*argv, "--out", str(parts)]) == 0
     capsys.readouterr()
     for pid, site in enumerate(sorted(sites)):  # parties numbered in sorted order
-        meta = json.loads((parts / f"part-{pid}" / "manifest.json").read_text())["meta"]
+        meta = load_partition(parts / f"part-{pid}").meta
         ids = np.load(parts / f"part-{pid}" / "node_ids.npy")
         assert (meta["party"], meta["method"], meta["class_names"]) == (site, "owners", ["flu", "ok"])
         # Each party holds exactly its own patients, and their names row for row.

@@ -34,6 +34,11 @@ FILES: dict[str, tuple[str, int]] = {
     "cross_edges.npy": ("i", 2),
 }
 
+#: The user's own names of the owned nodes, row for row with ``node_ids.npy`` (a graph read from
+#: plain files has them): a JSON list of strings beside the arrays, checksummed like them, not in
+#: the manifest, whose size is bounded, and read into ``meta["node_names"]``.
+NAMES_FILE = "node_names.json"
+
 # Upper bound for integers a manifest declares (node counts, ids): a hostile manifest cannot ask
 # for absurd sizes, and arrays are memory-mapped, so nothing is allocated from declared sizes.
 _MAX_DECLARED = 1 << 40
@@ -178,6 +183,11 @@ def save_partition(part: Partition, directory: str | os.PathLike[str]) -> Path:
     for name, arr in arrays.items():
         np.save(out / name, arr, allow_pickle=False)
         checksums[name] = _sha256(out / name)
+    meta = dict(part.meta)
+    names = meta.pop("node_names", None)
+    if names is not None:
+        (out / NAMES_FILE).write_text(json.dumps([str(v) for v in names]))
+        checksums[NAMES_FILE] = _sha256(out / NAMES_FILE)
     manifest = {
         "format_version": FORMAT_VERSION,
         "dataset": part.dataset,
@@ -189,7 +199,7 @@ def save_partition(part: Partition, directory: str | os.PathLike[str]) -> Path:
         "residency_bound": bool(part.residency_bound),
         "counts": part.counts(),
         "checksums": checksums,
-        "meta": part.meta,
+        "meta": meta,
     }
     tmp = out / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
@@ -369,6 +379,22 @@ def load_partition(
     return part
 
 
+def _load_names(root: Path, manifest: dict, n: int, verify: bool) -> list[str]:
+    """The owned nodes' names (:data:`NAMES_FILE`): ``n`` strings, checksummed like the arrays."""
+    path = root / NAMES_FILE
+    if not path.is_file():
+        raise PartitionError(path, "node_names", "file is missing (the manifest records its checksum)")
+    if verify and _sha256(path) != manifest["checksums"][NAMES_FILE]:
+        raise PartitionError(path, "checksum", "sha256 does not match the manifest")
+    try:
+        names = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as exc:
+        raise PartitionError(path, "node_names", f"not valid JSON ({exc})") from None
+    if not isinstance(names, list) or len(names) != n or not all(isinstance(v, str) for v in names):
+        raise PartitionError(path, "node_names", f"must be a list of {n} strings, one per owned node")
+    return names
+
+
 def _load_validated(root: Path, manifest: dict, verify_checksums: bool) -> Partition:
     mpath = root / MANIFEST
     arrays = {name: _load_array(root, name, manifest, verify_checksums) for name in FILES}
@@ -464,8 +490,10 @@ def _load_validated(root: Path, manifest: dict, verify_checksums: bool) -> Parti
         directed=bool(manifest.get("directed", False)),
         # A manifest that does not say is bound: residency is never assumed away.
         residency_bound=bool(manifest.get("residency_bound", True)),
-        meta=manifest.get("meta", {}) if isinstance(manifest.get("meta"), dict) else {},
+        meta=dict(manifest["meta"]) if isinstance(manifest.get("meta"), dict) else {},
     )
+    if NAMES_FILE in manifest["checksums"]:
+        part.meta["node_names"] = _load_names(root, manifest, n, verify_checksums)
     for key, value in part.counts().items():
         declared = manifest["counts"].get(key)
         if declared != value:

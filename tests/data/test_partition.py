@@ -342,3 +342,21 @@ def test_small_arrays_are_read_whole_and_large_ones_mapped(parts, tmp_path, monk
     monkeypatch.setattr(partition_module, "MMAP_MIN_BYTES", 1)  # every file counts as large
     large = load_partition(tmp_path / "p0")
     assert _mapped(large.x) and np.array_equal(large.x, small.x)
+
+
+def test_node_names_live_beside_the_arrays_checked_like_them(parts, tmp_path):
+    """A graph read from files names its nodes: in the manifest (at most 1 MiB) the names of a
+    partition of 70,000 or more nodes made it unreadable, so they are a file of their own."""
+    part = dataclasses.replace(
+        parts[0], meta={**parts[0].meta, "node_names": [f"patient-{i:09d}" for i in parts[0].node_ids]}
+    )
+    folder = save_partition(part, tmp_path / "part-0")
+    manifest = json.loads((folder / MANIFEST).read_text())
+    assert "node_names" not in manifest["meta"] and "node_names.json" in manifest["checksums"]
+    assert load_partition(folder).meta["node_names"] == part.meta["node_names"]
+    (folder / "node_names.json").write_text(json.dumps(["x"] * part.num_nodes))
+    with pytest.raises(PartitionError, match=r"node_names\.json.*sha256 does not match"):
+        load_partition(folder)
+    (folder / "node_names.json").unlink()
+    with pytest.raises(PartitionError, match=r"node_names\.json.*file is missing"):
+        load_partition(folder)

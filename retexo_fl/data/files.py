@@ -110,10 +110,10 @@ def load_files_graph(spec: str) -> Data:
         and bool(feats.ids)
         and feats.rows[0].tolist() in (list(range(feats.width)), list(range(1, feats.width + 1)))
     )
-    unlabeled_name = bool(feats.ids) and not _is_int(feats.ids[0]) and feats.ids[0] not in set(label_ids)
-    if numbered and feats.lines[0] == 1 and (feats.ids[0] == labels.header_id or unlabeled_name):
+    if numbered and feats.ids[0] == labels.header_id and feats.lines[0] == 1:
         # "name,0,1": the features CSV's header, its columns numbered as pandas names them, its
-        # id column named as the labels' is, or a name no label line has: not a node
+        # id column named as the labels' is: not a node (named otherwise, it cannot be told from
+        # a first node whose features are 0, 1, ...)
         feats = _Features(feats.path, feats.ids[1:], feats.lines[1:], feats.rows[1:], feats.width)
     if labels.header_id in set(feats.ids):  # "n0,1" on line 1: data, not column names
         raise FileGraphError(

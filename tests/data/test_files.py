@@ -393,11 +393,6 @@ def test_a_feature_header_of_number_names_is_not_a_node(tmp_path):
     spec = f"edges={tmp_path / 'e.csv'},features={tmp_path / 'x.csv'},labels={tmp_path / 'y.csv'}"
     data = load_files_graph(spec)
     assert data.num_nodes == 3 and data.x.tolist() == [[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]]
-    # The index named otherwise than the labels' id column: "patient", a name no label line has,
-    # was a fourth node with the features 0, 1.
-    (tmp_path / "x.csv").write_text("patient,0,1\nalice,1.0,0\nbob,0.0,1\ncarol,0.5,0.5\n")
-    data = load_files_graph(spec)
-    assert data.num_nodes == 3 and data.node_names == ["alice", "bob", "carol"]
 
 
 def test_missing_value_tokens_in_a_labels_file_are_unlabeled(tmp_path, caplog):

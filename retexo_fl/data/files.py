@@ -5,8 +5,8 @@ Two ``--dataset`` forms read files a user brings rather than a PyG class:
 ``files:edges=E.csv,features=F,labels=L.csv[,id-column=NAME][,label-column=NAME]``
     * ``edges``: one edge a line, its first two columns the endpoint ids; a header line is
       optional (the first line is one when neither of its first two fields is a node id), and
-      one naming the endpoint columns (:data:`ENDPOINT_COLUMNS`), or opening with an unnamed
-      column (pandas' index), picks them; other columns (weights, timestamps) are ignored.
+      one naming the endpoint columns elsewhere (:func:`_endpoint_columns`) picks them; other
+      columns (weights, timestamps) are ignored.
       Edges are taken as undirected, duplicates and self loops dropped; a file without an edge
       between two nodes is refused.
     * ``features``: a ``.csv`` (node id, then one number a column; header optional; a column
@@ -765,15 +765,24 @@ ENDPOINT_COLUMNS = (
 )  # fmt: skip
 
 
+#: Header names of an edge list's first column that say it is not an endpoint (an edge's own id).
+EDGE_ID_COLUMNS = ("", "id", "edge", "edge_id", "edgeid", "eid", "index", "idx")
+
+
 def _endpoint_columns(header: list[str]) -> tuple[int, int]:
-    """The endpoint columns an edge list's header line names: a pair of :data:`ENDPOINT_COLUMNS`,
-    else the two after an unnamed first column (pandas' index, as ``to_csv`` writes it), else the
-    first two."""
+    """The endpoint columns an edge list's header line names, where they are not its first two:
+    a pair of :data:`ENDPOINT_COLUMNS` once the header's first two names show they are not the
+    endpoints (the first is an edge id or pandas' unnamed index, or one of the two is an endpoint
+    name in another place: ``weight,src,dst``); else the first two (``a,b,from,to`` keeps ``a``
+    and ``b``: ``from`` and ``to`` may be times)."""
     names = [h.strip().lower() for h in header]
-    for a, b in ENDPOINT_COLUMNS:
-        if a in names and b in names:
-            return names.index(a), names.index(b)
-    if len(names) >= 3 and not names[0]:
+    pairs = [(names.index(a), names.index(b)) for a, b in ENDPOINT_COLUMNS if a in names and b in names]
+    if (0, 1) in pairs:
+        return 0, 1
+    ends = {name for pair in ENDPOINT_COLUMNS for name in pair}
+    if pairs and (names[0] in EDGE_ID_COLUMNS or names[0] in ends or names[1] in ends):
+        return min(pairs)
+    if len(names) >= 3 and not names[0]:  # pandas' unnamed index, its columns named otherwise
         return 1, 2
     return 0, 1
 

@@ -521,6 +521,16 @@ def test_an_edge_lists_endpoint_columns_are_the_ones_its_header_names(tmp_path, 
     assert torch.equal(data.edge_index, want)
 
 
+def test_an_edge_list_whose_first_two_columns_may_be_endpoints_keeps_them(tmp_path):
+    # "a,b,from,to": from and to may be a validity's years; a header naming a pair elsewhere
+    # moved the endpoints there and made a wrong graph, silently.
+    spec = _write(tmp_path, "csv")
+    (tmp_path / "edges.csv").write_text("a,b,from,to\n0,1,2,3\n1,2,0,3\n2,3,1,2\n3,0,1,3\n3,4,2,3\n")
+    data = load_files_graph(spec[len("files:") :])
+    want = undirected_coalesced(torch.tensor([(0, 1), (1, 2), (2, 3), (3, 0), (3, 4)]).t(), 5)
+    assert torch.equal(data.edge_index, want)
+
+
 def test_an_edge_list_of_self_loops_only_is_refused(tmp_path):
     spec = _write(tmp_path, "csv")
     (tmp_path / "edges.csv").write_text("a,b\n0,0\n3,3\n")

@@ -10,9 +10,10 @@ numbers) for them:
   inside bytes at any offset in any of those dtypes. Every row of the partition is searched:
   each candidate window is z-normalized, sketched by six fixed random projections, and looked
   up by its quantized sketch (neighbouring bins probed), then confirmed by a correlation of at
-  least :data:`MATCH_CORRELATION` over the whole row and equal values wherever the row's are
-  equal (a copy maps equal values to equal ones). Rows with fewer than two non-zero entries
-  (a one-hot row, an empty row) are not searched: they occur by chance.
+  least :data:`MATCH_CORRELATION` over the whole row and at most two values wherever the row has
+  one (a copy maps equal values to equal ones, stochastic rounding to one of two codes). Rows
+  with fewer than two non-zero entries (a one-hot row, an empty row) are not searched: they occur
+  by chance.
 - **label vectors** (all owned nodes, and each split's), as integers of any width, floats,
   one-hot rows or columns, numbers in text, digits in text (``"0120..."``) or a list: a
   contiguous copy of the whole vector.
@@ -132,14 +133,17 @@ class SecretFinder:
         return hits
 
     def _same_ties(self, c: int, window: np.ndarray) -> bool:
-        """Whether ``window`` holds one value wherever feature row ``c`` holds one value, as any
-        element-wise map of the row does (:data:`MATCH_CORRELATION` alone took a packed update
-        read as float64, two huge values where a two-word row has its words, for a copy)."""
+        """Whether ``window`` holds at most two values wherever feature row ``c`` holds one: any
+        element-wise map of the row holds one, stochastic rounding one of two neighbouring codes
+        (:data:`MATCH_CORRELATION` alone took a packed update read as float64, two huge values
+        where a two-word row has its words and hundreds of others elsewhere, for a copy)."""
         # The z-scores are an element-wise map of the row: equal where its values are equal.
-        order = np.argsort(self.rows[c], kind="stable")
+        order = np.lexsort((window, self.rows[c]))
         z, w = self.rows[c][order], window[order]
-        repeats = z[1:] == z[:-1]
-        return bool(np.all(w[1:][repeats] == w[:-1][repeats]))
+        same = z[1:] == z[:-1]
+        group = np.concatenate([[0], np.cumsum(~same)])  # each run of one row value
+        new_value = np.concatenate([[False], same & (w[1:] != w[:-1])])
+        return bool(np.bincount(group, weights=new_value).max() <= 1)
 
     def _row_hits(self, rows: np.ndarray) -> int:
         """How many of ``rows`` (``[n, F]``, any values) are feature rows up to ``a x + b``."""

@@ -121,3 +121,25 @@ def test_a_window_that_only_correlates_with_a_sparse_row_is_not_a_copy(sbm):
     # The row itself, scaled, shifted or re-typed, is still found.
     for copy in (3 * row + 1, row.astype(np.float16), -row):
         assert finder.scan(np.asarray(copy)), copy.dtype
+
+
+def test_a_row_sent_through_stochastic_rounding_is_still_found(sbm):
+    """Stochastic rounding, as the codecs do, sends a row's equal values as one of two
+    neighbouring codes: a copy all the same, which the tie check must not reject."""
+    data = sbm.clone()
+    f = 64
+    rng = np.random.default_rng(1)
+    x = np.zeros((data.num_nodes, f), np.float32)
+    for i in range(data.num_nodes):  # repeated values off any 8-bit grid
+        x[i, rng.choice(f, size=12, replace=False)] = rng.choice([0.3, 0.7, 1.1, 1.9], size=12)
+    data.x = torch.from_numpy(x)
+    part = partition_graph(data, 3, "metis", seed=0)[0]
+    finder = SecretFinder(part)
+    row = np.asarray(part.x)[0]
+    lo, step = row.min(), (row.max() - row.min()) / 255
+    split = 0
+    for _ in range(10):
+        codes = np.floor((row - lo) / step + rng.random(f)).astype(np.uint8)
+        split += len(np.unique(codes)) > len(np.unique(row))  # a value's ties went to two codes
+        assert finder.scan(codes.astype(np.float32)), codes
+    assert split >= 5

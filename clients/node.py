@@ -66,25 +66,35 @@ def who(context: Context) -> str:
     return f"client at {Path(str(folder)).name}" if folder else f"client at node {context.node_id}"
 
 
-def partition_dir(context: Context, cfg: TrainConfig) -> Path:
-    """Where this node's partition lives: given, written earlier, or this run's cached cut."""
+def partition_dir(context: Context, cfg: TrainConfig, run_key: int | None = None) -> Path:
+    """Where this node's partition lives: given, written earlier, or the cached cut of run
+    ``run_key`` (the user's files as this process first saw them in that run)."""
     if P.NODE_PARTITION_DIR in context.node_config:
         return Path(str(context.node_config[P.NODE_PARTITION_DIR]))
     pid = int(context.node_config[P.NODE_PARTITION_ID])
     if cfg.partitions:  # simulation over partitions written earlier by `retexo-fl partition`
         return Path(cfg.partitions) / f"part-{pid}"
-    return cut_folder(work_base(context), cfg) / f"part-{pid}"
+    fingerprint = None
+    if run_key is not None:
+        # Once a run: a client rebuilt later in it (evicted, reloaded) finds the same cut even if
+        # the files were touched since, rather than cutting them again mid-run.
+        fingerprint = _RUN_FINGERPRINTS.setdefault((run_key, cfg.dataset), dataset_fingerprint(cfg.dataset))
+    return cut_folder(work_base(context), cfg, fingerprint) / f"part-{pid}"
 
 
-def cut_folder(base: Path, cfg: TrainConfig) -> Path:
+#: (run key, dataset) -> the user's files' fingerprint as this process first saw it in that run.
+_RUN_FINGERPRINTS: dict[tuple[int, str], list[list[object]]] = {}
+
+
+def cut_folder(base: Path, cfg: TrainConfig, fingerprint: list[list[object]] | None = None) -> Path:
     """Where a simulation keeps the cut of ``cfg``'s dataset under the work base ``base``: one
     folder per (dataset, split, partitioning, clients, seed), holding every ``part-<i>``, and
     per version of a user's graph files (their sizes and modification times): a cut of files
-    since edited is not found again."""
+    since edited is not found again (``fingerprint``: theirs as given, else as they are now)."""
     key = json.dumps(
         [
             *(cfg.dataset, cfg.split, cfg.split_index, cfg.method, cfg.clients, cfg.seed),
-            *dataset_fingerprint(cfg.dataset),
+            *(dataset_fingerprint(cfg.dataset) if fingerprint is None else fingerprint),
         ]
     )
     return base / "partitions" / hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -190,7 +200,7 @@ class NodeView:
             who=who(context),
             cfg=cfg,
             work=work_dir(context, *key),
-            partition=partition_dir(context, cfg),
+            partition=partition_dir(context, cfg, key[0]),
         )
 
     @property

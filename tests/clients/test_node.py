@@ -174,7 +174,7 @@ def test_a_cut_of_a_users_files_is_not_found_again_after_they_change(tmp_path):
     edit trained the next run of the same spec (new nodes and classes unseen)."""
     import os
 
-    from clients.node import cut_folder
+    from clients.node import cut_folder, partition_dir
 
     (tmp_path / "e.csv").write_text("s,t\n0,1\n1,2\n")
     (tmp_path / "f.csv").write_text("id,a\n0,1\n1,2\n2,3\n")
@@ -184,10 +184,17 @@ def test_a_cut_of_a_users_files_is_not_found_again_after_they_change(tmp_path):
     first = cut_folder(tmp_path / "work", cfg)
     assert cut_folder(tmp_path / "work", cfg) == first  # every node of a run finds the same cut
     assert cut_folder(tmp_path / "work", TrainConfig(**{**cfg.to_dict(), "seed": 1})) != first
+    ctx = _Context({P.NODE_WORK_DIR: str(tmp_path / "work"), P.NODE_PARTITION_ID: 1}, node_id=1)
+    in_run = partition_dir(ctx, cfg, run_key=7)  # type: ignore[arg-type]
+    assert in_run == first / "part-1"
     stat = (tmp_path / "l.csv").stat()
     (tmp_path / "l.csv").write_text("id,y\n0,a\n1,a\n2,a\n")  # same size, one class merged
     os.utime(tmp_path / "l.csv", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
     assert cut_folder(tmp_path / "work", cfg) != first
+    # Within a run the cut stays the one it began with (a client rebuilt mid-run would have cut
+    # the edited files again); the next run takes the edit.
+    assert partition_dir(ctx, cfg, run_key=7) == in_run  # type: ignore[arg-type]
+    assert partition_dir(ctx, cfg, run_key=8) != in_run  # type: ignore[arg-type]
     assert cut_folder(tmp_path / "work", TrainConfig(dataset="sbm:300,3")) == cut_folder(
         tmp_path / "work", TrainConfig(dataset="sbm:300,3")
     )

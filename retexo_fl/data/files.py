@@ -9,8 +9,8 @@ Two ``--dataset`` forms read files a user brings rather than a PyG class:
       columns (weights, timestamps) are ignored.
       Edges are taken as undirected, duplicates and self loops dropped; a file without an edge
       between two nodes is refused.
-    * ``features``: a ``.csv`` (node id, then one number a column; header optional; a column
-      named as the labels' label column is skipped, so one table can be both files), a ``.json``
+    * ``features``: a ``.csv`` (node id, then one number a column; header optional; with one, a
+      column of text is skipped, as is the label column of a table that is both files), a ``.json``
       bag of ids (``{"<node id>": [feature id, ...]}``, multi-hot, as the MUSAE social graphs
       ship) or an ``.npz`` (one array, or the first of ``x``, ``features``, ``node_features``:
       row ``i`` is node ``i``).
@@ -466,8 +466,9 @@ def _read_labels(path: Path, id_column: str | None, label_column: str | None) ->
                 )
     else:  # categories: numbered in sorted order, so True/False -> 1/0
         ints = [v for v in given if _is_integral(v)]
-        if ints and len(ints) * 2 >= len(given):  # "1, 0, unknown": class indices and a stray word
-            word = next(v for v in raw if v != "" and not _is_integral(v))
+        words = [v for v in given if not _parses(v, float)]
+        if words and len(ints) * 2 >= len(given):  # "1, 0, unknown": class indices and a stray word
+            word = words[0]
             line = lines[ids[raw.index(word)]]
             raise FileGraphError(
                 path,
@@ -482,7 +483,8 @@ def _read_labels(path: Path, id_column: str | None, label_column: str | None) ->
                 f"{header[label_col]!r} is also a label of later lines)",
                 1,
             )
-        classes = {c: i for i, c in enumerate(sorted(set(given)))}
+        # Numbers (ratings 1, 2, 3.5) in numeric order, names in string order.
+        classes = {c: i for i, c in enumerate(sorted(set(given), key=None if words else float))}
         values = [classes[v] if v != "" else -1 for v in raw]
         return _Labels(
             path, ids, [lines[i] for i in ids], values, header[id_col], header[label_col], list(classes)
@@ -568,40 +570,30 @@ def _read_feature_csv(path: Path, labels: _Labels) -> _Features:
     """A features CSV: node id, then one number a column.
 
     Where a header line names the columns, two kinds are not read, each said in the log: the
-    labels file's label column (one table of a node's columns given as both files would put each
-    node's label among the inputs of the model that predicts it), and a column of text on the
-    first data line (a site, a name: a table's other columns), which no number stands for. A word
-    in a numeric column later on is an error, naming its line.
+    label column, where the labels file is this file (one table of a node's columns given as both
+    files would put each node's label among the inputs of the model that predicts it), and a
+    column of text, with no number in it (a site, a name: a table's other columns). A word in a
+    column of numbers is an error naming its line.
     """
+    columns = _feature_header(path)  # the value columns' names, where line 1 gives them
+    skip = _unread_columns(path, columns, labels) if columns is not None else set()
     ids: list[str] = []
     lines: list[int | None] = []
     seen: dict[str, int] = {}
     values: list[list[float]] = []
     width = None
-    columns: list[str] | None = None  # the value columns' names, where line 1 gives them
-    skip: set[int] = set()  # value columns not read
     for line, row in _rows(path):
         if len(row) < 2:
             raise FileGraphError(
                 path, f"a feature line needs a node id and at least one value{_separator_hint(row)}", line
             )
-        if line == 1 and not row[0]:  # pandas' to_csv header: an unnamed index, then column names
-            columns = row[1:]
+        if line == 1 and columns is not None:
             continue
-        if columns is not None and not ids and len(row) == len(columns) + 1:
-            skip = _unread_columns(path, columns, row[1:], labels, line)
         if skip and columns is not None and len(row) == len(columns) + 1:
             row = [row[0], *(v for k, v in enumerate(row[1:]) if k not in skip)]
         try:
             nums = [float(v) for v in row[1:]]
         except ValueError:
-            # Line 1 is column names when a value is a word ("degree", "pop_2019"); one whose
-            # only non-numbers are blanks or NA is a node's row with missing values, which a
-            # header guess would have dropped silently (its node read as zeros).
-            words = [v for v in row[1:] if not _parses(v, float) and v.strip().lower() not in MISSING_VALUES]
-            if not ids and line == 1 and words:
-                columns = row[1:]
-                continue
             raise FileGraphError(path, f"non-numeric feature value in {row[1:]!r}", line) from None
         if width is None:
             width = len(nums)
@@ -625,22 +617,51 @@ def _read_feature_csv(path: Path, labels: _Labels) -> _Features:
     return _Features(path, ids, lines, torch.tensor(values, dtype=torch.float32), width)
 
 
-def _unread_columns(path: Path, columns: list[str], first: list[str], labels: _Labels, line: int) -> set[int]:
-    """The value columns of a features CSV with a header that are not read (see
-    :func:`_read_feature_csv`), from its ``columns`` and ``first`` data line, said in the log."""
-    skip = set()
-    for k, (name, value) in enumerate(zip(columns, first, strict=True)):
-        if name == labels.header_label:
-            log.warning(
-                "%s: column %r is the label column of %s: not read as a feature",
-                path.name, name, labels.path.name,
-            )  # fmt: skip
-            skip.add(k)
-        elif not _parses(value, float) and value.strip().lower() not in MISSING_VALUES:
+def _is_word(value: str) -> bool:
+    """A cell that is neither a number nor a missing value's token."""
+    return not _parses(value, float) and value.strip().lower() not in MISSING_VALUES
+
+
+def _feature_header(path: Path) -> list[str] | None:
+    """A features CSV's value column names, where its line 1 is a header: a word among its values
+    ("degree", "pop_2019"), or an empty id field (pandas' ``to_csv`` index). A line 1 whose only
+    non-numbers are blanks or NA is a node's row with missing values (an error, not a header
+    guess that would drop the node silently)."""
+    first = next(_rows(path), None)
+    if first is None or first[0] != 1 or len(first[1]) < 2:
+        return None
+    row = first[1]
+    return row[1:] if not row[0] or any(_is_word(v) for v in row[1:]) else None
+
+
+def _unread_columns(path: Path, columns: list[str], labels: _Labels) -> set[int]:
+    """The value columns of a features CSV with a header (``columns``) that are not read (see
+    :func:`_read_feature_csv`), each said in the log: a second pass over the file, which looks
+    only at the columns whose first value is text."""
+    skip: set[int] = set()
+    same_table = path.resolve() == labels.path.resolve()
+    if same_table and labels.header_label in columns:
+        log.warning(
+            "%s: column %r is the labels' label column: not read as a feature", path.name, labels.header_label
+        )
+        skip.add(columns.index(labels.header_label))
+    text: dict[int, tuple[str, int]] = {}  # column -> its first value and line
+    numeric: set[int] = set()
+    for line, row in _rows(path):
+        if line == 1 or len(row) != len(columns) + 1:
+            continue  # the header, and rows the reader refuses
+        if not text and not numeric:  # the first data row: which columns may be text
+            text = {k: (v, line) for k, v in enumerate(row[1:]) if k not in skip and _is_word(v)}
+            if not text:
+                break
+            continue
+        numeric.update(k for k in text if _parses(row[k + 1], float))
+    for k, (value, line) in text.items():
+        if k not in numeric:  # a word among numbers stays: the reader names its line
             log.warning(
                 "%s: column %r holds text (%r on line %d): not read as a feature",
                 path.name,
-                name,
+                columns[k],
                 value,
                 line,
             )

@@ -470,7 +470,7 @@ def test_one_table_given_as_features_and_labels_does_not_feed_the_label_in(tmp_p
     spec = f"edges={tmp_path / 'e.csv'},features={table},labels={table},label-column=is_fraud"
     with caplog.at_level("WARNING", logger="retexo_fl.data.files"):
         data = load_files_graph(spec)
-    assert "column 'is_fraud' is the label column of t.csv: not read as a feature" in caplog.text
+    assert "column 'is_fraud' is the labels' label column: not read as a feature" in caplog.text
     assert data.x.shape == (n, 2) and torch.allclose(data.x, feats, atol=1e-4)
     assert torch.equal(data.y, y)
     # Class names in the label column: the table loads (it failed as a non-numeric feature).
@@ -606,3 +606,31 @@ def test_named_nodes_beside_an_npz_of_features_say_its_rows_are_the_ids(tmp_path
     (tmp_path / "y.csv").write_text("id,label\na,0\nb,1\nc,0\n")
     spec = f"files:edges={tmp_path / 'e.csv'},features={tmp_path / 'x.npz'},labels={tmp_path / 'y.csv'}"
     _expect(spec, f"{tmp_path / 'y.csv'}:2", "x.npz is an npz, whose rows are the integer nodes 0..N-1")
+
+
+def test_table_columns_are_skipped_only_where_they_cannot_be_features(tmp_path, caplog):
+    (tmp_path / "e.csv").write_text("0,1\n1,2\n2,3\n")
+    spec = f"edges={tmp_path / 'e.csv'},features={tmp_path / 'x.csv'},labels={tmp_path / 'y.csv'}"
+    # A separate labels file: a feature column named like its label column is a feature (a "y"
+    # coordinate beside a label named y).
+    (tmp_path / "y.csv").write_text("id,y\n0,a\n1,b\n2,a\n3,b\n")
+    (tmp_path / "x.csv").write_text("id,x,y\n0,1,5\n1,2,6\n2,3,7\n3,4,8\n")
+    assert load_files_graph(spec).x[:, 1].tolist() == [5.0, 6.0, 7.0, 8.0]
+    # A word where a column holds numbers is an error naming its line, not a text column dropped.
+    (tmp_path / "x.csv").write_text("id,x,z\n0,1,unknown\n1,2,6\n2,3,7\n3,4,8\n")
+    _expect("files:" + spec, f"{tmp_path / 'x.csv'}:2", "non-numeric feature value")
+    # A column of text through and through is skipped, and said.
+    (tmp_path / "x.csv").write_text("id,x,site\n0,1,north\n1,2,south\n2,3,\n3,4,east\n")
+    with caplog.at_level("WARNING", logger="retexo_fl.data.files"):
+        assert load_files_graph(spec).x.tolist() == [[1.0], [2.0], [3.0], [4.0]]
+    assert "column 'site' holds text ('north' on line 2)" in caplog.text
+
+
+def test_fractional_classes_are_numbered_in_numeric_order(tmp_path):
+    # Ratings 1, 2, 3.5, 10 were refused as "words" among integer labels.
+    (tmp_path / "e.csv").write_text("0,1\n1,2\n2,3\n")
+    (tmp_path / "x.csv").write_text("id,a\n0,1\n1,2\n2,3\n3,4\n")
+    (tmp_path / "y.csv").write_text("id,label\n0,10\n1,2\n2,3.5\n3,1\n")
+    spec = f"edges={tmp_path / 'e.csv'},features={tmp_path / 'x.csv'},labels={tmp_path / 'y.csv'}"
+    data = load_files_graph(spec)
+    assert data.y.tolist() == [3, 1, 2, 0] and data.class_names == ["1", "2", "3.5", "10"]

@@ -140,7 +140,10 @@ def _check_unedited(path: Path, resumed: TrainConfig, defaults: dict) -> None:
     store = FileCheckpoints(str(path.parent))
     if not store.path.is_file():
         return
-    began = store.load(mmap=True).config  # its small fields only: the frames stay in the file
+    try:
+        began = store.load(mmap=True).config  # its small fields only: the frames stay in the file
+    except ValueError:  # a file that cannot be mapped (older torch.save formats): read whole
+        began = store.load().config
 
     def plain(values: dict) -> dict:  # as config.json holds them (tuples are lists there)
         return json.loads(json.dumps(values, default=str))

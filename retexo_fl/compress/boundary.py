@@ -266,7 +266,8 @@ def _link_budgets(
     if sum(fixed.values()) > total:
         raise CodecError(
             f"{where}: a byte budget of {total} bytes cannot pay one bit a value on every link (at least "
-            f"{sum(floors.values())} bytes): raise byte-budget (or the rate-schedule's lowest rate)"
+            f"{sum(floors[q] for q in finite if q in floors)} bytes): raise byte-budget (or the "
+            "rate-schedule's lowest rate)"
         )
     out.update(fixed)
     out.update({q: int(bw[q] * seconds) for q in finite if q not in fixed})

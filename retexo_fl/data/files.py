@@ -915,6 +915,10 @@ def read_owners(
     values = list(owner_of.values())
     if all(_is_int(v) for v in values):
         ids = sorted({int(v) for v in values})
+        if ids[0] < 0:
+            party = str(ids[0])
+            line = line_of[next(i for i, p in owner_of.items() if _is_int(p) and int(p) == ids[0])]
+            raise FileGraphError(path, f"party {party}: integer parties are party ids 0..P-1", line)
         if ids != list(range(len(ids))):
             gap = next(i for i in range(len(ids) + 1) if i not in set(ids))
             raise FileGraphError(

@@ -578,6 +578,7 @@ def test_an_owners_file_places_each_node_with_its_party(tmp_path):
     assert read_owners(path, ["0", "1", "2", "3"])[0].tolist() == [1, 0, 1, 0]
     bad = {
         "node,party\n0,1\n1,2\n2,1\n3,2\n": "no node is in party 0",
+        "node,party\n0,-1\n1,0\n2,1\n3,0\n": "party -1: integer parties are party ids 0..P-1",
         "node,party\n0,a\n1,b\n2,a\n": "1 of the graph's 4 nodes have no party ('3')",
         "node,party\n0,a\n1,b\n2,a\n3,b\n9,a\n": "node '9' is not a node of the graph",
         "node,party\n0,a\n1,b\n2,a\n3,b\n1,a\n": "node '1' is on line 3 too",

@@ -201,7 +201,7 @@ def _owners_cut(args: argparse.Namespace, data: Data) -> list[Partition]:
         )
     parts = split_graph(data, owner, len(parties), method=OWNERS_METHOD, seed=args.seed)
     for p in parts:
-        p.meta.update(party=parties[p.partition_id], parties=parties)
+        p.meta["party"] = parties[p.partition_id]  # one name: a list of every party would grow each manifest
     return parts
 
 

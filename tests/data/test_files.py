@@ -156,6 +156,13 @@ def _expect(spec: str, *fragments: str) -> None:
     assert isinstance(err.value, DatasetError)
 
 
+def _files(folder: Path, edges: str, features: str, labels: str) -> str:
+    """A ``files:`` spec's body for ``e.csv``, ``x.csv`` and ``y.csv`` in ``folder``, written."""
+    for name, text in (("e.csv", edges), ("x.csv", features), ("y.csv", labels)):
+        (folder / name).write_text(text)
+    return f"edges={folder / 'e.csv'},features={folder / 'x.csv'},labels={folder / 'y.csv'}"
+
+
 def test_malformed_files_fail_naming_the_file_and_line(tmp_path):
     spec = _write(tmp_path)
     edges = tmp_path / "edges.csv"
@@ -509,23 +516,16 @@ def test_a_graph_without_node_features_is_refused_naming_the_file(tmp_path):
         "edge_id,source,target\n0,0,1\n1,1,2\n2,2,3\n3,3,0\n4,3,4\n",  # endpoints named, not first
         ",source,target\n0,0,1\n1,1,2\n2,2,3\n3,3,0\n4,3,4\n",  # pandas' to_csv with its index
         "weight,Src,Dst\n0.5,0,1\n0.5,1,2\n1,2,3\n1,3,0\n2,3,4\n",
+        # from and to may be a validity's years: the first two columns stay the endpoints.
+        "a,b,from,to\n0,1,2,3\n1,2,0,3\n2,3,1,2\n3,0,1,3\n3,4,2,3\n",
     ],
-    ids=["named-columns", "pandas-index", "any-case"],
+    ids=["named-columns", "pandas-index", "any-case", "first-two-kept"],
 )
 def test_an_edge_lists_endpoint_columns_are_the_ones_its_header_names(tmp_path, text):
-    # Read as its first two columns: (edge id, source), a wrong graph, silently.
+    # Read as its first two columns: (edge id, source), a wrong graph, silently; and a header
+    # naming a pair elsewhere must not move endpoints that are the first two.
     spec = _write(tmp_path, "csv")
     (tmp_path / "edges.csv").write_text(text)
-    data = load_files_graph(spec[len("files:") :])
-    want = undirected_coalesced(torch.tensor([(0, 1), (1, 2), (2, 3), (3, 0), (3, 4)]).t(), 5)
-    assert torch.equal(data.edge_index, want)
-
-
-def test_an_edge_list_whose_first_two_columns_may_be_endpoints_keeps_them(tmp_path):
-    # "a,b,from,to": from and to may be a validity's years; a header naming a pair elsewhere
-    # moved the endpoints there and made a wrong graph, silently.
-    spec = _write(tmp_path, "csv")
-    (tmp_path / "edges.csv").write_text("a,b,from,to\n0,1,2,3\n1,2,0,3\n2,3,1,2\n3,0,1,3\n3,4,2,3\n")
     data = load_files_graph(spec[len("files:") :])
     want = undirected_coalesced(torch.tensor([(0, 1), (1, 2), (2, 3), (3, 0), (3, 4)]).t(), 5)
     assert torch.equal(data.edge_index, want)
@@ -556,10 +556,7 @@ def test_compressed_and_float_id_files_say_what_they_are(tmp_path):
 
 
 def test_a_question_mark_is_unlabeled_and_a_word_among_integer_labels_is_an_error(tmp_path):
-    (tmp_path / "e.csv").write_text("0,1\n1,2\n2,3\n")
-    (tmp_path / "x.csv").write_text("id,a\n0,1\n1,2\n2,3\n3,4\n")
-    spec = f"edges={tmp_path / 'e.csv'},features={tmp_path / 'x.csv'},labels={tmp_path / 'y.csv'}"
-    (tmp_path / "y.csv").write_text("id,label\n0,1\n1,0\n2,?\n3,1\n")  # UCI's missing value
+    spec = _files(tmp_path, "0,1\n1,2\n2,3\n", "id,a\n0,1\n1,2\n2,3\n3,4\n", "id,label\n0,1\n1,0\n2,?\n3,1\n")
     assert load_files_graph(spec).y.tolist() == [1, 0, -1, 1]
     # Read as names, "unknown" made every class a name numbered in string order (1, 10, 2).
     (tmp_path / "y.csv").write_text("id,label\n0,1\n1,10\n2,unknown\n3,2\n")
@@ -610,12 +607,10 @@ def test_named_nodes_beside_an_npz_of_features_say_its_rows_are_the_ids(tmp_path
 
 
 def test_table_columns_are_skipped_only_where_they_cannot_be_features(tmp_path, caplog):
-    (tmp_path / "e.csv").write_text("0,1\n1,2\n2,3\n")
-    spec = f"edges={tmp_path / 'e.csv'},features={tmp_path / 'x.csv'},labels={tmp_path / 'y.csv'}"
     # A separate labels file: a feature column named like its label column is a feature (a "y"
     # coordinate beside a label named y).
-    (tmp_path / "y.csv").write_text("id,y\n0,a\n1,b\n2,a\n3,b\n")
-    (tmp_path / "x.csv").write_text("id,x,y\n0,1,5\n1,2,6\n2,3,7\n3,4,8\n")
+    xy = "id,x,y\n0,1,5\n1,2,6\n2,3,7\n3,4,8\n"
+    spec = _files(tmp_path, "0,1\n1,2\n2,3\n", xy, "id,y\n0,a\n1,b\n2,a\n3,b\n")
     assert load_files_graph(spec).x[:, 1].tolist() == [5.0, 6.0, 7.0, 8.0]
     # A word where a column holds numbers is an error naming its line, not a text column dropped.
     (tmp_path / "x.csv").write_text("id,x,z\n0,1,unknown\n1,2,6\n2,3,7\n3,4,8\n")
@@ -629,9 +624,6 @@ def test_table_columns_are_skipped_only_where_they_cannot_be_features(tmp_path, 
 
 def test_fractional_classes_are_numbered_in_numeric_order(tmp_path):
     # Ratings 1, 2, 3.5, 10 were refused as "words" among integer labels.
-    (tmp_path / "e.csv").write_text("0,1\n1,2\n2,3\n")
-    (tmp_path / "x.csv").write_text("id,a\n0,1\n1,2\n2,3\n3,4\n")
-    (tmp_path / "y.csv").write_text("id,label\n0,10\n1,2\n2,3.5\n3,1\n")
-    spec = f"edges={tmp_path / 'e.csv'},features={tmp_path / 'x.csv'},labels={tmp_path / 'y.csv'}"
-    data = load_files_graph(spec)
+    labels = "id,label\n0,10\n1,2\n2,3.5\n3,1\n"
+    data = load_files_graph(_files(tmp_path, "0,1\n1,2\n2,3\n", "id,a\n0,1\n1,2\n2,3\n3,4\n", labels))
     assert data.y.tolist() == [3, 1, 2, 0] and data.class_names == ["1", "2", "3.5", "10"]

@@ -31,8 +31,7 @@ Two ``--dataset`` forms read files a user brings rather than a PyG class:
 
 Files are comma-separated UTF-8 (a byte-order mark is allowed). The edges file may instead be
 separated by tabs or spaces (its first edge line has no comma), as SNAP, KONECT and networkx's
-``write_edgelist`` write edge lists, and the comment lines at its top (``# ...``, ``% ...``) are
-skipped.
+``write_edgelist`` write edge lists, and its comment lines (``# ...``, ``% ...``) are skipped.
 
 ``PATH.npz`` in the format of PyG's ``HeterophilousGraphDataset`` (``node_features``,
 ``node_labels``, ``edges [E, 2]`` and optional ``train_masks``/``val_masks``/``test_masks``
@@ -317,8 +316,9 @@ def _spaced(line: str) -> bool:
 
 def _edge_rows(path: Path) -> Iterator[tuple[int, list[str]]]:
     """``(line number, fields)`` of each edge line: comma-separated, or separated by tabs or
-    spaces (:func:`_spaced`, decided on the first edge line); the comment lines before it
-    (``# ...``, ``% ...``) skipped, read as lines, so a quote in one cannot open a CSV field."""
+    spaces (:func:`_spaced`, decided on the first edge line); comment lines (``# ...``,
+    ``% ...``) skipped, those before it read as lines, so a quote in one cannot open a CSV field,
+    and those after it too (a concatenated list's second header)."""
     with _text(path) as fh:
         numbered = enumerate(fh, start=1)
         lines = ((n, t) for n, t in numbered if t.strip() and not _EDGE_COMMENT.match(t.strip()))
@@ -328,12 +328,13 @@ def _edge_rows(path: Path) -> Iterator[tuple[int, list[str]]]:
         number, line = first
         if _spaced(line):
             for n, text in itertools.chain([(number, line)], numbered):
-                if text.strip():
+                if text.strip() and not _EDGE_COMMENT.match(text.strip()):
                     yield n, text.split()
             return
         reader = csv.reader(itertools.chain([line], (text for _, text in numbered)))
         for row in reader:
-            if row and any(f.strip() for f in row):
+            # "# note, with a comma": a comment; "#,b" stays an edge from node "#"
+            if row and any(f.strip() for f in row) and not re.match(r"[#%]\s", row[0].strip()):
                 yield number - 1 + reader.line_num, [f.strip() for f in row]
 
 

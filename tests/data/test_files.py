@@ -89,6 +89,18 @@ def test_edge_lists_as_snap_and_konect_write_them_load_equal(tmp_path, head, sep
     assert _EDGE_COMMENT.match("#tag") is None and _EDGE_COMMENT.match("# x") and _EDGE_COMMENT.match("#")
 
 
+@pytest.mark.parametrize("sep", [",", "\t"])
+def test_comment_lines_inside_an_edge_list_are_skipped(tmp_path, sep):
+    # Two lists concatenated, the second's header inside: "# ..." was blamed on separators.
+    spec = _write(tmp_path)
+    lines = [f"{a}{sep}{b}\n" for a, b in EDGES]
+    (tmp_path / "edges.csv").write_text(
+        "".join(lines[:3]) + "# second file, edges\n% more\n" + "".join(lines[3:])
+    )
+    data = load_files_graph(spec[len("files:") :])
+    assert torch.equal(data.edge_index, undirected_coalesced(torch.tensor(EDGES).t(), 5))
+
+
 def test_an_edge_list_that_mixes_separators_names_the_line(tmp_path):
     spec = _write(tmp_path)
     (tmp_path / "edges.csv").write_text("# a comment\n0 1\n1,2\n")

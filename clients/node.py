@@ -78,7 +78,10 @@ def partition_dir(context: Context, cfg: TrainConfig, run_key: int | None = None
     if run_key is not None:
         # Once a run: a client rebuilt later in it (evicted, reloaded) finds the same cut even if
         # the files were touched since, rather than cutting them again mid-run.
-        fingerprint = _RUN_FINGERPRINTS.setdefault((run_key, cfg.dataset), dataset_fingerprint(cfg.dataset))
+        key = (run_key, cfg.dataset)
+        if key not in _RUN_FINGERPRINTS:  # not on every message: the files are stat-ed once
+            _RUN_FINGERPRINTS[key] = dataset_fingerprint(cfg.dataset)
+        fingerprint = _RUN_FINGERPRINTS[key]
     return cut_folder(work_base(context), cfg, fingerprint) / f"part-{pid}"
 
 

@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from retexo_fl.data.partitioners import partition_graph
-from retexo_fl.models.adjacency import adjacency_select, is_sparse, run_conv, sparse_adjacency
+from retexo_fl.models.adjacency import (
+    SPARE_VALUES_PER_EDGE,
+    adjacency_select,
+    aggregates_first,
+    is_sparse,
+    run_conv,
+    sparse_adjacency,
+)
 from retexo_fl.models.gnn import GNN
 from retexo_fl.models.layered import LayeredGNN
 from retexo_fl.models.stage import StageModel, make_conv
@@ -51,6 +58,39 @@ def test_a_conv_layer_on_the_adjacency_equals_message_passing_with_halo_rows(loc
         torch.testing.assert_close(a, b, **TOL)
     # Halo rows get gradient through the edges they send (they are inputs, never targets).
     assert float(_grads(sparse, [x])[0][n:].abs().sum()) > 0
+
+
+def test_a_narrowing_layer_over_a_few_rows_edges_aggregates_first_and_computes_the_same(local, monkeypatch):
+    """A narrowing GCN layer (raw features to the hidden width) whose adjacency reads a few target
+    rows' edges, as a local stage 0's step does, is computed as (A x) W: the same outputs and
+    weight gradients as GCNConv's A (x W), in fewer operations. Over every owned row (no source
+    row to skip), over an input that takes a gradient, or over a dense adjacency it maps first."""
+    graph, ei, w = local
+    n, total = graph.num_owned, graph.num_owned + graph.num_halo
+    adj = sparse_adjacency(ei, w, n, total)
+    rows = torch.arange(0, n, 9)
+    few = adjacency_select(adj, rows)  # a few training rows' in-edges over every source row
+    torch.manual_seed(2)
+    conv = make_conv("gcn", 40, 6)
+    x = torch.randn(total, 40)
+    assert few.values().numel() * SPARE_VALUES_PER_EDGE <= (total - rows.numel()) * 6
+    assert aggregates_first(conv, few, x)
+    assert not aggregates_first(conv, few, x.clone().requires_grad_())
+    assert not aggregates_first(conv, adjacency_select(adj, torch.arange(n)), x[:n])  # square
+    assert not aggregates_first(conv, adj, x)  # every owned row: 10x the few rows' edges
+    assert aggregates_first(make_conv("gcn", 6, 40), adj, x[:, :6])  # no narrower: always
+    params = list(conv.parameters())
+    first = run_conv(conv, "gcn", x, few, None, rows)
+    spmm = torch.sparse.mm
+    calls = []
+    monkeypatch.setattr(torch.sparse, "mm", lambda a, b: calls.append(b.shape[1]) or spmm(a, b))
+    run_conv(conv, "gcn", x, few, None, rows)
+    assert calls == [40]  # the raw rows aggregated, not the mapped ones
+    monkeypatch.undo()
+    mapped = conv(x, few)  # GCNConv's own order
+    torch.testing.assert_close(first, mapped, **TOL)
+    for a, b in zip(_grads(first, params), _grads(mapped, params), strict=True):
+        torch.testing.assert_close(a, b, **TOL)
 
 
 def test_the_adjacency_holds_the_weights_and_can_fail(local):

@@ -46,6 +46,7 @@ import importlib
 import importlib.util
 import io
 import json
+import os
 import sys
 import time
 import zipfile
@@ -60,6 +61,9 @@ APP_PACKAGES = ("clients", "retexo_fl", "server")
 SIGNATURES_FILE = "release-signatures.json"
 #: Where ``retexo-fl supernode`` tells its ClientApp launches the party's trusted-entities file.
 TRUSTED_ENTITIES_ENV = "RETEXO_FL_TRUSTED_ENTITIES"
+#: Where ``retexo-fl supernode`` tells its ClientApp launches the installed app's digest, taken
+#: once when the node starts: the code its worker and warm SuperExec loaded then is what answers.
+INSTALLED_DIGEST_ENV = "RETEXO_FL_INSTALLED_DIGEST"
 #: The ClientApp a signed release must name in its ``pyproject.toml`` (the one the digest covers).
 CLIENT_APP = "clients.app:app"
 #: Besides ``.py`` files, what a signed release may hold: the data files Flower's FAB builder
@@ -237,10 +241,16 @@ _INSTALLED: str | None = None
 
 
 def installed_digest() -> str:
-    """The installed app's digest (read once per process)."""
+    """The installed app's digest: the one its node took at its start
+    (:data:`INSTALLED_DIGEST_ENV`), else read once per process.
+
+    A node's worker and warm SuperExec import the app when the node starts, and answer with
+    that code until it restarts: a digest read from the files at each launch would admit a FAB
+    of code installed since, which is not the code that answers.
+    """
     global _INSTALLED
     if _INSTALLED is None:
-        _INSTALLED = app_digest(installed_files())
+        _INSTALLED = os.environ.get(INSTALLED_DIGEST_ENV) or app_digest(installed_files())
     return _INSTALLED
 
 

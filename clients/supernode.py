@@ -42,7 +42,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from clients.approval import TRUSTED_ENTITIES_ENV, AppNotApproved, load_trusted_entities
+from clients.approval import (
+    INSTALLED_DIGEST_ENV,
+    TRUSTED_ENTITIES_ENV,
+    AppNotApproved,
+    installed_digest,
+    load_trusted_entities,
+)
 from clients.flower_patch import (
     SUPEREXEC_POLL_ENV,
     shorten_object_pulls,
@@ -203,6 +209,25 @@ def _check_own_pin(node_config: dict[str, Any], public: bytes, pins: dict[int, b
         )
 
 
+def check_partition(node_config: dict[str, Any]) -> None:
+    """Load and verify the node's ``partition-dir`` (every file against its checksum), so that a
+    corrupt or hand-edited folder stops the node at its start, in the party's own log, rather than
+    fail every run's first message at the coordinator.
+
+    Raises:
+        SupernodeRefused: naming the file and field that is wrong.
+    """
+    folder = node_config.get(P.NODE_PARTITION_DIR)
+    if folder is None:
+        return  # a simulated node's part is cut later, from the run config
+    from retexo_fl.data.partition import PartitionError, load_partition
+
+    try:
+        load_partition(str(folder))
+    except PartitionError as exc:
+        raise SupernodeRefused(f"partition-dir: {exc}") from None
+
+
 def check_pinned_keys(node_config: dict[str, Any], insecure: bool) -> str:
     """Refuse a node config without a usable identity key and pins unless ``insecure``.
 
@@ -276,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     if "-h" in flower_argv or "--help" in flower_argv:
         print(_parser().format_help())
         print("flower-supernode's flags, passed through:\n")
-    from flwr.supercore.exit import add_exit_handler
+    from flwr.supercore.exit import ExitCode, add_exit_handler, flwr_exit
     from flwr.supernode.cli import flower_supernode  # Flower's own SuperNode, this process
 
     try:
@@ -287,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         node_config = node_config_of(flower_argv)
         warning = check_pinned_keys(node_config, ours.insecure_no_pinned_keys)
+        check_partition(node_config)
         if ours.trusted_entities:
             trusted = Path(ours.trusted_entities).resolve()
             load_trusted_entities(trusted)  # a malformed file stops the node now, not at a run
@@ -296,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     except (SupernodeRefused, AppNotApproved, ValueError) as exc:
         print(f"retexo-fl supernode: error: {exc}", file=sys.stderr)
         return 2
+    # The code that answers is what the worker and the warm SuperExec import now: every run's
+    # app is compared with it, not with files installed after this start.
+    os.environ[INSTALLED_DIGEST_ENV] = installed_digest()
     if warning:
         print(f"retexo-fl supernode: {warning}", file=sys.stderr, flush=True)
     folder = make_worker_dir(ours.worker_base)
@@ -322,4 +351,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         supervisor.stop()
         shutil.rmtree(folder, ignore_errors=True)
-    return 0
+    # Flower's loop returns when its stream to the SuperLink ends without a retry (a CANCELLED
+    # stream after the SuperLink restarted): its HTTP API thread would then keep this process
+    # alive and offline for good. Exit, through Flower's handlers, so that the party's service
+    # manager starts the node again.
+    flwr_exit(
+        ExitCode.SUPERNODE_CONNECTION_ERROR,
+        "retexo-fl supernode: the connection to the SuperLink ended and Flower does not open it "
+        "again; this node exits so that its service manager can restart it",
+    )

@@ -211,6 +211,12 @@ def check_choices(obj: Any) -> None:
 def _check_kind(info: SettingInfo, value: Any) -> None:
     kind = info.kind
     if kind == "bool" and not isinstance(value, bool):
+        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+            # A run config in TOML (`--run-config "k='false'"`) quoted the word into text.
+            raise ValueError(
+                f"{info.key} takes true or false; got the text {value!r}: write it unquoted "
+                f"({info.key}={value.strip().lower()})"
+            )
         raise ValueError(f"{info.key} takes true or false; got {value!r}")
     if kind == "str" and not isinstance(value, str | os.PathLike):  # a folder may be a Path
         raise ValueError(f"{info.key} takes text; got {value!r}")

@@ -126,7 +126,12 @@ def test_from_mapping_reads_kebab_keys_and_per_stage_lists():
         ({"on_missing_halo": "guess"}, "failures", "on-missing-halo"),
         ({"algorithm": "4d"}, "datacenter", "algorithm must be one of"),
         # Each of these ran before: typed from a run config, or out of range, and read by torch.
-        ({"secure_aggregation": "false"}, "security", "secure-aggregation takes true or false; got 'false'"),
+        (
+            {"secure_aggregation": "false"},
+            "security",
+            "secure-aggregation takes true or false; got the text 'false': write it unquoted "
+            r"\(secure-aggregation=false\)",
+        ),
         ({"hidden": "64"}, "architecture", "hidden takes a whole number; got '64'"),
         ({"hidden": 0}, "architecture", r"hidden must be in \[1, 65536\]"),
         # Sizes a server's run config could set to take a party's memory or machine for good.

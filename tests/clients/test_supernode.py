@@ -4,6 +4,7 @@ makes its keys so that only public keys travel."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -98,3 +99,62 @@ def test_a_node_given_another_partys_identity_key_is_refused_at_its_start(tmp_pa
     assert cli(["keys", "--client", "5", "--out", str(tmp_path / "stranger")]) == 0
     with pytest.raises(SupernodeRefused, match=r"client-5\.key: its public key is not in the pins"):
         check_pinned_keys(config(parts[0], tmp_path / "stranger" / "client-5.key"), insecure=False)
+
+
+def test_a_corrupt_partition_stops_the_node_at_its_start_naming_the_file(tmp_path, sbm, capsys):
+    """A truncated array or a hand-edited count is found when the node starts, in the party's own
+    log, not at the coordinator in every run's first message."""
+    from clients.supernode import check_partition
+    from retexo_fl.data.partition import save_partition
+    from retexo_fl.data.partitioners import partition_graph
+
+    folder = save_partition(partition_graph(sbm, 2, "random")[0], tmp_path / "part-0")
+    check_partition(node_config_of(["--node-config", f"partition-dir='{folder}'"]))  # intact
+    (folder / "x.npy").write_bytes((folder / "x.npy").read_bytes()[:-64])
+    argv = ["--insecure", "--insecure-no-pinned-keys", "--node-config", f"partition-dir='{folder}'"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "partition-dir:" in err and "x.npy" in err
+    missing = ["--insecure", "--insecure-no-pinned-keys", "--node-config", f"partition-dir='{tmp_path}/gone'"]
+    assert main(missing) == 2
+    assert "gone" in capsys.readouterr().err
+
+
+def test_a_node_whose_link_ends_exits_and_admits_the_code_it_started_with(monkeypatch):
+    """Flower's loop returns when its stream to the SuperLink is cancelled (a SuperLink restart)
+    and does not reconnect; the node must then exit, not stay up offline, so that a service
+    manager restarts it. The installed app's digest is taken at the start, for every ClientApp
+    launch to compare a run's app with: the worker answers with the code it loaded then."""
+    import flwr.supercore.exit as flower_exit
+    import flwr.supernode.cli as flower_cli
+
+    import clients.supernode as supernode
+    from clients.approval import INSTALLED_DIGEST_ENV, app_digest, installed_files
+
+    class Idle:
+        def __init__(self, folder):
+            pass
+
+        start = stop = lambda self: None
+
+    for name in ("shorten_supernode_sleeps", "shorten_object_pulls", "use_warm_superexec"):
+        monkeypatch.setattr(supernode, name, lambda: None)
+    monkeypatch.setattr(supernode, "WorkerSupervisor", Idle)
+    monkeypatch.setenv(INSTALLED_DIGEST_ENV, "")  # restored after the test: main() sets it
+    seen = {}
+
+    def flower_loop_returns():
+        seen.update(digest=os.environ[INSTALLED_DIGEST_ENV])
+
+    monkeypatch.setattr(flower_cli, "flower_supernode", flower_loop_returns)
+
+    def exit_(code, message=None, **_):
+        seen.update(code=code, message=message)
+        raise SystemExit(1)
+
+    monkeypatch.setattr(flower_exit, "flwr_exit", exit_)
+    with pytest.raises(SystemExit):
+        main(["--insecure", "--insecure-no-pinned-keys"])
+    assert seen["code"] == flower_exit.ExitCode.SUPERNODE_CONNECTION_ERROR
+    assert "restart" in seen["message"]
+    assert seen["digest"] == app_digest(installed_files())

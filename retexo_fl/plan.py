@@ -272,13 +272,21 @@ def check_plans(digests: dict[int, dict[str, dict[int, str]]]) -> None:
                     f"boundary plan mismatch: client {p} would send rows to client {q} "
                     f"(digest {digest[:12]}) but client {q} expects "
                     f"{'nothing' if theirs is None else 'digest ' + theirs[:12]} from client {p}"
+                    f"{_NOT_ONE_CUT}"
                 )
         for q in d["recv"]:
             if q in norm and p not in norm[q]["send"]:
                 raise PlanMismatchError(
                     f"boundary plan mismatch: client {p} expects rows from client {q}, "
-                    f"which plans to send none"
+                    f"which plans to send none{_NOT_ONE_CUT}"
                 )
+
+
+#: What a plan mismatch most often means in a deployment, said with it.
+_NOT_ONE_CUT = (
+    ": their partitions are not parts of one cut (each party's partition-dir must be its part of "
+    "the same `retexo-fl partition` output: one dataset, method, seed and number of parts)"
+)
 
 
 @dataclass

@@ -475,9 +475,12 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Hold the devices until interrupted, or until every device's loop has ended."""
     args = _parser().parse_args(argv)
+    from clients.approval import installed_digest
     from clients.flower_patch import shorten_object_pulls
     from clients.node import default_work_base
     from clients.supernode import SupernodeRefused, check_pinned_keys
+
+    installed_digest()  # taken now, as the code this process answers with is (kept for its runs)
 
     try:
         if args.insecure == bool(args.root_certificates):

@@ -118,6 +118,15 @@ class WorkerSupervisor:
                     flush=True,
                 )
                 return
+            if len(self.starts) > 1 and _installed_app_changed():
+                print(
+                    "retexo-fl supernode: the installed app changed since this node started; not "
+                    "restarting the node worker with other code than the runs are admitted against "
+                    "(restart the node to run the new code; messages to this node now fail)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return
             self.proc = subprocess.Popen(self.command, env={**WORKER_ENV, **os.environ})
             code = self.proc.wait()
             if not self._stopping.is_set():
@@ -209,6 +218,15 @@ def _check_own_pin(node_config: dict[str, Any], public: bytes, pins: dict[int, b
         )
 
 
+def _installed_app_changed() -> bool:
+    """Whether the installed app's files differ from the digest this node took at its start: a
+    worker started now would import code no run was admitted against."""
+    from clients.approval import app_digest, installed_files
+
+    pinned = os.environ.get(INSTALLED_DIGEST_ENV)
+    return bool(pinned) and app_digest(installed_files()) != pinned
+
+
 def check_partition(node_config: dict[str, Any]) -> None:
     """Load and verify the node's ``partition-dir`` (every file against its checksum), so that a
     corrupt or hand-edited folder stops the node at its start, in the party's own log, rather than
@@ -226,6 +244,8 @@ def check_partition(node_config: dict[str, Any]) -> None:
         load_partition(str(folder))
     except PartitionError as exc:
         raise SupernodeRefused(f"partition-dir: {exc}") from None
+    except OSError as exc:  # unreadable (permissions, a folder gone while read)
+        raise SupernodeRefused(f"partition-dir {folder}: {exc}") from None
 
 
 def check_pinned_keys(node_config: dict[str, Any], insecure: bool) -> str:

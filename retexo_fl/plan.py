@@ -284,8 +284,8 @@ def check_plans(digests: dict[int, dict[str, dict[int, str]]]) -> None:
 
 #: What a plan mismatch most often means in a deployment, said with it.
 _NOT_ONE_CUT = (
-    ": their partitions are not parts of one cut (each party's partition-dir must be its part of "
-    "the same `retexo-fl partition` output: one dataset, method, seed and number of parts)"
+    ": their partitions are not parts of one cut (each party's partition folder must be its part "
+    "of the same `retexo-fl partition` output: one dataset, method, seed and number of parts)"
 )
 
 

@@ -170,7 +170,9 @@ class StageModel(nn.Module):
             rows (Tensor | None, optional): of those, compute only these (int64 indices below
                 ``num_targets``): messages travel along their in-edges alone, and the dropout
                 masks are drawn as for all ``num_targets`` rows, so each row equals its row of
-                the whole computation. Needs ``num_targets``. (default: :obj:`None`)
+                the whole computation (to rounding where a narrowing GCN layer aggregates first
+                over the rows' edges: :func:`~retexo_fl.models.adjacency.aggregates_first`).
+                Needs ``num_targets``. (default: :obj:`None`)
             restricted (bool, optional): ``edge_index`` and ``edge_weight`` are already
                 :func:`select_in_edges` of ``rows`` (built once by a caller that steps many
                 times: restricting reads a size off the device). (default: :obj:`False`)

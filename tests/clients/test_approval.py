@@ -79,6 +79,21 @@ def test_the_submitted_copy_of_the_installed_app_is_answered_by_the_installed_ap
     assert app_digest(tree_files(ROOT)) == installed_digest()
 
 
+def test_the_digest_a_node_took_at_its_start_is_the_one_runs_are_admitted_against(tmp_path, monkeypatch):
+    """A node's worker answers with the code it loaded at the node's start: a launch compares a
+    run's app with the digest taken then (``INSTALLED_DIGEST_ENV``), not with the files now, so a
+    FAB of code installed since the start is refused, and one of the code loaded then admitted."""
+    fab = build_fab_from_disk(_project(tmp_path))
+    now = app_digest(fab_files(fab))
+    monkeypatch.setattr(approval, "_INSTALLED", None)  # a freshly launched process
+    monkeypatch.setenv(approval.INSTALLED_DIGEST_ENV, "0" * 64)  # the files changed since the start
+    with pytest.raises(AppNotApproved, match="0" * 64):
+        approve(fab)
+    monkeypatch.setattr(approval, "_INSTALLED", None)
+    monkeypatch.setenv(approval.INSTALLED_DIGEST_ENV, now)
+    assert approve(fab).runs_installed
+
+
 def test_a_replaced_clientapp_is_refused_naming_both_digests_before_any_of_it_runs(tmp_path, monkeypatch):
     marker = tmp_path / "marker"
     monkeypatch.setenv("MARKER", str(marker))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import time
 
 import pytest
 
@@ -140,7 +142,17 @@ def test_a_node_whose_link_ends_exits_and_admits_the_code_it_started_with(monkey
     for name in ("shorten_supernode_sleeps", "shorten_object_pulls", "use_warm_superexec"):
         monkeypatch.setattr(supernode, name, lambda: None)
     monkeypatch.setattr(supernode, "WorkerSupervisor", Idle)
-    monkeypatch.setenv(INSTALLED_DIGEST_ENV, "")  # restored after the test: main() sets it
+    from flwr.supercore.exit import exit_handler
+
+    from clients.approval import TRUSTED_ENTITIES_ENV
+    from clients.flower_patch import SUPEREXEC_POLL_ENV
+
+    # What main() changes in the process, restored after the test.
+    monkeypatch.setenv(INSTALLED_DIGEST_ENV, "")
+    monkeypatch.setenv(TRUSTED_ENTITIES_ENV, "")
+    monkeypatch.setenv(SUPEREXEC_POLL_ENV[0], "")
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(exit_handler, "registered_exit_handlers", [])
     seen = {}
 
     def flower_loop_returns():
@@ -158,3 +170,21 @@ def test_a_node_whose_link_ends_exits_and_admits_the_code_it_started_with(monkey
     assert seen["code"] == flower_exit.ExitCode.SUPERNODE_CONNECTION_ERROR
     assert "restart" in seen["message"]
     assert seen["digest"] == app_digest(installed_files())
+
+
+def test_a_worker_is_not_restarted_with_code_installed_since_the_node_started(tmp_path, monkeypatch, capsys):
+    """Runs are admitted against the digest taken at the node's start; a worker that dies after
+    the installed files changed would import the new code, so it is not started again."""
+    from clients.approval import INSTALLED_DIGEST_ENV, app_digest, installed_files
+    from clients.supernode import WorkerSupervisor
+
+    monkeypatch.setenv(INSTALLED_DIGEST_ENV, app_digest(installed_files()))
+    same = WorkerSupervisor(tmp_path, [sys.executable, "-c", "pass"]).start()
+    while len(same.starts) < 3:  # unchanged: each exit starts a new worker
+        time.sleep(0.05)
+    same.stop()
+    monkeypatch.setenv(INSTALLED_DIGEST_ENV, "0" * 64)  # the files changed since the start
+    changed = WorkerSupervisor(tmp_path, [sys.executable, "-c", "pass"]).start()
+    changed._thread.join(timeout=30)
+    assert not changed._thread.is_alive() and len(changed.starts) == 2  # the first worker only
+    assert "the installed app changed since this node started" in capsys.readouterr().err

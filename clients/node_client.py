@@ -24,7 +24,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from clients.node import NodeView, cache_key, cut_lock
 from clients.records import from_flower, to_flower
 from retexo_fl.config import TrainConfig
-from retexo_fl.data.partition import Partition, load_partition, save_partition
+from retexo_fl.data.partition import Partition, PartitionError, load_partition, save_partition
 from retexo_fl.party.client import Client
 from retexo_fl.party.eager_client import EagerClient
 from retexo_fl.party.handlers import handle
@@ -166,7 +166,10 @@ def load_node_partition(view: NodeView, work: Path) -> Partition:
     """This node's partition: loaded and validated, or (simulation) this run's cached cut."""
     cfg, part_dir = view.cfg, view.partition
     if view.given_partition:
-        part = load_partition(part_dir, stamp=work / "partition-verified.json")
+        try:
+            part = load_partition(part_dir, stamp=work / "partition-verified.json")
+        except PartitionError as exc:
+            raise _without_local_path(exc, part_dir) from None
         if part.num_partitions != cfg.clients:  # else a peer's missing key would be the first sign
             raise ValueError(
                 f"{view.who}: this node's partition is part {part.partition_id} of a "
@@ -183,6 +186,17 @@ def load_node_partition(view: NodeView, work: Path) -> Partition:
         if not (part_dir / "manifest.json").is_file():
             write_cut(cfg, part_dir.parent)
         return load_partition(part_dir, stamp=work / "partition-verified.json")
+
+
+def _without_local_path(exc: PartitionError, part_dir: Path) -> PartitionError:
+    """``exc`` naming its file within the party's ``partition-dir``: the error reaches the
+    coordinator, and where the party keeps its data (``/data/clinic-a/patients/...``) is the
+    party's own. Its node's start names the whole path, in the party's own log."""
+    try:
+        inside = Path(exc.path).resolve().relative_to(Path(part_dir).resolve())
+    except ValueError:
+        inside = Path(Path(exc.path).name)
+    return PartitionError(Path("partition-dir") / inside, exc.field, exc.reason)
 
 
 def write_cut(cfg: TrainConfig, folder: Path, graph: Data | None = None) -> None:

@@ -198,3 +198,21 @@ def test_a_cut_of_a_users_files_is_not_found_again_after_they_change(tmp_path):
     assert cut_folder(tmp_path / "work", TrainConfig(dataset="sbm:300,3")) == cut_folder(
         tmp_path / "work", TrainConfig(dataset="sbm:300,3")
     )
+
+
+def test_a_broken_partition_is_reported_without_where_the_party_keeps_it(tmp_path, sbm):
+    """The error reaches the coordinator: it names the file within the party's partition-dir and
+    the field, not the party's own folders."""
+    from clients.node import NodeView
+    from clients.node_client import load_node_partition
+    from retexo_fl.data.partition import PartitionError, save_partition
+    from retexo_fl.data.partitioners import partition_graph
+
+    folder = save_partition(partition_graph(sbm, 2, "random")[0], tmp_path / "clinic-a" / "part-0")
+    (folder / "x.npy").write_bytes((folder / "x.npy").read_bytes()[:-64])
+    ctx = _Context({P.NODE_WORK_DIR: str(tmp_path / "work"), P.NODE_PARTITION_DIR: str(folder)})
+    view = NodeView.for_run(ctx, TrainConfig(clients=2), (0, "0"))  # type: ignore[arg-type]
+    with pytest.raises(PartitionError) as err:
+        load_node_partition(view, tmp_path / "work" / "run")
+    assert err.value.path == "partition-dir/x.npy" and err.value.field == "checksum"
+    assert "clinic-a" not in str(err.value) and str(tmp_path) not in str(err.value)

@@ -23,6 +23,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 
 from clients.node import NodeView, cache_key, cut_lock
 from clients.records import from_flower, to_flower
+from retexo_fl import protocol as P
 from retexo_fl.config import TrainConfig
 from retexo_fl.data.partition import Partition, PartitionError, load_partition, save_partition
 from retexo_fl.party.client import Client
@@ -169,6 +170,8 @@ def load_node_partition(view: NodeView, work: Path) -> Partition:
         try:
             part = load_partition(part_dir, stamp=work / "partition-verified.json")
         except PartitionError as exc:
+            if P.NODE_PARTITION_DIR not in view.node_config:  # the command line's --partitions
+                raise
             raise _without_local_path(exc, part_dir) from None
         if part.num_partitions != cfg.clients:  # else a peer's missing key would be the first sign
             raise ValueError(

@@ -245,6 +245,13 @@ class BoundaryPlan:
         return torch.cat(blocks) if blocks else torch.zeros(0, dim)
 
 
+#: What a plan mismatch most often means in a deployment, said with it.
+_NOT_ONE_CUT = (
+    ": their partitions are not parts of one cut (each party's partition folder must be its part "
+    "of the same `retexo-fl partition` output: one dataset, method, seed and number of parts)"
+)
+
+
 def check_plans(digests: dict[int, dict[str, dict[int, str]]]) -> None:
     """Check every pair's send and receive digests against each other.
 
@@ -280,13 +287,6 @@ def check_plans(digests: dict[int, dict[str, dict[int, str]]]) -> None:
                     f"boundary plan mismatch: client {p} expects rows from client {q}, "
                     f"which plans to send none{_NOT_ONE_CUT}"
                 )
-
-
-#: What a plan mismatch most often means in a deployment, said with it.
-_NOT_ONE_CUT = (
-    ": their partitions are not parts of one cut (each party's partition folder must be its part "
-    "of the same `retexo-fl partition` output: one dataset, method, seed and number of parts)"
-)
 
 
 @dataclass

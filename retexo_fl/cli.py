@@ -188,7 +188,7 @@ def _owners_cut(args: argparse.Namespace, data: Data) -> list[Partition]:
     from retexo_fl.data.files import read_owners
     from retexo_fl.data.partitioners import OWNERS_METHOD, split_graph
 
-    placing = (("--method", args.method != "metis"), ("--clusters", args.clusters))
+    placing = (("--method", args.method is not None), ("--clusters", args.clusters))
     given = [flag for flag, value in placing if value]
     if given:
         raise ValueError(f"{', '.join(given)} with --owners: the owners file places every node")
@@ -215,6 +215,8 @@ def cmd_partition(args: argparse.Namespace) -> int:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         # A second cut into the folder would leave the first's extra part-<id>/ folders behind.
         raise ValueError(f"--out {out}: exists and is not an empty folder; partitions go to a new one")
+    if args.owners is None and args.method is None:  # not given: metis (with --owners, none)
+        args.method = "metis"
     if args.method == "supernode" and args.clusters < 0:
         raise ValueError(f"--clusters must be >= 0 (0: the partitioner's own), got {args.clusters}")
     if args.method == "label-skew" and not (math.isfinite(args.alpha) and args.alpha > 0):
@@ -379,8 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clients", type=int, default=None, help="the partitions to cut (not with --owners)")
     p.add_argument(
         "--method",
-        default="metis",
-        help="the partitioner: metis, louvain, random, supernode, label-skew or node (default: metis)",
+        default=None,
+        help="the partitioner: metis, louvain, random, supernode, label-skew or node (default: metis; "
+        "not with --owners)",
     )
     p.add_argument(
         "--owners",

@@ -186,8 +186,9 @@ def test_partition_with_owners_keeps_each_partys_nodes_with_it(tmp_path, capsys)
     parts = tmp_path / "parts"
     assert main([*argv, "--clients", "4", "--out", str(parts)]) == 2
     assert "--clients 4, but" in capsys.readouterr().err
-    assert main([*argv, "--method", "random", "--out", str(parts)]) == 2
-    assert "--method with --owners" in capsys.readouterr().err
+    for method in ("random", "metis"):  # metis, the default without --owners, too: nothing places
+        assert main([*argv, "--method", method, "--out", str(parts)]) == 2
+        assert "--method with --owners" in capsys.readouterr().err
     assert main([*argv, "--out", str(parts)]) == 0
     capsys.readouterr()
     for pid, site in enumerate(sorted(sites)):  # parties numbered in sorted order

@@ -162,8 +162,10 @@ def _raw_folder_hint(name: str, root: Path) -> str:
 def _load_any(name: str, root: Path, seed: int):
     if name.startswith("files:"):
         return load_files_graph(name[len("files:") :])
-    path = Path(name)
+    path = Path(name).expanduser()
     if path.suffix.lower() == ".npz":
+        if path.is_dir():
+            raise FileGraphError(path, "is a folder; --dataset PATH.npz takes an npz file")
         if not path.is_file():
             raise FileGraphError(path, "no such file")
         return load_heterophilous_npz(path)
@@ -198,6 +200,13 @@ def _load_any(name: str, root: Path, seed: int):
     if key in _SINGLE:
         cls = getattr(pygd, _SINGLE[key])
         return cls(root=str(root / _SINGLE[key]))[0]
+    forms = "files:edges=E.csv,features=F,labels=L.csv for a graph in plain files, or PATH.npz / PATH.pt"
+    if path.is_dir():
+        raise DatasetError(f"--dataset {name!r} is a folder, not a dataset name: give {forms}")
+    if path.suffix.lower() in (".csv", ".tsv", ".txt", ".json") or len(path.parts) > 1:
+        raise DatasetError(
+            f"--dataset {name!r}: no such file, and not a dataset name; a graph's files go as {forms}"
+        )
     raise DatasetError(f"unknown dataset {name!r}; known: {', '.join(known_datasets())}")
 
 

@@ -70,6 +70,13 @@ HETEROPHILOUS_KEYS = ("node_features", "node_labels", "edges")
 #: Integer labels are class indices: a model's output is one column a class, so a label past this
 #: (a year, an account number) is refused rather than sized into a head of that many columns.
 MAX_CLASSES = 1 << 16
+#: From this many classes, integer labels that leave most class indices unused (or that are
+#: nearly one class a node) are said: a year or a count read as class indices.
+SPARSE_CLASSES = 16
+#: From this width, a bag of feature ids that leaves most columns unused is said (a stray id).
+SPARSE_FEATURE_WIDTH = 4096
+#: The largest finite float32: features are float32, and a larger value read from text would be inf.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 #: A bag-of-ids feature matrix is dense, nodes x (largest feature id + 1): past this many values
 #: (8 GiB of float32) a stray feature id is far likelier than a graph that wide.
 MAX_FEATURE_VALUES = 1 << 31
@@ -95,7 +102,7 @@ def load_files_graph(spec: str) -> Data:
         FileGraphError: naming the file and line of the first problem.
     """
     keys = parse_files_spec(spec)
-    paths = {k: Path(keys[k]) for k in ("edges", "features", "labels")}
+    paths = {k: Path(keys[k]).expanduser() for k in ("edges", "features", "labels")}
     for name, path in paths.items():
         if path.is_dir():
             raise FileGraphError(path, f"is a folder; the {name} file is wanted")
@@ -109,10 +116,20 @@ def load_files_graph(spec: str) -> Data:
         and bool(feats.ids)
         and feats.rows[0].tolist() in (list(range(feats.width)), list(range(1, feats.width + 1)))
     )
-    if numbered and feats.ids[0] == labels.header_id and feats.lines[0] == 1:
-        # "name,0,1": the features CSV's header, its columns numbered as pandas names them, its
-        # id column named as the labels' is: not a node (named otherwise, it cannot be told from
-        # a first node whose features are 0, 1, ...)
+    labelled = {_canonical(i) for i in label_ids}
+    if (
+        numbered
+        and feats.lines[0] == 1
+        and (feats.ids[0] == labels.header_id or _canonical(feats.ids[0]) not in labelled)
+    ):
+        # "name,0,1": the features CSV's header, its columns numbered as pandas names them: its
+        # id column named as the labels' is, or a name the labels file does not give a node. A
+        # first node whose features are 0, 1, ... and that has no label is dropped too, and said:
+        # an edge of it then names it, an error.
+        log.warning(
+            "%s: line 1 (%r, then the numbers 0..) read as the header of numbered columns, not a node",
+            paths["features"].name, feats.ids[0],
+        )  # fmt: skip
         feats = _Features(feats.path, feats.ids[1:], feats.lines[1:], feats.rows[1:], feats.width)
     if labels.header_id in set(feats.ids):  # "n0,1" on line 1: data, not column names
         raise FileGraphError(
@@ -129,7 +146,7 @@ def load_files_graph(spec: str) -> Data:
         # An npz names no ids: its rows are nodes 0..N-1, which a file of named nodes cannot match.
         hint = f"; {paths['features'].name} is an npz, whose rows are the integer nodes 0..N-1"
         raise FileGraphError(exc.path, exc.reason + hint, exc.line) from None
-    if feats.ids and not {_canonical(i) for i in label_ids} & {_canonical(i) for i in feats.ids}:
+    if feats.ids and not labelled & {_canonical(i) for i in feats.ids}:
         raise FileGraphError(
             paths["labels"],
             f"none of its {len(label_ids)} node ids (column {labels.header_id!r}, e.g. {label_ids[0]!r}) "
@@ -267,9 +284,26 @@ def _text(path: Path) -> Iterator[TextIO]:
         with path.open(newline="", encoding="utf-8-sig") as fh:
             yield fh
     except UnicodeDecodeError as exc:
-        raise FileGraphError(path, f"not UTF-8 text ({exc.reason}){_compressed_hint(path)}") from exc
+        hint = _compressed_hint(path)  # a compressed file has no lines to name
+        line = None if hint else _first_undecodable_line(path)
+        raise FileGraphError(path, f"not UTF-8 text ({exc.reason}){hint}", line) from exc
     except csv.Error as exc:
         raise FileGraphError(path, f"malformed CSV ({exc})") from exc
+
+
+def _first_undecodable_line(path: Path) -> int | None:
+    """The first line of ``path`` that is not UTF-8 (read again on the error's path only; the
+    decoder's offset counts within its buffer, not the file)."""
+    try:
+        with path.open("rb") as fh:
+            for number, raw in enumerate(fh, start=1):
+                try:
+                    raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    return number
+    except OSError:
+        return None
+    return None
 
 
 #: The first bytes of compressed files a user may pass as they were downloaded.
@@ -291,10 +325,36 @@ def _compressed_hint(path: Path) -> str:
     return ""
 
 
+#: Why a CSV record can span lines or swallow a file: a quote that opens a field and is never closed.
+_QUOTE_HINT = 'a quote (") opens a field that no quote closes'
+
+
+def _records(path: Path, lines: Iterator[str], first_line: int = 1) -> Iterator[tuple[int, list[str]]]:
+    """``(line, fields)`` of each CSV record of ``lines``, numbered by the physical line it starts
+    on (``lines``' first is ``first_line``). A node table holds one node a line: a record over
+    several lines (a field quoted across a line break) is refused naming the line it starts on,
+    as is a CSV fault, where Python's reader would otherwise read an unclosed quote as one field
+    running to the end of the file."""
+    reader = csv.reader(lines)
+    start = first_line
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            hint = f": {_QUOTE_HINT}" if "field larger" in str(exc) or "EOF" in str(exc) else ""
+            raise FileGraphError(path, f"malformed CSV ({exc}){hint}", start) from exc
+        if any("\n" in f or "\r" in f for f in row):
+            raise FileGraphError(path, f"a field runs over several lines: {_QUOTE_HINT}?", start)
+        yield start, row
+        start = first_line + reader.line_num
+
+
 def _rows(path: Path) -> Iterator[tuple[int, list[str]]]:
     """``(line number, fields)`` of each non-blank CSV line."""
     with _text(path) as fh:
-        for line, row in enumerate(csv.reader(fh), start=1):
+        for line, row in _records(path, fh):
             if row and any(f.strip() for f in row):
                 yield line, [f.strip() for f in row]
 
@@ -331,11 +391,10 @@ def _edge_rows(path: Path) -> Iterator[tuple[int, list[str]]]:
                 if text.strip() and not _EDGE_COMMENT.match(text.strip()):
                     yield n, text.split()
             return
-        reader = csv.reader(itertools.chain([line], (text for _, text in numbered)))
-        for row in reader:
+        for start, row in _records(path, itertools.chain([line], (text for _, text in numbered)), number):
             # "# note, with a comma": a comment; "#,b" stays an edge from node "#"
             if row and any(f.strip() for f in row) and not re.match(r"[#%]\s", row[0].strip()):
-                yield number - 1 + reader.line_num, [f.strip() for f in row]
+                yield start, [f.strip() for f in row]
 
 
 def _separator_hint(fields: list[str]) -> str:
@@ -357,12 +416,20 @@ def _parses(text: str, kind: type[int] | type[float]) -> bool:
     return True
 
 
+#: An integer as files write one: ASCII digits, an optional sign. Python's ``int`` also reads
+#: ``"1_10"`` (110) and other scripts' digits, which would merge ids that differ as text.
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+
+
 def _is_int(text: str) -> bool:
-    return _parses(text, int)
+    return _INTEGER.fullmatch(text) is not None
 
 
 def _is_integral(text: str) -> bool:
-    """Whether ``text`` is a finite float with no fraction (``"2.0"``, ``"-1.0"``, ``"1e3"``)."""
+    """Whether ``text`` is a finite float with no fraction (``"2.0"``, ``"-1.0"``, ``"1e3"``;
+    not ``"1_0"``, which Python's ``float`` reads as 10)."""
+    if "_" in text:
+        return False
     try:
         value = float(text)
     except ValueError:
@@ -465,6 +532,16 @@ def _read_labels(path: Path, id_column: str | None, label_column: str | None) ->
                     "classes (renumber the classes, or write them as names)",
                     lines[node],
                 )
+        distinct = {v for v in values if v >= 0}
+        classes = max(distinct, default=-1) + 1
+        if classes > SPARSE_CLASSES and (classes > 2 * len(distinct) or 2 * classes > len(given)):
+            # years, counts: a head of that many outputs, most of them classes no node has
+            log.warning(
+                "%s: integer labels are class indices: %d classes for %d distinct labels on %d "
+                "labelled nodes (largest %d); if column %r is not a class, name another "
+                "(label-column=NAME), or renumber the classes 0..C-1",
+                path.name, classes, len(distinct), len(given), classes - 1, header[label_col],
+            )  # fmt: skip
     else:  # categories: numbered in sorted order, so True/False -> 1/0
         ints = [v for v in given if _is_integral(v)]
         words = [v for v in given if not _parses(v, float)]
@@ -558,6 +635,13 @@ def _read_bag_of_ids(path: Path) -> _Features:
             f"node {widest!r}: feature id {width - 1} makes the multi-hot matrix {len(ids)} x {width}, "
             f"past {MAX_FEATURE_VALUES:,} values; number the feature ids 0..F-1",
         )
+    used = len(set(cols))
+    if width > SPARSE_FEATURE_WIDTH and width > 8 * used:
+        log.warning(
+            "%s: feature ids run to %d (node %r) but %d distinct ids are used: the multi-hot matrix "
+            "is %d x %d; numbering the feature ids 0..F-1 would make it %d wide",
+            path.name, width - 1, widest, used, len(ids), width, used,
+        )  # fmt: skip
     try:
         rows = torch.zeros(len(ids), width, dtype=torch.float32)
     except RuntimeError as exc:  # out of memory on this machine, below the bound
@@ -576,14 +660,14 @@ def _read_feature_csv(path: Path, labels: _Labels) -> _Features:
     column of text, with no number in it (a site, a name: a table's other columns). A word in a
     column of numbers is an error naming its line.
     """
-    columns = _feature_header(path)  # the value columns' names, where line 1 gives them
+    columns = _feature_header(path, labels)  # the value columns' names, where line 1 gives them
     skip = _unread_columns(path, columns, labels) if columns is not None else set()
     ids: list[str] = []
     lines: list[int | None] = []
     seen: dict[str, int] = {}
     values: list[list[float]] = []
     width = None
-    for line, row in _rows(path):
+    for line, row in _feature_rows(path, labels):
         if len(row) < 2:
             raise FileGraphError(
                 path, f"a feature line needs a node id and at least one value{_separator_hint(row)}", line
@@ -595,13 +679,21 @@ def _read_feature_csv(path: Path, labels: _Labels) -> _Features:
         try:
             nums = [float(v) for v in row[1:]]
         except ValueError:
-            raise FileGraphError(path, f"non-numeric feature value in {row[1:]!r}", line) from None
+            k = next(k for k, v in enumerate(row[1:]) if not _parses(v, float))
+            name = f" ({columns[k]!r})" if columns is not None and len(columns) == len(row) - 1 else ""
+            reason = f"non-numeric feature value {row[k + 1]!r} in value column {k + 1}{name}"
+            raise FileGraphError(path, reason, line) from None
         if width is None:
             width = len(nums)
         elif len(nums) != width:
             raise FileGraphError(path, f"{len(nums)} feature values, earlier lines have {width}", line)
         if not all(np.isfinite(nums)):
             raise FileGraphError(path, "a feature value is not finite", line)
+        big = next((v for v in nums if abs(v) > FLOAT32_MAX), None)
+        if big is not None:  # read as a float64, it would become inf in the float32 features
+            raise FileGraphError(
+                path, f"feature value {big:g} does not fit float32 (at most {FLOAT32_MAX:.4g})", line
+            )
         if row[0] in seen:
             raise FileGraphError(
                 path,
@@ -623,12 +715,29 @@ def _is_word(value: str) -> bool:
     return not _parses(value, float) and value.strip().lower() not in MISSING_VALUES
 
 
-def _feature_header(path: Path) -> list[str] | None:
+def _feature_rows(path: Path, labels: _Labels) -> Iterator[tuple[int, list[str]]]:
+    """A features CSV's lines (:func:`_rows`), each with its node id first. That is the first
+    column, but in a table that is the labels file too, the labels' id column (``id-column``):
+    read from the first column, a table whose ids are not first would pair each node's features
+    with another node's label."""
+    rows = _rows(path)
+    if path.resolve() != labels.path.resolve():
+        yield from rows
+        return
+    first = next(rows, None)
+    if first is None:
+        return
+    k = first[1].index(labels.header_id) if first[0] == 1 and labels.header_id in first[1] else 0
+    for line, row in itertools.chain([first], rows):
+        yield line, ([row[k], *row[:k], *row[k + 1 :]] if 0 < k < len(row) else row)
+
+
+def _feature_header(path: Path, labels: _Labels) -> list[str] | None:
     """A features CSV's value column names, where its line 1 is a header: a word among its values
     ("degree", "pop_2019"), or an empty id field (pandas' ``to_csv`` index). A line 1 whose only
     non-numbers are blanks or NA is a node's row with missing values (an error, not a header
     guess that would drop the node silently)."""
-    first = next(_rows(path), None)
+    first = next(_feature_rows(path, labels), None)
     if first is None or first[0] != 1 or len(first[1]) < 2:
         return None
     row = first[1]
@@ -648,7 +757,7 @@ def _unread_columns(path: Path, columns: list[str], labels: _Labels) -> set[int]
         skip.add(columns.index(labels.header_label))
     text: dict[int, tuple[str, int]] = {}  # column -> its first value and line
     numeric: set[int] = set()
-    for line, row in _rows(path):
+    for line, row in _feature_rows(path, labels):
         if line == 1 or len(row) != len(columns) + 1:
             continue  # the header, and rows the reader refuses
         if not text and not numeric:  # the first data row: which columns may be text
@@ -773,10 +882,7 @@ def _node_index(sources: list[_Ids]) -> dict[str, int]:
 
 def _canonical(node: str) -> str:
     """An integer id in its canonical spelling (``"07"`` -> ``"7"``); other ids unchanged."""
-    try:
-        return str(int(node))
-    except ValueError:
-        return node
+    return str(int(node)) if _is_int(node) else node
 
 
 #: Header names of an edge list's two endpoint columns (any case), where they are not its first two.
@@ -789,6 +895,23 @@ ENDPOINT_COLUMNS = (
 
 #: Header names of an edge list's first column that say it is not an endpoint (an edge's own id).
 EDGE_ID_COLUMNS = ("", "id", "edge", "edge_id", "edgeid", "eid", "index", "idx")
+#: Names an edge list's header line is taken as one by without a word of warning (besides
+#: :data:`ENDPOINT_COLUMNS` and :data:`EDGE_ID_COLUMNS`).
+HEADER_WORDS = frozenset(
+    {
+        *EDGE_ID_COLUMNS,
+        "weight",
+        "w",
+        "time",
+        "timestamp",
+        "ts",
+        "label",
+        "type",
+        "node",
+        "neighbor",
+        "neighbour",
+    }
+)
 
 
 def _endpoint_columns(header: list[str]) -> tuple[int, int]:
@@ -820,12 +943,21 @@ def _read_edges(path: Path, index: dict[str, int]) -> tuple[np.ndarray, np.ndarr
         if a not in index or b not in index:
             if k == 0 and a not in index and b not in index and not (_is_int(a) and _is_int(b)):
                 ia, ib = _endpoint_columns(row)  # a header line: neither field names a node
+                names = {h.strip().lower() for h in row}
+                if not names & (HEADER_WORDS | {n for pair in ENDPOINT_COLUMNS for n in pair}):
+                    # "ghost_a,ghost_b": a header of unusual names, or an edge between two nodes
+                    # no file names; either way, said
+                    log.warning(
+                        "%s: line %d (%s) read as a header: neither field is a node of the "
+                        "features or labels file",
+                        path.name, line, ",".join(row[:4]),
+                    )  # fmt: skip
                 continue
             unknown = a if a not in index else b
             hint = (
                 " (an integer id written as a float: write it as the integer)"
-                if _is_integral(unknown)
-                else ""
+                if _is_integral(unknown) and not _is_int(unknown)
+                else _separator_hint([",".join(row)]) or (" (an empty field)" if not unknown else "")
             )
             raise FileGraphError(
                 path, f"node {unknown!r} is in neither the features nor the labels file{hint}", line
@@ -862,6 +994,8 @@ def read_owners(
             does not have or named twice, a node of the graph without a party, integer parties
             with a gap.
     """
+    if path.is_dir():
+        raise FileGraphError(path, "is a folder; --owners takes a CSV file")
     if not path.is_file():
         raise FileGraphError(path, "no such owners file")
     rows = _rows(path)
@@ -875,7 +1009,10 @@ def read_owners(
         if name is None:
             if default is None:
                 raise FileGraphError(
-                    path, f"{len(header)} columns ({', '.join(header)}): name the party's with {flag}", 1
+                    path,
+                    f"{len(header)} columns ({', '.join(header)}): name the party's with {flag}"
+                    f"{_separator_hint(header)}",
+                    1,
                 )
             return default
         if name not in header:

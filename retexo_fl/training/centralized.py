@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import time
 
 import numpy as np
@@ -15,6 +16,7 @@ from retexo_fl.data.partitioners import split_graph
 from retexo_fl.metrics import RunRecorder
 from retexo_fl.models.adjacency import SPARSE_KINDS, sparse_adjacency
 from retexo_fl.models.gnn import GNN
+from retexo_fl.party.client import TrainingDiverged
 from retexo_fl.party.pseudo import pseudo_labels
 from retexo_fl.plan import BoundaryPlan, LocalGraph
 from retexo_fl.seeding import derive_seed, resolve_device
@@ -122,8 +124,15 @@ def run_centralized(part: Partition, cfg: TrainConfig, rec: RunRecorder | None =
             loss = torch.nn.functional.cross_entropy(model(x, ei, w)[train_mask], train_y[train_mask])
             loss.backward()
             opt.step()
+            train_loss = loss.item()
+            if not math.isfinite(train_loss):  # else every later epoch trains on NaN weights
+                raise TrainingDiverged(
+                    f"centralized training diverged: loss {train_loss} at epoch {epoch} (learning rate "
+                    f"{lr:g}); inputs of large magnitude do this: scale the node features to about unit "
+                    "size, or lower --lr"
+                )
             val, val_loss = validate(model)
-            rec.event("epoch", epoch=epoch, train_loss=loss.item(), val_accuracy=val)
+            rec.event("epoch", epoch=epoch, train_loss=train_loss, val_accuracy=val)
             if val > best_val:
                 best_val, best_loss, best_state, best_epoch = (
                     val,
@@ -132,7 +141,7 @@ def run_centralized(part: Partition, cfg: TrainConfig, rec: RunRecorder | None =
                     epoch,
                 )
             if epoch == 1 or epoch % max(1, epochs // 5) == 0:
-                rec.progress(f"epoch {epoch:4d}/{epochs}  loss {loss.item():.4f}  val {val:.4f}")
+                rec.progress(f"epoch {epoch:4d}/{epochs}  loss {train_loss:.4f}  val {val:.4f}")
         if best_state is not None:
             model.load_state_dict(best_state)
         passes.append(

@@ -639,3 +639,102 @@ def test_fractional_classes_are_numbered_in_numeric_order(tmp_path):
     labels = "id,label\n0,10\n1,2\n2,3.5\n3,1\n"
     data = load_files_graph(_files(tmp_path, "0,1\n1,2\n2,3\n", "id,a\n0,1\n1,2\n2,3\n3,4\n", labels))
     assert data.y.tolist() == [3, 1, 2, 0] and data.class_names == ["1", "2", "3.5", "10"]
+
+
+def test_one_table_whose_id_column_is_not_first_pairs_each_nodes_features_with_its_label(tmp_path):
+    """features= and labels= one table, its ids in a later column (named by id-column): the
+    features are keyed by that column too, not by the first (here a permutation of the ids)."""
+    n = 12
+    rows = [(n - 1 - i, i, i % 3) for i in range(n)]  # seq, id, class
+    table = "seq,id,f0,f1,f2,label\n" + "".join(
+        f"{seq},{i}," + ",".join("1" if c == k else "0" for k in range(3)) + f",c{c}\n" for seq, i, c in rows
+    )
+    (tmp_path / "t.csv").write_text(table)
+    (tmp_path / "e.csv").write_text("".join(f"{i},{(i + 1) % n}\n" for i in range(n)))
+    t = tmp_path / "t.csv"
+    data = load_files_graph(
+        f"edges={tmp_path / 'e.csv'},features={t},labels={t},id-column=id,label-column=label"
+    )
+    assert data.node_names == [str(i) for i in range(n)]
+    # seq stays a feature column (a number the user put there); f0..f2 one-hot the node's class
+    assert torch.equal(data.x[:, 1:].argmax(1), data.y)
+    assert torch.equal(data.x[:, 0], torch.tensor([float(n - 1 - i) for i in range(n)]))
+
+
+def test_an_unclosed_quote_fails_naming_its_line_not_the_files_end(tmp_path):
+    labels = "id,label\n" + "".join(f"{i},{'red' if i % 2 else 'blue'}\n" for i in range(8))
+    bad = labels.replace("5,red", '5,"red')
+    edges = "".join(f"{i},{i + 1}\n" for i in range(7))
+    feats = "".join(f"{i},{i % 2}.0,1.0\n" for i in range(8))
+    _expect(
+        "files:" + _files(tmp_path, edges, feats, bad), "y.csv:7: a field runs over several lines", "quote"
+    )
+    bad_edges = edges.replace("3,4", '3,"4')
+    _expect("files:" + _files(tmp_path, bad_edges, feats, labels), "e.csv:4: a field runs over several lines")
+    # A quoted field that closes is one field: "4" is node 4.
+    data = load_files_graph(_files(tmp_path, edges.replace("3,4", '3,"4"'), feats, labels))
+    assert data.edge_index.size(1) == 14
+    # Past csv's field limit (a long file after the quote), the error still names the line.
+    long_edges = '0,"1\n' + "".join(f"{i},{i + 1}\n" for i in range(1, 7)) * 20000
+    _expect(
+        "files:" + _files(tmp_path, long_edges, feats, labels), "e.csv:1: malformed CSV", "no quote closes"
+    )
+
+
+def test_a_feature_past_float32_fails_naming_its_line(tmp_path):
+    feats = "0,1.0\n1,1e40\n2,0.5\n"
+    spec = _files(tmp_path, "0,1\n1,2\n", feats, "id,label\n0,a\n1,b\n2,a\n")
+    _expect("files:" + spec, "x.csv:2: feature value 1e+40 does not fit float32")
+
+
+def test_ids_are_integers_only_as_digits_and_only_a_float_id_gets_the_float_hint(tmp_path, caplog):
+    # "1_10" and "11_0" are two nodes (Python's int reads both as 110)
+    labels = "id,label\n1_10,a\n11_0,b\nx,a\n"
+    data = load_files_graph(_files(tmp_path, "1_10,11_0\n11_0,x\n", "1_10,1.0\n11_0,0.0\nx,1.0\n", labels))
+    assert data.node_names == ["11_0", "1_10", "x"] and data.num_nodes == 3
+    spec = _files(tmp_path, "0,1\n1,99\n", "0,1.0\n1,0.0\n", "id,label\n0,a\n1,b\n")
+    with pytest.raises(FileGraphError) as err:
+        load_files_graph(spec)
+    assert "node '99' is in neither" in str(err.value) and "float" not in str(err.value)
+    _expect(
+        "files:" + _files(tmp_path, "0,1\n1,2.0\n", "0,1.0\n1,0.0\n", "id,label\n0,a\n1,b\n"),
+        "written as a float",
+    )
+
+
+def test_doubtful_reads_are_said(tmp_path, caplog):
+    """Reads that are legal but often a mistake go to the log: integer labels that leave most
+    class indices unused (years), a first edge line taken as a header though it names no column
+    as headers do, a numbered features header that is not a node."""
+    n = 30
+    edges = "".join(f"n{i},n{(i + 1) % n}\n" for i in range(n))
+    feats = "name,0,1\n" + "".join(f"n{i},{i % 2},1\n" for i in range(n))
+    years = "id,year\n" + "".join(f"n{i},{[1999, 2005, 2012][i % 3]}\n" for i in range(n))
+    with caplog.at_level("WARNING", logger="retexo_fl.data.files"):
+        data = load_files_graph(_files(tmp_path, "ghost_a,ghost_b\n" + edges, feats, years))
+    text = caplog.text
+    assert "2013 classes for 3 distinct labels" in text
+    assert "line 1 (ghost_a,ghost_b) read as a header" in text
+    assert "line 1 ('name', then the numbers 0..) read as the header" in text
+    assert data.num_nodes == n and "name" not in data.node_names
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="retexo_fl.data.files"):  # a plain header: nothing said
+        load_files_graph(
+            _files(
+                tmp_path,
+                "source,target\n" + edges,
+                feats.replace("name,0,1", "id,a,b"),
+                years.replace("1999", "0").replace("2005", "1").replace("2012", "2"),
+            )
+        )
+    assert "header" not in caplog.text and "classes" not in caplog.text
+
+
+def test_a_dataset_that_is_a_folder_or_a_missing_file_says_which_forms_there_are(tmp_path):
+    with pytest.raises(DatasetError, match="is a folder, not a dataset name"):
+        load_dataset(str(tmp_path))
+    with pytest.raises(DatasetError, match="no such file, and not a dataset name"):
+        load_dataset(str(tmp_path / "nothere.csv"))
+    (tmp_path / "d.npz").mkdir()
+    with pytest.raises(FileGraphError, match="is a folder"):
+        load_dataset(str(tmp_path / "d.npz"))

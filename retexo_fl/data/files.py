@@ -957,7 +957,9 @@ def _read_edges(path: Path, index: dict[str, int]) -> tuple[np.ndarray, np.ndarr
             hint = (
                 " (an integer id written as a float: write it as the integer)"
                 if _is_integral(unknown) and not _is_int(unknown)
-                else _separator_hint([",".join(row)]) or (" (an empty field)" if not unknown else "")
+                else _separator_hint([unknown])
+                if any(c in unknown for c in ";|")  # "0; 1"
+                else (" (an empty field)" if not unknown else "")
             )
             raise FileGraphError(
                 path, f"node {unknown!r} is in neither the features nor the labels file{hint}", line

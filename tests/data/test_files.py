@@ -738,3 +738,18 @@ def test_a_dataset_that_is_a_folder_or_a_missing_file_says_which_forms_there_are
     (tmp_path / "d.npz").mkdir()
     with pytest.raises(FileGraphError, match="is a folder"):
         load_dataset(str(tmp_path / "d.npz"))
+
+
+def test_an_edge_line_with_an_empty_or_semicolon_field_says_so(tmp_path):
+    feats, labels = "0,1.0\n1,0.0\n2,1.0\n", "id,label\n0,a\n1,b\n2,a\n"
+    _expect(
+        "files:" + _files(tmp_path, "0,1\n1,\n", feats, labels),
+        "e.csv:2: node '' is in neither",
+        "an empty field",
+    )
+    _expect("files:" + _files(tmp_path, "0,1\n1;2,0\n", feats, labels), "e.csv:2", "separated by semicolons")
+    # a name with a space is a name, not a sign of another separator
+    spec = _files(tmp_path, "a,b\nb,New York\n", "a,1.0\nb,0.0\nc,1.0\n", "id,label\na,x\nb,y\nc,x\n")
+    with pytest.raises(FileGraphError) as err:
+        load_files_graph(spec)
+    assert "node 'New York' is in neither" in str(err.value) and "separated" not in str(err.value)

@@ -193,7 +193,9 @@ def _owners_cut(args: argparse.Namespace, data: Data) -> list[Partition]:
     if given:
         raise ValueError(f"{', '.join(given)} with --owners: the owners file places every node")
     names = getattr(data, "node_names", None) or [str(i) for i in range(data.num_nodes)]
-    owner, parties = read_owners(Path(args.owners), names, args.owner_id_column, args.owner_column)
+    owner, parties = read_owners(
+        Path(args.owners).expanduser(), names, args.owner_id_column, args.owner_column
+    )
     if args.clients is not None and args.clients != len(parties):
         raise ValueError(
             f"--clients {args.clients}, but {args.owners} names {len(parties)} parties: with --owners "

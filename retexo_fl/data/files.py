@@ -117,20 +117,15 @@ def load_files_graph(spec: str) -> Data:
         and feats.rows[0].tolist() in (list(range(feats.width)), list(range(1, feats.width + 1)))
     )
     labelled = {_canonical(i) for i in label_ids}
-    if (
-        numbered
-        and feats.lines[0] == 1
-        and (feats.ids[0] == labels.header_id or _canonical(feats.ids[0]) not in labelled)
-    ):
-        # "name,0,1": the features CSV's header, its columns numbered as pandas names them: its
-        # id column named as the labels' is, or a name the labels file does not give a node. A
-        # first node whose features are 0, 1, ... and that has no label is dropped too, and said:
-        # an edge of it then names it, an error.
-        log.warning(
-            "%s: line 1 (%r, then the numbers 0..) read as the header of numbered columns, not a node",
-            paths["features"].name, feats.ids[0],
-        )  # fmt: skip
-        feats = _Features(feats.path, feats.ids[1:], feats.lines[1:], feats.rows[1:], feats.width)
+    whole, dropped = feats, None
+    if numbered and feats.lines[0] == 1:
+        # "name,0,1": the features CSV's header, its columns numbered as pandas names them, where
+        # its id column is named as the labels' is, or names no labelled node: then it is a node
+        # only if an edge names it (below).
+        if feats.ids[0] != labels.header_id and _canonical(feats.ids[0]) not in labelled:
+            dropped = feats.ids[0]
+        if dropped is not None or feats.ids[0] == labels.header_id:
+            feats = _Features(feats.path, feats.ids[1:], feats.lines[1:], feats.rows[1:], feats.width)
     if labels.header_id in set(feats.ids):  # "n0,1" on line 1: data, not column names
         raise FileGraphError(
             paths["labels"],
@@ -138,14 +133,7 @@ def load_files_graph(spec: str) -> Data:
             f"{labels.header_id!r}, a node of the features file)",
             1,
         )
-    try:
-        index = _node_index([labels, feats])
-    except FileGraphError as exc:
-        if paths["features"].suffix.lower() != ".npz":
-            raise
-        # An npz names no ids: its rows are nodes 0..N-1, which a file of named nodes cannot match.
-        hint = f"; {paths['features'].name} is an npz, whose rows are the integer nodes 0..N-1"
-        raise FileGraphError(exc.path, exc.reason + hint, exc.line) from None
+    index = _files_node_index(labels, feats, paths["features"])
     if feats.ids and not labelled & {_canonical(i) for i in feats.ids}:
         raise FileGraphError(
             paths["labels"],
@@ -153,6 +141,21 @@ def load_files_graph(spec: str) -> Data:
             f"has a row in {paths['features'].name} (e.g. {feats.ids[0]!r}): the files name nodes "
             "differently; name the labels' node id column with id-column=NAME",
         )
+    try:
+        src, dst = _read_edges(paths["edges"], index)
+    except FileGraphError as exc:
+        if dropped is None or not exc.reason.startswith(f"node {_canonical(dropped)!r} is in neither"):
+            raise
+        # an edge names it: a node with no label whose features are 0, 1, ..., not a header
+        feats, dropped = whole, None
+        index = _files_node_index(labels, feats, paths["features"])
+        src, dst = _read_edges(paths["edges"], index)
+    if dropped is not None:
+        log.warning(
+            "%s: line 1 (%r, then the numbers 0..) read as the header of numbered columns: no "
+            "label or edge names it as a node",
+            paths["features"].name, dropped,
+        )  # fmt: skip
     n = len(index)
     y = torch.full((n,), -1, dtype=torch.long)
     y[torch.tensor([index[_canonical(i)] for i in label_ids], dtype=torch.long)] = torch.tensor(label_values)
@@ -168,7 +171,6 @@ def load_files_graph(spec: str) -> Data:
             "%s (unlabeled); ids that differ between the files do this",
             paths["features"].name, n, without_row, without_label, paths["labels"].name,
         )  # fmt: skip
-    src, dst = _read_edges(paths["edges"], index)
     edge_index = undirected_coalesced(torch.stack([torch.from_numpy(src), torch.from_numpy(dst)]), n)
     if edge_index.size(1) == 0:
         raise FileGraphError(
@@ -240,6 +242,18 @@ def load_heterophilous_npz(path: Path) -> Data:
 # -- readers ---------------------------------------------------------------------------------
 
 
+def _files_node_index(labels: _Labels, feats: _Features, features_path: Path) -> dict[str, int]:
+    """:func:`_node_index` over a ``files:`` graph's labels and features, an npz's hint added."""
+    try:
+        return _node_index([labels, feats])
+    except FileGraphError as exc:
+        if features_path.suffix.lower() != ".npz":
+            raise
+        # An npz names no ids: its rows are nodes 0..N-1, which a file of named nodes cannot match.
+        hint = f"; {features_path.name} is an npz, whose rows are the integer nodes 0..N-1"
+        raise FileGraphError(exc.path, exc.reason + hint, exc.line) from None
+
+
 class _Ids:
     """The node ids one file names, in its order, with the line of each (``None``: no lines)."""
 
@@ -295,14 +309,14 @@ def _first_undecodable_line(path: Path) -> int | None:
     """The first line of ``path`` that is not UTF-8 (read again on the error's path only; the
     decoder's offset counts within its buffer, not the file)."""
     try:
-        with path.open("rb") as fh:
-            for number, raw in enumerate(fh, start=1):
-                try:
-                    raw.decode("utf-8")
-                except UnicodeDecodeError:
-                    return number
+        lines = path.read_bytes().splitlines()  # \r, \n and \r\n: the lines the text reader counts
     except OSError:
         return None
+    for number, raw in enumerate(lines, start=1):
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return number
     return None
 
 
@@ -331,10 +345,10 @@ _QUOTE_HINT = 'a quote (") opens a field that no quote closes'
 
 def _records(path: Path, lines: Iterator[str], first_line: int = 1) -> Iterator[tuple[int, list[str]]]:
     """``(line, fields)`` of each CSV record of ``lines``, numbered by the physical line it starts
-    on (``lines``' first is ``first_line``). A node table holds one node a line: a record over
-    several lines (a field quoted across a line break) is refused naming the line it starts on,
-    as is a CSV fault, where Python's reader would otherwise read an unclosed quote as one field
-    running to the end of the file."""
+    on (``lines``' first is ``first_line``); a CSV fault is refused naming that line. A field
+    quoted across line breaks is one field (a free-text column, as pandas writes one); where a
+    reader takes it as an id, a label or a number, :func:`_single_line` refuses it: an unclosed
+    quote reads the rest of the file as one field."""
     reader = csv.reader(lines)
     start = first_line
     while True:
@@ -345,10 +359,14 @@ def _records(path: Path, lines: Iterator[str], first_line: int = 1) -> Iterator[
         except csv.Error as exc:
             hint = f": {_QUOTE_HINT}" if "field larger" in str(exc) or "EOF" in str(exc) else ""
             raise FileGraphError(path, f"malformed CSV ({exc}){hint}", start) from exc
-        if any("\n" in f or "\r" in f for f in row):
-            raise FileGraphError(path, f"a field runs over several lines: {_QUOTE_HINT}?", start)
         yield start, row
         start = first_line + reader.line_num
+
+
+def _single_line(path: Path, line: int, *fields: str) -> None:
+    """Refuse an id, label or number that spans lines (:func:`_records`), naming the line it opens on."""
+    if any("\n" in f or "\r" in f for f in fields):
+        raise FileGraphError(path, f"a field runs over several lines: {_QUOTE_HINT}?", line)
 
 
 def _rows(path: Path) -> Iterator[tuple[int, list[str]]]:
@@ -483,6 +501,7 @@ def _read_labels(path: Path, id_column: str | None, label_column: str | None) ->
         if len(row) != len(header):
             raise FileGraphError(path, f"{len(row)} fields, the header has {len(header)}", line)
         node = row[id_col]
+        _single_line(path, line, node, row[label_col])
         if not node:
             raise FileGraphError(path, "empty node id", line)
         if node in lines:
@@ -672,16 +691,21 @@ def _read_feature_csv(path: Path, labels: _Labels) -> _Features:
             raise FileGraphError(
                 path, f"a feature line needs a node id and at least one value{_separator_hint(row)}", line
             )
+        _single_line(path, line, row[0])
         if line == 1 and columns is not None:
             continue
+        # the value columns read, by their place among the file's value columns
+        kept = list(range(len(row) - 1))
         if skip and columns is not None and len(row) == len(columns) + 1:
-            row = [row[0], *(v for k, v in enumerate(row[1:]) if k not in skip)]
+            kept = [k for k in kept if k not in skip]
         try:
-            nums = [float(v) for v in row[1:]]
+            nums = [float(row[k + 1]) for k in kept]
         except ValueError:
-            k = next(k for k, v in enumerate(row[1:]) if not _parses(v, float))
+            k = next(k for k in kept if not _parses(row[k + 1], float))
             name = f" ({columns[k]!r})" if columns is not None and len(columns) == len(row) - 1 else ""
             reason = f"non-numeric feature value {row[k + 1]!r} in value column {k + 1}{name}"
+            if "\n" in row[k + 1] or "\r" in row[k + 1]:
+                reason += f"; it runs over several lines: {_QUOTE_HINT}?"
             raise FileGraphError(path, reason, line) from None
         if width is None:
             width = len(nums)
@@ -689,8 +713,10 @@ def _read_feature_csv(path: Path, labels: _Labels) -> _Features:
             raise FileGraphError(path, f"{len(nums)} feature values, earlier lines have {width}", line)
         if not all(np.isfinite(nums)):
             raise FileGraphError(path, "a feature value is not finite", line)
-        big = next((v for v in nums if abs(v) > FLOAT32_MAX), None)
-        if big is not None:  # read as a float64, it would become inf in the float32 features
+        with np.errstate(over="ignore"):  # read as float64: a value past float32's range becomes inf
+            narrow = np.asarray(nums, dtype=np.float32)
+        if not np.isfinite(narrow).all():
+            big = nums[int(np.argmin(np.isfinite(narrow)))]
             raise FileGraphError(
                 path, f"feature value {big:g} does not fit float32 (at most {FLOAT32_MAX:.4g})", line
             )
@@ -755,6 +781,11 @@ def _unread_columns(path: Path, columns: list[str], labels: _Labels) -> set[int]
             "%s: column %r is the labels' label column: not read as a feature", path.name, labels.header_label
         )
         skip.add(columns.index(labels.header_label))
+    if same_table:  # ids from id-column: an unnamed first column is pandas' row index, not a value
+        for k, name in enumerate(columns):
+            if not name or re.fullmatch(r"Unnamed: \d+", name):
+                log.warning("%s: an unnamed column (a row index) not read as a feature", path.name)
+                skip.add(k)
     text: dict[int, tuple[str, int]] = {}  # column -> its first value and line
     numeric: set[int] = set()
     for line, row in _feature_rows(path, labels):
@@ -895,23 +926,20 @@ ENDPOINT_COLUMNS = (
 
 #: Header names of an edge list's first column that say it is not an endpoint (an edge's own id).
 EDGE_ID_COLUMNS = ("", "id", "edge", "edge_id", "edgeid", "eid", "index", "idx")
-#: Names an edge list's header line is taken as one by without a word of warning (besides
-#: :data:`ENDPOINT_COLUMNS` and :data:`EDGE_ID_COLUMNS`).
-HEADER_WORDS = frozenset(
-    {
-        *EDGE_ID_COLUMNS,
-        "weight",
-        "w",
-        "time",
-        "timestamp",
-        "ts",
-        "label",
-        "type",
-        "node",
-        "neighbor",
-        "neighbour",
-    }
+#: Words of an edge list's header names (``user_id``, ``citing``, ``from_node``, ``a``): a first
+#: line whose two fields hold none is read as a header all the same, but said (it may be an edge
+#: between two nodes no file names).
+_HEADER_NAME = re.compile(
+    r"(.*_)?(id|ids|node|nodes|vertex|src|dst|source|target|from|to|cit(ing|ed|es)?|user|friend|"
+    r"follow(er|ee|s)?|head|tail|item|parent|child|in|out|start|end|left|right|sender|receiver|"
+    r"neighbou?r)(_?(id|\d+|[ab]))?|[uvabijxy](_?(id|\d+))?",
+    re.IGNORECASE,
 )
+
+
+def _header_like(name: str) -> bool:
+    """Whether ``name`` reads as an edge list's column name (:data:`_HEADER_NAME`)."""
+    return _HEADER_NAME.fullmatch(name.strip()) is not None or name.strip().lower() in EDGE_ID_COLUMNS
 
 
 def _endpoint_columns(header: list[str]) -> tuple[int, int]:
@@ -939,12 +967,12 @@ def _read_edges(path: Path, index: dict[str, int]) -> tuple[np.ndarray, np.ndarr
     for k, (line, row) in enumerate(_edge_rows(path)):
         if len(row) <= max(ia, ib):
             raise FileGraphError(path, f"an edge line needs two node ids{_separator_hint(row)}", line)
+        _single_line(path, line, row[ia], row[ib])
         a, b = _canonical(row[ia]), _canonical(row[ib])
         if a not in index or b not in index:
             if k == 0 and a not in index and b not in index and not (_is_int(a) and _is_int(b)):
                 ia, ib = _endpoint_columns(row)  # a header line: neither field names a node
-                names = {h.strip().lower() for h in row}
-                if not names & (HEADER_WORDS | {n for pair in ENDPOINT_COLUMNS for n in pair}):
+                if not any(_header_like(h) for h in row[:2]):
                     # "ghost_a,ghost_b": a header of unusual names, or an edge between two nodes
                     # no file names; either way, said
                     log.warning(
@@ -1036,6 +1064,7 @@ def read_owners(
     for line, row in rows:
         if len(row) != len(header):
             raise FileGraphError(path, f"{len(row)} fields, the header has {len(header)}", line)
+        _single_line(path, line, row[id_col], row[owner_col])
         node, party = _canonical(row[id_col]), row[owner_col]
         if node not in index:
             raise FileGraphError(path, f"node {row[id_col]!r} is not a node of the graph", line)

@@ -753,3 +753,77 @@ def test_an_edge_line_with_an_empty_or_semicolon_field_says_so(tmp_path):
     with pytest.raises(FileGraphError) as err:
         load_files_graph(spec)
     assert "node 'New York' is in neither" in str(err.value) and "separated" not in str(err.value)
+
+
+def test_a_first_feature_row_of_0_1_is_a_node_when_an_edge_names_it(tmp_path, caplog):
+    """Width-2 one-hot features whose first node has no label: line 1 reads "a,0,1" as pandas'
+    numbered header would; an edge names node a, so it stays a node, and nothing is said."""
+    spec = _files(tmp_path, "a,b\nb,c\n", "a,0,1\nb,1,0\nc,1,0\n", "id,label\nb,0\nc,1\n")
+    with caplog.at_level("WARNING", logger="retexo_fl.data.files"):
+        data = load_files_graph(spec)
+    assert data.node_names == ["a", "b", "c"]
+    assert torch.equal(data.x[0], torch.tensor([0.0, 1.0]))
+    assert "numbered columns" not in caplog.text
+    # pandas' own header, its id column named as the labels' is: dropped without a word
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="retexo_fl.data.files"):
+        data = load_files_graph(
+            _files(tmp_path, "1,2\n2,3\n", "id,0,1\n1,.5,.3\n2,.1,.2\n3,.4,.4\n", "id,label\n1,0\n2,1\n3,0\n")
+        )
+    assert data.num_nodes == 3 and "numbered columns" not in caplog.text
+
+
+def test_free_text_over_several_lines_is_a_field_and_a_label_over_several_is_refused(tmp_path):
+    labels = 'id,label,desc\n0,a,"hello\nworld"\n1,b,plain\n2,a,x\n'
+    data = load_files_graph(
+        _files(tmp_path, "0,1\n1,2\n", "0,1.0\n1,0.0\n2,1.0\n", labels) + ",label-column=label"
+    )
+    assert data.y.tolist() == [0, 1, 0]
+    feats = 'id,site,f1\n0,"north\nwing",1.0\n1,south,0.0\n2,east,1.0\n'
+    data = load_files_graph(_files(tmp_path, "0,1\n1,2\n", feats, "id,label\n0,a\n1,b\n2,a\n"))
+    assert data.x.tolist() == [[1.0], [0.0], [1.0]]
+    _expect(
+        "files:" + _files(tmp_path, "0,1\n1,2\n", feats, 'id,label\n0,"a\n1,b\n2,a\n'),
+        "y.csv:2: a field runs over",
+    )
+
+
+def test_the_float32_bound_is_float32s_own_and_a_bad_value_names_its_column(tmp_path):
+    top = "3.4028235e+38"  # float32's largest, as numpy writes it: finite in float32
+    data = load_files_graph(_files(tmp_path, "0,1\n", f"0,{top}\n1,0\n", "id,label\n0,a\n1,b\n"))
+    assert torch.isfinite(data.x).all()
+    feats = "id,site,f1,f2\n1,x,0.5,1\n2,y,0.1,2\n3,z,0.2,abc\n"
+    _expect(
+        "files:" + _files(tmp_path, "1,2\n2,3\n", feats, "id,label\n1,a\n2,b\n3,a\n"),
+        "x.csv:4",
+        "'abc' in value column 3 ('f2')",
+    )
+
+
+def test_one_tables_unnamed_index_column_is_not_a_feature(tmp_path, caplog):
+    table = ",id,f1,label\n" + "".join(f"{k},n{k},{k % 2}.5,{'xy'[k % 2]}\n" for k in range(6))
+    (tmp_path / "t.csv").write_text(table)
+    (tmp_path / "e.csv").write_text("".join(f"n{k},n{k + 1}\n" for k in range(5)))
+    t = tmp_path / "t.csv"
+    with caplog.at_level("WARNING", logger="retexo_fl.data.files"):
+        data = load_files_graph(
+            f"edges={tmp_path / 'e.csv'},features={t},labels={t},id-column=id,label-column=label"
+        )
+    assert data.x.shape == (6, 1) and "unnamed column (a row index)" in caplog.text
+
+
+def test_common_edge_headers_are_read_without_a_warning(tmp_path, caplog):
+    feats, labels = "0,1.0\n1,0.0\n2,1.0\n", "id,label\n0,a\n1,b\n2,a\n"
+    for header in ("user_id,friend_id", "citing,cited", "node_a,node_b", "a,b", "from_node,to_node"):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="retexo_fl.data.files"):
+            load_files_graph(_files(tmp_path, f"{header}\n0,1\n1,2\n", feats, labels))
+        assert "read as a header" not in caplog.text, header
+
+
+def test_an_undecodable_line_is_named_with_any_line_ending(tmp_path):
+    (tmp_path / "x.csv").write_text("0,1.0\n1,0.0\n")
+    (tmp_path / "y.csv").write_text("id,label\n0,a\n1,b\n")
+    (tmp_path / "e.csv").write_bytes(b"a,b\r0,1\r\xff,1\r")
+    spec = f"files:edges={tmp_path / 'e.csv'},features={tmp_path / 'x.csv'},labels={tmp_path / 'y.csv'}"
+    _expect(spec, "e.csv:3: not UTF-8 text")

@@ -36,9 +36,10 @@ def to_flower(
         if known is not None and known[0] is values:
             out[name] = known[1]
             continue
-        if name in P.ARRAY_RECORDS:
+        kind = P.record_kind(name)  # a lane's records (first-stage auto) are of their base name's kind
+        if kind in P.ARRAY_RECORDS:
             record: Record = ArrayRecord(values)
-        elif name == P.METRICS:
+        elif kind == P.METRICS:
             record = MetricRecord(values)
         else:
             record = ConfigRecord(values)

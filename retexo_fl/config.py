@@ -173,6 +173,14 @@ class ModelSettings:
         modes=("lazy",),
         needs="first_stage=auto",
     )
+    first_stage_schedule: Literal["parallel", "sequential"] = setting(
+        "parallel",
+        "first-stage auto: parallel trains the two variants of stage 0 in the same rounds (one "
+        "message a client carries both, so the stage costs the longer training's rounds, not their "
+        "sum; the same trainings, bytes and choice as sequential), sequential one after the other",
+        modes=("lazy",),
+        needs="first_stage=auto",
+    )
     dropout: float | list[float] = setting(0.5, "dropout", per_stage=True)
     input_dropout: float | list[float] = setting(0.5, "dropout of each stage's input", per_stage=True)
 

@@ -65,6 +65,10 @@ STAGE = "stage"
 # train, evaluate and embed (first-stage auto): what a layer-0 stage is built as, mlp or local
 # (stage 0 is trained both ways; later messages name the one the server kept)
 FIRST_STAGE = "first-stage"
+# train (first-stage auto, trained in parallel): the layer-0 variants one message trains, in order,
+# comma-separated; each variant's own records travel as lane_record(variant, name), its CONFIG
+# among them (see join_lanes / split_lanes), and the reply answers each the same way.
+LANES = "lanes"
 ROUND = "round"
 VALIDATE = "validate"  # train: validate the received state first (all but a stage's first round)
 # train (lazy, plain FedAvg): the recipient holds no training nodes; it validates only and replies
@@ -301,6 +305,75 @@ def chain_frames(entries: Mapping[str, Any], where: str) -> list[dict[str, bytes
     if sorted(steps) != list(range(len(steps))):
         raise ValueError(f"{where}: {MODEL_BEFORE} steps {sorted(steps)} are not 0, 1, ... in turn")
     return [steps[i] for i in range(len(steps))]
+
+
+#: What separates a lane's variant from its record's name (:func:`lane_record`).
+LANE_SEP = "|"
+
+
+def lane_record(variant: str, name: str) -> str:
+    """The name under which ``variant``'s record ``name`` travels in a message of several lanes
+    (:data:`LANES`): ``"<variant>|<name>"``."""
+    return f"{variant}{LANE_SEP}{name}"
+
+
+def record_kind(name: str) -> str:
+    """The record name a (possibly lane-prefixed, :func:`lane_record`) record name stands for:
+    what its values are (tensors for :data:`ARRAY_RECORDS`) depends on it alone."""
+    return name.rpartition(LANE_SEP)[2]
+
+
+def has_lanes(records: Records) -> bool:
+    """Whether ``records`` is a message of several lanes (:func:`join_lanes`), not one lane's."""
+    return LANES in records.get(CONFIG, {}) and any(LANE_SEP in name for name in records)
+
+
+def join_lanes(lanes: Mapping[str, Records]) -> Records:
+    """One message of several lanes' messages (variant -> its records, each with a
+    :data:`CONFIG`): their records under :func:`lane_record` names, beside a :data:`CONFIG` of the
+    entries every lane's config holds alike (the run's digest and key, stage, round: what a node
+    reads before it answers) and :data:`LANES`."""
+    configs = [dict(records[CONFIG]) for records in lanes.values()]
+    shared = {k: v for k, v in configs[0].items() if all(k in c and c[k] == v for c in configs[1:])}
+    shared.pop(FIRST_STAGE, None)  # each lane names its own
+    joined: Records = {CONFIG: {**shared, LANES: ",".join(lanes)}}
+    for variant, records in lanes.items():
+        for name, values in records.items():
+            joined[lane_record(variant, name)] = values
+    return joined
+
+
+def split_lanes(records: Records, where: str, request: bool = True) -> dict[str, Records]:
+    """The lanes' messages a :func:`join_lanes` message (or its reply, ``request`` false) holds,
+    by variant, in :data:`LANES`' order (a reply's: the order its records come in). A request's
+    lane config gets :data:`LANES` too: what a client reads to hold each lane's round state apart.
+
+    Raises:
+        ValueError: a lane named twice or without its config (a request), a record of a lane the
+            message does not name, or a record outside every lane; naming ``where``.
+    """
+    if request:
+        names = str(records.get(CONFIG, {}).get(LANES, "")).split(",")
+        if len(set(names)) != len(names) or not all(names):
+            raise ValueError(
+                f"{where}: {LANES} {str(records[CONFIG][LANES])[:60]!r} names no lane or one twice"
+            )
+        lanes: dict[str, Records] = {v: {} for v in names}
+    else:
+        lanes = {}
+    for name, values in records.items():
+        if request and name == CONFIG:
+            continue
+        variant, sep, base = name.partition(LANE_SEP)
+        if not sep or not base or (request and variant not in lanes):
+            raise ValueError(f"{where}: record {name[:60]!r} belongs to no lane of the message")
+        lanes.setdefault(variant, {})[base] = values
+    if request:
+        for variant, lane in lanes.items():
+            if CONFIG not in lane:
+                raise ValueError(f"{where}: lane {variant!r} carries no {CONFIG}")
+            lane[CONFIG] = {**lane[CONFIG], LANES: records[CONFIG][LANES]}
+    return lanes
 
 
 #: The largest JSON text a message field may hold (a key directory of 10,000 clients is ~1 MB).

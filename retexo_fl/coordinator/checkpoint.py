@@ -112,6 +112,8 @@ class Checkpoint:
             selection, when only each self-training pass's last stage was tested).
         first_stage_trials (list[dict]): ``first-stage auto``'s finished trainings of stage 0,
             each its ``variant``, kept ``state``, ``figures`` and ``undelivered`` frames.
+        first_stage_lanes (dict[str, RoundState], optional): ... trained in parallel
+            (``first-stage-schedule parallel``): each variant's rounds so far, until both end.
     """
 
     config: dict[str, Any]
@@ -142,6 +144,7 @@ class Checkpoint:
     pass_weights: dict[int, StateDict] = field(default_factory=dict)
     passes: list[dict[str, Any]] = field(default_factory=list)
     first_stage_trials: list[dict[str, Any]] = field(default_factory=list)
+    first_stage_lanes: dict[str, RoundState] | None = None
 
 
 class CheckpointStore(Protocol):

@@ -14,7 +14,7 @@ server takes its optimizer step on the aggregate. Only this loop talks to the tr
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,7 @@ from retexo_fl.coordinator.federation import AGGREGATE, FederationView, Frames, 
 from retexo_fl.coordinator.round_aggregation import round_aggregation
 from retexo_fl.coordinator.selection import StageTracker
 from retexo_fl.metrics import human_bytes
+from retexo_fl.protocol import Records
 from retexo_fl.records import StateDict
 from retexo_fl.seeding import derive_seed
 
@@ -136,16 +137,107 @@ class RoundLoop:
         t0 = time.perf_counter() - rs.seconds
         result = StageResult({}, {})
         if not rs.finished:
-            self._rounds(stage, rounds, rs, deliveries, refresh, label, result, t0, on_round)
+            steps = self._round_steps(stage, rounds, rs, deliveries, refresh, label, result, t0, on_round)
+            try:  # every round's train message out, its replies back in
+                requests, phase = next(steps)
+                while True:
+                    requests, phase = steps.send(self.fed.send(P.TRAIN, requests, phase, stage))
+            except StopIteration:
+                pass
             rs.finished, rs.seconds = True, time.perf_counter() - t0
             if on_round is not None:  # clients move on after this: a resume must not ask them again
                 on_round(rs)
+        return self._finish(rs, result)
+
+    def run_lanes(
+        self,
+        stage: int,
+        rounds: int,
+        lanes: dict[str, RoundState],
+        label: str,
+        on_round: Callable[[], None] | None = None,
+        before: Callable[[str], None] | None = None,
+    ) -> dict[str, StageResult]:
+        """Rounds ``rs.round + 1 .. rounds`` of a lazy ``stage`` trained as several models at once
+        (``first-stage auto``'s variants of stage 0): each round's messages to a client go as one
+        message of several lanes (:func:`~retexo_fl.protocol.join_lanes`), so the stage takes the
+        longest lane's rounds, not their sum. Each lane runs exactly the rounds :meth:`run` would
+        give it alone (its requests, aggregation, early stopping, validation), and names its
+        variant (:attr:`FederationView.first_stage`) in its requests and figures.
+
+        Args:
+            stage (int): the stage.
+            rounds (int): the stage's last round.
+            lanes (dict[str, RoundState]): by variant, in the order each round's replies are
+                read: where each lane stands (:meth:`start`, or a checkpoint's).
+            label (str): names the rounds in messages and progress.
+            on_round (Callable[[], None], optional): called after each round every lane applied
+                (checkpoints: the lanes' states), and once all are finished. (default: :obj:`None`)
+            before (Callable[[str], None], optional): called with a lane's variant before it reads
+                its replies (a raced lane's pace, read off the lane before it). (default: :obj:`None`)
+
+        Returns:
+            dict[str, StageResult]: by variant.
+        """
+        fed = self.fed
+        start = time.perf_counter()
+        results = {v: StageResult({}, {}) for v in lanes}
+        t0 = {v: start - rs.seconds for v, rs in lanes.items()}
+        steps: dict[str, Generator[tuple[dict[int, Records], str], dict[int, Records], None]] = {}
+        waiting: dict[str, tuple[dict[int, Records], str]] = {}
+
+        def advance(variant: str, replies: dict[int, Records] | None) -> None:
+            fed.first_stage = variant
+            try:
+                gen = steps[variant]
+                waiting[variant] = next(gen) if replies is None else gen.send(replies)
+            except StopIteration:
+                waiting.pop(variant, None)
+                rs = lanes[variant]
+                rs.finished, rs.seconds = True, time.perf_counter() - t0[variant]
+
+        for variant, rs in lanes.items():
+            if not rs.finished:
+                steps[variant] = self._round_steps(
+                    stage, rounds, rs, None, False, label, results[variant], t0[variant]
+                )
+                advance(variant, None)
+        while waiting:
+            joined: dict[int, dict[str, Records]] = {}
+            for variant, (requests, _) in waiting.items():
+                for pid, request in requests.items():
+                    joined.setdefault(pid, {})[variant] = request
+            phase = next(iter(waiting.values()))[1]
+            replies = fed.send(P.TRAIN, {pid: P.join_lanes(by) for pid, by in joined.items()}, phase, stage)
+            split: dict[int, dict[str, Records]] = {}
+            for pid, reply in replies.items():
+                try:
+                    split[pid] = P.split_lanes(reply, f"client {pid}", request=False)
+                    missing = set(joined[pid]) - set(split[pid])
+                    if missing:
+                        raise ValueError(
+                            f"client {pid}: its reply answers no lane {', '.join(sorted(missing))}"
+                        )
+                except ValueError as exc:  # one client's bad reply is its own failure, not the run's
+                    split.pop(pid, None)
+                    fed.members.lose(pid, phase, str(exc))
+            for variant in list(waiting):
+                asked = waiting[variant][0]
+                if before is not None:
+                    before(variant)
+                live = {pid: split[pid][variant] for pid in fed.pids if pid in asked and pid in split}
+                advance(variant, live)
+            if on_round is not None:
+                on_round()
+        return {v: self._finish(rs, results[v]) for v, rs in lanes.items()}
+
+    def _finish(self, rs: RoundState, result: StageResult) -> StageResult:
+        """A finished stage's result (:meth:`run`): its figures, best state and held-back frames."""
         # Clients that hold no copy of the stage's best state are sent it whole with the stage's
         # next message (test or embed); the others are named its digest. From the checkpointed
         # round state, so a resumed server asks as the first would have.
-        if rs.holds is not None:
-            self.fed.unheld = set(self.fed.pids) - self._holding_best(rs) - set(rs.kept_by or [])
-        result.figures = rs.tracker.figures(time.perf_counter() - t0)
+        self.note_unheld(rs)
+        result.figures = rs.tracker.figures(rs.seconds)
         result.figures["bytes_model_raw"] = rs.model_raw
         # Rounds whose messages went out: one more than rounds_run where early stopping ended the
         # stage (that round's replies carried the validation that stopped it).
@@ -155,7 +247,7 @@ class RoundLoop:
         result.undelivered = getattr(rs, "undelivered", None) or {}  # older checkpoints lack it
         return result
 
-    def _rounds(
+    def _round_steps(
         self,
         stage: int,
         rounds: int,
@@ -166,8 +258,11 @@ class RoundLoop:
         result: StageResult,
         t0: float,
         on_round: Callable[[RoundState], None] | None = None,
-    ) -> None:
-        """The rounds of :meth:`run` and the stage's last validation."""
+    ) -> Generator[tuple[dict[int, Records], str], dict[int, Records], None]:
+        """The rounds of :meth:`run` and the stage's last validation, as steps: each round yields
+        its train requests (by partition id) and phase, and is sent the replies (by partition
+        id, the live recipients' only). :meth:`run` sends them one round at a time,
+        :meth:`run_lanes` several stages' rounds as one message a client."""
         fed = self.fed
         pending = deliveries
         every = int(self.cfg.validate_every)
@@ -207,7 +302,7 @@ class RoundLoop:
                 rs.undelivered = {p: f for p, f in (pending or held_back).items() if p not in requests}
             pending = None
             aggregation.decorate(requests)
-            replies = fed.send(P.TRAIN, requests, f"{label} round {r}", stage)
+            replies = yield requests, f"{label} round {r}"
             # The round's recipients, without any client lost in this round.
             ordered = {pid: replies[pid] for pid in fed.pids if pid in requests}
             # Counted before the stop check: a round whose replies end the stage was still sent.
@@ -259,6 +354,12 @@ class RoundLoop:
                 rs.undelivered = {p: f for p, f in rs.undelivered.items() if p not in pending}
             self._record(rs, rounds, (val.correct, val.count, val.loss_sum), refresh)
             self._say(rs, rounds, rounds, label, refresh, last=True)
+
+    def note_unheld(self, rs: RoundState) -> None:
+        """Name the clients that hold no copy of the best state of the stage ``rs`` ended
+        (:attr:`FederationView.unheld`): its next message sends it to them whole."""
+        if rs.holds is not None:
+            self.fed.unheld = set(self.fed.pids) - self._holding_best(rs) - set(rs.kept_by or [])
 
     def _say(self, rs: RoundState, round_: int, rounds: int, label: str, refresh: bool, last: bool) -> None:
         """The progress line of round ``round_``'s result, once its validation is recorded (in

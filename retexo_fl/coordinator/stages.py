@@ -183,26 +183,11 @@ class LazyStageMachine:
         ``bytes_before``: model bytes this stage already sent (``first-stage auto``'s first
         training), counted before its rounds' in the history. ``pace``: the first training's
         validation by round, which the second races (``first-stage-race``)."""
-        cfg, fed = self.cfg, self.fed
+        cfg = self.cfg
         layer = cfg.layer(stage)
         rs = ck.round_state
         if rs is None:
-            ref = fed.reference
-            in_dim = stage_input_dim(cfg, stage, ref.num_features, ref.num_classes)
-            warm = stage >= cfg.stages and cfg.pass_init == "warm"
-            if warm:
-                state = {k: v.detach().clone() for k, v in ck.pass_weights[layer].items()}
-            else:
-                variant = fed.first_stage if layer == 0 else None
-                model = build_stage_model(cfg, stage, in_dim, ref.num_classes, variant)
-                state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            name = cfg.stage_name(stage)
-            min_rounds = cfg.warm_min_rounds if warm else cfg.min_rounds
-            tracker = StageTracker(stage, cfg.patience, min_rounds, cfg.stop_metric, name)
-            tracker.bytes_offset = fed.bytes_boundary + self.model_bytes_done + bytes_before
-            if pace is not None:
-                tracker.race(pace, cfg.first_stage_race, cfg.first_stage_race_margin)
-            rs = self.loop.start(state, layer, tracker, derive_seed(cfg.seed, stage, BROADCAST_TAG))
+            rs = self._start_stage(stage, ck, bytes_before, pace)
 
         def after_round(rs: RoundState) -> None:
             ck.deliveries, ck.round_state = None, rs  # deliveries went with round 1
@@ -215,6 +200,76 @@ class LazyStageMachine:
         if self.on_stage is not None and not (stage == 0 and cfg.first_stage == "auto"):
             self.on_stage(stage, result.best_state)
         return result.best_state, result.figures, result.undelivered
+
+    def _start_stage(
+        self, stage: int, ck: Checkpoint, bytes_before: int = 0, pace: list[float] | None = None
+    ) -> RoundState:
+        """Round 0 of ``stage`` (a layer-0 stage as :attr:`FederationView.first_stage`'s variant):
+        its initial weights, server optimizer and early stopping; ``bytes_before`` and ``pace``
+        as for :meth:`_train_stage`."""
+        cfg, fed = self.cfg, self.fed
+        layer = cfg.layer(stage)
+        ref = fed.reference
+        in_dim = stage_input_dim(cfg, stage, ref.num_features, ref.num_classes)
+        warm = stage >= cfg.stages and cfg.pass_init == "warm"
+        if warm:
+            state = {k: v.detach().clone() for k, v in ck.pass_weights[layer].items()}
+        else:
+            variant = fed.first_stage if layer == 0 else None
+            model = build_stage_model(cfg, stage, in_dim, ref.num_classes, variant)
+            state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        name = cfg.stage_name(stage)
+        min_rounds = cfg.warm_min_rounds if warm else cfg.min_rounds
+        tracker = StageTracker(stage, cfg.patience, min_rounds, cfg.stop_metric, name)
+        tracker.bytes_offset = fed.bytes_boundary + self.model_bytes_done + bytes_before
+        if pace is not None:
+            tracker.race(pace, cfg.first_stage_race, cfg.first_stage_race_margin)
+        return self.loop.start(state, layer, tracker, derive_seed(cfg.seed, stage, BROADCAST_TAG))
+
+    def _train_lanes(self, ck: Checkpoint) -> None:
+        """``first-stage auto`` in parallel: stage 0 trained as every variant in the same rounds
+        (:meth:`RoundLoop.run_lanes`), each training exactly as :meth:`_train_first_stage` would
+        train it in turn, the second racing the first round by round; the finished trainings go
+        to ``ck.first_stage_trials`` in order. Resumable: the lanes' rounds are checkpointed
+        after every round."""
+        cfg, fed = self.cfg, self.fed
+        order = list(cfg.first_stage_order)
+        lanes = ck.first_stage_lanes
+        if lanes is None:
+            lanes = {}
+            for i, variant in enumerate(order):
+                fed.first_stage = variant
+                lanes[variant] = rs = self._start_stage(0, ck, pace=[] if i else None)
+                rs.tracker.name = f"{rs.tracker.name} as {variant}"  # progress lines tell the two apart
+            ck.first_stage_lanes = lanes
+            self._save(ck)
+        racer = lanes[order[1]].tracker
+
+        def pace(variant: str) -> None:  # the second's pace: the first's validation so far
+            if variant == order[1]:
+                racer.pace = pace_by_round(lanes[order[0]].tracker.history)
+
+        rounds = int(cfg.per_stage("rounds", 0))
+        results = self.loop.run_lanes(
+            0, rounds, lanes, "stage 0", on_round=lambda: self._save(ck), before=pace
+        )
+        for variant in order:
+            figures = results[variant].figures
+            best = f"best val {figures['val_accuracy']:.4f} at round {figures['best_round']}"
+            self.rec.progress(f"stage 0 as {variant}: {best}")
+            self.loop.note_unheld(lanes[variant])
+            result = results[variant]
+            ck.first_stage_trials.append(
+                {
+                    "variant": variant,
+                    "state": result.best_state,
+                    "figures": figures,
+                    "undelivered": result.undelivered,
+                    "unheld": sorted(fed.unheld),
+                }
+            )
+        ck.first_stage_lanes = None
+        self._save(ck)
 
     def _train_first_stage(self, ck: Checkpoint) -> tuple[StateDict, dict[str, Any], dict[int, Frames]]:
         """``first-stage auto``: stage 0 trained as each variant in turn (``first-stage-first``:
@@ -232,6 +287,9 @@ class LazyStageMachine:
         each training's own figures). Resumable: a finished training is in the checkpoint.
         """
         trials = ck.first_stage_trials
+        parallel = self.cfg.first_stage_schedule == "parallel"
+        if parallel and not trials:
+            self._train_lanes(ck)
         for variant in self.cfg.first_stage_order[len(trials) :]:
             self.fed.first_stage = variant
             before = sum(int(t["figures"]["bytes_model"]) for t in trials)
@@ -241,24 +299,39 @@ class LazyStageMachine:
             best = f"best val {figures['val_accuracy']:.4f} at round {figures['best_round']}"
             self.rec.progress(f"stage 0 as {variant}: {best}")
             trials.append(
-                {"variant": variant, "state": state, "figures": figures, "undelivered": undelivered}
+                {
+                    "variant": variant,
+                    "state": state,
+                    "figures": figures,
+                    "undelivered": undelivered,
+                    "unheld": sorted(self.fed.unheld),
+                }
             )
             ck.round_state = None  # the next training starts from its own initial weights
             self._save(ck)
         chosen = self._kept_first_stage(ck)
         self.fed.first_stage = chosen
         kept = next(t for t in trials if t["variant"] == chosen)
+        if (
+            "unheld" in kept
+        ):  # who holds no copy of the kept training's best (a checkpoint of older code: as left)
+            self.fed.unheld = set(kept["unheld"])
         each = [{"variant": t["variant"], **_trial_figures(t["figures"])} for t in trials]
         self.rec.event("first-stage", kept=chosen, trials=each)
         self.rec.progress(f"stage 0: kept the {chosen} variant (first-stage auto)")
         figures = dict(kept["figures"])
-        for key in ("rounds_run", "rounds_sent", "bytes_model", "bytes_model_raw", "seconds"):
+        # In parallel a round carries both trainings: the stage's rounds are the longer one's.
+        per_round = max if parallel else sum
+        for key in ("rounds_run", "rounds_sent", "seconds"):
+            figures[key] = per_round(t["figures"].get(key, 0) for t in trials)
+        for key in ("bytes_model", "bytes_model_raw"):
             figures[key] = sum(t["figures"].get(key, 0) for t in trials)
         figures["history"] = [
             {**row, "first_stage": t["variant"]} for t in trials for row in t["figures"]["history"]
         ]
         figures["first_stage"] = chosen
         figures["first_stage_trials"] = each
+        figures["first_stage_schedule"] = self.cfg.first_stage_schedule
         if self.on_stage is not None:
             self.on_stage(0, kept["state"])
         return kept["state"], figures, kept["undelivered"]

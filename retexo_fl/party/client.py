@@ -108,6 +108,10 @@ class Client(HaloExchange, ModelExchange, Evaluation, Persistence, ABC):
         # the second trains (either may be the stage's best)
         self.earlier_view: StateDict | None = None
         self.earlier_kept: StateDict | None = None
+        # first-stage auto trained in parallel (LANES): the round state (the fields above, the
+        # journal, last_steps) of each variant's training but the one the fields hold (lane)
+        self.lanes: dict[str, dict[str, Any]] = {}
+        self.lane: str | None = None
         # [[stage, round], {name: state}]: what the last round found (view, residual, control
         # variates), so that a round a resumed server sends again starts from there, not from
         # what that round already left (a delta applied twice, a residual counted twice).

@@ -460,15 +460,53 @@ def handle(client: Client, kind: str, request: Records) -> Reply:
         raise ValueError(f"client {client.id}: unknown message type {kind!r}")
     config = request.get(P.CONFIG, {})
     P.count_entries(config, f"client {client.id}")
+    if P.has_lanes(request):
+        return handle_lanes(client, kind, request)
     if P.FIRST_STAGE in config:  # first-stage auto: what this message's layer-0 stage is
         if not isinstance(client, LazyClient):
             raise ValueError(
                 f"client {client.id}: {P.FIRST_STAGE} applies to lazy runs, this one is {client.cfg.mode}"
             )
-        client.set_first_stage(config[P.FIRST_STAGE])
+        client.set_first_stage(config[P.FIRST_STAGE], lane=P.LANES in config)
     reply = handler(client, request)
     if client.missing:  # filled-in payloads are reported, never silent
         events = sorted(set(client.missing))  # eager: one event per sender, not per layer
         reply.records[P.MISSING] = {P.STATS_JSON: json.dumps([list(e) for e in events])}
         client.missing = []
     return reply
+
+
+def lane_requests(client: Client, kind: str, request: Records) -> dict[str, Records]:
+    """The lanes of a message of several (:data:`~retexo_fl.protocol.LANES`: stage 0 trained as
+    each ``first-stage auto`` variant in the same rounds), by variant, each one train message.
+
+    Raises:
+        ValueError: not a train message of stage 0 in a lazy run under ``first-stage auto``, or
+            lanes that are not each variant at most once, each naming itself; naming the client.
+    """
+    where = f"client {client.id}"
+    cfg = client.cfg
+    if kind != P.TRAIN or not isinstance(client, LazyClient) or cfg.first_stage != "auto":
+        raise ValueError(f"{where}: a {kind} message of several lanes; only first-stage auto trains them")
+    lanes = P.split_lanes(request, where)
+    for variant, lane in lanes.items():
+        named, stage = lane[P.CONFIG].get(P.FIRST_STAGE), lane[P.CONFIG].get(P.STAGE)
+        if named != variant or stage != 0:
+            raise ValueError(
+                f"{where}: lane {variant[:40]!r} names {P.FIRST_STAGE} {str(named)[:40]!r} at stage "
+                f"{str(stage)[:20]!r}; a lane trains stage 0 as its own variant"
+            )
+    return lanes
+
+
+def handle_lanes(client: Client, kind: str, request: Records) -> Reply:
+    """Answer a message of several lanes: each lane as the train message it is, in order, on
+    its own variant's round state; the reply holds each lane's records under its
+    :func:`~retexo_fl.protocol.lane_record` names."""
+    records: Records = {}
+    changed = False
+    for variant, lane in lane_requests(client, kind, request).items():
+        reply = handle(client, kind, lane)
+        records.update({P.lane_record(variant, name): values for name, values in reply.records.items()})
+        changed = changed or reply.changed
+    return Reply(records, changed)

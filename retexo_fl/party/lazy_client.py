@@ -215,12 +215,17 @@ class LazyClient(Client):
             )
         return self.first_stage
 
-    def set_first_stage(self, variant: object) -> None:
+    def set_first_stage(self, variant: object, lane: bool = False) -> None:
         """Take the layer-0 variant a message names (:data:`~retexo_fl.protocol.FIRST_STAGE`).
 
         Either variant reads only this client's own features and edges, so the coordinator's
         choice changes no residency property; a run whose config fixes the variant refuses any
         other.
+
+        ``lane``: the message is one lane of several (:data:`~retexo_fl.protocol.LANES`: stage 0
+        trained as both variants in the same rounds). From the first such message until this
+        client moves on from the stage, every message naming a variant works on that variant's
+        round state (:meth:`~retexo_fl.party.model_exchange.ModelExchange.switch_lane`).
 
         Raises:
             ValueError: not a variant, or one the run config does not allow.
@@ -236,6 +241,8 @@ class LazyClient(Client):
                 f"{self.cfg.first_stage}"
             )
         self.first_stage = str(variant)
+        if lane or self.lane is not None:
+            self.switch_lane(self.first_stage)
 
     @property
     def seed_stage(self) -> int:
@@ -589,6 +596,7 @@ class LazyClient(Client):
         Within a pass that is :meth:`advance` with this stage's embeddings. After a pass's last
         stage it is :meth:`relabel`, and nothing crosses: the next stage reads raw features.
         """
+        self.drop_lanes()
         if self.cfg.ends_pass(self.stage):
             self.relabel(state)
             return {}

@@ -73,6 +73,43 @@ class ModelExchange:
     journal_state: Callable[[str], dict[str, StateDict | None]]
 
     _ROUND_STATE = ("view", "kept", "earlier_view", "earlier_kept", "residual", "control", "control_view")
+    #: What a lane (one variant's training of stage 0, ``first-stage auto`` in parallel) holds
+    #: of its own besides :attr:`_ROUND_STATE`.
+    _LANE_STATE = ("journal", "last_steps")
+    lanes: dict[str, dict[str, Any]]
+    lane: str | None
+
+    def switch_lane(self, variant: str) -> None:
+        """Hold ``variant``'s round state: the view, residual, journal ... of its training of stage
+        0, which a message of several lanes (:data:`~retexo_fl.protocol.LANES`) trains beside the
+        other variant's. The state held so far is set aside as its lane's; a lane not seen yet
+        starts empty, as a stage's first training does. Nothing is copied: views are never
+        modified in place."""
+        if self.lane == variant:
+            return
+        if self.lane is not None:
+            self.lanes[self.lane] = self._lane_fields()
+        found = self.lanes.pop(variant, None)
+        for name in self._ROUND_STATE:
+            setattr(self, name, found.get(name) if found else None)
+        self.journal = found.get("journal") if found else None
+        self.last_steps = int(found.get("last_steps", 0)) if found else 0
+        self.journal_file = None  # a lane's journal is held whole (see _lane_fields)
+        self.lane = variant
+
+    def drop_lanes(self) -> None:
+        """Stage 0 is over: the other lanes' round state is no longer needed (the fields keep the
+        lane last held, the kept variant's: the stage's test and embed named it)."""
+        self.lanes, self.lane = {}, None
+
+    def _lane_fields(self) -> dict[str, Any]:
+        """The round state held now, as a lane keeps it: the journal's round state whole, not as
+        the name of a file of the work folder (a later save removes journal files it does not name)."""
+        journal = self.journal
+        if journal is not None and isinstance(journal[1], str):
+            journal = [journal[0], self.journal_state(journal[1]), *journal[2:]]
+        fields: dict[str, Any] = {name: getattr(self, name) for name in self._ROUND_STATE}
+        return fields | {"journal": journal, "last_steps": self.last_steps}
 
     def begin_round(self, round_: int) -> bool:
         """Mark the start of train round ``round_``: remember what it finds or, for a round seen
@@ -147,7 +184,8 @@ class ModelExchange:
                 # whose best (its last view or the one kept) may still be chosen: held, the
                 # stage's test names it by digest instead of sending it whole.
                 # (a later pass's stage 0 trains one variant: nothing earlier to hold)
-                second = self.round_trial > 0 and self.seed_stage == 0
+                # (trained in parallel, each variant's lane holds its own: nothing to move)
+                second = self.round_trial > 0 and self.seed_stage == 0 and self.lane is None
                 self.earlier_view = self.view if second else None
                 self.earlier_kept = self.kept if second else None
                 self.kept = None

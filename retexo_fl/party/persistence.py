@@ -37,6 +37,8 @@ class Persistence:
     boundary_releases: int
     secagg: dict[str, Any] | None
     run_config: str | None
+    lanes: dict[str, dict[str, Any]]
+    lane: str | None
     _edges: tuple[Tensor, Tensor | None] | None
     _adjacency: Tensor | None
     _weights: dict[int, Tensor] | None
@@ -62,7 +64,16 @@ class Persistence:
             boundary_releases=self.boundary_releases,
             secagg=self.secagg,
             run_config=self.run_config,
+            lanes={v: self._persisted(fields) for v, fields in self.lanes.items()} or None,
+            lane=self.lane,
         )
+
+    def _persisted(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """A lane's round state as :meth:`snapshot` saves the fields: views only when compressed
+        broadcasts make a client hold them."""
+        views = ("view", "kept", "earlier_view", "earlier_kept")
+        held = self.cfg.broadcast_bits < 32
+        return {k: None if k in views and not held else v for k, v in fields.items()}
 
     def load_snapshot(self, state: ClientState) -> None:
         """Adopt a :meth:`snapshot`."""
@@ -80,6 +91,8 @@ class Persistence:
         self.boundary_releases = int(state.boundary_releases)
         self.secagg = state.secagg
         self.run_config = state.run_config
+        self.lanes = dict(state.lanes or {})  # a state file of older code has none
+        self.lane = state.lane
         self._edges = self._adjacency = None
         self._weights = None
         if state.channel:

@@ -72,6 +72,9 @@ class ClientState:
             the last masked round's reply with this client's own share of its self seed.
         run_config (str, optional): the digest of the run config setup bound
             (:func:`~retexo_fl.protocol.client_config_digest`); every later message's must equal it.
+        lanes (dict, optional): ``first-stage auto`` trained in parallel: each variant's round
+            state (view, residual, journal, ...) but the one the fields above hold.
+        lane (str, optional): ... and the variant whose round state the fields hold.
     """
 
     stage: int = 0
@@ -97,6 +100,8 @@ class ClientState:
     boundary_releases: int = 0
     secagg: dict | None = None
     run_config: str | None = None
+    lanes: dict | None = None
+    lane: str | None = None
 
     def save(self, folder: str | Path, journal_link: str | None = None) -> Path:
         """Write to ``folder``/:data:`STATE_FILE` atomically, readable by this user alone.

@@ -120,10 +120,14 @@ CODECS = {
     # Masked replies and an unmask message a round: a round sent again gets the reply it got
     # first, the same survivor set gets the same answer, and the shares open again.
     "secure": dict(secure_aggregation=True, update_bits=8, self_training=0),
-    # Stage 0 trained twice (first-stage auto): a server killed in the second training, or after
-    # both, goes on with the variant it kept; compressed broadcasts, so the kept variant's state
-    # is named by digest where clients hold it.
-    "auto": dict(first_stage="auto", broadcast_bits=8, update_bits=8, self_training=0),
+    # Stage 0 trained twice (first-stage auto), one training after the other: a server killed in
+    # the second training, or after both, goes on with the variant it kept; compressed
+    # broadcasts, so the kept variant's state is named by digest where clients hold it. (The
+    # other cases train the two in parallel, the default: one message a client carries both
+    # trainings' rounds, and each client holds each training's round state apart.)
+    "auto": dict(
+        first_stage="auto", first_stage_schedule="sequential", broadcast_bits=8, update_bits=8, self_training=0
+    ),
 }
 
 
@@ -203,9 +207,13 @@ def test_a_server_killed_at_any_phase_boundary_resumes_bit_for_bit(tmp_path, cod
     runs = cfg.total_stages
     assert runs == (1 + cfg.self_training) * cfg.stages
     assert cfg.self_training == (1 if codec == "32-bit" else 0)
-    trainings = runs + (1 if cfg.first_stage == "auto" else 0)  # auto: stage 0 trained twice
+    training = 2 * per_round + 1  # a stage's rounds and its last validation
+    stage0 = training
+    if cfg.first_stage == "auto":  # stage 0 trained twice: in parallel, one message a round for both
+        parallel = cfg.first_stage_schedule == "parallel"
+        stage0 = 2 * per_round + 2 if parallel else 2 * training
     tests = runs if cfg.secure_aggregation else 1
-    assert messages == 3 * (2 + trainings * (2 * per_round + 1) + (runs - 1) + tests)
+    assert messages == 3 * (2 + stage0 + (runs - 1) * training + (runs - 1) + tests)
     if cfg.first_stage == "auto":
         # Between them the cases resume both outcomes of stage 0's two trainings (the local
         # layer first, the MLP second). 32-bit and auto keep the second: clients hold its states.

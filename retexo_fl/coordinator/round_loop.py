@@ -171,8 +171,8 @@ class RoundLoop:
             lanes (dict[str, RoundState]): by variant, in the order each round's replies are
                 read: where each lane stands (:meth:`start`, or a checkpoint's).
             label (str): names the rounds in messages and progress.
-            on_round (Callable[[], None], optional): called after each round every lane applied
-                (checkpoints: the lanes' states), and once all are finished. (default: :obj:`None`)
+            on_round (Callable[[], None], optional): called after each round a lane applied and
+                once each lane is finished (checkpoints: the lanes' states). (default: :obj:`None`)
             before (Callable[[str], None], optional): called with a lane's variant before it reads
                 its replies (a raced lane's pace, read off the lane before it). (default: :obj:`None`)
 
@@ -195,11 +195,18 @@ class RoundLoop:
                 waiting.pop(variant, None)
                 rs = lanes[variant]
                 rs.finished, rs.seconds = True, time.perf_counter() - t0[variant]
+                if on_round is not None:  # clients move on after this: a resume must not ask them again
+                    on_round()
+
+        # Saved after each lane's every applied round, as run() saves: a lane's round applied
+        # and the next message of another lane (its last validation, say) sent before a save
+        # would have a resumed server send clients a round they have moved past.
+        saved = (lambda _rs: on_round()) if on_round is not None else None
 
         for variant, rs in lanes.items():
             if not rs.finished:
                 steps[variant] = self._round_steps(
-                    stage, rounds, rs, None, False, label, results[variant], t0[variant]
+                    stage, rounds, rs, None, False, label, results[variant], t0[variant], saved
                 )
                 advance(variant, None)
         while waiting:
@@ -227,8 +234,6 @@ class RoundLoop:
                     before(variant)
                 live = {pid: split[pid][variant] for pid in fed.pids if pid in asked and pid in split}
                 advance(variant, live)
-            if on_round is not None:
-                on_round()
         return {v: self._finish(rs, results[v]) for v, rs in lanes.items()}
 
     def _finish(self, rs: RoundState, result: StageResult) -> StageResult:

@@ -19,8 +19,14 @@ from retexo_fl.party.lazy_client import LazyClient
 from retexo_fl.training.lazy import run_lazy
 
 BASE = {"stages": 3, "hidden": 16, "seed": 0, "self_training": 0}
-#: auto's unraced form, the MLP first: each training runs as its fixed variant's stage 0 would.
-UNRACED = {"first_stage": "auto", "first_stage_first": "mlp", "first_stage_race": 0}
+#: auto's unraced form, the MLP first, one training after the other: each runs as its fixed
+#: variant's stage 0 would (the parallel schedule, the default, is tested against it below).
+UNRACED = {
+    "first_stage": "auto",
+    "first_stage_first": "mlp",
+    "first_stage_race": 0,
+    "first_stage_schedule": "sequential",
+}
 
 
 def _parts(homophily: float, feature_signal: float):

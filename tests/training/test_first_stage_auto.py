@@ -8,6 +8,7 @@ does not allow, and its round journal orders the two trainings.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from retexo_fl import protocol as P
 from retexo_fl.config import TrainConfig
@@ -207,9 +208,11 @@ def test_both_engines_keep_the_same_variant_with_the_same_results(tmp_path):
     from retexo_fl.runner import train
     from server.simulation import simulate
 
-    # Short stages: both trainings and a conv stage after them are what the engines must agree on.
+    # Short stages: both trainings and a conv stage after them are what the engines must agree on,
+    # trained in parallel (the default): each round one Flower message a client carries both.
     short = {**BASE, "stages": 2, "rounds": 4, "min_rounds": 0, "patience": 0}
-    common = {"dataset": "sbm:300,3,8,0.9", "clients": 3, "method": "metis", **short, **UNRACED}
+    parallel = {**UNRACED, "first_stage_schedule": "parallel"}
+    common = {"dataset": "sbm:300,3,8,0.9", "clients": 3, "method": "metis", **short, **parallel}
     sim = simulate(TrainConfig.resolve(**common, out_dir=str(tmp_path / "sim")))
     ref = train(TrainConfig.resolve(**common), RunRecorder(None, stream=None))
     assert sim["stages"][0]["first_stage"] == ref["stages"][0]["first_stage"]
@@ -229,6 +232,90 @@ def test_both_engines_keep_the_same_variant_with_the_same_results(tmp_path):
     ):
         assert sim[key] == ref[key], key
     assert sim["stage_results"] == ref["stage_results"]
+
+
+@pytest.mark.parametrize("homophily, feature_signal, first", [(0.9, 0.1, "local"), (0.2, 0.8, "mlp")])
+def test_parallel_trains_the_same_two_trainings_in_the_longer_ones_rounds(homophily, feature_signal, first):
+    # Raced, the leader first, so that the second training is cut early (the MLP trails on the
+    # first graph, the local layer on the second) and the first goes on alone.
+    parts = _parts(homophily, feature_signal)
+    race = {"first_stage_race": 4, "first_stage_race_margin": 0.02, "first_stage_first": first}
+    one_by_one = run_lazy(parts, TrainConfig.resolve(**{**BASE, **UNRACED, **race}))
+    together = run_lazy(
+        parts, TrainConfig.resolve(**BASE, **{**UNRACED, **race, "first_stage_schedule": "parallel"})
+    )
+    seq0, par0 = one_by_one["stages"][0], together["stages"][0]
+    # Each training to the bit, its race included; only the wall seconds differ.
+    drop = {"seconds"}
+    assert [{k: v for k, v in t.items() if k not in drop} for t in par0["first_stage_trials"]] == [
+        {k: v for k, v in t.items() if k not in drop} for t in seq0["first_stage_trials"]
+    ]
+    assert any(t.get("behind_pace") for t in par0["first_stage_trials"])
+    # ... so the same variant is kept, and the run goes on the same: stages, test, every byte.
+    assert par0["first_stage"] == seq0["first_stage"]
+    for key in ("stage_results", "test_accuracy", "bytes_total", "bytes_model", "bytes_boundary"):
+        assert together[key] == one_by_one[key], key
+    # It can fail: in parallel the stage takes the longer training's rounds, not their sum.
+    sent = [t["rounds_sent"] for t in par0["first_stage_trials"]]
+    assert seq0["rounds_sent"] == sum(sent) and par0["rounds_sent"] == max(sent) < sum(sent)
+    assert (par0["first_stage_schedule"], seq0["first_stage_schedule"]) == ("parallel", "sequential")
+    # One train message a client a round: as many fewer as the shorter training's rounds.
+    messages = [run["messages"]["train"] for run in (one_by_one, together)]
+    assert messages[0] - messages[1] == 3 * min(sent)
+    # Every round of the stage's history names its training, in the order they were read.
+    assert {row["first_stage"] for row in par0["history"]} == {"mlp", "local"}
+
+
+def _lane(variant: str, round_: int, stage: int = 0, **config) -> dict:
+    return {P.CONFIG: {P.FIRST_STAGE: variant, P.ROUND: round_, P.STAGE: stage, **config}}
+
+
+def test_a_message_of_several_lanes_is_refused_unless_each_lane_trains_stage_0_as_its_variant():
+    client = _client("auto")
+    one = P.join_lanes({"local": _lane("local", 1), "mlp": _lane("mlp", 1)})
+    assert one[P.CONFIG][P.LANES] == "local,mlp" and P.FIRST_STAGE not in one[P.CONFIG]
+    assert set(P.split_lanes(one, "x")) == {"local", "mlp"}
+    bad = {
+        "a lane naming the other variant": P.join_lanes({"local": _lane("mlp", 1)}),
+        "a lane of a later stage": P.join_lanes({"local": _lane("local", 1, stage=1)}),
+    }
+    for what, message in bad.items():
+        with pytest.raises(
+            ValueError, match=r"client 0: lane 'local' names first-stage .* a lane trains stage 0"
+        ):
+            handle(client, P.TRAIN, message), what
+    stray = {**one, "other|arrays": {}}
+    with pytest.raises(ValueError, match=r"client 0: record 'other\|arrays' belongs to no lane"):
+        handle(client, P.TRAIN, stray)
+    with pytest.raises(ValueError, match=r"client 0: a query.embed message of several lanes"):
+        handle(client, P.EMBED, one)
+    # A run whose config fixes stage 0's variant trains no lanes.
+    with pytest.raises(
+        ValueError, match=r"client 0: a train message of several lanes; only first-stage auto"
+    ):
+        handle(_client("local"), P.TRAIN, one)
+
+
+def test_a_client_holds_each_lanes_round_state_apart_until_it_moves_on():
+    client = _client("auto")
+    client.set_first_stage("local", lane=True)
+    client.begin_round(1)
+    client.view = local_view = {"w": torch.ones(2)}
+    client.set_first_stage("mlp", lane=True)  # the other lane starts empty, as a first training does
+    assert client.view is None and client.journal is None
+    client.begin_round(1)
+    client.view = mlp_view = {"w": torch.zeros(2)}
+    client.begin_round(2)
+    client.set_first_stage("local", lane=True)
+    assert client.view is local_view and client.journal[0] == [0, 0, 1]
+    client.begin_round(2)  # each lane's rounds go forward on their own
+    # A message naming a variant without lanes (the stage's test and embed) takes that lane.
+    client.set_first_stage("mlp")
+    assert client.view is mlp_view and client.journal[0] == [0, 1, 2]
+    snapshot = client.snapshot()
+    assert snapshot.lane == "mlp" and snapshot.lanes["local"]["journal"][0] == [0, 0, 2]
+    client.drop_lanes()
+    assert client.lanes == {} and client.lane is None and client.view is mlp_view
 
 
 def test_mlp_local_epochs_sets_the_steps_of_an_mlp_stage_0_alone():

@@ -126,7 +126,11 @@ CODECS = {
     # other cases train the two in parallel, the default: one message a client carries both
     # trainings' rounds, and each client holds each training's round state apart.)
     "auto": dict(
-        first_stage="auto", first_stage_schedule="sequential", broadcast_bits=8, update_bits=8, self_training=0
+        first_stage="auto",
+        first_stage_schedule="sequential",
+        broadcast_bits=8,
+        update_bits=8,
+        self_training=0,
     ),
 }
 

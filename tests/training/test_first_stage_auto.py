@@ -318,6 +318,33 @@ def test_a_client_holds_each_lanes_round_state_apart_until_it_moves_on():
     assert client.lanes == {} and client.lane is None and client.view is mlp_view
 
 
+def test_a_client_whose_reply_answers_one_lane_of_two_is_lost_naming_the_lane():
+    from retexo_fl.coordinator.stages import LazyStageMachine
+    from retexo_fl.metrics import RunRecorder
+    from retexo_fl.training.inprocess import InProcessTransport
+
+    class DropsTheMlpLane(InProcessTransport):
+        """Client 1's replies to stage 0's rounds lose their MLP lane."""
+
+        def send(self, kind, requests, phase, stage):
+            batch = super().send(kind, requests, phase, stage)
+            if 1 in batch.replies and P.has_lanes(requests.get(1, {})):
+                batch.replies[1] = {k: v for k, v in batch.replies[1].items() if not k.startswith("mlp|")}
+            return batch
+
+    parts = _parts(0.9, 0.1)
+    cfg = TrainConfig.resolve(
+        **BASE, clients=3, first_stage="auto", min_clients=2, on_missing_halo="zero", rounds=3, min_rounds=0
+    )
+    transport = DropsTheMlpLane([LazyClient(p, cfg) for p in parts])
+    summary = LazyStageMachine(transport, cfg, RunRecorder(None, stream=None)).run()
+    # The run goes on without it (min-clients 2), its loss names the lane its reply lacked.
+    lost = summary["lost_clients"]
+    assert [(c["client"], c["phase"]) for c in lost] == [(1, "stage 0 round 1")]
+    assert "client 1: its reply answers no lane mlp" in lost[0]["reason"]
+    assert [c["client"] for c in summary["clients"]] == [0, 2]
+
+
 def test_mlp_local_epochs_sets_the_steps_of_an_mlp_stage_0_alone():
     part = _parts(0.9, 0.1)[0]
     cfg = TrainConfig.resolve(**BASE, local_epochs=5, mlp_local_epochs=2, first_stage="mlp")

@@ -8,7 +8,10 @@ raced run is known from two sweeps: the local training's curve in an auto run's 
 (``stage0_trials``), and, where the race cuts a local training that would have been kept, the
 run with the MLP stage 0 fixed (the default sweep's row of the same cell and seed). Rounds are
 exact (the cut training sends its rounds plus the one whose replies validate the last); bytes
-are estimated from the default run's bytes per round.
+are estimated from the default run's bytes per round. The rounds are those of the sequential
+schedule (``first-stage-schedule sequential``: the two trainings one after the other), which the
+rows it reads must have been run with; the parallel schedule, the default since 2026-12-01, sends
+the longer training's rounds instead of their sum.
 
     python bench/first_stage_race.py --auto A.jsonl --default D.jsonl --references R1.jsonl R2.jsonl \\
         --after 2,4,6,8 --margin 0,0.02,0.05 --out bench/results/first-stage-race-DATE.json

@@ -320,7 +320,8 @@ def lane_record(variant: str, name: str) -> str:
 def record_kind(name: str) -> str:
     """The record name a (possibly lane-prefixed, :func:`lane_record`) record name stands for:
     what its values are (tensors for :data:`ARRAY_RECORDS`) depends on it alone."""
-    return name.rpartition(LANE_SEP)[2]
+    _, sep, base = name.partition(LANE_SEP)
+    return base if sep else name
 
 
 def has_lanes(records: Records) -> bool:
@@ -343,37 +344,49 @@ def join_lanes(lanes: Mapping[str, Records]) -> Records:
     return joined
 
 
-def split_lanes(records: Records, where: str, request: bool = True) -> dict[str, Records]:
-    """The lanes' messages a :func:`join_lanes` message (or its reply, ``request`` false) holds,
-    by variant, in :data:`LANES`' order (a reply's: the order its records come in). A request's
-    lane config gets :data:`LANES` too: what a client reads to hold each lane's round state apart.
+def split_lanes(records: Records, where: str) -> dict[str, Records]:
+    """The lanes' messages a :func:`join_lanes` message holds, by variant, in :data:`LANES`' order.
 
     Raises:
-        ValueError: a lane named twice or without its config (a request), a record of a lane the
-            message does not name, or a record outside every lane; naming ``where``.
+        ValueError: a lane named twice, or without its config; a record of a lane the message
+            does not name, outside every lane, or whose name holds another lane's (lanes do not
+            nest); naming ``where``.
     """
-    if request:
-        names = str(records.get(CONFIG, {}).get(LANES, "")).split(",")
-        if len(set(names)) != len(names) or not all(names):
-            raise ValueError(
-                f"{where}: {LANES} {str(records[CONFIG][LANES])[:60]!r} names no lane or one twice"
-            )
-        lanes: dict[str, Records] = {v: {} for v in names}
-    else:
-        lanes = {}
+    names = str(records.get(CONFIG, {}).get(LANES, "")).split(",")
+    if len(set(names)) != len(names) or not all(names):
+        raise ValueError(f"{where}: {LANES} {str(records[CONFIG][LANES])[:60]!r} names no lane or one twice")
+    lanes: dict[str, Records] = {v: {} for v in names}
     for name, values in records.items():
-        if request and name == CONFIG:
-            continue
-        variant, sep, base = name.partition(LANE_SEP)
-        if not sep or not base or (request and variant not in lanes):
-            raise ValueError(f"{where}: record {name[:60]!r} belongs to no lane of the message")
-        lanes.setdefault(variant, {})[base] = values
-    if request:
-        for variant, lane in lanes.items():
-            if CONFIG not in lane:
-                raise ValueError(f"{where}: lane {variant!r} carries no {CONFIG}")
-            lane[CONFIG] = {**lane[CONFIG], LANES: records[CONFIG][LANES]}
+        if name != CONFIG:
+            variant, base = _lane_of(name, where)
+            if variant not in lanes:
+                raise ValueError(f"{where}: record {name[:60]!r} belongs to no lane of the message")
+            lanes[variant][base] = values
+    for variant, lane in lanes.items():
+        if CONFIG not in lane:
+            raise ValueError(f"{where}: lane {variant[:40]!r} carries no {CONFIG}")
     return lanes
+
+
+def split_lane_replies(records: Records, where: str) -> dict[str, Records]:
+    """A reply to a :func:`join_lanes` message, by variant (every record a lane's).
+
+    Raises:
+        ValueError: a record outside every lane, or whose name holds another lane's; naming ``where``.
+    """
+    lanes: dict[str, Records] = {}
+    for name, values in records.items():
+        variant, base = _lane_of(name, where)
+        lanes.setdefault(variant, {})[base] = values
+    return lanes
+
+
+def _lane_of(name: str, where: str) -> tuple[str, str]:
+    """``(variant, record)`` of a :func:`lane_record` name."""
+    variant, sep, base = name.partition(LANE_SEP)
+    if not sep or not variant or not base or LANE_SEP in base:
+        raise ValueError(f"{where}: record {name[:60]!r} belongs to no lane of the message")
+    return variant, base
 
 
 #: The largest JSON text a message field may hold (a key directory of 10,000 clients is ~1 MB).

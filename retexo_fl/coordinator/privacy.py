@@ -81,7 +81,8 @@ class UpdatePrivacy:
             state (StateDict): the server's global state.
             view (StateDict): the state the clients trained from.
             states (list[StateDict]): the clients' trained states.
-            tag (tuple[int, ...]): ``(stage, round)``; seeds this release's noise.
+            tag (tuple[int, ...]): ``(stage, round)``, and the training's index for ``first-stage
+                auto``'s second training of stage 0; seeds this release's noise.
 
         Shapes:
             - **input:** every tensor of ``view`` and ``states[i]`` the shape of ``state``'s
@@ -200,7 +201,7 @@ def aggregate_round(
         states (list[StateDict]): the clients' trained states.
         weights (list[float]): the FedAvg weights (DP-FedAvg weighs every client equally).
         privacy (UpdatePrivacy | None): the run's DP, or ``None`` for plain FedAvg.
-        tag (tuple[int, ...]): ``(stage, round)``; seeds DP's noise.
+        tag (tuple[int, ...]): ``(stage, round)`` (and a second training's index); seeds DP's noise.
 
     Shapes:
         - **input:** every tensor of ``view`` and ``states[i]`` the shape of ``state``'s

@@ -164,7 +164,13 @@ class FedAvgRound:
         weights = self.weights()
         loss = sum(m[P.TRAIN_LOSS] * w for m, w in zip(self.metrics, weights, strict=True)) / sum(weights)
         rs = self.rs
-        tag = (self.stage, self.round)
+        tag: tuple[int, ...] = (self.stage, self.round)
+        cfg = self.fed.cfg
+        if cfg.first_stage == "auto" and cfg.layer(self.stage) == 0 and self.fed.first_stage is not None:
+            # Stage 0's second training draws noise of its own: the same noise on both trainings'
+            # round would cancel in the difference of their broadcasts, which every client holds.
+            trial = cfg.first_stage_order.index(self.fed.first_stage)
+            tag = (*tag, trial) if trial else tag
         return aggregate_round(rs.state, rs.view, self.states, weights, self.fed.privacy, tag), loss
 
 

@@ -218,8 +218,9 @@ class RoundLoop:
             replies = fed.send(P.TRAIN, {pid: P.join_lanes(by) for pid, by in joined.items()}, phase, stage)
             split: dict[int, dict[str, Records]] = {}
             for pid, reply in replies.items():
-                try:
-                    split[pid] = P.split_lanes(reply, f"client {pid}", request=False)
+                try:  # filled-in payloads were reported once for the message (FederationView.send_to)
+                    answers = {k: v for k, v in reply.items() if k != P.MISSING}
+                    split[pid] = P.split_lane_replies(answers, f"client {pid}")
                     missing = set(joined[pid]) - set(split[pid])
                     if missing:
                         raise ValueError(

@@ -245,13 +245,16 @@ class LazyStageMachine:
             self._save(ck)
         racer = lanes[order[1]].tracker
 
-        def pace(variant: str) -> None:  # the second's pace: the first's validation so far
-            if variant == order[1]:
+        def before(variant: str) -> None:
+            if variant == order[1]:  # the second's pace: the first's validation so far
                 racer.pace = pace_by_round(lanes[order[0]].tracker.history)
+            # A history row's bytes are the run's so far: the other lanes' model bytes too.
+            others = sum(rs.tracker.model_bytes for v, rs in lanes.items() if v != variant)
+            lanes[variant].tracker.bytes_offset = fed.bytes_boundary + self.model_bytes_done + others
 
         rounds = int(cfg.per_stage("rounds", 0))
         results = self.loop.run_lanes(
-            0, rounds, lanes, "stage 0", on_round=lambda: self._save(ck), before=pace
+            0, rounds, lanes, "stage 0", on_round=lambda: self._save(ck), before=before
         )
         for variant in order:
             figures = results[variant].figures
@@ -266,6 +269,7 @@ class LazyStageMachine:
                     "figures": figures,
                     "undelivered": result.undelivered,
                     "unheld": sorted(fed.unheld),
+                    "parallel": True,
                 }
             )
         ck.first_stage_lanes = None
@@ -287,9 +291,8 @@ class LazyStageMachine:
         each training's own figures). Resumable: a finished training is in the checkpoint.
         """
         trials = ck.first_stage_trials
-        parallel = self.cfg.first_stage_schedule == "parallel"
-        if parallel and not trials:
-            self._train_lanes(ck)
+        if self.cfg.first_stage_schedule == "parallel" and not trials and ck.round_state is None:
+            self._train_lanes(ck)  # (a checkpoint mid-training of the other schedule goes on as it was)
         for variant in self.cfg.first_stage_order[len(trials) :]:
             self.fed.first_stage = variant
             before = sum(int(t["figures"]["bytes_model"]) for t in trials)
@@ -321,7 +324,7 @@ class LazyStageMachine:
         self.rec.progress(f"stage 0: kept the {chosen} variant (first-stage auto)")
         figures = dict(kept["figures"])
         # In parallel a round carries both trainings: the stage's rounds are the longer one's.
-        per_round = max if parallel else sum
+        per_round = max if all(t.get("parallel") for t in trials) else sum
         for key in ("rounds_run", "rounds_sent", "seconds"):
             figures[key] = per_round(t["figures"].get(key, 0) for t in trials)
         for key in ("bytes_model", "bytes_model_raw"):
@@ -331,7 +334,7 @@ class LazyStageMachine:
         ]
         figures["first_stage"] = chosen
         figures["first_stage_trials"] = each
-        figures["first_stage_schedule"] = self.cfg.first_stage_schedule
+        figures["first_stage_schedule"] = "parallel" if per_round is max else "sequential"
         if self.on_stage is not None:
             self.on_stage(0, kept["state"])
         return kept["state"], figures, kept["undelivered"]

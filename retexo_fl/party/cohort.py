@@ -116,9 +116,8 @@ class TrainCohort:
             requests (Mapping[int, Records]): their train requests, by the same addresses.
         """
         for address, client in clients.items():  # what a layer-0 stage is, before it is read
-            config = requests[address][P.CONFIG]
-            if P.FIRST_STAGE in config:
-                client.set_first_stage(config[P.FIRST_STAGE], lane=P.LANES in config)
+            if P.FIRST_STAGE in requests[address][P.CONFIG]:
+                client.set_first_stage(requests[address][P.CONFIG][P.FIRST_STAGE])
         members = {  # by the client's own id, whatever the transport addresses it by
             client.id: client
             for address, client in clients.items()

@@ -455,43 +455,68 @@ def handle(client: Client, kind: str, request: Records) -> Reply:
     Raises:
         ValueError: an unknown message type.
     """
-    handler = HANDLERS.get(kind)
-    if handler is None:
+    if kind not in HANDLERS:
         raise ValueError(f"client {client.id}: unknown message type {kind!r}")
-    config = request.get(P.CONFIG, {})
-    P.count_entries(config, f"client {client.id}")
     if P.has_lanes(request):
         return handle_lanes(client, kind, request)
+    if P.LANES in request.get(P.CONFIG, {}):
+        raise ValueError(f"client {client.id}: {P.LANES} in the config of a message that carries no lanes")
+    return _answer(client, kind, request)
+
+
+def _answer(client: Client, kind: str, request: Records, lane: bool = False) -> Reply:
+    """One message's reply (``lane``: one lane of a message of several, its lane checked by
+    :func:`lane_requests`); filled-in payloads are reported with it, unless it is a lane's,
+    whose message reports them once (:func:`handle_lanes`)."""
+    config = request.get(P.CONFIG, {})
+    P.count_entries(config, f"client {client.id}")
     if P.FIRST_STAGE in config:  # first-stage auto: what this message's layer-0 stage is
         if not isinstance(client, LazyClient):
             raise ValueError(
                 f"client {client.id}: {P.FIRST_STAGE} applies to lazy runs, this one is {client.cfg.mode}"
             )
-        client.set_first_stage(config[P.FIRST_STAGE], lane=P.LANES in config)
-    reply = handler(client, request)
-    if client.missing:  # filled-in payloads are reported, never silent
-        events = sorted(set(client.missing))  # eager: one event per sender, not per layer
-        reply.records[P.MISSING] = {P.STATS_JSON: json.dumps([list(e) for e in events])}
-        client.missing = []
+        client.set_first_stage(config[P.FIRST_STAGE], lane=lane)
+    reply = HANDLERS[kind](client, request)
+    if client.missing and not lane:
+        report_missing(client, reply.records)
     return reply
+
+
+def report_missing(client: Client, records: Records) -> None:
+    """Report the payloads ``client`` filled in (never silent) in its reply ``records``."""
+    events = sorted(set(client.missing))  # eager: one event per sender, not per layer
+    records[P.MISSING] = {P.STATS_JSON: json.dumps([list(e) for e in events])}
+    client.missing = []
 
 
 def lane_requests(client: Client, kind: str, request: Records) -> dict[str, Records]:
     """The lanes of a message of several (:data:`~retexo_fl.protocol.LANES`: stage 0 trained as
     each ``first-stage auto`` variant in the same rounds), by variant, each one train message.
 
+    Lanes are the client's own config's to allow: a lazy run under ``first-stage auto`` with the
+    parallel schedule, at stage 0 (the client's, and each lane's), each lane once, naming its own
+    variant; and a client that began stage 0's rounds one training at a time trains no lanes (it
+    would start its trainings over).
+
     Raises:
-        ValueError: not a train message of stage 0 in a lazy run under ``first-stage auto``, or
-            lanes that are not each variant at most once, each naming itself; naming the client.
+        ValueError: any of that is not so, naming the client.
     """
     where = f"client {client.id}"
     cfg = client.cfg
     if kind != P.TRAIN or not isinstance(client, LazyClient) or cfg.first_stage != "auto":
         raise ValueError(f"{where}: a {kind} message of several lanes; only first-stage auto trains them")
+    if cfg.first_stage_schedule != "parallel":
+        raise ValueError(
+            f"{where}: a message of several lanes in a run whose first-stage-schedule is sequential"
+        )
+    if client.stage != 0:
+        raise ValueError(f"{where}: a message of several lanes at stage {client.stage}; lanes train stage 0")
+    if client.lane is None and client.journal is not None:
+        raise ValueError(f"{where}: a message of several lanes after stage 0's rounds began without lanes")
     lanes = P.split_lanes(request, where)
     for variant, lane in lanes.items():
         named, stage = lane[P.CONFIG].get(P.FIRST_STAGE), lane[P.CONFIG].get(P.STAGE)
-        if named != variant or stage != 0:
+        if named != variant or stage != 0 or P.LANES in lane[P.CONFIG]:
             raise ValueError(
                 f"{where}: lane {variant[:40]!r} names {P.FIRST_STAGE} {str(named)[:40]!r} at stage "
                 f"{str(stage)[:20]!r}; a lane trains stage 0 as its own variant"
@@ -499,14 +524,22 @@ def lane_requests(client: Client, kind: str, request: Records) -> dict[str, Reco
     return lanes
 
 
+def handle_lane(client: Client, kind: str, request: Records) -> Reply:
+    """Answer one lane of a message of several (checked by :func:`lane_requests`) on its
+    variant's round state; filled-in payloads are left for the message's reply to report."""
+    return _answer(client, kind, request, lane=True)
+
+
 def handle_lanes(client: Client, kind: str, request: Records) -> Reply:
     """Answer a message of several lanes: each lane as the train message it is, in order, on
     its own variant's round state; the reply holds each lane's records under its
-    :func:`~retexo_fl.protocol.lane_record` names."""
+    :func:`~retexo_fl.protocol.lane_record` names, and any filled-in payloads once."""
     records: Records = {}
     changed = False
     for variant, lane in lane_requests(client, kind, request).items():
-        reply = handle(client, kind, lane)
+        reply = handle_lane(client, kind, lane)
         records.update({P.lane_record(variant, name): values for name, values in reply.records.items()})
         changed = changed or reply.changed
+    if client.missing:
+        report_missing(client, records)
     return Reply(records, changed)

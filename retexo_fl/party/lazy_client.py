@@ -223,9 +223,11 @@ class LazyClient(Client):
         other.
 
         ``lane``: the message is one lane of several (:data:`~retexo_fl.protocol.LANES`: stage 0
-        trained as both variants in the same rounds). From the first such message until this
-        client moves on from the stage, every message naming a variant works on that variant's
-        round state (:meth:`~retexo_fl.party.model_exchange.ModelExchange.switch_lane`).
+        trained as both variants in the same rounds; only
+        :func:`~retexo_fl.party.handlers.lane_requests`'s checks let one through). From the
+        first such message until this client moves on from the stage, every message naming a
+        variant works on that variant's round state
+        (:meth:`~retexo_fl.party.model_exchange.ModelExchange.switch_lane`).
 
         Raises:
             ValueError: not a variant, or one the run config does not allow.

@@ -82,13 +82,15 @@ class ModelExchange:
     def switch_lane(self, variant: str) -> None:
         """Hold ``variant``'s round state: the view, residual, journal ... of its training of stage
         0, which a message of several lanes (:data:`~retexo_fl.protocol.LANES`) trains beside the
-        other variant's. The state held so far is set aside as its lane's; a lane not seen yet
-        starts empty, as a stage's first training does. Nothing is copied: views are never
-        modified in place."""
+        other variant's. The state held so far is set aside as its lane's (the first lane takes
+        it as it is); a lane not seen yet starts empty, as a stage's first training does.
+        Nothing is copied: views are never modified in place."""
         if self.lane == variant:
             return
-        if self.lane is not None:
-            self.lanes[self.lane] = self._lane_fields()
+        if self.lane is None:  # the first lane takes the fields as they are: nothing is dropped
+            self.lane = variant
+            return
+        self.lanes[self.lane] = self._lane_fields()
         found = self.lanes.pop(variant, None)
         for name in self._ROUND_STATE:
             setattr(self, name, found.get(name) if found else None)

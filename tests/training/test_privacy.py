@@ -156,3 +156,36 @@ def test_private_training_is_the_same_in_flower():
     assert sim["privacy"]["releases"] == ref["privacy"]["releases"] == 16
     assert sim["privacy"]["epsilon"] == pytest.approx(ref["privacy"]["epsilon"])
     assert sim["test_accuracy"] == pytest.approx(ref["test_accuracy"], abs=1e-9)
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "parallel"])
+def test_stage_0s_second_training_draws_noise_of_its_own(sbm, monkeypatch, schedule):
+    """Under ``first-stage auto`` both trainings of stage 0 release a noisy aggregate each round.
+    Drawn from the same seed, their noise would cancel in the difference of the two broadcasts,
+    which every client holds: the second training's releases are seeded apart."""
+    import retexo_fl.coordinator.round_aggregation as aggregation
+
+    tags: list[tuple[int, ...]] = []
+    real = aggregation.aggregate_round
+
+    def spy(state, view, states, weights, privacy, tag):
+        tags.append(tag)
+        return real(state, view, states, weights, privacy, tag)
+
+    monkeypatch.setattr(aggregation, "aggregate_round", spy)
+    parts = partition_graph(sbm, 3, "metis", seed=0)
+    settings = dict(
+        model="gcn", stages=2, hidden=16, rounds=3, min_rounds=0, patience=0, seed=0, self_training=0
+    )
+    dp = dict(dp_noise=0.3, dp_clip=1.0, dp_reproducible=True, first_stage_race=0)
+    cfg = TrainConfig.resolve(**settings, **dp, first_stage="auto", first_stage_schedule=schedule)
+    out = run_lazy(parts, cfg)
+    stage0 = [t for t in tags if t[0] == 0]
+    # Three rounds of each training; the first's tags as before the auto stage (stage, round).
+    assert sorted(stage0) == [(0, 1), (0, 1, 1), (0, 2), (0, 2, 1), (0, 3), (0, 3, 1)]
+    assert len(set(tags)) == len(tags) and out["privacy"]["releases"] == len(tags)
+    # ... and so are the noises: one release each, none twice.
+    priv = UpdatePrivacy(0.3, 1.0, 3, 1e-5, seed=7)
+    base, states = _states(3, 0.1)
+    first, second = (priv.aggregate(base, base, states, tag) for tag in [(0, 1), (0, 1, 1)])
+    assert not torch.equal(first["w"], second["w"])

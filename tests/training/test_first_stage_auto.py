@@ -289,11 +289,38 @@ def test_a_message_of_several_lanes_is_refused_unless_each_lane_trains_stage_0_a
         handle(client, P.TRAIN, stray)
     with pytest.raises(ValueError, match=r"client 0: a query.embed message of several lanes"):
         handle(client, P.EMBED, one)
-    # A run whose config fixes stage 0's variant trains no lanes.
-    with pytest.raises(
-        ValueError, match=r"client 0: a train message of several lanes; only first-stage auto"
-    ):
+    # A run whose config fixes stage 0's variant trains no lanes; nor one that trains its two
+    # variants one after the other.
+    fixed = r"client 0: a train message of several lanes; only first-stage auto"
+    with pytest.raises(ValueError, match=fixed):
         handle(_client("local"), P.TRAIN, one)
+    sequential = r"client 0: a message of several lanes in a run whose first-stage-schedule is sequential"
+    with pytest.raises(ValueError, match=sequential):
+        handle(_client("auto", first_stage_schedule="sequential"), P.TRAIN, one)
+    # Lanes do not nest: a lane's record naming another lane is refused, not trained twice.
+    nested = {**one, "mlp|local|config": _lane("local", 1)[P.CONFIG]}
+    with pytest.raises(ValueError, match=r"client 0: record 'mlp\|local\|config' belongs to no lane"):
+        handle(client, P.TRAIN, nested)
+    # Only a message of lanes enters them: lanes named in the config of any other is refused.
+    for kind in (P.TRAIN, P.EVALUATE, P.EMBED):
+        with pytest.raises(
+            ValueError, match=r"client 0: lanes in the config of a message that carries no lanes"
+        ):
+            handle(client, kind, _lane("local", 1, lanes="local"))
+    # A client that began stage 0's rounds one training at a time would start over in lanes.
+    began = _client("auto")
+    began.set_first_stage("local")
+    began.begin_round(1)
+    with pytest.raises(
+        ValueError, match=r"client 0: a message of several lanes after stage 0's rounds began"
+    ):
+        handle(began, P.TRAIN, one)
+    # ... and a client past stage 0 trains no lanes, whatever stage the message claims.
+    began.stage = 1
+    with pytest.raises(
+        ValueError, match=r"client 0: a message of several lanes at stage 1; lanes train stage 0"
+    ):
+        handle(began, P.TRAIN, one)
 
 
 def test_a_client_holds_each_lanes_round_state_apart_until_it_moves_on():

@@ -182,14 +182,17 @@ class ModelExchange:
                 raise ValueError(f"client {self.id}: a model message with neither state nor delta")
             if not keep:
                 # A stage's first state: what was kept belongs to the last stage, or, as the
-                # second training of stage 0 begins (first-stage auto), to the first training,
-                # whose best (its last view or the one kept) may still be chosen: held, the
-                # stage's test names it by digest instead of sending it whole.
-                # (a later pass's stage 0 trains one variant: nothing earlier to hold)
-                # (trained in parallel, each variant's lane holds its own: nothing to move)
+                # second training of stage 0 begins (first-stage auto, one after the other), to
+                # the first training, whose best (its last view or the one kept) may still be
+                # chosen: held, the stage's test names it by digest instead of sending it whole.
+                # Moved once: a later whole state of the second training (a client that missed
+                # rounds) leaves the first's where it is. (Trained in parallel, each variant's
+                # lane holds its own; a later pass's stage 0 trains one variant.)
                 second = self.round_trial > 0 and self.seed_stage == 0 and self.lane is None
-                self.earlier_view = self.view if second else None
-                self.earlier_kept = self.kept if second else None
+                if second and self.earlier_view is None and self.earlier_kept is None:
+                    self.earlier_view, self.earlier_kept = self.view, self.kept
+                elif not second:
+                    self.earlier_view = self.earlier_kept = None
                 self.kept = None
             self.view = state
             return state

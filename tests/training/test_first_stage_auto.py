@@ -372,6 +372,24 @@ def test_a_client_whose_reply_answers_one_lane_of_two_is_lost_naming_the_lane():
     assert [c["client"] for c in summary["clients"]] == [0, 2]
 
 
+@pytest.mark.parametrize("schedule", ["sequential", "parallel"])
+def test_the_kept_first_training_is_named_by_digest_after_clients_missed_rounds_of_the_second(schedule):
+    # Sampled trainers and validators asked every fourth round: clients that missed rounds of the
+    # second training are sent its state whole again. Each must still hold the first training's
+    # best, kept here (classes on the edges, no feature signal: the local layer, trained first).
+    data = synthetic_sbm(300, 3, avg_degree=8, homophily=0.95, num_features=8, feature_signal=0.0, seed=2)
+    apply_split(data, "random:0.3,0.2,0.5", seed=2)
+    parts = partition_graph(data, 6, "metis", seed=0)
+    settings = {**BASE, "stages": 2, "broadcast_bits": 8, "update_bits": 8, "rounds": 30}
+    sampled = {"fraction_train": 0.2, "validate_every": 4, "first_stage_race": 0}
+    cfg = TrainConfig.resolve(**settings, **sampled, first_stage="auto", first_stage_schedule=schedule)
+    out = run_lazy(parts, cfg)
+    assert out["stages"][0]["first_stage"] == "local" == cfg.first_stage_order[0]
+    # It can fail: one after the other, a second whole state used to move the second training's
+    # view over the first's, and two clients' embeds were refused (not held) and sent again.
+    assert out["messages_per_stage"]["0"]["embed"] == 6
+
+
 def test_mlp_local_epochs_sets_the_steps_of_an_mlp_stage_0_alone():
     part = _parts(0.9, 0.1)[0]
     cfg = TrainConfig.resolve(**BASE, local_epochs=5, mlp_local_epochs=2, first_stage="mlp")

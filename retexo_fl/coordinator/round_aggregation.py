@@ -19,6 +19,7 @@ sums only, and one more message, the unmasking, is an :class:`Exchange`).
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ from retexo_fl.coordinator.checkpoint import RoundState
 from retexo_fl.coordinator.federation import FederationView
 from retexo_fl.coordinator.privacy import aggregate_round
 from retexo_fl.coordinator.secure_aggregation import PendingUnmask
+from retexo_fl.coordinator.transport import ClientFailure
 from retexo_fl.protocol import Records
 from retexo_fl.records import StateDict
 from retexo_fl.seeding import derive_seed
@@ -59,6 +61,26 @@ def sum_val(metrics: list[dict[str, Any]]) -> tuple[int, int, float]:
         sum(int(m[P.VAL_COUNT]) for m in metrics),
         sum(float(m[P.VAL_LOSS]) for m in metrics),
     )
+
+
+#: What every plain train reply's :data:`~retexo_fl.protocol.METRICS` holds, each a number.
+TRAIN_METRICS = (P.NUM_EXAMPLES, P.TRAIN_LOSS, P.VAL_CORRECT, P.VAL_COUNT, P.VAL_LOSS)
+
+
+def check_train_metrics(pid: int, reply: Records) -> None:
+    """Refuse a train reply whose metrics lack a figure the round reads, or hold one that is not
+    a number.
+
+    Raises:
+        ClientFailure: naming the client and the figure.
+    """
+    metrics = reply.get(P.METRICS)
+    if not isinstance(metrics, Mapping):
+        raise ClientFailure(f"client {pid}: its train reply carries no {P.METRICS}")
+    for key in TRAIN_METRICS:
+        value = metrics.get(key)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ClientFailure(f"client {pid}: its train reply's {key} is {str(value)[:40]!r}, not a number")
 
 
 class FedAvgRound:
@@ -136,6 +158,8 @@ class FedAvgRound:
         """
         self.pids = [p for p in replies if p not in self.validate_only]
         ordered = [replies[p] for p in self.pids]
+        for pid, reply in replies.items():  # a malformed reply names its sender, before it is read
+            check_train_metrics(pid, reply)
         self.metrics = [m[P.METRICS] for m in ordered]
         codec = UpdateCodec(self.fed.cfg.update_bits, self.fed.cfg.range_dtype)
         self.states, self.raw = self.fed.updates(

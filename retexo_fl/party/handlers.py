@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from retexo_fl import protocol as P
 from retexo_fl.compress.boundary import ExchangeStats
+from retexo_fl.config import FIRST_STAGE_VARIANTS
 from retexo_fl.party import secure_reply
 from retexo_fl.party.client import Client, TrainingDiverged
 from retexo_fl.party.lazy_client import LazyClient
@@ -503,8 +504,10 @@ def lane_requests(client: Client, kind: str, request: Records) -> dict[str, Reco
     """
     where = f"client {client.id}"
     cfg = client.cfg
-    if kind != P.TRAIN or not isinstance(client, LazyClient) or cfg.first_stage != "auto":
-        raise ValueError(f"{where}: a {kind} message of several lanes; only first-stage auto trains them")
+    if kind != P.TRAIN:
+        raise ValueError(f"{where}: lanes in a {kind} message; only train messages carry them")
+    if not isinstance(client, LazyClient) or cfg.first_stage != "auto":
+        raise ValueError(f"{where}: a train message of several lanes; only first-stage auto trains them")
     if cfg.first_stage_schedule != "parallel":
         raise ValueError(
             f"{where}: a message of several lanes in a run whose first-stage-schedule is sequential"
@@ -514,13 +517,22 @@ def lane_requests(client: Client, kind: str, request: Records) -> dict[str, Reco
     if client.lane is None and client.journal is not None:
         raise ValueError(f"{where}: a message of several lanes after stage 0's rounds began without lanes")
     lanes = P.split_lanes(request, where)
+    unknown = [v for v in lanes if v not in FIRST_STAGE_VARIANTS]
+    if unknown:  # before any lane trains
+        raise ValueError(f"{where}: lane {unknown[0][:40]!r} is not one of {', '.join(FIRST_STAGE_VARIANTS)}")
     for variant, lane in lanes.items():
         named, stage = lane[P.CONFIG].get(P.FIRST_STAGE), lane[P.CONFIG].get(P.STAGE)
-        if named != variant or stage != 0 or P.LANES in lane[P.CONFIG]:
+        if named != variant or stage != 0:
             raise ValueError(
-                f"{where}: lane {variant[:40]!r} names {P.FIRST_STAGE} {str(named)[:40]!r} at stage "
+                f"{where}: lane {variant!r} names {P.FIRST_STAGE} {str(named)[:40]!r} at stage "
                 f"{str(stage)[:20]!r}; a lane trains stage 0 as its own variant"
             )
+        if P.LANES in lane[P.CONFIG]:
+            raise ValueError(f"{where}: lane {variant!r} names lanes of its own; lanes do not nest")
+        if P.PAYLOADS in lane:
+            # Stage 0 reads no peer's rows; and a lane's round sent again rewinds the one channel
+            # the lanes share to that round's start, past frames the other lane opened since.
+            raise ValueError(f"{where}: lane {variant!r} delivers payloads; stage 0's rounds carry none")
     return lanes
 
 

@@ -76,6 +76,30 @@ def test_bad_compressed_updates():
         fed.updates([2], [{}], STATE, codec, StageTracker(0, 0), 0)
 
 
+@pytest.mark.parametrize(
+    ("metrics", "match"),
+    [
+        (None, r"client 2: its train reply carries no metrics"),
+        (
+            {P.NUM_EXAMPLES: 3, P.TRAIN_LOSS: 0.5},
+            r"client 2: its train reply's val-correct is 'None', not a number",
+        ),
+        (
+            {P.NUM_EXAMPLES: "3", P.TRAIN_LOSS: 0.5, P.VAL_CORRECT: 1, P.VAL_COUNT: 2, P.VAL_LOSS: 0.1},
+            r"client 2: its train reply's num-examples is '3', not a number",
+        ),
+    ],
+)
+def test_a_train_reply_without_its_figures_names_its_sender(metrics, match):
+    from retexo_fl.coordinator.round_aggregation import check_train_metrics
+
+    reply = {P.ARRAYS: STATE} if metrics is None else {P.ARRAYS: STATE, P.METRICS: metrics}
+    with pytest.raises(ClientFailure, match=match):
+        check_train_metrics(2, reply)
+    good = {P.NUM_EXAMPLES: 3, P.TRAIN_LOSS: 0.5, P.VAL_CORRECT: 1, P.VAL_COUNT: 2, P.VAL_LOSS: 0.1}
+    check_train_metrics(2, {P.METRICS: good})  # a reply with its figures passes
+
+
 def test_route_relays_to_live_clients_and_counts_every_byte():
     fed = _federation(TrainConfig.resolve(profile="exact", clients=3))
     for pid in range(3):

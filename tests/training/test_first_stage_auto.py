@@ -287,7 +287,7 @@ def test_a_message_of_several_lanes_is_refused_unless_each_lane_trains_stage_0_a
     stray = {**one, "other|arrays": {}}
     with pytest.raises(ValueError, match=r"client 0: record 'other\|arrays' belongs to no lane"):
         handle(client, P.TRAIN, stray)
-    with pytest.raises(ValueError, match=r"client 0: a query.embed message of several lanes"):
+    with pytest.raises(ValueError, match=r"client 0: lanes in a query.embed message; only train messages"):
         handle(client, P.EMBED, one)
     # A run whose config fixes stage 0's variant trains no lanes; nor one that trains its two
     # variants one after the other.
@@ -297,6 +297,16 @@ def test_a_message_of_several_lanes_is_refused_unless_each_lane_trains_stage_0_a
     sequential = r"client 0: a message of several lanes in a run whose first-stage-schedule is sequential"
     with pytest.raises(ValueError, match=sequential):
         handle(_client("auto", first_stage_schedule="sequential"), P.TRAIN, one)
+    # Every lane is a variant, checked before any lane trains; a lane delivers no payloads (stage
+    # 0 reads no peer's rows, and a lane's round sent again would rewind the channel the lanes share).
+    with pytest.raises(ValueError, match=r"client 0: lane 'gat' is not one of mlp, local"):
+        handle(client, P.TRAIN, P.join_lanes({"mlp": _lane("mlp", 1), "gat": _lane("gat", 1)}))
+    assert client.journal is None  # the mlp lane did not train first
+    delivering = P.join_lanes({"local": {**_lane("local", 1), P.PAYLOADS: {"halo-from-1": b"x"}}})
+    with pytest.raises(ValueError, match=r"client 0: lane 'local' delivers payloads"):
+        handle(client, P.TRAIN, delivering)
+    with pytest.raises(ValueError, match=r"client 0: lanes in a evaluate message; only train messages"):
+        handle(client, P.EVALUATE, one)
     # Lanes do not nest: a lane's record naming another lane is refused, not trained twice.
     nested = {**one, "mlp|local|config": _lane("local", 1)[P.CONFIG]}
     with pytest.raises(ValueError, match=r"client 0: record 'mlp\|local\|config' belongs to no lane"):

@@ -217,8 +217,18 @@ def test_robustness_rows_carry_each_stage_and_each_stage_0_trainings_seconds():
     trials = {t["variant"]: t for t in stages[0]["first_stage_trials"]}
     assert row["stage0_trial_seconds"] == {v: t["seconds"] for v, t in trials.items()}
     assert set(row["stage0_trial_seconds"]) == {"mlp", "local"}
+    # In parallel (the default over partitions) the trainings share stage 0's rounds: each one's
+    # seconds run to where it ended, the stage's to where the longer one did.
+    assert stages[0]["first_stage_schedule"] == "parallel"
+    assert max(row["stage0_trial_seconds"].values()) == row["stage_seconds"][0]
+    assert max(row["stage0_trial_rounds"].values()) == stages[0]["rounds_sent"]
+    # One after the other, each training's seconds and rounds add up to the stage's.
+    sequential = {**auto, "first_stage_schedule": "sequential"}
+    one_by_one = train(TrainConfig.resolve(**sequential), RunRecorder(None, stream=None))
+    row = robustness.run_row({**labels, **sequential}, one_by_one)
+    stage0 = one_by_one["stages"][0]
     assert sum(row["stage0_trial_seconds"].values()) <= row["stage_seconds"][0]
-    assert sum(row["stage0_trial_rounds"].values()) == stages[0]["rounds_sent"]
+    assert sum(row["stage0_trial_rounds"].values()) == stage0["rounds_sent"]
     # one stage-0 training: nothing to split
     fixed = {**common, "first_stage": "mlp"}
     alone = train(TrainConfig.resolve(**fixed), RunRecorder(None, stream=None))

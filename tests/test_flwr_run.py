@@ -39,7 +39,10 @@ def test_flwr_run_writes_a_run_folder_and_stops_its_superlink(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["engine"] == "flower" and summary["config"]["clients"] == 2
     # The default self-training pass runs both stages a second time, and stage 0 is trained
-    # twice (first-stage auto, the default over partitions: 3 rounds each, too few to race).
-    assert [s["rounds_run"] for s in summary["stages"]] == [6, 3, 3, 3]
+    # twice (first-stage auto, the default over partitions: 3 rounds each, too few to race), in
+    # the same rounds (first-stage-schedule parallel: one Flower message a client carries both).
+    assert [s["rounds_run"] for s in summary["stages"]] == [3, 3, 3, 3]
+    assert summary["stages"][0]["first_stage_schedule"] == "parallel"
+    assert [t["rounds_run"] for t in summary["stages"][0]["first_stage_trials"]] == [3, 3]
     assert summary["stages"][0]["first_stage"] in ("mlp", "local")
     assert _superlinks() <= before, "the script must stop the SuperLink it started"

@@ -257,11 +257,11 @@ class LazyStageMachine:
             0, rounds, lanes, "stage 0", on_round=lambda: self._save(ck), before=before
         )
         for variant in order:
-            figures = results[variant].figures
+            result = results[variant]
+            figures = result.figures
             best = f"best val {figures['val_accuracy']:.4f} at round {figures['best_round']}"
             self.rec.progress(f"stage 0 as {variant}: {best}")
             self.loop.note_unheld(lanes[variant])
-            result = results[variant]
             ck.first_stage_trials.append(
                 {
                     "variant": variant,
@@ -286,9 +286,11 @@ class LazyStageMachine:
 
         Neither reads another client's rows, so the choice costs no boundary traffic: it costs
         the second training's rounds and model bytes, which the stage's figures count
-        (``rounds_run``, ``rounds_sent``, ``bytes_model`` are both trainings' sums; ``history``
-        is both trainings' rows, each naming its ``first_stage``; ``first_stage_trials`` gives
-        each training's own figures). Resumable: a finished training is in the checkpoint.
+        (``bytes_model`` is both trainings' sum; ``rounds_run`` and ``rounds_sent`` are their sum
+        one after the other, the longer one's in parallel, ``first_stage_schedule``, where both
+        share their rounds: :meth:`_train_lanes`; ``history`` is both trainings' rows, each
+        naming its ``first_stage``; ``first_stage_trials`` gives each training's own figures).
+        Resumable: a finished training is in the checkpoint.
         """
         trials = ck.first_stage_trials
         if self.cfg.first_stage_schedule == "parallel" and not trials and ck.round_state is None:
@@ -315,9 +317,8 @@ class LazyStageMachine:
         chosen = self._kept_first_stage(ck)
         self.fed.first_stage = chosen
         kept = next(t for t in trials if t["variant"] == chosen)
-        if (
-            "unheld" in kept
-        ):  # who holds no copy of the kept training's best (a checkpoint of older code: as left)
+        # Who holds no copy of the kept training's best (a checkpoint of older code: as left).
+        if "unheld" in kept:
             self.fed.unheld = set(kept["unheld"])
         each = [{"variant": t["variant"], **_trial_figures(t["figures"])} for t in trials]
         self.rec.event("first-stage", kept=chosen, trials=each)

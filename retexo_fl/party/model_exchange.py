@@ -73,9 +73,8 @@ class ModelExchange:
     journal_state: Callable[[str], dict[str, StateDict | None]]
 
     _ROUND_STATE = ("view", "kept", "earlier_view", "earlier_kept", "residual", "control", "control_view")
-    #: What a lane (one variant's training of stage 0, ``first-stage auto`` in parallel) holds
-    #: of its own besides :attr:`_ROUND_STATE`.
-    _LANE_STATE = ("journal", "last_steps")
+    # first-stage auto in parallel: each variant's round state (:attr:`_ROUND_STATE`, the journal
+    # and last_steps) but the one the fields hold (lane)
     lanes: dict[str, dict[str, Any]]
     lane: str | None
 

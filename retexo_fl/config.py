@@ -183,6 +183,15 @@ class ModelSettings:
         modes=("lazy",),
         needs="first_stage=auto",
     )
+    local_hops: int = setting(
+        1,
+        "a local stage 0 (first-stage local or auto) reads its input propagated this many hops "
+        "less one over the client's own edges first (GCN-normalized by the degrees inside the "
+        "client, as SGC does, once per stage): 2 makes a GCN stage 0 read two hops of its own "
+        "subgraph. Like a local stage 0 itself, it sends nothing and depends on the partitioning. "
+        "A lazy run over partitions defaults to 2 (LAZY_PARTITION_DEFAULTS)",
+        modes=("lazy",),
+    )
     dropout: float | list[float] = setting(0.5, "dropout", per_stage=True)
     input_dropout: float | list[float] = setting(0.5, "dropout of each stage's input", per_stage=True)
 
@@ -194,6 +203,7 @@ class ModelSettings:
             ("hidden", self.hidden, MAX_WIDTH),
             ("heads", self.heads, MAX_LAYERS),
             ("central-layers", self.central_layers, MAX_LAYERS),
+            ("local-hops", self.local_hops, MAX_LAYERS),
         )
         for name, value, most in sizes:
             if not 1 <= value <= most:

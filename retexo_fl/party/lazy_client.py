@@ -138,6 +138,32 @@ def _warn_identity_features(client: int) -> None:
     )
 
 
+
+def own_edges(edge_index: Tensor, num_owned: int) -> Tensor:
+    """The edges among a client's own nodes: those from an owned row (halo rows are numbered
+    after the owned ones, and no edge goes into a halo row).
+
+    Shapes:
+        - **input:** ``[2, E]``
+        - **output:** ``[2, E_own]``
+    """
+    return edge_index[:, edge_index[0] < num_owned]
+
+
+def own_gcn_edges(edge_index: Tensor, num_owned: int) -> tuple[Tensor, Tensor]:
+    """:func:`own_edges` with self loops and GCN weights from the degrees inside the client, as
+    PyG's ``gcn_norm`` on the client's induced subgraph: a node with no neighbour on its client
+    keeps its own row whole.
+
+    Shapes:
+        - **input:** ``[2, E]``
+        - **output:** ``[2, E_own + num_owned]`` edges and their ``[E_own + num_owned]`` weights
+    """
+    loops = torch.arange(num_owned).repeat(2, 1)
+    ei = torch.cat([own_edges(edge_index, num_owned), loops], dim=1)
+    inv_sqrt = torch.bincount(ei[1], minlength=num_owned).float().pow(-0.5)  # own degree + 1
+    return ei, inv_sqrt[ei[0]] * inv_sqrt[ei[1]]
+
 class LazyClient(Client):
     """A client of lazy (RETEXO) training, independent of any transport.
 
@@ -162,6 +188,7 @@ class LazyClient(Client):
         self._aggregated: tuple[Tensor | None, Tensor | None, Tensor] | None = None
         self._joined: tuple[Tensor, Tensor, Tensor] | None = None
         self._own_graph: tuple[Tensor, Tensor | None] | None = None  # a local stage 0's messages
+        self._propagated: tuple[Tensor, Tensor] | None = None  # (raw rows, propagated): local-hops
         # What a layer-0 stage is (mlp or local); under first-stage auto each message names it.
         self.first_stage: str | None = None if cfg.first_stage == "auto" else cfg.first_stage
         # A conv stage's steps: per row set (the training rows, or each chunk of them), the graph
@@ -276,7 +303,9 @@ class LazyClient(Client):
         """What this stage's model reads: owned rows, and halo rows after them for a conv stage,
         the two scaled by :meth:`input_scale`."""
         if self.layer == 0:  # the MLP, or a local stage 0 over owned rows (see edges())
-            return self.owned
+            if self.row_wise or self.cfg.local_hops <= 1:
+                return self.owned
+            return self.propagated_input()
         if self.halo is None:
             raise RuntimeError(f"client {self.id}: stage {self.stage} has no halo rows yet")
         # Joined once per stage input, not per step: on a products-sized client (300,000 owned
@@ -290,6 +319,39 @@ class LazyClient(Client):
             joined = joined * scale
         self._joined = (self.owned, self.halo, joined)
         return joined
+
+    def propagated_input(self) -> Tensor:
+        r"""A local stage 0's input: the raw features propagated ``local-hops`` less one times
+        over the client's own edges, :math:`\hat{A}_{\mathrm{own}}^{k-1} X`, once per stage input.
+
+        :math:`\hat{A}_{\mathrm{own}}` is the GCN-normalized adjacency of the subgraph the
+        client's own nodes induce, self loops included (a GCN stage 0's own messages,
+        :meth:`own_graph`), so a GCN stage 0 computes :math:`\hat{A}_{\mathrm{own}}^{k} X W`: SGC's
+        propagation over what the client holds. No halo row is read and nothing is sent.
+
+        Shapes:
+            - **output:** ``[num_owned, F]``
+        """
+        cached = self._propagated
+        if cached is not None and cached[0] is self.owned:
+            return cached[1]
+        adj = self.own_adjacency()
+        x = self.owned
+        for _ in range(self.cfg.local_hops - 1):
+            x = torch.sparse.mm(adj, x)
+        self._propagated = (self.owned, x)
+        return x
+
+    def own_adjacency(self) -> Tensor:
+        """The GCN-normalized CSR adjacency of the client's own subgraph, self loops included
+        (:meth:`own_graph`'s for a GCN stage 0, whatever the run's model)."""
+        if self.cfg.model == "gcn":
+            adj, _ = self.own_graph()
+            if is_sparse(adj):
+                return adj
+        n = self.graph.num_owned
+        ei, w = own_gcn_edges(self.graph.edge_index, n)
+        return sparse_adjacency(ei.to(self.device), w.to(self.device), n, n)
 
     def input_scale(self) -> float:
         """The factor a GNN stage's input is scaled by here: up to ``gnn-input-rms-floor``.
@@ -331,14 +393,10 @@ class LazyClient(Client):
         """
         if self._own_graph is None:
             n = self.graph.num_owned
-            ei = self.graph.edge_index
-            ei = ei[:, ei[0] < n]  # halo rows are numbered after the owned ones
-            w = None
             if self.cfg.model == "gcn":
-                loops = torch.arange(n).repeat(2, 1)
-                ei = torch.cat([ei, loops], dim=1)
-                inv_sqrt = torch.bincount(ei[1], minlength=n).float().pow(-0.5)  # own degree + 1
-                w = inv_sqrt[ei[0]] * inv_sqrt[ei[1]]
+                ei, w = own_gcn_edges(self.graph.edge_index, n)
+            else:
+                ei, w = own_edges(self.graph.edge_index, n), None
             ei = ei.to(self.device)
             w = None if w is None else w.to(self.device)
             if self.cfg.model in SPARSE_KINDS:

@@ -708,6 +708,7 @@ NODE_LEVEL_DEFAULTS: dict[str, Any] = {
 LAZY_PARTITION_DEFAULTS: dict[str, Any] = {
     "first_stage": "auto",
     "first_stage_schedule": "parallel",
+    "local_hops": 2,
     "mlp_local_epochs": 1,
     "mlp_weight_decay": 5e-3,
     "gnn_input_rms_floor": 0.25,

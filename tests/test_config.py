@@ -34,7 +34,7 @@ USER_KEYS = {
     "pseudo-threshold", "pseudo-per-class", "pass-init", "rounds", "local-epochs", "mlp-local-epochs",
     "mlp-weight-decay", "optimizer", "momentum", "lr", "server-optimizer", "server-lr", "weight-decay",
     "dropout", "input-dropout", "norm", "heads", "root-weight", "gnn-input-rms-floor", "first-stage",
-    "first-stage-first", "first-stage-race", "first-stage-race-margin", "first-stage-schedule", "patience",
+    "first-stage-first", "first-stage-race", "first-stage-race-margin", "first-stage-schedule", "local-hops", "patience",
     "min-rounds", "warm-min-rounds", "stop-metric",
     "drift-correction", "halo-gradients", "fraction-train", "clients-per-round", "validate-every",
     "precompute",

@@ -1,7 +1,8 @@
 """``first-stage local``: stage 0 is one GNN layer over a client's own edges, and reads nothing else.
 
 Checked from first principles: a client's stage-0 output equals a dense GCN layer over the
-subgraph its nodes induce (degrees counted inside it); and no other client's features change it.
+subgraph its nodes induce (degrees counted inside it), over ``local-hops`` hops of it; and no
+other client's features change it.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ def _graph():
     return data
 
 
-def _local_gcn(data, owner: np.ndarray, pid: int, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """ReLU(Â_p X W^T + b) for partition ``pid``'s nodes, in float64: Â is GCN's normalized
+def _local_gcn(
+    data, owner: np.ndarray, pid: int, weight: torch.Tensor, bias: torch.Tensor, hops: int = 1
+) -> torch.Tensor:
+    """ReLU(Â_p^hops X W^T + b) for partition ``pid``'s nodes, in float64: Â is GCN's normalized
     adjacency of the subgraph ``pid``'s nodes induce (self loops, the edges whose two ends it
     owns, 1 / sqrt((d_i + 1)(d_j + 1)) with degrees counted inside that subgraph)."""
     own = torch.from_numpy(owner == pid)
@@ -40,8 +43,10 @@ def _local_gcn(data, owner: np.ndarray, pid: int, weight: torch.Tensor, bias: to
     adj = torch.zeros(n, n, dtype=torch.float64)
     adj[d, s] = 1.0 / torch.sqrt(deg[d] * deg[s])
     adj += torch.diag(1.0 / deg)
-    out = adj @ data.x[idx].double() @ weight.double().T + bias.double()
-    return torch.relu(out).float()
+    x = data.x[idx].double()
+    for _ in range(hops):
+        x = adj @ x
+    return torch.relu(x @ weight.double().T + bias.double()).float()
 
 
 def _owner(parts, n: int) -> np.ndarray:
@@ -51,11 +56,15 @@ def _owner(parts, n: int) -> np.ndarray:
     return owner
 
 
-def test_a_local_first_stage_is_a_gcn_layer_over_the_clients_induced_subgraph():
+@pytest.mark.parametrize("hops", [1, 2, 3])
+def test_a_local_first_stage_is_a_gcn_layer_over_the_clients_induced_subgraph(hops):
+    # local-hops k: the layer reads its input propagated k - 1 times first, so it is Â^k X W.
     data = _graph()
     parts = partition_graph(data, 3, "random", seed=0)
     owner = _owner(parts, data.num_nodes)
-    cfg = TrainConfig(first_stage="local", hidden=8, dropout=0.0, input_dropout=0.0).validate()
+    cfg = TrainConfig(
+        first_stage="local", local_hops=hops, hidden=8, dropout=0.0, input_dropout=0.0
+    ).validate()
     cut = 0
     for part in parts:
         client = LazyClient(part, cfg)
@@ -64,16 +73,22 @@ def test_a_local_first_stage_is_a_gcn_layer_over_the_clients_induced_subgraph():
         model = client.make_model().eval()
         hidden, _ = client.outputs(model)
         body = model.body
-        expected = _local_gcn(data, owner, part.partition_id, body.lin.weight.detach(), body.bias.detach())
+        weight, bias = body.lin.weight.detach(), body.bias.detach()
+        expected = _local_gcn(data, owner, part.partition_id, weight, bias, hops)
         torch.testing.assert_close(hidden, expected, rtol=1e-5, atol=1e-5)
+        if hops > 1:  # ...and not the one-hop layer: the comparison can fail
+            assert not torch.allclose(hidden, _local_gcn(data, owner, part.partition_id, weight, bias))
     assert cut > 0
 
 
+@pytest.mark.parametrize("hops", [1, 2])
 @pytest.mark.parametrize("model", ["gcn", "sage", "sage-max", "gat"])
-def test_a_local_first_stage_reads_no_other_clients_features(model):
+def test_a_local_first_stage_reads_no_other_clients_features(model, hops):
     data = _graph()
     parts = partition_graph(data, 3, "random", seed=0)
-    cfg = TrainConfig(model=model, first_stage="local", hidden=8, dropout=0.0, input_dropout=0.0).validate()
+    cfg = TrainConfig(
+        model=model, first_stage="local", local_hops=hops, hidden=8, dropout=0.0, input_dropout=0.0
+    ).validate()
     before = LazyClient(parts[0], cfg)
     h0, _ = before.outputs(before.make_model().eval())
     # Every other client's features replaced: client 0's stage 0 cannot tell.
@@ -102,6 +117,33 @@ def test_a_local_first_stage_trains_and_its_stage_0_beats_the_mlp_on_a_structura
         summary = run_lazy(parts, cfg, RunRecorder(None, stream=None))
         vals[first] = summary["stages"][0]["val_accuracy"]
     assert vals["local"] > vals["mlp"] + 0.05, vals
+
+
+def test_local_hops_leave_an_mlp_stage_0_as_it_was():
+    # Only a local stage 0 reads the propagated input: the MLP (also the MLP lane of auto) reads
+    # each node's own raw row, whatever local-hops says.
+    data = _graph()
+    part = partition_graph(data, 3, "random", seed=0)[0]
+    outputs = {}
+    for hops in (1, 3):
+        cfg = TrainConfig(
+            first_stage="auto", local_hops=hops, hidden=8, dropout=0.0, input_dropout=0.0
+        ).validate()
+        client = LazyClient(part, cfg)
+        client.set_first_stage("mlp")
+        torch.manual_seed(0)
+        outputs["mlp", hops] = client.outputs(client.make_model().eval())[0]
+        client.set_first_stage("local")
+        torch.manual_seed(0)
+        outputs["local", hops] = client.outputs(client.make_model().eval())[0]
+        assert client.stage_input() is client.stage_input()  # propagated once, then kept
+    torch.testing.assert_close(outputs["mlp", 1], outputs["mlp", 3], rtol=0, atol=0)
+    assert not torch.allclose(outputs["local", 1], outputs["local", 3])
+
+
+def test_local_hops_below_one_are_refused():
+    with pytest.raises(ValueError, match="local-hops must be in"):
+        TrainConfig(local_hops=0).validate()
 
 
 def test_an_unknown_first_stage_or_one_outside_lazy_mode_is_refused():

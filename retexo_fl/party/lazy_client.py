@@ -138,7 +138,6 @@ def _warn_identity_features(client: int) -> None:
     )
 
 
-
 def own_edges(edge_index: Tensor, num_owned: int) -> Tensor:
     """The edges among a client's own nodes: those from an owned row (halo rows are numbered
     after the owned ones, and no edge goes into a halo row).
@@ -163,6 +162,7 @@ def own_gcn_edges(edge_index: Tensor, num_owned: int) -> tuple[Tensor, Tensor]:
     ei = torch.cat([own_edges(edge_index, num_owned), loops], dim=1)
     inv_sqrt = torch.bincount(ei[1], minlength=num_owned).float().pow(-0.5)  # own degree + 1
     return ei, inv_sqrt[ei[0]] * inv_sqrt[ei[1]]
+
 
 class LazyClient(Client):
     """A client of lazy (RETEXO) training, independent of any transport.

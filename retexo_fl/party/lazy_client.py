@@ -303,7 +303,7 @@ class LazyClient(Client):
         """What this stage's model reads: owned rows, and halo rows after them for a conv stage,
         the two scaled by :meth:`input_scale`."""
         if self.layer == 0:  # the MLP, or a local stage 0 over owned rows (see edges())
-            if self.row_wise or self.cfg.local_hops <= 1:
+            if self.cfg.local_hops <= 1 or self.row_wise:
                 return self.owned
             return self.propagated_input()
         if self.halo is None:

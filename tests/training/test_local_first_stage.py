@@ -141,6 +141,26 @@ def test_local_hops_leave_an_mlp_stage_0_as_it_was():
     assert not torch.allclose(outputs["local", 1], outputs["local", 3])
 
 
+@pytest.mark.parametrize("model", ["gcn", "sage"])
+def test_a_two_hop_local_first_stage_is_the_same_aggregated_once_or_in_chunks(model):
+    # precompute aggregates the propagated input once, chunk-rows computes it a slice of rows at
+    # a time: both are the message-passing layer's output (no dropout, so exactly comparable).
+    data = _graph()
+    part = partition_graph(data, 3, "random", seed=0)[0]
+    outputs = {}
+    for name, extra in (("plain", {}), ("precompute", {"precompute": True}), ("chunks", {"chunk_rows": 7})):
+        cfg = TrainConfig(
+            model=model, first_stage="local", local_hops=2, hidden=8, dropout=0.0, input_dropout=0.0, **extra
+        ).validate()
+        client = LazyClient(part, cfg)
+        torch.manual_seed(0)
+        model_ = client.make_model().eval()
+        with torch.no_grad():
+            outputs[name] = client.outputs(model_)[0]
+    torch.testing.assert_close(outputs["precompute"], outputs["plain"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outputs["chunks"], outputs["plain"], rtol=1e-5, atol=1e-5)
+
+
 def test_local_hops_below_one_are_refused():
     with pytest.raises(ValueError, match="local-hops must be in"):
         TrainConfig(local_hops=0).validate()

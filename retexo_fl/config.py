@@ -191,6 +191,7 @@ class ModelSettings:
         "subgraph. Like a local stage 0 itself, it sends nothing and depends on the partitioning. "
         "A lazy run over partitions defaults to 2 (LAZY_PARTITION_DEFAULTS)",
         modes=("lazy",),
+        needs="first_stage=local|auto",
     )
     dropout: float | list[float] = setting(0.5, "dropout", per_stage=True)
     input_dropout: float | list[float] = setting(0.5, "dropout of each stage's input", per_stage=True)

@@ -54,8 +54,9 @@ def setting(
         modes (tuple[str, ...], optional): the training modes that read it; empty for every one.
             A value given for a run of another mode is reported as ignored. (default: ``()``)
         needs (str, optional): another setting it acts through: ``"name"`` (set: true or
-            nonzero), ``"name=value"``, or ``"name="`` (read only while ``name`` is not set); a
-            value given while that does not hold is reported as ignored. (default: ``""``)
+            nonzero), ``"name=value"``, ``"name=value|other"`` (any of the values), or
+            ``"name="`` (read only while ``name`` is not set); a value given while that does not
+            hold is reported as ignored. (default: ``""``)
     """
     meta = {_DOC: " ".join(doc.split()), _PER_STAGE: per_stage, _MODES: tuple(modes), _NEEDS: needs}
     if isinstance(default, list | dict | set):
@@ -97,7 +98,7 @@ class SettingInfo:
             return True
         name, equals, wanted = self.needs.partition("=")
         value = getattr(cfg, name)
-        return str(value) == wanted if equals else bool(value)
+        return str(value) in wanted.split("|") if equals else bool(value)
 
     @property
     def needs_phrase(self) -> str:
@@ -109,7 +110,7 @@ class SettingInfo:
             return ""
         if equals and not wanted:
             return f"without {flag}"
-        return f"with {flag} {wanted}".rstrip()
+        return f"with {flag} {' or '.join(wanted.split('|'))}".rstrip()
 
     @property
     def key(self) -> str:

@@ -408,6 +408,12 @@ def test_a_setting_the_run_does_not_read_is_named_with_why():
         "dp-clip acts with dp-noise only: ignored",
     ]
     assert ignored_settings(TrainConfig.resolve(model="gat"), ["heads"]) == []
+    # One of several values: local-hops is read by a local stage 0, alone or under auto.
+    assert ignored_settings(TrainConfig.resolve(first_stage="mlp"), ["local-hops"]) == [
+        "local-hops acts with first-stage local or auto only: ignored"
+    ]
+    for first_stage in ("local", "auto"):
+        assert ignored_settings(TrainConfig.resolve(first_stage=first_stage), ["local-hops"]) == []
     # server-lr per stage: the GNN stages' avg applies the mean update as it is (0.03 did nothing).
     assert ignored_settings(TrainConfig.resolve(stages=3, server_lr=[0.01, 0.03]), ["server-lr"]) == [
         "server-lr is not read at stages 1, 2: server-optimizer avg takes no learning rate there "
@@ -440,7 +446,8 @@ def test_a_setting_the_run_does_not_read_is_named_with_why():
         if info.needs:
             name, _, wanted = info.needs.partition("=")
             assert name in names, info.key
-            assert not wanted or not names[name].choices or wanted in names[name].choices, info.key
+            for value in wanted.split("|") if wanted else ():  # each of several values
+                assert not names[name].choices or value in names[name].choices, info.key
         assert set(info.modes) <= set(MODES), info.key
 
 

@@ -111,7 +111,9 @@ EVERY_BOUNDARY = dict(
 CODECS = {
     # The default self-training pass: the relabelling between passes, and a second pass whose
     # stages resume from the first's test rows and the clients' own labels.
-    "32-bit": {},
+    # One hop for the local stage 0 (two by default): the MLP wins stage 0 then, so this case
+    # resumes the second training kept in parallel (the 8-bit case keeps the first, two hops).
+    "32-bit": dict(local_hops=1),
     # Compressed broadcasts and updates keep a view and an error-feedback residual on each client,
     # and SCAFFOLD control variates: all of it must come back exactly. Their state is per round
     # and per stage, which one pass covers; a second would double the messages and, as every
@@ -128,6 +130,7 @@ CODECS = {
     "auto": dict(
         first_stage="auto",
         first_stage_schedule="sequential",
+        local_hops=1,  # the MLP kept, as in the 32-bit case
         broadcast_bits=8,
         update_bits=8,
         self_training=0,

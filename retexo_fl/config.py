@@ -714,7 +714,8 @@ NODE_LEVEL_DEFAULTS: dict[str, Any] = {
 #: -3.7 -> -2.0; over its 10 splits -3.5 -> -3.2), more than 1 point below 13 -> 10, mean test gap
 #: +1.15 -> +1.31. Against it: the USA and Europe airports cells 0.7-2.2 points lower, Brazil
 #: label-skew 2.6, CiteSeer 4 METIS 1.1, Cora with 10 random clients 0.815 -> 0.810 over seeds 0-9
-#: (94.7 -> 91.6 rounds), Cora 10 METIS 0.810 -> 0.803 (``bench/results/robustness-2026-12-01-s42-hops2*.jsonl``).
+#: (94.7 -> 91.6 rounds), Cora 10 METIS 0.810 -> 0.803
+#: (``bench/results/robustness-2026-12-01-s42-hops2*.jsonl``).
 LAZY_PARTITION_DEFAULTS: dict[str, Any] = {
     "first_stage": "auto",
     "first_stage_schedule": "parallel",

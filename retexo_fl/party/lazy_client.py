@@ -345,10 +345,8 @@ class LazyClient(Client):
     def own_adjacency(self) -> Tensor:
         """The GCN-normalized CSR adjacency of the client's own subgraph, self loops included
         (:meth:`own_graph`'s for a GCN stage 0, whatever the run's model)."""
-        if self.cfg.model == "gcn":
-            adj, _ = self.own_graph()
-            if is_sparse(adj):
-                return adj
+        if self.cfg.model == "gcn":  # the same matrix, built once (GCN's is a CSR adjacency)
+            return self.own_graph()[0]
         n = self.graph.num_owned
         ei, w = own_gcn_edges(self.graph.edge_index, n)
         return sparse_adjacency(ei.to(self.device), w.to(self.device), n, n)

@@ -34,7 +34,7 @@ def test_plain_flower_supernode_still_works_beside_retexo_supernodes(data_root, 
     parts = tmp_path / "parts"
     argv = ["partition", "--dataset", "Cora", "--root", str(data_root), "--clients", "3", "--out", str(parts)]
     assert cli(argv) == 0
-    fed = FederationProcesses(tmp_path / "work")
+    fed = FederationProcesses(tmp_path / "work", database=False)  # as test_deployment.py's
     out = tmp_path / "run"
     try:
         fed.start_superlink()

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import os
 import socket
 import sys
@@ -77,6 +78,12 @@ MAX_OPEN = MAX_RUNS * (MAX_QUEUED + 1) + 8
 #: Seconds one step of the channel may take (the caller's proof, reading its request, sending
 #: the reply), so a caller that stopped gives its connection back. Answering is not bounded.
 IO_TIMEOUT_S = 60.0
+#: Modules a run imports only when it first needs them, imported on a thread as soon as the worker
+#: listens: a worker starts with its SuperNode, before any run, so these seconds of CPU (PyG, with
+#: torch's compiler stack under it, for the first conv stage) are spent while the node is idle,
+#: not in a run's round. On 3 nodes sharing 2 cores that import held a run's first GNN round
+#: for about 5 s. A message that needs a module still being imported waits for that import.
+WARM_IMPORTS = ("torch_geometric.nn",)
 
 Job = TypeVar("Job")
 
@@ -388,6 +395,19 @@ def receive(request: Request, secret: bytes, lanes: RunLanes[Request]) -> None:
             request.close()
 
 
+def warm_imports(modules: tuple[str, ...] = WARM_IMPORTS) -> None:
+    """Import ``modules`` now, saying on stderr how long it took (or why one failed: the message
+    that needs it then raises in its own context, for its caller)."""
+    for name in modules:
+        start = time.monotonic()
+        try:
+            importlib.import_module(name)
+        except Exception as exc:
+            _log(f"importing {name} ahead of the runs failed: {type(exc).__name__}: {exc}")
+        else:
+            _log(f"imported {name} ahead of the runs in {time.monotonic() - start:.1f}s")
+
+
 def _watch_parent(parent_pid: int, folder: Path) -> None:
     """Leave when the SuperNode that started this worker is gone (even if it was SIGKILLed), and
     take the worker folder's files with it: a SuperNode killed outright removes nothing, and its
@@ -435,6 +455,7 @@ def serve(folder: str | Path, parent_pid: int | None = None) -> None:
     if parent_pid is not None:
         threading.Thread(target=_watch_parent, args=(parent_pid, folder), daemon=True).start()
     print(f"node worker {os.getpid()} listening on {path}", file=sys.stderr, flush=True)
+    threading.Thread(target=warm_imports, name="warm-imports", daemon=True).start()
     # The bounds are read here, not bound as defaults, so that a test can lower them.
     lanes: RunLanes[Request] = RunLanes(
         lambda request: answer_request(request, node_config), MAX_RUNS, MAX_QUEUED, IDLE_S, forget_run

@@ -173,6 +173,9 @@ def test_deployed_run_matches_the_in_process_run(federation):
     assert deployed["bytes_boundary"] == in_process["bytes_boundary"]
     for party in range(3):  # every message went to the node worker, none answered by itself
         assert _worker(fed, party)[0] > 0
+        # ... which imported PyG while it waited for the run, not in its first GNN round
+        log = (fed.work / f"supernode-{party}.log").read_text()
+        assert "imported torch_geometric.nn ahead of the runs" in log
 
 
 def test_a_node_worker_killed_mid_stage_restarts_and_the_run_ends_the_same(federation):

@@ -24,7 +24,7 @@ import pytest
 
 from clients.records import from_flower, to_flower
 from clients.supernode import WORKER_ENV, WorkerSupervisor, with_node_config
-from clients.worker import request_message
+from clients.worker import request_message, warm_imports
 from clients.worker_link import (
     PID_NAME,
     SECRET_NAME,
@@ -328,3 +328,38 @@ def test_a_worker_whose_supernode_was_killed_outright_takes_its_folder_with_it(t
     while Path(f"/proc/{worker}").exists() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not Path(f"/proc/{worker}").exists() or "Z" in Path(f"/proc/{worker}/stat").read_text().split()[2]
+
+
+def test_a_worker_imports_what_runs_need_once_it_listens(tmp_path):
+    """PyG is imported on a thread as soon as the worker listens, before any run asks for it: the
+    first conv stage of a run no longer pays that import in its first round."""
+    folder = make_worker_dir(tmp_path)
+    write_node_config(folder, {P.NODE_PARTITION_DIR: str(tmp_path / "none")})
+    log = tmp_path / "worker.log"
+    with log.open("w") as err:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "clients.worker", str(folder)],
+            cwd=Path(__file__).resolve().parents[2],
+            stderr=err,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while "ahead of the runs" not in log.read_text():
+            assert worker.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+    finally:
+        worker.kill()
+        worker.wait(timeout=10)
+    lines = log.read_text().splitlines()
+    assert "listening on" in lines[0]
+    assert lines[1].startswith("node worker: imported torch_geometric.nn ahead of the runs in "), lines
+
+
+def test_a_module_that_fails_to_import_ahead_is_said_and_left_to_the_message_that_needs_it(capsys):
+    warm_imports(("json", "retexo_fl.no_such_module"))
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("node worker: imported json ahead of the runs in ")
+    assert lines[1] == (
+        "node worker: importing retexo_fl.no_such_module ahead of the runs failed: "
+        "ModuleNotFoundError: No module named 'retexo_fl.no_such_module'"
+    )

@@ -79,11 +79,16 @@ MAX_OPEN = MAX_RUNS * (MAX_QUEUED + 1) + 8
 #: the reply), so a caller that stopped gives its connection back. Answering is not bounded.
 IO_TIMEOUT_S = 60.0
 #: Modules a run imports only when it first needs them, imported on a thread as soon as the worker
-#: listens: a worker starts with its SuperNode, before any run, so these seconds of CPU (PyG, with
-#: torch's compiler stack under it, for the first conv stage) are spent while the node is idle,
-#: not in a run's round. On 3 nodes sharing 2 cores that import held a run's first GNN round
-#: for about 5 s. A message that needs a module still being imported waits for that import.
+#: listens. A worker starts with its SuperNode, usually long before a run, so these seconds of CPU
+#: (PyG, with torch's compiler stack under it) mostly leave the run's critical path: on 3 nodes
+#: sharing 2 cores that import had held a run's first GNN round for about 5 s. A worker started
+#: just before a run still pays part of it (10-19 s there, under the run's own load).
 WARM_IMPORTS = ("torch_geometric.nn",)
+#: Set once the imports ahead have ended (at once where none were started). Requests wait for it:
+#: a request importing a module while the thread imports another could meet it halfway through a
+#: shared dependency's import, where Python can hand one of them a half-initialized module.
+IMPORTED_AHEAD = threading.Event()
+IMPORTED_AHEAD.set()
 
 Job = TypeVar("Job")
 
@@ -348,6 +353,7 @@ def answer_request(request: Request, node_config: dict[str, Any]) -> None:
     try:
         if request.content is None:  # receive() queues only requests with content
             raise ValueError("a request without content")
+        IMPORTED_AHEAD.wait()
         reply_header, reply = handle_request(request.header, request.content, node_config)
         send_content(request.conn, reply_header, reply)
     except Exception as exc:  # a caller that went away ends its call only
@@ -396,16 +402,24 @@ def receive(request: Request, secret: bytes, lanes: RunLanes[Request]) -> None:
 
 
 def warm_imports(modules: tuple[str, ...] = WARM_IMPORTS) -> None:
-    """Import ``modules`` now, saying on stderr how long it took (or why one failed: the message
-    that needs it then raises in its own context, for its caller)."""
-    for name in modules:
-        start = time.monotonic()
-        try:
-            importlib.import_module(name)
-        except Exception as exc:
-            _log(f"importing {name} ahead of the runs failed: {type(exc).__name__}: {exc}")
-        else:
-            _log(f"imported {name} ahead of the runs in {time.monotonic() - start:.1f}s")
+    """Import ``modules`` now, saying on stderr how long each took, then set
+    :data:`IMPORTED_AHEAD`. A module that fails to import is named with its error and skipped:
+    the message that needs it then raises in its own context, for its caller.
+
+    Args:
+        modules (tuple[str, ...], optional): dotted module names. (default: :data:`WARM_IMPORTS`)
+    """
+    try:
+        for name in modules:
+            start = time.monotonic()
+            try:
+                importlib.import_module(name)
+            except Exception as exc:
+                _log(f"importing {name} ahead of the runs failed: {type(exc).__name__}: {exc}")
+            else:
+                _log(f"imported {name} ahead of the runs in {time.monotonic() - start:.1f}s")
+    finally:
+        IMPORTED_AHEAD.set()
 
 
 def _watch_parent(parent_pid: int, folder: Path) -> None:
@@ -455,6 +469,7 @@ def serve(folder: str | Path, parent_pid: int | None = None) -> None:
     if parent_pid is not None:
         threading.Thread(target=_watch_parent, args=(parent_pid, folder), daemon=True).start()
     print(f"node worker {os.getpid()} listening on {path}", file=sys.stderr, flush=True)
+    IMPORTED_AHEAD.clear()
     threading.Thread(target=warm_imports, name="warm-imports", daemon=True).start()
     # The bounds are read here, not bound as defaults, so that a test can lower them.
     lanes: RunLanes[Request] = RunLanes(

@@ -57,7 +57,7 @@ def federation(data_root, tmp_path_factory):
         serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
     )
     (tmp / "trusted.yaml").write_text(f"consortium: {public.decode()}\n")
-    # The SuperLink keeps its state in memory: its SQLite file made every round about 3x as slow
+    # The SuperLink keeps its state in memory: its SQLite file made every round 2.5-3x as slow
     # on 2 cores (the launcher's default store runs in test_wan.py).
     fed = FederationProcesses(tmp / "work", tls=certs, database=False)
     fed.signer = signer  # type: ignore[attr-defined]

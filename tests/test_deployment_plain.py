@@ -34,7 +34,9 @@ def test_plain_flower_supernode_still_works_beside_retexo_supernodes(data_root, 
     parts = tmp_path / "parts"
     argv = ["partition", "--dataset", "Cora", "--root", str(data_root), "--clients", "3", "--out", str(parts)]
     assert cli(argv) == 0
-    fed = FederationProcesses(tmp_path / "work", database=False)  # as test_deployment.py's
+    # State in memory: the SQLite file made each round 2.5-3x as slow on 2 cores, and a plain
+    # SuperNode's rounds are the slowest of the suite already.
+    fed = FederationProcesses(tmp_path / "work", database=False)
     out = tmp_path / "run"
     try:
         fed.start_superlink()

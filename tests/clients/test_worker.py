@@ -384,7 +384,9 @@ def test_requests_wait_for_the_imports_ahead(monkeypatch):
 
     monkeypatch.setattr(worker_module, "handle_request", handle)
     ours, theirs = socket.socketpair()
-    request = worker_module.Request(ours, threading.BoundedSemaphore(1))
+    slot = threading.BoundedSemaphore(1)
+    slot.acquire()  # as serve() does before it accepts
+    request = worker_module.Request(ours, slot)
     request.content = RecordDict({})
     IMPORTED_AHEAD.clear()
     try:
@@ -395,5 +397,5 @@ def test_requests_wait_for_the_imports_ahead(monkeypatch):
         IMPORTED_AHEAD.set()
     assert answered.wait(10)
     answering.join(10)
-    assert not answering.is_alive() and request._closed
+    assert not answering.is_alive() and slot.acquire(blocking=False)  # answered and given back
     theirs.close()

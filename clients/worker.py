@@ -81,7 +81,7 @@ IO_TIMEOUT_S = 60.0
 #: Modules a run imports only when it first needs them, imported on a thread as soon as the worker
 #: listens. A worker starts with its SuperNode, usually long before a run, so these seconds of CPU
 #: (PyG, with torch's compiler stack under it) mostly leave the run's critical path: on 3 nodes
-#: sharing 2 cores that import had held a run's first GNN round for about 5 s. A worker started
+#: sharing 2 cores that import had held a run's first GNN round for 5-8 s. A worker started
 #: just before a run still pays part of it (10-19 s there, under the run's own load).
 WARM_IMPORTS = ("torch_geometric.nn",)
 #: Set once the imports ahead have ended (at once where none were started). Requests wait for it:

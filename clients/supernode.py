@@ -55,7 +55,7 @@ from clients.flower_patch import (
     shorten_supernode_sleeps,
     use_warm_superexec,
 )
-from clients.worker_link import make_worker_dir, write_node_config
+from clients.worker_link import WorkerError, make_worker_dir, write_node_config
 from retexo_fl import protocol as P
 
 #: A worker that dies this many times within :data:`RESTART_WINDOW` seconds is not restarted
@@ -347,7 +347,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[INSTALLED_DIGEST_ENV] = installed_digest()
     if warning:
         print(f"retexo-fl supernode: {warning}", file=sys.stderr, flush=True)
-    folder = make_worker_dir(ours.worker_base)
+    try:
+        folder = make_worker_dir(ours.worker_base)
+    except (WorkerError, OSError) as exc:  # a path too long for a socket, or a base not there
+        print(f"retexo-fl supernode: error: {exc}", file=sys.stderr)
+        return 2
     try:
         flower_argv = with_node_config(flower_argv, P.NODE_WORKER, str(folder))
     except ValueError as exc:

@@ -56,6 +56,7 @@ from clients.worker_link import (
     SOCKET_NAME,
     WorkerError,
     accept_caller,
+    check_socket_path,
     check_worker_dir,
     read_node_config,
     read_secret,
@@ -454,6 +455,7 @@ def serve(folder: str | Path, parent_pid: int | None = None) -> None:
     node_client.SOLE_WRITER = True  # this process alone answers, and saves, for its node
     node_client.CACHED_RUNS = MAX_RUNS  # runs served side by side keep their clients
     check_worker_dir(folder)
+    check_socket_path(folder)
     secret = read_secret(folder)
     node_config = read_node_config(folder)
     path = folder / SOCKET_NAME

@@ -50,6 +50,9 @@ SOCKET_NAME = "worker.sock"
 SECRET_NAME = "secret"
 NODE_CONFIG_NAME = "node-config.json"
 PID_NAME = "worker.pid"
+#: The longest socket path that binds on Linux and macOS alike (``sun_path`` holds 108 and 104
+#: bytes, its closing NUL included): longer, ``bind`` fails with an error that names no folder.
+MAX_SOCKET_PATH = 103
 _LENGTH = struct.Struct(">I")
 _MAX_FRAME = 1 << 31  # a frame is one Flower object; Flower's own chunks are at most 5 MiB
 _DOMAIN = b"retexo-fl node worker v1"
@@ -76,11 +79,30 @@ def make_worker_dir(base: str | Path | None = None) -> Path:
     (``/tmp/retexo-fl-worker-XXXXXXXX``).
     """
     folder = Path(tempfile.mkdtemp(prefix="retexo-fl-worker-", dir=base))  # mkdtemp makes it 0700
+    try:
+        check_socket_path(folder)
+    except WorkerError:
+        folder.rmdir()  # still empty: nothing is lost
+        raise
     os.chmod(folder, 0o700)
     fd = os.open(folder / SECRET_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(secrets.token_bytes(32))
     return folder
+
+
+def check_socket_path(folder: str | Path) -> None:
+    """Refuse a worker folder whose socket path the kernel would not bind.
+
+    Raises:
+        WorkerError: naming the folder, its socket path's length and the limit.
+    """
+    path = os.fsencode(Path(folder).absolute() / SOCKET_NAME)
+    if len(path) > MAX_SOCKET_PATH:
+        raise WorkerError(
+            f"worker folder {folder}: its socket path is {len(path)} bytes, a Unix socket's is at "
+            f"most {MAX_SOCKET_PATH}; make the folder somewhere shorter (--worker-base)"
+        )
 
 
 def check_worker_dir(folder: str | Path) -> None:

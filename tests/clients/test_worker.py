@@ -26,8 +26,10 @@ from flwr.app import RecordDict
 import clients.worker as worker_module
 from clients.records import from_flower, to_flower
 from clients.supernode import WORKER_ENV, WorkerSupervisor, with_node_config
+from clients.supernode import main as supernode_main
 from clients.worker import IMPORTED_AHEAD, request_message, warm_imports
 from clients.worker_link import (
+    MAX_SOCKET_PATH,
     PID_NAME,
     SECRET_NAME,
     SOCKET_NAME,
@@ -112,11 +114,12 @@ def _worker_pid(folder: Path, old: int | None = None, timeout: float = 60) -> in
 
 
 @contextlib.contextmanager
-def _workers(tmp: Path, cfg: TrainConfig):
-    """One partition folder and one supervised node worker per client of ``cfg``."""
+def _workers(tmp: Path, cfg: TrainConfig, base: Path):
+    """One partition folder and one supervised node worker per client of ``cfg``, the workers'
+    folders made in ``base``."""
     parts = partition_graph(load_graph(cfg), cfg.clients, cfg.method, seed=cfg.seed)
     dirs = [save_partition(p, tmp / f"part-{i}") for i, p in enumerate(parts)]
-    folders = [make_worker_dir(tmp) for _ in parts]
+    folders = [make_worker_dir(base) for _ in parts]
     for folder, part in zip(folders, dirs, strict=True):  # what `retexo-fl supernode` writes
         node_config = {
             P.NODE_PARTITION_DIR: str(part),
@@ -136,8 +139,9 @@ def _workers(tmp: Path, cfg: TrainConfig):
 
 
 @pytest.fixture(scope="module")
-def federation(tmp_path_factory):
-    with _workers(tmp_path_factory.mktemp("workers"), TrainConfig.resolve(**CFG)) as fed:
+def federation(tmp_path_factory, module_worker_base):
+    cfg = TrainConfig.resolve(**CFG)
+    with _workers(tmp_path_factory.mktemp("workers"), cfg, module_worker_base) as fed:
         yield fed
 
 
@@ -160,11 +164,11 @@ def _summary(run: dict) -> tuple:
     return run["test_accuracy"], run["val_accuracy"], run["bytes_boundary"], run["bytes_model"], stages
 
 
-def test_worker_folder_is_the_users_alone(tmp_path):
-    folder = make_worker_dir(tmp_path)
+def test_worker_folder_is_the_users_alone(worker_base):
+    folder = make_worker_dir(worker_base)
     assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
     assert stat.S_IMODE(os.stat(folder / SECRET_NAME).st_mode) == 0o600
-    assert len(read_secret(folder)) == 32 and read_secret(folder) != read_secret(make_worker_dir(tmp_path))
+    assert len(read_secret(folder)) == 32 and read_secret(folder) != read_secret(make_worker_dir(worker_base))
     check_worker_dir(folder)
     os.chmod(folder, 0o755)
     with pytest.raises(WorkerError, match="mode 755, must be 700"):
@@ -173,6 +177,21 @@ def test_worker_folder_is_the_users_alone(tmp_path):
     os.chmod(folder / SECRET_NAME, 0o644)
     with pytest.raises(WorkerError, match="must be 600"):
         read_secret(folder)
+
+
+def test_a_folder_too_deep_for_a_socket_is_refused_naming_it(tmp_path, capsys):
+    """A socket path over the kernel's limit fails ``bind`` with no folder named: the folder is
+    refused where it is made, naming it, and nothing is left behind; ``retexo-fl supernode``
+    says so in one line before Flower starts."""
+    deep = tmp_path / ("d" * (MAX_SOCKET_PATH - len(str(tmp_path))))
+    deep.mkdir()
+    with pytest.raises(WorkerError, match=rf"worker folder {deep}/retexo-fl-worker-\S+: its socket path is \d+ bytes"):
+        make_worker_dir(deep)
+    assert list(deep.iterdir()) == []
+    pins = ["--insecure-no-pinned-keys", "--worker-base", str(deep), "--insecure"]
+    assert supernode_main(pins) == 2
+    assert "at most 103; make the folder somewhere shorter (--worker-base)" in capsys.readouterr().err
+    assert list(deep.iterdir()) == []
 
 
 def test_node_config_gets_the_worker_key():
@@ -185,10 +204,10 @@ def test_node_config_gets_the_worker_key():
         with_node_config(["--node-config", "worker='/x'"], "worker", "/w")
 
 
-def test_a_request_cannot_name_the_node_config(tmp_path):
+def test_a_request_cannot_name_the_node_config(tmp_path, worker_base):
     """The worker answers under the node config ``retexo-fl supernode`` wrote into its folder; a
     request that carries one (a server's or a FAB's idea of this party's policy) changes nothing."""
-    folder = make_worker_dir(tmp_path)
+    folder = make_worker_dir(worker_base)
     own = {P.NODE_PARTITION_DIR: "/parts/mine", P.NODE_PINNED_KEYS: "/keys/pins.json"}
     write_node_config(folder, own)
     assert stat.S_IMODE(os.stat(folder / "node-config.json").st_mode) == 0o600
@@ -203,8 +222,8 @@ def test_a_request_cannot_name_the_node_config(tmp_path):
         read_node_config(folder)
 
 
-def test_no_worker_is_one_line_naming_the_socket(tmp_path):
-    folder = make_worker_dir(tmp_path)
+def test_no_worker_is_one_line_naming_the_socket(tmp_path, worker_base):
+    folder = make_worker_dir(worker_base)
     with pytest.raises(WorkerError, match=r"no node worker at .*worker.sock after 0s") as err:
         call(folder, {}, to_flower({}), wait=0.2)
     assert "\n" not in str(err.value)
@@ -284,12 +303,12 @@ def test_two_runs_on_one_node_do_not_share_state(federation):
     assert _summary(runs["y"]) == _summary(run_lazy(parts, other))
 
 
-def test_secure_aggregation_through_workers_survives_a_killed_worker(tmp_path):
+def test_secure_aggregation_through_workers_survives_a_killed_worker(tmp_path, worker_base):
     """Masked replies, sealed shares and unmask answers through three node workers, one of them
     killed between messages mid-stage: its ledger and last masked round come back from node-local
     state, and the run equals the in-process one."""
     cfg = TrainConfig.resolve(**{**CFG, "clients": 3, "secure_aggregation": True})
-    with _workers(tmp_path, cfg) as (cfg, parts, _, folders, _):
+    with _workers(tmp_path, cfg, worker_base) as (cfg, parts, _, folders, _):
         expected = run_lazy(parts, cfg)
         transport = WorkerTransport(folders, run_id=7)
         killed = _kill_once(transport, folders[2], at=14)  # after stage 1's first train and unmask
@@ -299,10 +318,10 @@ def test_secure_aggregation_through_workers_survives_a_killed_worker(tmp_path):
     assert got["secure_aggregation"] == expected["secure_aggregation"]
 
 
-def test_a_worker_whose_supernode_was_killed_outright_takes_its_folder_with_it(tmp_path):
+def test_a_worker_whose_supernode_was_killed_outright_takes_its_folder_with_it(tmp_path, worker_base):
     """A SIGKILLed SuperNode removes nothing itself; its worker leaves, removing the folder's
     secret, node config, socket and pid file, and the folder."""
-    folder = make_worker_dir(tmp_path)
+    folder = make_worker_dir(worker_base)
     write_node_config(folder, {P.NODE_PARTITION_DIR: str(tmp_path / "none")})
     # A stand-in SuperNode: starts the worker as retexo-fl supernode does, then waits.
     code = (
@@ -336,10 +355,10 @@ def test_a_worker_whose_supernode_was_killed_outright_takes_its_folder_with_it(t
 IMPORT_BOUND_S = 120
 
 
-def test_a_worker_imports_what_runs_need_once_it_listens(tmp_path):
+def test_a_worker_imports_what_runs_need_once_it_listens(tmp_path, worker_base):
     """PyG is imported on a thread as soon as the worker listens, before any run asks for it: the
     first conv stage of a run no longer pays that import in its first round."""
-    folder = make_worker_dir(tmp_path)
+    folder = make_worker_dir(worker_base)
     write_node_config(folder, {P.NODE_PARTITION_DIR: str(tmp_path / "none")})
     log = tmp_path / "worker.log"
     with log.open("w") as err:

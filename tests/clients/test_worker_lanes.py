@@ -280,9 +280,9 @@ class _Worker:
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory) -> Iterator[_Worker]:
+def worker(tmp_path_factory, module_worker_base) -> Iterator[_Worker]:
     tmp = tmp_path_factory.mktemp("lanes")
-    folder, logs = make_worker_dir(tmp), tmp / "logs"
+    folder, logs = make_worker_dir(module_worker_base), tmp / "logs"
     logs.mkdir()
     write_node_config(folder, {P.NODE_WORK_DIR: str(tmp / "work")})
     env = {

@@ -53,7 +53,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -417,6 +417,18 @@ class DeviceHost:
     def _answer(self, msg: Message, context: Context) -> tuple[Message, float]:
         return self._answering.submit(self._timed, msg, context).result()
 
+    def import_ahead(self, modules: tuple[str, ...]) -> Future:
+        """Import ``modules`` on the answering thread before the answer to any message that
+        reaches it later (called before :meth:`start`, before every one): a run's first GNN round
+        then does not wait for PyG's import, and no answer imports a module while this import is
+        halfway through a shared dependency. Each module's seconds, or its error, go to stderr."""
+        from clients.worker import import_ahead
+
+        def log(line: str) -> None:
+            print(f"retexo-fl devices: {line}", file=sys.stderr, flush=True)
+
+        return self._answering.submit(import_ahead, modules, log)
+
     def start(self) -> DeviceHost:
         """Start every device's thread."""
         for thread in self.threads:
@@ -510,11 +522,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"retexo-fl devices: error: {exc}", file=sys.stderr)
         return 2
     from clients import node_client
-    from clients.worker import MAX_RUNS
+    from clients.worker import MAX_RUNS, WARM_IMPORTS
 
     node_client.SOLE_WRITER = True  # this process alone answers, and saves, for its devices
     node_client.CACHED_RUNS = MAX_RUNS  # as a node worker: runs side by side keep their clients
     shorten_object_pulls()
+    host.import_ahead(WARM_IMPORTS)  # as a node worker does, while the devices register
     host.start()
     print(
         f"retexo-fl devices: holding {len(specs)} devices (an idle device polls every "

@@ -402,23 +402,33 @@ def receive(request: Request, secret: bytes, lanes: RunLanes[Request]) -> None:
             request.close()
 
 
+def import_ahead(modules: tuple[str, ...], log: Callable[[str], None]) -> None:
+    """Import ``modules`` now, saying through ``log`` how long each took. A module that fails to
+    import is named with its error and skipped: the message that needs it then raises in its own
+    context, for its caller.
+
+    Args:
+        modules (tuple[str, ...]): dotted module names.
+        log (Callable[[str], None]): takes one line.
+    """
+    for name in modules:
+        start = time.monotonic()
+        try:
+            importlib.import_module(name)
+        except Exception as exc:
+            log(f"importing {name} ahead of the runs failed: {type(exc).__name__}: {exc}")
+        else:
+            log(f"imported {name} ahead of the runs in {time.monotonic() - start:.1f}s")
+
+
 def warm_imports(modules: tuple[str, ...] = WARM_IMPORTS) -> None:
-    """Import ``modules`` now, saying on stderr how long each took, then set
-    :data:`IMPORTED_AHEAD`. A module that fails to import is named with its error and skipped:
-    the message that needs it then raises in its own context, for its caller.
+    """:func:`import_ahead` into this worker's log, then set :data:`IMPORTED_AHEAD`.
 
     Args:
         modules (tuple[str, ...], optional): dotted module names. (default: :data:`WARM_IMPORTS`)
     """
     try:
-        for name in modules:
-            start = time.monotonic()
-            try:
-                importlib.import_module(name)
-            except Exception as exc:
-                _log(f"importing {name} ahead of the runs failed: {type(exc).__name__}: {exc}")
-            else:
-                _log(f"imported {name} ahead of the runs in {time.monotonic() - start:.1f}s")
+        import_ahead(modules, _log)
     finally:
         IMPORTED_AHEAD.set()
 

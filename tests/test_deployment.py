@@ -266,7 +266,9 @@ def test_devices_held_by_one_process_run_as_the_in_process_run(device_host):
     # Twenty parties, one process: the host started no SuperExec, ClientApp or worker.
     host = fed.procs["devices-0"].pid
     children = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == host]
-    assert children == [] and f"holding {DEVICES} devices (" in (fed.work / "devices-0.log").read_text()
+    log = (fed.work / "devices-0.log").read_text()
+    assert children == [] and f"holding {DEVICES} devices (" in log
+    assert "retexo-fl devices: imported torch_geometric.nn ahead of the runs in " in log
 
 
 def _parent(proc: Path) -> int:

@@ -4,6 +4,7 @@ device's loop ends. The whole host against a real SuperLink is in tests/test_dep
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -132,6 +133,32 @@ def test_a_message_that_fails_is_logged_and_the_device_goes_on(monkeypatch, caps
     assert "part-3: a train message of run 5 failed: RuntimeError: run 5 unknown" in capsys.readouterr().err
     assert conn.pulls == 3  # it pulled again after the failed message, until the connection failed
     assert host.failed() == ["part-3: ConnectionError: the SuperLink went away"]
+
+
+def test_answers_wait_for_the_imports_ahead(tmp_path, monkeypatch, capsys):
+    """The host imports PyG on its answering thread before it answers anything, as a node worker
+    does: an answer queued meanwhile runs once the import is whole; a module that fails to import
+    is named, and answering goes on."""
+    (tmp_path / "slow_import_ahead.py").write_text("import time\ntime.sleep(0.5)\nWHOLE = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "slow_import_ahead", raising=False)
+    seen: list[bool] = []
+
+    def app(msg, context):
+        seen.append(getattr(sys.modules.get("slow_import_ahead"), "WHOLE", False))
+        return msg
+
+    host = DeviceHost([DeviceSpec("part-0", {})], _Conn(empty=0).open, app=app)
+    done = host.import_ahead(("slow_import_ahead", "retexo_fl.no_such_module"))
+    msg = _message("train", 3)
+    assert host._answer(msg, None)[0] is msg and seen == [True] and done.done()
+    host._answering.shutdown()  # no device thread was started
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("retexo-fl devices: imported slow_import_ahead ahead of the runs in 0.")
+    assert lines[1] == (
+        "retexo-fl devices: importing retexo_fl.no_such_module ahead of the runs failed: "
+        "ModuleNotFoundError: No module named 'retexo_fl.no_such_module'"
+    )
 
 
 def test_two_devices_given_one_node_id_are_refused():

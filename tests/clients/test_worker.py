@@ -185,7 +185,9 @@ def test_a_folder_too_deep_for_a_socket_is_refused_naming_it(tmp_path, capsys):
     says so in one line before Flower starts."""
     deep = tmp_path / ("d" * (MAX_SOCKET_PATH - len(str(tmp_path))))
     deep.mkdir()
-    with pytest.raises(WorkerError, match=rf"worker folder {deep}/retexo-fl-worker-\S+: its socket path is \d+ bytes"):
+    with pytest.raises(
+        WorkerError, match=rf"worker folder {deep}/retexo-fl-worker-\S+: its socket path is \d+ bytes"
+    ):
         make_worker_dir(deep)
     assert list(deep.iterdir()) == []
     pins = ["--insecure-no-pinned-keys", "--worker-base", str(deep), "--insecure"]

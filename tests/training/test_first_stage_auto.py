@@ -38,6 +38,7 @@ def _parts(homophily: float, feature_signal: float):
     return partition_graph(data, 3, "metis", seed=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "homophily, feature_signal, winner",
     [
@@ -74,6 +75,7 @@ def test_auto_keeps_the_better_stage_0_and_goes_on_as_that_variant_would(homophi
     assert {row["first_stage"] for row in stage0["history"]} == {"mlp", "local"}
 
 
+@pytest.mark.slow
 def test_a_raced_second_training_stops_when_it_trails_and_the_run_is_the_first_variants():
     # Strong features, edges across classes: the MLP (trained first) wins, the local layer trails.
     parts = _parts(0.2, 0.8)
@@ -100,6 +102,7 @@ def test_a_raced_second_training_stops_when_it_trails_and_the_run_is_the_first_v
     assert raced["bytes_model"] < full["bytes_model"]
 
 
+@pytest.mark.slow
 def test_a_race_the_second_training_leads_changes_nothing():
     # Classes on the edges, weak features: the local layer leads from early on and is kept.
     parts = _parts(0.9, 0.1)

@@ -64,6 +64,7 @@ def _child(code: str, folder: Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads VmHWM from /proc")
 def test_partitioning_and_a_lazy_run_stay_linear_in_the_graph(tmp_path):
     cut = _child(_CUT, tmp_path)

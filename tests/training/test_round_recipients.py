@@ -134,6 +134,7 @@ def node_level_unlabelled():
     return partition_graph(data, 60, "node", seed=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("broadcast_bits", [4, 32])
 def test_a_stage_is_tested_with_its_embed_and_ends_as_when_tested_on_its_own(
     node_level_unlabelled, monkeypatch, broadcast_bits

@@ -297,8 +297,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--worker-base",
         default=None,
-        help="where the worker folder is made (default: the temp folder; a Unix socket path must "
-        "stay under about 100 bytes)",
+        help="where the worker folder is made (default: the temp folder; at most 65 bytes long, as "
+        "the worker's socket path inside it must fit a Unix socket's 103)",
     )
     parser.add_argument(
         "--trusted-entities",

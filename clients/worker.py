@@ -459,7 +459,8 @@ def serve(folder: str | Path, parent_pid: int | None = None) -> None:
         parent_pid (int, optional): exit when this process is gone. (default: :obj:`None`)
 
     Raises:
-        WorkerError: the folder is not the user's own 0700 folder, or has no secret or node config.
+        WorkerError: the folder is not the user's own 0700 folder, its socket path is too long
+            for a Unix socket, or it has no secret or node config.
     """
     folder = Path(folder)
     node_client.SOLE_WRITER = True  # this process alone answers, and saves, for its node

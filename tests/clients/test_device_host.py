@@ -4,6 +4,7 @@ device's loop ends. The whole host against a real SuperLink is in tests/test_dep
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 import threading
 import time
@@ -154,7 +155,8 @@ def test_answers_wait_for_the_imports_ahead(tmp_path, monkeypatch, capsys):
     assert host._answer(msg, None)[0] is msg and seen == [True] and done.done()
     host._answering.shutdown()  # no device thread was started
     lines = capsys.readouterr().err.splitlines()
-    assert lines[0].startswith("retexo-fl devices: imported slow_import_ahead ahead of the runs in 0.")
+    took = r"retexo-fl devices: imported slow_import_ahead ahead of the runs in \d+\.\ds"
+    assert re.fullmatch(took, lines[0])
     assert lines[1] == (
         "retexo-fl devices: importing retexo_fl.no_such_module ahead of the runs failed: "
         "ModuleNotFoundError: No module named 'retexo_fl.no_such_module'"

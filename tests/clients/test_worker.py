@@ -179,19 +179,23 @@ def test_worker_folder_is_the_users_alone(worker_base):
         read_secret(folder)
 
 
-def test_a_folder_too_deep_for_a_socket_is_refused_naming_it(tmp_path, capsys):
+def test_a_folder_too_deep_for_a_socket_is_refused_naming_it(tmp_path, monkeypatch, capsys):
     """A socket path over the kernel's limit fails ``bind`` with no folder named: the folder is
     refused where it is made, naming it, and nothing is left behind; ``retexo-fl supernode``
     says so in one line before Flower starts."""
-    deep = tmp_path / ("d" * (MAX_SOCKET_PATH - len(str(tmp_path))))
+    deep = tmp_path / ("d" * max(1, MAX_SOCKET_PATH - len(str(tmp_path))))
     deep.mkdir()
-    with pytest.raises(
-        WorkerError, match=rf"worker folder {deep}/retexo-fl-worker-\S+: its socket path is \d+ bytes"
-    ):
+    refused = rf"worker folder {deep}/retexo-fl-worker-\S+: its socket path is \d+ bytes"
+    with pytest.raises(WorkerError, match=refused):
         make_worker_dir(deep)
     assert list(deep.iterdir()) == []
-    pins = ["--insecure-no-pinned-keys", "--worker-base", str(deep), "--insecure"]
-    assert supernode_main(pins) == 2
+    # What supernode's main() sets in this process before it makes the folder, restored after.
+    import clients.approval as approval
+
+    monkeypatch.setenv(approval.INSTALLED_DIGEST_ENV, "")
+    monkeypatch.setenv(approval.TRUSTED_ENTITIES_ENV, "")
+    monkeypatch.setattr(approval, "_INSTALLED", approval._INSTALLED)
+    assert supernode_main(["--insecure-no-pinned-keys", "--worker-base", str(deep), "--insecure"]) == 2
     assert "at most 103; make the folder somewhere shorter (--worker-base)" in capsys.readouterr().err
     assert list(deep.iterdir()) == []
 

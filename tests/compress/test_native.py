@@ -322,6 +322,7 @@ def test_a_folder_others_can_write_is_never_loaded_from(fresh, monkeypatch):
     assert not _loaded_from(fresh)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler")
 def test_a_library_others_can_write_is_built_over(fresh, monkeypatch):
     fresh.mkdir(mode=0o700)

@@ -116,6 +116,7 @@ def _lazy(
     return LazyStageMachine(transport, config, RunRecorder(None, stream=None)).run()
 
 
+@pytest.mark.slow
 def test_an_honest_server_runs_to_the_end(nodes, sbm, tmp_path):
     out = _lazy(nodes, tmp_path, rounds=20)
     assert out["missing_payloads"] == {} and out["lost_clients"] == []

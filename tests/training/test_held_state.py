@@ -5,6 +5,7 @@ state is sent it whole. The run ends exactly as when every state travels whole."
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from retexo_fl import protocol as P
@@ -130,6 +131,7 @@ def test_kept_states_go_by_digest_and_the_run_ends_as_when_sent_whole(sbm, monke
     assert [s["best_round"] for s in whole["stages"]] == [s["best_round"] for s in held["stages"]]
 
 
+@pytest.mark.slow
 def test_first_stage_auto_names_the_first_trainings_state_by_digest_after_the_second(sbm, monkeypatch):
     """Under ``first-stage auto`` clients hold the first training's last and kept views while the
     second trains, so whichever is kept goes to the stage's test and embed by digest. Before,

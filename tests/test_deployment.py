@@ -161,12 +161,20 @@ def _worker(fed, party: int) -> tuple[int, Path]:
     return int(pid), Path(sock).parent
 
 
-def test_deployed_run_matches_the_in_process_run(federation):
-    fed, parts, tmp = federation
+@pytest.fixture(scope="module")
+def deployed(federation) -> dict:
+    """The summary of RUN deployed on ``federation`` and never interrupted: the run the
+    interrupted ones must equal. A fixture, not another test's leftover: ``pytest -n`` may hand
+    the tests that compare with it to a process where that test never ran."""
+    fed, _, tmp = federation
     out = tmp / "deployed"
     record = fed.run(f"clients=3 out-dir='{out}' {RUN}", timeout=240)  # a bound, not a target
     assert record["status"] == "finished:completed"
-    deployed = json.loads((out / "summary.json").read_text())
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_deployed_run_matches_the_in_process_run(federation, deployed):
+    fed, parts, _ = federation
     assert deployed["engine"] == "flower"
     in_process = _in_process(parts)
     assert deployed["test_accuracy"] == pytest.approx(in_process["test_accuracy"], abs=0.005)
@@ -178,7 +186,7 @@ def test_deployed_run_matches_the_in_process_run(federation):
         assert "imported torch_geometric.nn ahead of the runs" in log
 
 
-def test_a_node_worker_killed_mid_stage_restarts_and_the_run_ends_the_same(federation):
+def test_a_node_worker_killed_mid_stage_restarts_and_the_run_ends_the_same(federation, deployed):
     fed, _, tmp = federation
     out = tmp / "worker-killed"
     run_id = _run_and_wait_for_stage_1(fed, out)
@@ -193,10 +201,9 @@ def test_a_node_worker_killed_mid_stage_restarts_and_the_run_ends_the_same(feder
     assert _wait_until_finished(fed, run_id, out) == "finished:completed"
     assert _worker(fed, 1)[0] != pid  # a new worker answered the rest
     got = json.loads((out / "summary.json").read_text())
-    expected = json.loads((tmp / "deployed" / "summary.json").read_text())  # the uninterrupted run
     assert got["lost_clients"] == []
     for key in ("test_accuracy", "val_accuracy", "bytes_boundary", "bytes_model"):
-        assert got[key] == expected[key], key
+        assert got[key] == deployed[key], key
 
 
 def test_supernode_killed_mid_stage_ends_as_the_policy_says(federation):

@@ -6,6 +6,7 @@ import atexit
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,19 @@ def node_work_dir(tmp_path_factory, monkeypatch) -> Path:
     folder = tmp_path_factory.mktemp("nodes")
     monkeypatch.setenv(WORK_DIR_ENV, str(folder))
     return folder
+
+
+@pytest.fixture(autouse=True)
+def torch_threads() -> Iterator[None]:
+    """Every test starts with the process's torch thread count: a run with ``threads=1`` sets it
+    for the whole process (``torch.set_num_threads``), and the tests after it in that process
+    would run, and check the codec's thread split, on one thread."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -207,6 +207,8 @@ def test_a_node_worker_killed_mid_stage_restarts_and_the_run_ends_the_same(feder
 
 
 def test_supernode_killed_mid_stage_ends_as_the_policy_says(federation):
+    # Kills supernode-2 of the module's federation for good: it stays the last test of the module
+    # to run a federated RUN (a process runs a module's tests in their order, also under -n).
     fed, _, tmp = federation
     out = tmp / "killed"
     # A worker's message takes well under a second here (15x margin); the time-out is most of

@@ -30,7 +30,7 @@ def local(sbm):
     part = partition_graph(sbm, 3, "random", seed=0)[1]
     graph = LocalGraph.build(part, BoundaryPlan.from_partition(part))
     assert graph.num_halo > 0
-    halo_degree = torch.randint(1, 9, (graph.num_halo,)).float()
+    halo_degree = torch.randint(1, 9, (graph.num_halo,), generator=torch.Generator().manual_seed(0)).float()
     ei, w = graph.gcn_weights(halo_degree)  # owned self loops, symmetric weights
     return graph, ei, w
 

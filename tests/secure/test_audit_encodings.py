@@ -12,7 +12,6 @@ prefix, and rows sealed to a peer (caught in the plaintext recorded before seali
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,7 +26,7 @@ HERE = Path(__file__).resolve().parent
 
 @pytest.mark.slow
 def test_every_encoding_of_a_leak_is_caught(sbm, tmp_path, monkeypatch):
-    sys.path.insert(0, str(HERE))
+    monkeypatch.syspath_prepend(str(HERE))
     # Flower's simulation workers import the leaking app by name, as they import ours.
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     import leaky_clientapp as leaky

@@ -215,7 +215,10 @@ def test_supernode_killed_mid_stage_ends_as_the_policy_says(federation):
     # what the test waits: the lost node's.
     policy = "min-clients=2 on-missing-halo='zero' client-timeout=15.0"
     run_id = _run_and_wait_for_stage_1(fed, out, policy)
+    _, folder = _worker(fed, 2)
     os.killpg(fed.procs["supernode-2"].pid, signal.SIGKILL)  # the SuperNode and its worker
+    # Killed together, neither is left to remove the worker folder (its secret and node config).
+    shutil.rmtree(folder, ignore_errors=True)
     _wait_until_finished(fed, run_id, out)  # bounded: the policy's time-out ends it, not a hang
     summary = json.loads((out / "summary.json").read_text())
     assert [c["client"] for c in summary["lost_clients"]] == [2]

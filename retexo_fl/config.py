@@ -42,6 +42,9 @@ FirstStage = Literal["mlp", "local", "auto"]
 FIRST_STAGES: tuple[str, ...] = get_args(FirstStage)
 #: What a layer-0 stage is built as; ``first-stage auto`` trains both and keeps one.
 FIRST_STAGE_VARIANTS: tuple[str, ...] = ("mlp", "local")
+#: ``first-stage-sprint``'s lane of stage 0: the local layer over more hops, with less dropout. A
+#: candidate for the delivered model only: never embedded, never a self-training teacher.
+SPRINT = "sprint"
 #: The largest ``gnn-input-rms-floor``: trained embeddings have a root mean square of about 0.1-1.
 MAX_INPUT_RMS_FLOOR = 10.0
 #: Upper bounds on the sizes a run config sets, far past any real run: a client builds what its
@@ -183,6 +186,30 @@ class ModelSettings:
         modes=("lazy",),
         needs="first_stage=auto",
     )
+    first_stage_sprint: int = setting(
+        0,
+        "first-stage auto in parallel: the rounds of a third lane of stage 0, the sprint (0: none): "
+        "the local layer over first-stage-sprint-hops hops with dropout first-stage-sprint-dropout, "
+        "which validates high within a few rounds where the graph is homophilous but makes poor "
+        "inputs for later stages. It is a candidate for the delivered model (tested when it "
+        "validates above the stage 0 kept), never embedded nor a self-training teacher; it costs "
+        "its rounds' model bytes and no boundary traffic. A lazy run over partitions defaults to "
+        "8 (LAZY_PARTITION_DEFAULTS)",
+        modes=("lazy",),
+        needs="first_stage=auto",
+    )
+    first_stage_sprint_hops: int = setting(
+        3,
+        "first-stage-sprint: the hops of the client's own subgraph its input reads (as local-hops)",
+        modes=("lazy",),
+        needs="first_stage_sprint",
+    )
+    first_stage_sprint_dropout: float = setting(
+        0.2,
+        "first-stage-sprint: its dropout (its input dropout is input-dropout's)",
+        modes=("lazy",),
+        needs="first_stage_sprint",
+    )
     local_hops: int = setting(
         1,
         "a local stage 0 (first-stage local or auto) reads its input propagated this many hops "
@@ -205,6 +232,7 @@ class ModelSettings:
             ("heads", self.heads, MAX_LAYERS),
             ("central-layers", self.central_layers, MAX_LAYERS),
             ("local-hops", self.local_hops, MAX_LAYERS),
+            ("first-stage-sprint-hops", self.first_stage_sprint_hops, MAX_LAYERS),
         )
         for name, value, most in sizes:
             if not 1 <= value <= most:
@@ -219,6 +247,11 @@ class ModelSettings:
             # run config push rows past float32 exactly where a client's data makes them nonzero.
             raise ValueError(
                 f"gnn-input-rms-floor must be in [0, {MAX_INPUT_RMS_FLOOR:g}], got {self.gnn_input_rms_floor}"
+            )
+        if not 0 <= self.first_stage_sprint <= MAX_ROUNDS or not 0 <= self.first_stage_sprint_dropout < 1:
+            raise ValueError(
+                f"first-stage-sprint must be in [0, {MAX_ROUNDS}] and first-stage-sprint-dropout in "
+                f"[0, 1), got {self.first_stage_sprint} and {self.first_stage_sprint_dropout}"
             )
         if self.first_stage_race < 0 or not 0 <= self.first_stage_race_margin <= 1:
             raise ValueError(
@@ -877,6 +910,13 @@ class TrainConfig:
         """The order in which ``first-stage auto`` trains the layer-0 variants."""
         first = self.first_stage_first
         return (first, *(v for v in FIRST_STAGE_VARIANTS if v != first))
+
+    @property
+    def first_stage_lanes(self) -> tuple[str, ...]:
+        """What ``first-stage auto`` trains stage 0 as, in order: :attr:`first_stage_order`, and
+        the sprint (:data:`SPRINT`) last when ``first-stage-sprint`` trains one (in parallel only)."""
+        sprint = self.first_stage_sprint > 0 and self.first_stage_schedule == "parallel"
+        return (*self.first_stage_order, *((SPRINT,) if sprint else ()))
 
     def ends_pass(self, stage: int) -> bool:
         """Whether ``stage`` is the last of a self-training pass that another pass follows."""

@@ -48,6 +48,8 @@ class RunSummary(Mapping[str, Any]):
             (default: :obj:`None`)
         kept_pass (int | None, optional): its self-training pass (lazy; centralized with passes).
             (default: :obj:`None`)
+        kept_variant (str | None, optional): set when the delivered model is a stage-0 lane that
+            no later stage was trained on (``sprint``: ``first-stage-sprint``). (default: :obj:`None`)
         stage_results (list[dict] | None, optional): every lazy stage's validation and test
             accuracy, and whether it was measured on the same clients as the last.
             (default: :obj:`None`)
@@ -77,6 +79,7 @@ class RunSummary(Mapping[str, Any]):
     bit_histogram: dict[str, int] | None = None
     kept_stage: int | None = None
     kept_pass: int | None = None
+    kept_variant: str | None = None
     stage_results: list[dict[str, Any]] | None = None
     passes: list[dict[str, Any]] | None = None
     resumed: bool | None = None

@@ -193,7 +193,7 @@ class FedAvgRound:
         if cfg.first_stage == "auto" and cfg.layer(self.stage) == 0 and self.fed.first_stage is not None:
             # Stage 0's second training draws noise of its own: the same noise on both trainings'
             # round would cancel in the difference of their broadcasts, which every client holds.
-            trial = cfg.first_stage_order.index(self.fed.first_stage)
+            trial = cfg.first_stage_lanes.index(self.fed.first_stage)
             tag = (*tag, trial) if trial else tag
         return aggregate_round(rs.state, rs.view, self.states, weights, self.fed.privacy, tag), loss
 

@@ -152,7 +152,7 @@ class RoundLoop:
     def run_lanes(
         self,
         stage: int,
-        rounds: int,
+        rounds: int | dict[str, int],
         lanes: dict[str, RoundState],
         label: str,
         on_round: Callable[[], None] | None = None,
@@ -167,7 +167,7 @@ class RoundLoop:
 
         Args:
             stage (int): the stage.
-            rounds (int): the stage's last round.
+            rounds (int or dict[str, int]): the stage's last round, or each lane's by variant.
             lanes (dict[str, RoundState]): by variant, in the order each round's replies are
                 read: where each lane stands (:meth:`start`, or a checkpoint's).
             label (str): names the rounds in messages and progress.
@@ -205,8 +205,9 @@ class RoundLoop:
 
         for variant, rs in lanes.items():
             if not rs.finished:
+                last = rounds[variant] if isinstance(rounds, dict) else rounds
                 steps[variant] = self._round_steps(
-                    stage, rounds, rs, None, False, label, results[variant], t0[variant], saved
+                    stage, last, rs, None, False, label, results[variant], t0[variant], saved
                 )
                 advance(variant, None)
         while waiting:

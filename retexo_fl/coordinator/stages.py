@@ -15,7 +15,7 @@ from typing import Any
 
 from retexo_fl import protocol as P
 from retexo_fl.compress.boundary import ExchangeStats
-from retexo_fl.config import FIRST_STAGE_VARIANTS, TrainConfig
+from retexo_fl.config import FIRST_STAGE_VARIANTS, SPRINT, TrainConfig
 from retexo_fl.coordinator.checkpoint import Checkpoint, CheckpointStore, RoundState
 from retexo_fl.coordinator.federation import AGGREGATE, FederationView, Frames, total
 from retexo_fl.coordinator.round_loop import (
@@ -100,7 +100,7 @@ class LazyStageMachine:
             # the run goes on from, the test rides on the embed (one message a client, not two:
             # at one node per client a test message each for a thousand clients). Under secure
             # aggregation it is its own message: its counts are masked over every live client.
-            untested = all(r["stage"] != stage for r in ck.passes)
+            untested = all(r["stage"] != stage for r in chain_rows(ck.passes))
             test_with_embed = untested and stage < last and self._tests_with_embed()
             if untested and not test_with_embed:
                 # Saved at once: a server resumed after the clients embedded or relabelled must
@@ -110,7 +110,7 @@ class LazyStageMachine:
             if stage < last:
                 # Clients embed, or after a pass's last stage label their own nodes (nothing to
                 # relay); those the test did not reach are sent the stage's frames they lack now.
-                rows = [r for r in ck.passes if r["stage"] == stage]  # none: the embed tests
+                rows = [r for r in chain_rows(ck.passes) if r["stage"] == stage]  # none: the embed tests
                 tested = set(rows[0].get("members", fed.pids)) if rows else set()
                 late = {pid: f for pid, f in undelivered.items() if pid not in tested}
                 teacher = self._names_teacher(ck, stage, figures)
@@ -149,7 +149,7 @@ class LazyStageMachine:
             )
             self._save(ck)
         stages = ck.stages
-        if all(r["stage"] != last for r in ck.passes):  # a checkpoint of older code, resumed at the end
+        if all(r["stage"] != last for r in chain_rows(ck.passes)):  # older code's checkpoint, resumed at the end
             ck.passes.append(self._stage_result(state, last, stages[-1]))
         kept, selection = self._kept(ck)
         bytes_model = sum(s["bytes_model"] for s in stages)
@@ -229,20 +229,22 @@ class LazyStageMachine:
     def _train_lanes(self, ck: Checkpoint) -> None:
         """``first-stage auto`` in parallel: stage 0 trained as every variant in the same rounds
         (:meth:`RoundLoop.run_lanes`), each training exactly as :meth:`_train_first_stage` would
-        train it in turn, the second racing the first round by round; the finished trainings go
-        to ``ck.first_stage_trials`` in order. Resumable: the lanes' rounds are checkpointed
-        after every round."""
+        train it in turn, the second racing the first round by round, and the sprint
+        (``first-stage-sprint``: :data:`~retexo_fl.config.SPRINT`) beside them for its own
+        rounds; the finished trainings go to ``ck.first_stage_trials`` in order. Resumable: the
+        lanes' rounds are checkpointed after every round."""
         cfg, fed = self.cfg, self.fed
-        order = list(cfg.first_stage_order)
         lanes = ck.first_stage_lanes
         if lanes is None:
             lanes = {}
-            for i, variant in enumerate(order):
+            for i, variant in enumerate(cfg.first_stage_lanes):
                 fed.first_stage = variant
-                lanes[variant] = rs = self._start_stage(0, ck, pace=[] if i else None)
-                rs.tracker.name = f"{rs.tracker.name} as {variant}"  # progress lines tell the two apart
+                raced = 0 < i < len(cfg.first_stage_order)  # the second variant races the first
+                lanes[variant] = rs = self._start_stage(0, ck, pace=[] if raced else None)
+                rs.tracker.name = f"{rs.tracker.name} as {variant}"  # progress lines tell them apart
             ck.first_stage_lanes = lanes
             self._save(ck)
+        order = list(lanes)  # as the lanes began (a resumed run's config is its checkpoint's)
         racer = lanes[order[1]].tracker
 
         def before(variant: str) -> None:
@@ -252,7 +254,8 @@ class LazyStageMachine:
             others = sum(rs.tracker.model_bytes for v, rs in lanes.items() if v != variant)
             lanes[variant].tracker.bytes_offset = fed.bytes_boundary + self.model_bytes_done + others
 
-        rounds = int(cfg.per_stage("rounds", 0))
+        most = int(cfg.per_stage("rounds", 0))
+        rounds = {v: min(most, cfg.first_stage_sprint) if v == SPRINT else most for v in order}
         results = self.loop.run_lanes(
             0, rounds, lanes, "stage 0", on_round=lambda: self._save(ck), before=before
         )
@@ -323,6 +326,7 @@ class LazyStageMachine:
         each = [{"variant": t["variant"], **_trial_figures(t["figures"])} for t in trials]
         self.rec.event("first-stage", kept=chosen, trials=each)
         self.rec.progress(f"stage 0: kept the {chosen} variant (first-stage auto)")
+        self._test_sprint(ck, kept)
         figures = dict(kept["figures"])
         # In parallel a round carries both trainings: the stage's rounds are the longer one's.
         per_round = max if all(t.get("parallel") for t in trials) else sum
@@ -340,10 +344,34 @@ class LazyStageMachine:
             self.on_stage(0, kept["state"])
         return kept["state"], figures, kept["undelivered"]
 
+    def _test_sprint(self, ck: Checkpoint, kept: dict[str, Any]) -> None:
+        """Test the sprint's best model (``first-stage-sprint``) where it validates above the stage
+        0 ``kept`` trial (:func:`keep_best_stage`), so that it is a candidate for the delivered
+        model (a row of ``ck.passes`` naming its ``variant``); a sprint that does not cannot be
+        kept, and costs no message. Once: a resumed server that tested it does not again."""
+        sprint = next((t for t in ck.first_stage_trials if t["variant"] == SPRINT), None)
+        if sprint is None or any(r.get("variant") == SPRINT for r in ck.passes):
+            return
+        if keep_best_stage([sprint["figures"], kept["figures"]]) is not sprint["figures"]:
+            return
+        fed = self.fed
+        unheld = fed.unheld
+        fed.first_stage, fed.unheld = SPRINT, set(sprint["unheld"])
+        try:
+            row = self._stage_result(sprint["state"], 0, sprint["figures"])
+        finally:
+            fed.first_stage, fed.unheld = kept["variant"], unheld
+        ck.passes.append({**row, "variant": SPRINT})
+        self.rec.progress(
+            f"stage 0 as {SPRINT}: test {row['test_accuracy']:.4f}, a candidate for the delivered model"
+        )
+        self._save(ck)
+
     @staticmethod
     def _kept_first_stage(ck: Checkpoint) -> str:
-        """The layer-0 variant ``first-stage auto`` keeps: the better validation of its trainings."""
-        trials = ck.first_stage_trials
+        """The layer-0 variant ``first-stage auto`` keeps: the better validation of its trainings
+        (the sprint's is never kept: its embeddings make poor inputs for later stages)."""
+        trials = [t for t in ck.first_stage_trials if t["variant"] in FIRST_STAGE_VARIANTS]
         if len(trials) < len(FIRST_STAGE_VARIANTS):
             raise RuntimeError(f"first-stage auto: {len(trials)} of stage 0's trainings in the checkpoint")
         best = keep_best_stage([t["figures"] for t in trials])
@@ -400,20 +428,26 @@ class LazyStageMachine:
         """The stage whose model the run delivers (see :func:`keep_best_stage`) and the summary's
         figures: ``kept_stage`` and ``kept_pass`` name it, ``stage_results`` lists every stage's
         validation and test accuracy, ``passes`` the rows of the stages that end a pass."""
-        results = sorted(ck.passes, key=lambda r: r["stage"])
+        # A sprint row goes before its stage's: a full tie goes to the later, the chain's.
+        results = sorted(ck.passes, key=lambda r: (r["stage"], "variant" not in r))
         last = results[-1]
         kept = keep_best_stage(results)
         if kept is not last:
+            as_ = f" as {kept['variant']}" if "variant" in kept else ""
             self.rec.progress(
-                f"kept {self.cfg.stage_name(kept['stage'])}: validation "
+                f"kept {self.cfg.stage_name(kept['stage'])}{as_}: validation "
                 f"{kept['val_accuracy']:.4f}, the last stage's {last['val_accuracy']:.4f}"
             )
         keys = ("pass", "stage", "val_accuracy", "val_loss", "test_accuracy")
-        figures = [{**{k: r[k] for k in keys}, "eligible": same_clients(r, last)} for r in results]
+        figures = [
+            {**{k: r[k] for k in keys}, **{k: r[k] for k in ("variant",) if k in r}, "eligible": same_clients(r, last)}
+            for r in results
+        ]
         ends = {s for s in range(self.cfg.total_stages) if self.cfg.ends_pass(s)} | {last["stage"]}
         self.rec.event("selection", kept_stage=kept["stage"], stages=figures)
         return kept, {
             "kept_stage": kept["stage"],
+            **({"kept_variant": kept["variant"]} if "variant" in kept else {}),
             "kept_pass": kept["pass"],
             "stage_results": figures,
             "passes": [f for f in figures if f["stage"] in ends],
@@ -539,6 +573,12 @@ class LazyStageMachine:
         where = f"stage {ck.stage}" + (f" after round {ck.round_state.round}" if ck.round_state else "")
         self.rec.progress(f"resumed at {where} with {len(fed.pids)} clients")
         return ck
+
+
+def chain_rows(passes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of ``ck.passes`` of the stages the run trained one on another: not the sprint's
+    (a candidate of stage 0 beside the kept variant's, never embedded)."""
+    return [r for r in passes if "variant" not in r]
 
 
 def test_counts(pid: int, reply: dict[str, Any]) -> EvalResult:

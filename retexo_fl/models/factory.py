@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from retexo_fl.config import FIRST_STAGE_VARIANTS, TrainConfig
+from retexo_fl.config import FIRST_STAGE_VARIANTS, SPRINT, TrainConfig
 from retexo_fl.models.layered import LayeredGNN
 from retexo_fl.models.split import SplitGNN
 from retexo_fl.models.stage import StageModel
@@ -38,7 +38,7 @@ def stage_input_dim(cfg: TrainConfig, stage: int, num_features: int, num_classes
 
 def first_stage_kind(cfg: TrainConfig, first_stage: str | None = None) -> str:
     """What a layer-0 stage is: ``mlp`` or ``local`` (``first-stage``; under ``auto`` the variant
-    the run is trying or chose, ``first_stage``).
+    the run is trying or chose, ``first_stage``; ``first-stage-sprint``'s lane is ``local``).
 
     Args:
         cfg (TrainConfig): the run configuration.
@@ -51,9 +51,11 @@ def first_stage_kind(cfg: TrainConfig, first_stage: str | None = None) -> str:
         if cfg.first_stage == "auto":
             raise ValueError("first-stage auto: a layer-0 stage needs the variant it is at (mlp or local)")
         return cfg.first_stage
+    if first_stage == SPRINT and SPRINT in cfg.first_stage_lanes:
+        return "local"
     if first_stage not in FIRST_STAGE_VARIANTS:
         raise ValueError(
-            f"first-stage variant {first_stage!r} is not one of {', '.join(FIRST_STAGE_VARIANTS)}"
+            f"first-stage variant {first_stage!r} is not one of {', '.join(cfg.first_stage_lanes)}"
         )
     return first_stage
 
@@ -73,12 +75,13 @@ def stage_model_spec(
             (:func:`first_stage_kind`). (default: :obj:`None`)
     """
     layer = cfg.layer(stage)
+    sprint = layer == 0 and first_stage == SPRINT
     return (
         "mlp" if layer == 0 and first_stage_kind(cfg, first_stage) == "mlp" else cfg.model,
         in_dim,
         cfg.hidden,
         num_classes,
-        float(cfg.per_stage("dropout", layer)),
+        float(cfg.first_stage_sprint_dropout if sprint else cfg.per_stage("dropout", layer)),
         float(cfg.per_stage("input_dropout", layer)),
         cfg.norm,
         cfg.heads,

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 from retexo_fl import protocol as P
 from retexo_fl.compress.boundary import ExchangeStats
-from retexo_fl.config import FIRST_STAGE_VARIANTS
 from retexo_fl.party import secure_reply
 from retexo_fl.party.client import Client, TrainingDiverged
 from retexo_fl.party.lazy_client import LazyClient
@@ -517,9 +516,9 @@ def lane_requests(client: Client, kind: str, request: Records) -> dict[str, Reco
     if client.lane is None and client.journal is not None:
         raise ValueError(f"{where}: a message of several lanes after stage 0's rounds began without lanes")
     lanes = P.split_lanes(request, where)
-    unknown = [v for v in lanes if v not in FIRST_STAGE_VARIANTS]
+    unknown = [v for v in lanes if v not in cfg.first_stage_lanes]
     if unknown:  # before any lane trains
-        raise ValueError(f"{where}: lane {unknown[0][:40]!r} is not one of {', '.join(FIRST_STAGE_VARIANTS)}")
+        raise ValueError(f"{where}: lane {unknown[0][:40]!r} is not one of {', '.join(cfg.first_stage_lanes)}")
     for variant, lane in lanes.items():
         named, stage = lane[P.CONFIG].get(P.FIRST_STAGE), lane[P.CONFIG].get(P.STAGE)
         if named != variant or stage != 0:

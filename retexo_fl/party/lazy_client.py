@@ -15,7 +15,7 @@ from torch import Tensor
 from retexo_fl import protocol as P
 from retexo_fl.compress.boundary import ExchangeStats
 from retexo_fl.compress.payload import decode_rows
-from retexo_fl.config import FIRST_STAGE_VARIANTS, TrainConfig
+from retexo_fl.config import FIRST_STAGE_VARIANTS, SPRINT, TrainConfig
 from retexo_fl.data.partition import Partition
 from retexo_fl.models.adjacency import SPARSE_KINDS, is_sparse, sparse_adjacency
 from retexo_fl.models.factory import build_stage_model, stage_model_spec
@@ -188,7 +188,8 @@ class LazyClient(Client):
         self._aggregated: tuple[Tensor | None, Tensor | None, Tensor] | None = None
         self._joined: tuple[Tensor, Tensor, Tensor] | None = None
         self._own_graph: tuple[Tensor, Tensor | None] | None = None  # a local stage 0's messages
-        self._propagated: tuple[Tensor, Tensor] | None = None  # (raw rows, propagated): local-hops
+        # a local stage 0's input by hops (local-hops, the sprint's): (raw rows, propagated)
+        self._propagated: dict[int, tuple[Tensor, Tensor]] = {}
         # What a layer-0 stage is (mlp or local); under first-stage auto each message names it.
         self.first_stage: str | None = None if cfg.first_stage == "auto" else cfg.first_stage
         # A conv stage's steps: per row set (the training rows, or each chunk of them), the graph
@@ -259,10 +260,10 @@ class LazyClient(Client):
         Raises:
             ValueError: not a variant, or one the run config does not allow.
         """
-        if variant not in FIRST_STAGE_VARIANTS:
+        allowed = self.cfg.first_stage_lanes if self.cfg.first_stage == "auto" else FIRST_STAGE_VARIANTS
+        if variant not in allowed:
             raise ValueError(
-                f"client {self.id}: {P.FIRST_STAGE} {str(variant)[:40]!r} is not one of "
-                f"{', '.join(FIRST_STAGE_VARIANTS)}"
+                f"client {self.id}: {P.FIRST_STAGE} {str(variant)[:40]!r} is not one of {', '.join(allowed)}"
             )
         if self.cfg.first_stage not in ("auto", variant):
             raise ValueError(
@@ -282,7 +283,7 @@ class LazyClient(Client):
         # first-stage auto trains stage 0 as each variant, in the run config's order
         if self.cfg.first_stage != "auto" or self.layer != 0 or self.first_stage is None:
             return 0
-        return self.cfg.first_stage_order.index(self.first_stage)
+        return self.cfg.first_stage_lanes.index(self.first_stage)
 
     def layer_index(self) -> int:
         return self.layer
@@ -303,7 +304,7 @@ class LazyClient(Client):
         """What this stage's model reads: owned rows, and halo rows after them for a conv stage,
         the two scaled by :meth:`input_scale`."""
         if self.layer == 0:  # the MLP, or a local stage 0 over owned rows (see edges())
-            if self.cfg.local_hops <= 1 or self.row_wise:
+            if self.row_wise or self.local_hops() <= 1:
                 return self.owned
             return self.propagated_input()
         if self.halo is None:
@@ -320,9 +321,15 @@ class LazyClient(Client):
         self._joined = (self.owned, self.halo, joined)
         return joined
 
+    def local_hops(self) -> int:
+        """The hops of its own subgraph a local stage 0 reads: ``first-stage-sprint-hops`` for
+        the sprint's lane (:data:`~retexo_fl.config.SPRINT`), else ``local-hops``."""
+        return self.cfg.first_stage_sprint_hops if self.first_stage == SPRINT else self.cfg.local_hops
+
     def propagated_input(self) -> Tensor:
-        r"""A local stage 0's input: the raw features propagated ``local-hops`` less one times
-        over the client's own edges, :math:`\hat{A}_{\mathrm{own}}^{k-1} X`, once per stage input.
+        r"""A local stage 0's input: the raw features propagated :meth:`local_hops` less one
+        times over the client's own edges, :math:`\hat{A}_{\mathrm{own}}^{k-1} X`, once per stage
+        input and hop count.
 
         :math:`\hat{A}_{\mathrm{own}}` is the GCN-normalized adjacency of the subgraph the
         client's own nodes induce, self loops included (a GCN stage 0's own messages,
@@ -332,14 +339,16 @@ class LazyClient(Client):
         Shapes:
             - **output:** ``[num_owned, F]``
         """
-        cached = self._propagated
+        hops = self.local_hops()
+        cached = self._propagated.get(hops)
         if cached is not None and cached[0] is self.owned:
             return cached[1]
         adj = self.own_adjacency()
         x = self.owned
-        for _ in range(self.cfg.local_hops - 1):
+        for _ in range(hops - 1):
             x = torch.sparse.mm(adj, x)
-        self._propagated = (self.owned, x)
+        self._propagated = {h: c for h, c in self._propagated.items() if c[0] is self.owned}
+        self._propagated[hops] = (self.owned, x)
         return x
 
     def own_adjacency(self) -> Tensor:
@@ -655,6 +664,8 @@ class LazyClient(Client):
         stage it is :meth:`relabel`, and nothing crosses: the next stage reads raw features.
         """
         self.drop_lanes()
+        # The sprint's input is not read again (a later pass's stage 0 is the kept variant).
+        self._propagated = {h: c for h, c in self._propagated.items() if h == self.cfg.local_hops}
         if self.cfg.ends_pass(self.stage):
             self.relabel(state)
             return {}

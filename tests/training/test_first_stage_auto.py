@@ -161,8 +161,15 @@ def test_a_variant_the_run_config_does_not_allow_is_refused_naming_the_client():
     client.set_first_stage("mlp")  # the config's own: accepted
     with pytest.raises(ValueError, match=r"client 0: first-stage local in a run whose first-stage is mlp"):
         client.set_first_stage("local")
-    with pytest.raises(ValueError, match=r"client 0: first-stage 'gat' is not one of mlp, local"):
+    with pytest.raises(ValueError, match=r"client 0: first-stage 'gat' is not one of local, mlp"):
         _client("auto").set_first_stage("gat")
+    # The sprint's lane is a variant only where first-stage-sprint trains one.
+    with pytest.raises(ValueError, match=r"client 0: first-stage 'sprint' is not one of local, mlp$"):
+        _client("auto").set_first_stage("sprint")
+    sprinting = _client("auto", first_stage_sprint=8, first_stage_schedule="parallel")
+    sprinting.set_first_stage("sprint")
+    with pytest.raises(ValueError, match=r"client 0: first-stage 'sprint' is not one of mlp, local$"):
+        _client("mlp", first_stage_sprint=8).set_first_stage("sprint")
     # Under auto a layer-0 stage needs the variant named before its model is built.
     with pytest.raises(RuntimeError, match=r"client 0: first-stage auto, and no message named"):
         _client("auto").make_model()

@@ -749,9 +749,20 @@ NODE_LEVEL_DEFAULTS: dict[str, Any] = {
 #: label-skew 2.6, CiteSeer 4 METIS 1.1, Cora with 10 random clients 0.815 -> 0.810 over seeds 0-9
 #: (94.7 -> 91.6 rounds), Cora 10 METIS 0.810 -> 0.803
 #: (``bench/results/robustness-2026-12-01-s42-hops2*.jsonl``).
+#:
+#: And a third lane of stage 0, the sprint (``first-stage-sprint 8``: the local layer over three
+#: hops of the client's own subgraph, dropout 0.2, 8 rounds), a candidate for the delivered model
+#: that is never embedded: it reaches Cora's slow-link target in stage 0 (``bench/wan_compare.py``).
+#: Over every shared graph x partitioning x 3 seeds, side by side with the rows without it: 123 of
+#: 126 runs deliver the same model; validation's worst cell unchanged (-5.1), mean validation gap
+#: +0.96 -> +0.97, mean test gap +1.31 -> +1.30. Against it: 30.6 -> 35.6 MB a run (Cora with 10
+#: random clients 28.3 -> 33.7), and USA label-skew -2.4 -> -3.2 on test (one seed delivered the
+#: sprint, validating 0.5 points higher and testing 2.5 lower)
+#: (``bench/results/robustness-2026-12-02-s46-sprint8.jsonl``).
 LAZY_PARTITION_DEFAULTS: dict[str, Any] = {
     "first_stage": "auto",
     "first_stage_schedule": "parallel",
+    "first_stage_sprint": 8,
     "local_hops": 2,
     "mlp_local_epochs": 1,
     "mlp_weight_decay": 5e-3,

@@ -35,6 +35,7 @@ USER_KEYS = {
     "mlp-weight-decay", "optimizer", "momentum", "lr", "server-optimizer", "server-lr", "weight-decay",
     "dropout", "input-dropout", "norm", "heads", "root-weight", "gnn-input-rms-floor", "first-stage",
     "first-stage-first", "first-stage-race", "first-stage-race-margin", "first-stage-schedule", "local-hops",
+    "first-stage-sprint", "first-stage-sprint-hops", "first-stage-sprint-dropout",
     "patience", "min-rounds", "warm-min-rounds", "stop-metric",
     "drift-correction", "halo-gradients", "fraction-train", "clients-per-round", "validate-every",
     "precompute",

@@ -113,7 +113,9 @@ CODECS = {
     # stages resume from the first's test rows and the clients' own labels.
     # One hop for the local stage 0 (two by default): the MLP wins stage 0 then, so this case
     # resumes the second training kept in parallel (the 8-bit case keeps the first, two hops).
-    "32-bit": dict(local_hops=1),
+    # And a sprint lane of stage 0 (first-stage-sprint) shorter than the others, which validates
+    # above the kept stage 0: its last validation and its test come between their rounds.
+    "32-bit": dict(local_hops=1, first_stage_sprint=1),
     # Compressed broadcasts and updates keep a view and an error-feedback residual on each client,
     # and SCAFFOLD control variates: all of it must come back exactly. Their state is per round
     # and per stage, which one pass covers; a second would double the messages and, as every
@@ -219,6 +221,8 @@ def test_a_server_killed_at_any_phase_boundary_resumes_bit_for_bit(tmp_path, cod
     if cfg.first_stage == "auto":  # stage 0 trained twice: in parallel, one message a round for both
         parallel = cfg.first_stage_schedule == "parallel"
         stage0 = 2 * per_round + 2 if parallel else 2 * training
+        if "sprint" in cfg.first_stage_lanes:  # its last validation, and its test if it was tested
+            stage0 += 1 + any(r.get("variant") == "sprint" for r in whole["stage_results"])
     tests = runs if cfg.secure_aggregation else 1
     assert messages == 3 * (2 + stage0 + (runs - 1) * training + (runs - 1) + tests)
     if cfg.first_stage == "auto":
@@ -229,6 +233,8 @@ def test_a_server_killed_at_any_phase_boundary_resumes_bit_for_bit(tmp_path, cod
         # one wins is the seed's (dropout masks): this says which path each case covers.
         kept = {"32-bit": "mlp", "8-bit": "local", "auto": "mlp"}[codec]
         assert whole["stages"][0]["first_stage"] == kept
+        sprinted = [r["val_accuracy"] for r in whole["stage_results"] if r.get("variant") == "sprint"]
+        assert len(sprinted) == (codec == "32-bit")  # tested: a candidate (not the one kept here)
     assert sorted(int(p.name) for p in snapshots.iterdir()) == list(range(messages))
     # It can fail: a server that asks for a stage's last validation or its exchange again, once
     # clients moved on, finds them a stage ahead; a round sent again whose deliveries were opened

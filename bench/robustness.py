@@ -158,7 +158,11 @@ def run_row(settings: dict, summary: Mapping[str, Any]) -> dict:
     Besides the accuracies, rounds and bytes, a row carries each stage's wall seconds
     (``stage_seconds``; a lazy run's self-training pass's stages after the first pass's) and, under
     ``first-stage auto``, each stage-0 training's seconds and rounds (``stage0_trial_seconds``,
-    ``stage0_trial_rounds``), so that a run's wall can be split without running it again.
+    ``stage0_trial_rounds``), so that a run's wall can be split without running it again. The
+    stage rows (``stage0_val``, ``stage_vals``, ``stage_tests``) are the chain's; a tested sprint
+    lane (``first-stage-sprint``) is its own ``sprint_val`` and ``sprint_test`` (rows written before
+    session 46's change listed it first in ``stage_vals``), and ``kept_variant`` says when the run
+    delivered it.
 
     Args:
         settings (dict): the job's settings (``_``-prefixed keys are the table's labels).
@@ -166,7 +170,9 @@ def run_row(settings: dict, summary: Mapping[str, Any]) -> dict:
             or its :meth:`~retexo_fl.summary.RunSummary.to_dict`).
     """
     stages = summary.get("stages", [])
-    results = summary.get("stage_results") or []
+    every = summary.get("stage_results") or []
+    results = [r for r in every if "variant" not in r]  # the chain's stages
+    sprint = [r for r in every if "variant" in r]
     stage0 = results[0]["val_accuracy"] if results else None
     # first-stage auto: each stage-0 training's validation curve, to study when to stop the second
     trials: dict[str, list[float]] = {}
@@ -184,6 +190,12 @@ def run_row(settings: dict, summary: Mapping[str, Any]) -> dict:
         "val_accuracy": summary["val_accuracy"],
         "stage0_val": stage0,
         "kept_stage": summary.get("kept_stage"),
+        **({"kept_variant": summary["kept_variant"]} if summary.get("kept_variant") else {}),
+        **(
+            {"sprint_val": sprint[0]["val_accuracy"], "sprint_test": sprint[0].get("test_accuracy")}
+            if sprint
+            else {}
+        ),
         "stage_vals": [r["val_accuracy"] for r in results],
         # Reported to explain a cell (which stage would have tested how), never used to choose.
         "stage_tests": [r.get("test_accuracy") for r in results],

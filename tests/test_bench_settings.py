@@ -216,7 +216,7 @@ def test_robustness_rows_carry_each_stage_and_each_stage_0_trainings_seconds():
     assert sum(row["stage_seconds"]) <= row["wall_seconds"]
     trials = {t["variant"]: t for t in stages[0]["first_stage_trials"]}
     assert row["stage0_trial_seconds"] == {v: t["seconds"] for v, t in trials.items()}
-    assert set(row["stage0_trial_seconds"]) == {"mlp", "local"}
+    assert set(row["stage0_trial_seconds"]) == {"mlp", "local", "sprint"}
     # In parallel (the default over partitions) the trainings share stage 0's rounds: each one's
     # seconds run to where it ended, the stage's to where the longer one did.
     assert stages[0]["first_stage_schedule"] == "parallel"
@@ -234,3 +234,27 @@ def test_robustness_rows_carry_each_stage_and_each_stage_0_trainings_seconds():
     alone = train(TrainConfig.resolve(**fixed), RunRecorder(None, stream=None))
     plain = robustness.run_row({**labels, **fixed}, alone)
     assert "stage0_trial_seconds" not in plain and len(plain["stage_seconds"]) == 2
+
+
+def test_a_robustness_row_reads_the_chains_stages_and_the_sprint_apart():
+    """A tested sprint lane's row in ``stage_results`` (it names its ``variant``) is not stage 0:
+    ``stage0_val`` and ``stage_vals`` are the chain's, the sprint's figures its own."""
+    robustness = _load("robustness")
+    stage = {"pass": 0, "val_loss": 1.0, "eligible": True}
+    summary = {
+        "test_accuracy": 0.7,
+        "val_accuracy": 0.8,
+        "wall_seconds": 1.0,
+        "kept_stage": 0,
+        "kept_variant": "sprint",
+        "stage_results": [
+            {**stage, "stage": 0, "val_accuracy": 0.8, "test_accuracy": 0.7, "variant": "sprint"},
+            {**stage, "stage": 0, "val_accuracy": 0.6, "test_accuracy": 0.65},
+            {**stage, "stage": 1, "val_accuracy": 0.75, "test_accuracy": 0.72},
+        ],
+    }
+    row = robustness.run_row({"_graph": "g"}, summary)
+    assert (row["stage0_val"], row["stage_vals"], row["stage_tests"]) == (0.6, [0.6, 0.75], [0.65, 0.72])
+    assert (row["sprint_val"], row["sprint_test"], row["kept_variant"]) == (0.8, 0.7, "sprint")
+    del summary["kept_variant"], summary["stage_results"][0]
+    assert not {"sprint_val", "kept_variant"} & set(robustness.run_row({"_graph": "g"}, summary))

@@ -40,9 +40,11 @@ def test_flwr_run_writes_a_run_folder_and_stops_its_superlink(tmp_path):
     assert summary["engine"] == "flower" and summary["config"]["clients"] == 2
     # The default self-training pass runs both stages a second time, and stage 0 is trained
     # twice (first-stage auto, the default over partitions: 3 rounds each, too few to race), in
-    # the same rounds (first-stage-schedule parallel: one Flower message a client carries both).
+    # the same rounds (first-stage-schedule parallel: one Flower message a client carries both),
+    # beside the sprint's lane (first-stage-sprint, 8 rounds at most: these 3).
     assert [s["rounds_run"] for s in summary["stages"]] == [3, 3, 3, 3]
     assert summary["stages"][0]["first_stage_schedule"] == "parallel"
-    assert [t["rounds_run"] for t in summary["stages"][0]["first_stage_trials"]] == [3, 3]
+    trials = summary["stages"][0]["first_stage_trials"]
+    assert [(t["variant"], t["rounds_run"]) for t in trials] == [("local", 3), ("mlp", 3), ("sprint", 3)]
     assert summary["stages"][0]["first_stage"] in ("mlp", "local")
     assert _superlinks() <= before, "the script must stop the SuperLink it started"

@@ -149,7 +149,9 @@ class LazyStageMachine:
             )
             self._save(ck)
         stages = ck.stages
-        if all(r["stage"] != last for r in chain_rows(ck.passes)):  # older code's checkpoint, resumed at the end
+        if all(
+            r["stage"] != last for r in chain_rows(ck.passes)
+        ):  # older code's checkpoint, resumed at the end
             ck.passes.append(self._stage_result(state, last, stages[-1]))
         kept, selection = self._kept(ck)
         bytes_model = sum(s["bytes_model"] for s in stages)
@@ -440,7 +442,11 @@ class LazyStageMachine:
             )
         keys = ("pass", "stage", "val_accuracy", "val_loss", "test_accuracy")
         figures = [
-            {**{k: r[k] for k in keys}, **{k: r[k] for k in ("variant",) if k in r}, "eligible": same_clients(r, last)}
+            {
+                **{k: r[k] for k in keys},
+                **{k: r[k] for k in ("variant",) if k in r},
+                "eligible": same_clients(r, last),
+            }
             for r in results
         ]
         ends = {s for s in range(self.cfg.total_stages) if self.cfg.ends_pass(s)} | {last["stage"]}
@@ -450,7 +456,7 @@ class LazyStageMachine:
             **({"kept_variant": kept["variant"]} if "variant" in kept else {}),
             "kept_pass": kept["pass"],
             "stage_results": figures,
-            "passes": [f for f in figures if f["stage"] in ends],
+            "passes": [f for f in figures if f["stage"] in ends and "variant" not in f],
         }
 
     def _names_teacher(self, ck: Checkpoint, stage: int, figures: dict[str, Any]) -> bool:

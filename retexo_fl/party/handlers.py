@@ -518,7 +518,9 @@ def lane_requests(client: Client, kind: str, request: Records) -> dict[str, Reco
     lanes = P.split_lanes(request, where)
     unknown = [v for v in lanes if v not in cfg.first_stage_lanes]
     if unknown:  # before any lane trains
-        raise ValueError(f"{where}: lane {unknown[0][:40]!r} is not one of {', '.join(cfg.first_stage_lanes)}")
+        raise ValueError(
+            f"{where}: lane {unknown[0][:40]!r} is not one of {', '.join(cfg.first_stage_lanes)}"
+        )
     for variant, lane in lanes.items():
         named, stage = lane[P.CONFIG].get(P.FIRST_STAGE), lane[P.CONFIG].get(P.STAGE)
         if named != variant or stage != 0:

@@ -185,7 +185,8 @@ class LazyClient(Client):
         self.stage = 0
         self.owned = self.raw_features()
         self.halo: Tensor | None = None
-        self._aggregated: tuple[Tensor | None, Tensor | None, Tensor] | None = None
+        # (stage input, aggregated): precompute's, the last two (stage 0's lanes alternate)
+        self._aggregated: list[tuple[Tensor, Tensor]] = []
         self._joined: tuple[Tensor, Tensor, Tensor] | None = None
         self._own_graph: tuple[Tensor, Tensor | None] | None = None  # a local stage 0's messages
         # a local stage 0's input by hops (local-hops, the sprint's): (raw rows, propagated)
@@ -620,17 +621,19 @@ class LazyClient(Client):
         Shapes:
             - **output:** ``[num_owned, d]``
         """
-        cached = self._aggregated
-        if cached is not None and cached[0] is self.owned and cached[1] is self.halo:
-            return cached[2]
+        # Keyed by the stage input itself (one tensor per stage input, see stage_input): at
+        # stage 0 the local layer's and the sprint's lanes read inputs of different hops.
         x = self.stage_input()
+        for source, total in self._aggregated:
+            if source is x:
+                return total
         adj, _ = self.edges()  # GCN and SAGE: the CSR adjacency, weights folded in
         total = torch.sparse.mm(adj, x)
         if self.cfg.model == "sage":  # mean aggregation (a node without in-neighbours: zero)
             ptr = adj.crow_indices()
             total = total / (ptr[1:] - ptr[:-1]).clamp(min=1).to(x.dtype).unsqueeze(1)
-        # The tensors it was computed from are kept with it: a new stage input is a new tensor.
-        self._aggregated = (self.owned, self.halo, total)
+        # The tensor it was computed from is kept with it: a new stage input is a new tensor.
+        self._aggregated = [*self._aggregated[-1:], (x, total)]
         return total
 
     def forward(self, model: torch.nn.Module, rows: Tensor | None = None) -> Tensor:

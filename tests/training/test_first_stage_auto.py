@@ -165,7 +165,7 @@ def test_a_variant_the_run_config_does_not_allow_is_refused_naming_the_client():
         _client("auto").set_first_stage("gat")
     # The sprint's lane is a variant only where first-stage-sprint trains one.
     with pytest.raises(ValueError, match=r"client 0: first-stage 'sprint' is not one of local, mlp$"):
-        _client("auto").set_first_stage("sprint")
+        _client("auto", first_stage_sprint=0).set_first_stage("sprint")
     sprinting = _client("auto", first_stage_sprint=8, first_stage_schedule="parallel")
     sprinting.set_first_stage("sprint")
     with pytest.raises(ValueError, match=r"client 0: first-stage 'sprint' is not one of mlp, local$"):
@@ -248,9 +248,11 @@ def test_both_engines_keep_the_same_variant_with_the_same_results(tmp_path):
 @pytest.mark.parametrize("homophily, feature_signal, first", [(0.9, 0.1, "local"), (0.2, 0.8, "mlp")])
 def test_parallel_trains_the_same_two_trainings_in_the_longer_ones_rounds(homophily, feature_signal, first):
     # Raced, the leader first, so that the second training is cut early (the MLP trails on the
-    # first graph, the local layer on the second) and the first goes on alone.
+    # first graph, the local layer on the second) and the first goes on alone. No sprint: it
+    # trains in parallel only (tested below).
     parts = _parts(homophily, feature_signal)
     race = {"first_stage_race": 4, "first_stage_race_margin": 0.02, "first_stage_first": first}
+    race["first_stage_sprint"] = 0
     one_by_one = run_lazy(parts, TrainConfig.resolve(**{**BASE, **UNRACED, **race}))
     together = run_lazy(
         parts, TrainConfig.resolve(**BASE, **{**UNRACED, **race, "first_stage_schedule": "parallel"})
@@ -310,7 +312,7 @@ def test_a_message_of_several_lanes_is_refused_unless_each_lane_trains_stage_0_a
         handle(_client("auto", first_stage_schedule="sequential"), P.TRAIN, one)
     # Every lane is a variant, checked before any lane trains; a lane delivers no payloads (stage
     # 0 reads no peer's rows, and a lane's round sent again would rewind the channel the lanes share).
-    with pytest.raises(ValueError, match=r"client 0: lane 'gat' is not one of mlp, local"):
+    with pytest.raises(ValueError, match=r"client 0: lane 'gat' is not one of local, mlp, sprint"):
         handle(client, P.TRAIN, P.join_lanes({"mlp": _lane("mlp", 1), "gat": _lane("gat", 1)}))
     assert client.journal is None  # the mlp lane did not train first
     delivering = P.join_lanes({"local": {**_lane("local", 1), P.PAYLOADS: {"halo-from-1": b"x"}}})
@@ -430,7 +432,14 @@ def test_mlp_local_epochs_sets_the_steps_of_an_mlp_stage_0_alone():
         TrainConfig.resolve(**BASE, mlp_local_epochs=-1).validate()
 
 
-SPRINTING = {**BASE, "stages": 2, "first_stage": "auto", "first_stage_schedule": "parallel"}
+#: Stage 0 in parallel without the sprint (a lazy run over partitions trains one by default).
+PARALLEL = {
+    **BASE,
+    "stages": 2,
+    "first_stage": "auto",
+    "first_stage_schedule": "parallel",
+    "first_stage_sprint": 0,
+}
 
 
 @pytest.mark.slow
@@ -439,8 +448,8 @@ def test_the_sprint_is_a_candidate_for_the_delivered_model_and_the_chain_goes_on
     # of the client's own subgraph, dropout 0.2) validates above every stage of the chain
     # (measured: 1.000 against 0.983 and 0.983), so it is tested and delivered.
     parts = _parts(0.7, 0.3)
-    without = run_lazy(parts, TrainConfig.resolve(**SPRINTING))
-    sprinting = run_lazy(parts, TrainConfig.resolve(**SPRINTING, first_stage_sprint=4))
+    without = run_lazy(parts, TrainConfig.resolve(**PARALLEL))
+    sprinting = run_lazy(parts, TrainConfig.resolve(**{**PARALLEL, "first_stage_sprint": 4}))
     stage0 = sprinting["stages"][0]
     trials = {t["variant"]: t for t in stage0["first_stage_trials"]}
     assert list(trials) == ["local", "mlp", "sprint"]
@@ -465,10 +474,13 @@ def test_the_sprint_is_a_candidate_for_the_delivered_model_and_the_chain_goes_on
 def test_a_sprint_that_validates_below_the_kept_stage_0_costs_no_test_and_changes_no_result():
     # Edges within classes, weak features: the sprint validates 0.883, the local layer 0.950.
     parts = _parts(0.9, 0.1)
-    without = run_lazy(parts, TrainConfig.resolve(**SPRINTING))
-    sprinting = run_lazy(parts, TrainConfig.resolve(**SPRINTING, first_stage_sprint=4))
+    without = run_lazy(parts, TrainConfig.resolve(**PARALLEL))
+    sprinting = run_lazy(parts, TrainConfig.resolve(**{**PARALLEL, "first_stage_sprint": 4}))
     sprint = sprinting["stages"][0]["first_stage_trials"][-1]
-    assert sprint["variant"] == "sprint" and sprint["val_accuracy"] < sprinting["stage_results"][0]["val_accuracy"]
+    assert (
+        sprint["variant"] == "sprint"
+        and sprint["val_accuracy"] < sprinting["stage_results"][0]["val_accuracy"]
+    )
     for key in ("stage_results", "test_accuracy", "kept_stage", "bytes_boundary"):
         assert sprinting[key] == without[key], key
     assert "kept_variant" not in sprinting

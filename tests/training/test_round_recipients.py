@@ -287,7 +287,7 @@ def test_a_client_sampled_out_of_a_stages_first_round_starts_it_without_the_last
         cfg = TrainConfig.resolve(**settings, warm_min_rounds=0, seed=seed)
         assert cfg.first_stage == "auto" and cfg.update_bits < 32
         summary = train(cfg, RunRecorder(None, stream=None))
-        assert len(summary["stage_results"]) == 2 * cfg.stages
+        assert len([r for r in summary["stage_results"] if "variant" not in r]) == 2 * cfg.stages
         assert summary["test_accuracy"] > 0.5, seed
 
 

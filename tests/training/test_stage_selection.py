@@ -8,7 +8,9 @@ from retexo_fl.config import TrainConfig
 from retexo_fl.data.partitioners import partition_graph
 from retexo_fl.training.lazy import run_lazy
 
-BASE = {"stages": 3, "hidden": 16, "rounds": 10, "seed": 0, "self_training": 0}
+# The chain's stages only: the sprint lane of stage 0, a candidate too where a lazy run over
+# partitions trains it, is tested in tests/training/test_first_stage_auto.py.
+BASE = {"stages": 3, "hidden": 16, "rounds": 10, "seed": 0, "self_training": 0, "first_stage_sprint": 0}
 # lr 0 on the last stage: it never leaves its random initial weights, so it validates far below
 # the stages before it (a last stage whose inputs carry nothing).
 SPOILED = {**BASE, "lr": [1.0, 1.0, 0.0]}

@@ -756,8 +756,8 @@ NODE_LEVEL_DEFAULTS: dict[str, Any] = {
 #: Over every shared graph x partitioning x 3 seeds, side by side with the rows without it: 123 of
 #: 126 runs deliver the same model; validation's worst cell unchanged (-5.1), mean validation gap
 #: +0.96 -> +0.97, mean test gap +1.31 -> +1.30. Against it: 30.6 -> 35.6 MB a run (Cora with 10
-#: random clients, seeds 0-9, 30.5 -> 35.8, the same models), and USA label-skew -2.4 -> -3.2 on test (one seed delivered the
-#: sprint, validating 0.5 points higher and testing 2.5 lower)
+#: random clients, seeds 0-9, 30.5 -> 35.8, the same models), and USA label-skew -2.4 -> -3.2 on
+#: test (one seed delivered the sprint, validating 0.5 points higher and testing 2.5 lower)
 #: (``bench/results/robustness-2026-12-02-s46-sprint8.jsonl``).
 LAZY_PARTITION_DEFAULTS: dict[str, Any] = {
     "first_stage": "auto",

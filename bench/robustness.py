@@ -352,7 +352,10 @@ def summarize(rows: list[dict]) -> list[dict]:
             cell["rounds"] = _stats([r["rounds"] for r in mine])[0]
             cell["bytes_total"] = _stats([r["bytes_total"] for r in mine])[0]
             cell["wall_seconds"] = _stats([r["wall_seconds"] for r in mine])[0]
-            cell["kept_stages"] = [r["kept_stage"] for r in mine]
+            # "0s": the sprint lane of stage 0 delivered (first-stage-sprint), not the chain's stage 0
+            cell["kept_stages"] = [
+                f"{r['kept_stage']}s" if r.get("kept_variant") == "sprint" else r["kept_stage"] for r in mine
+            ]
             cell["below_stage_0"] = sum(
                 1 for r in mine if r["stage0_val"] is not None and r["val_accuracy"] < r["stage0_val"]
             )

@@ -585,7 +585,12 @@ def ignored_settings(cfg: TrainConfig, given: Iterable[str]) -> list[str]:
                 lines.append(f"{info.key} is read only {phrase}: ignored")
             else:
                 lines.append(f"{info.key} acts {phrase} only: ignored")
-    if cfg.mode == "lazy" and "server_lr" in {key.replace("-", "_") for key in given}:
+    names = {key.replace("-", "_") for key in given}
+    sprint = "first_stage_sprint" in names and cfg.first_stage_sprint > 0 and cfg.first_stage == "auto"
+    if cfg.mode == "lazy" and sprint and cfg.first_stage_schedule != "parallel":
+        # A lane of the parallel schedule: its own `needs` names first-stage auto alone.
+        lines.append("first-stage-sprint acts with first-stage-schedule parallel only: ignored")
+    if cfg.mode == "lazy" and "server_lr" in names:
         # Per stage: a stage whose server optimizer is avg applies the averaged update as it is.
         avg = [str(s) for s in range(cfg.stages) if cfg.per_stage("server_optimizer", s) == "avg"]
         if avg:

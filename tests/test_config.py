@@ -429,6 +429,13 @@ def test_a_setting_the_run_does_not_read_is_named_with_why():
     assert ignored_settings(TrainConfig.resolve(first_stage="mlp"), ["first-stage-race"]) == [
         "first-stage-race acts with first-stage auto only: ignored"
     ]
+    # The sprint is a lane of the parallel schedule: one after the other, there is none.
+    assert ignored_settings(lazy, ["first-stage-sprint"]) == []
+    sequential = TrainConfig.resolve(first_stage_sprint=8, first_stage_schedule="sequential")
+    assert (sequential.first_stage, sequential.first_stage_lanes) == ("auto", ("local", "mlp"))
+    assert ignored_settings(sequential, ["first-stage-sprint"]) == [
+        "first-stage-sprint acts with first-stage-schedule parallel only: ignored"
+    ]
     eager = TrainConfig.resolve(mode="eager")
     assert ignored_settings(eager, ["first-stage-race", "eager-model", "pseudo-threshold"]) == [
         "first-stage-race applies to lazy mode, not eager: ignored",

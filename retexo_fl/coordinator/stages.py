@@ -547,7 +547,7 @@ class LazyStageMachine:
             ck.passes = []
         if not hasattr(ck, "first_stage_trials"):  # ... or before first-stage auto
             ck.first_stage_trials = []
-        if ck.stage > 1 and len(ck.passes) < min(ck.stage, self.cfg.total_stages):
+        if ck.stage > 1 and len(chain_rows(ck.passes)) < min(ck.stage, self.cfg.total_stages):
             self.rec.progress(
                 "the checkpoint predates tests of every stage: the untested ones are not candidates "
                 "for the delivered model"

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from retexo_fl import protocol as P
 from retexo_fl.compress.boundary import ExchangeStats
+from retexo_fl.config import SPRINT
 from retexo_fl.party import secure_reply
 from retexo_fl.party.client import Client, TrainingDiverged
 from retexo_fl.party.lazy_client import LazyClient
@@ -475,7 +476,15 @@ def _answer(client: Client, kind: str, request: Records, lane: bool = False) -> 
             raise ValueError(
                 f"client {client.id}: {P.FIRST_STAGE} applies to lazy runs, this one is {client.cfg.mode}"
             )
-        client.set_first_stage(config[P.FIRST_STAGE], lane=lane)
+        variant = config[P.FIRST_STAGE]
+        if variant == SPRINT and not (client.stage == 0 and (lane or kind == P.EVALUATE)):
+            # Its rows would mix more hops of this client's subgraph than any row it releases.
+            raise ValueError(
+                f"client {client.id}: {P.FIRST_STAGE} {SPRINT} in {'a lane of ' * lane}a {kind} "
+                f"message at stage {client.stage}; the sprint trains in stage 0's lanes and is "
+                "evaluated there, never embedded"
+            )
+        client.set_first_stage(variant, lane=lane)
     reply = HANDLERS[kind](client, request)
     if client.missing and not lane:
         report_missing(client, reply.records)

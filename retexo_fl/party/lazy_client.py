@@ -667,8 +667,10 @@ class LazyClient(Client):
         stage it is :meth:`relabel`, and nothing crosses: the next stage reads raw features.
         """
         self.drop_lanes()
-        # The sprint's input is not read again (a later pass's stage 0 is the kept variant).
+        # The sprint's input is not read again (a later pass's stage 0 is the kept variant), nor
+        # is this stage's aggregated input (precompute).
         self._propagated = {h: c for h, c in self._propagated.items() if h == self.cfg.local_hops}
+        self._aggregated = []
         if self.cfg.ends_pass(self.stage):
             self.relabel(state)
             return {}

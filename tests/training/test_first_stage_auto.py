@@ -488,6 +488,35 @@ def test_a_sprint_that_validates_below_the_kept_stage_0_costs_no_test_and_change
     assert sprinting["messages"]["evaluate"] == without["messages"]["evaluate"] + 3
 
 
+def test_a_client_refuses_the_sprint_outside_stage_0s_lanes_and_evaluations(monkeypatch):
+    from retexo_fl.party import handlers
+
+    # A coordinator that names the sprint in an embed would have the client release rows of a
+    # model over more hops of its own subgraph than any it embeds; in a train message of one lane
+    # it would train the sprint as the chain's stage 0. (The handlers proper are stubbed: what is
+    # checked is which messages reach them.)
+    for kind in (P.TRAIN, P.EVALUATE):
+        monkeypatch.setitem(
+            handlers.HANDLERS, kind, lambda client, request: handlers.Reply({P.METRICS: {}}, False)
+        )
+    client = _client("auto", first_stage_sprint=8, first_stage_schedule="parallel")
+    refused = r"client 0: first-stage sprint in a {} message at stage 0; the sprint trains in stage 0's lanes"
+    with pytest.raises(ValueError, match=refused.format("query.embed")):
+        handle(client, P.EMBED, _lane("sprint", 1))
+    with pytest.raises(ValueError, match=refused.format("train")):
+        handle(client, P.TRAIN, _lane("sprint", 1))
+    assert client.first_stage is None  # refused before the client took the variant
+    # In a lane of stage 0's train message it trains, and at stage 0 it is evaluated.
+    reply = handle(client, P.TRAIN, P.join_lanes({"sprint": _lane("sprint", 1)}))
+    assert client.first_stage == "sprint" and P.lane_record("sprint", P.METRICS) in reply.records
+    client.set_first_stage("local")
+    handle(client, P.EVALUATE, _lane("sprint", 1, split="test"))
+    assert client.first_stage == "sprint"
+    client.stage = 1  # past stage 0 (as after its embed): not even in an evaluation
+    with pytest.raises(ValueError, match=r"sprint in a evaluate message at stage 1"):
+        handle(client, P.EVALUATE, _lane("sprint", 1, stage=1, split="val"))
+
+
 def test_the_sprints_input_reads_its_own_hops_and_its_model_its_own_dropout():
     from retexo_fl.models.factory import stage_model_spec
 

@@ -191,7 +191,7 @@ class LazyClient(Client):
         self._own_graph: tuple[Tensor, Tensor | None] | None = None  # a local stage 0's messages
         # a local stage 0's input by hops (local-hops, the sprint's): (raw rows, propagated)
         self._propagated: dict[int, tuple[Tensor, Tensor]] = {}
-        # What a layer-0 stage is (mlp or local); under first-stage auto each message names it.
+        # What a layer-0 stage is (mlp, local; sprint in its lane); under auto each message names it.
         self.first_stage: str | None = None if cfg.first_stage == "auto" else cfg.first_stage
         # A conv stage's steps: per row set (the training rows, or each chunk of them), the graph
         # restricted to its in-edges, with the labels of the rows; built by prepare_steps().
@@ -232,7 +232,8 @@ class LazyClient(Client):
         return super().weight_decay()
 
     def first_stage_kind(self) -> str:
-        """What this client's layer-0 stages are: ``mlp`` or ``local``.
+        """What this client's layer-0 stages are: ``mlp`` or ``local`` (or, in a lane of stage
+        0's messages or its evaluation, ``sprint``: the local layer over its own hops).
 
         Raises:
             RuntimeError: ``first-stage auto`` and no message has named the variant yet.

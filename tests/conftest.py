@@ -23,9 +23,10 @@ if "RETEXO_FL_KERNEL_CACHE" not in os.environ:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``slow`` run first, in their order, then the rest: ``pytest -n 2
-    --maxschedchunk 1`` hands tests out one at a time in this order, so the long ones start while
-    the short ones fill the gaps, instead of one process ending the suite alone with them. Tests
+    """Tests marked ``slow`` run first, in their order, then the rest: ``pytest -n 2 --dist
+    loadgroup`` hands tests out a few at a time in this order (an ``xdist_group`` whole, and
+    first), so the long ones start while the short ones fill the gaps, instead of one process
+    ending the suite alone with them. Tests
     marked ``cuda`` need a CUDA device: skipped without one, each saying so (``bench/gpu.py`` runs
     exactly these, ``-m cuda``, and counts any skipped there as not run)."""
     import torch

@@ -38,7 +38,9 @@ from retexo_fl.runner import train  # noqa: E402
 from retexo_fl.secure.keys import write_identities  # noqa: E402
 from server.checkpoint import FileCheckpoints  # noqa: E402
 
-pytestmark = pytest.mark.slow
+# One process runs the whole module (``--dist loadgroup``): its module-scoped federation and
+# device host are built once, not once in each process that draws one of its tests.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("deployment")]
 # Two rounds a stage: a round's messages, not its count, are what a deployment can get wrong.
 RUN = "profile='exact' stages=2 rounds='2' hidden=16 seed=1"
 

@@ -52,20 +52,21 @@ def test_compressed_eager_exchange(sbm):
 @pytest.mark.slow  # wall-clock: a time-based round is measured in seconds
 def test_time_based_rounds_end_on_time_and_slow_clients_do_fewer_steps(sbm):
     parts = partition_graph(sbm, 3, "random", seed=0)
-    cfg = _cfg(mode="local", round_seconds=0.3, step_delay="1:0.1")
+    cfg = _cfg(mode="local", round_seconds=0.6, step_delay="1:0.2")
     clients = [EagerClient(p, cfg, local=True) for p in parts]
     state = {k: v.detach().clone() for k, v in clients[0].make_model().state_dict().items()}
     steps = []
     for c in clients:
         # Counted in a second round: the first's deadline runs from before the client's first
-        # graph and model are built, which took most of 0.3 s in a fresh process (the fast
-        # clients then fit 3 and 6 steps against the slow one's 2).
+        # graph and model are built, which took most of a short budget in a fresh process.
         c.train(state, 1)
         c.train(state, 2)
         steps.append(c.last_steps)
-    # The slow client fits at most 0.3 s / 0.1 s + 1 steps in its budget; the others many more.
-    # (How long a round takes is a benchmark's to measure, not a test's.)
-    assert steps[1] <= 4 and min(steps[0], steps[2]) > 3 * steps[1]
+    # The slow client fits at most 0.6 s / 0.2 s + 1 steps in its budget, however idle the
+    # machine; the others, with no delay, more. Not a multiple: beside the suite's other process
+    # a 600-node step took 50 ms (the fast clients fit 6 and 42 steps of 0.3 s), so how many more
+    # is the machine's, not the code's. (How long a round takes is a benchmark's to measure.)
+    assert steps[1] <= 4 and min(steps[0], steps[2]) > steps[1]
     assert step_delays("1:0.1, 3:2") == {1: 0.1, 3: 2.0}
     with pytest.raises(ValueError, match="step-delay"):
         step_delays("1=0.1")

@@ -21,6 +21,25 @@ if "RETEXO_FL_KERNEL_CACHE" not in os.environ:
     os.environ["RETEXO_FL_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="retexo-fl-kernels-")
     atexit.register(shutil.rmtree, os.environ["RETEXO_FL_KERNEL_CACHE"], ignore_errors=True)
 
+# Under ``pytest -n N`` each process gets its share of the cores as torch threads, and so do the
+# servers, nodes and workers it starts (they read OMP_NUM_THREADS): two processes of torch's
+# default two threads on 2 cores made OpenMP's threads wait on each other, and a test of many
+# small steps (a resume at every message) took 195 s beside a busy process instead of 33 s with
+# one thread (13 s on an idle machine). Tests that need another count set it themselves.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _share = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
+    os.environ.setdefault("MKL_NUM_THREADS", str(_share))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Each xdist process takes the thread share set above (torch reads OMP_NUM_THREADS when
+    it is first imported, which a plugin may have done before this file)."""
+    if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``slow`` run first, in their order, then the rest: ``pytest -n 2 --dist
